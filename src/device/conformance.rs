@@ -1,0 +1,1 @@
+//! STUB: the device conformance suite (written once, run on every device).

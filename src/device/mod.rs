@@ -1,0 +1,335 @@
+//! The device layer: the only code in epmem that talks to hardware.
+//!
+//! One [`Device`] trait, two implementations:
+//! - [`cuda`]: the CUDA driver API through `cudarc` (dynamic loading; a process
+//!   with no libcuda gets [`EpmStatus::DeviceUnavailable`], never a panic);
+//! - [`host`]: a host "device" whose VMM is real (memfd + mmap + mprotect),
+//!   whose streams are worker threads and whose events are sequence numbers.
+//!
+//! The trait is the raw level (like cudarc's `result` module): plain handles,
+//! and `unsafe fn` wherever a host pointer crosses in. The safe level the core
+//! uses is in [`objects`] (RAII streams, events, pinned buffers, device
+//! buffers, physical granules, VA reservations) and in [`fence`] (the copy
+//! witness). Device addresses are plain integers ([`DevicePtr`]); both
+//! implementations validate them, so a bad device address is an error, not
+//! undefined behaviour.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{EpmStatus, Error, Result};
+
+pub mod conformance;
+pub mod cuda;
+pub mod host;
+pub mod objects;
+
+pub use objects::*;
+
+/// A device virtual address. On the host device it is a host address.
+pub type DevicePtr = u64;
+
+/// Which implementation a [`Device`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    /// An NVIDIA GPU through the CUDA driver API.
+    Cuda,
+    /// The host device (no GPU): memfd/mmap VMM, worker-thread streams.
+    Host,
+}
+
+impl DeviceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Host => "host",
+        }
+    }
+}
+
+/// What `EPM_DEVICE` (or an explicit argument) asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSelect {
+    /// CUDA if a driver and a device at the ordinal exist, else the host device.
+    Auto,
+    /// CUDA or an error.
+    Cuda,
+    /// The host device.
+    Host,
+}
+
+impl DeviceSelect {
+    /// Parse `auto|cuda|host` (case-insensitive). Anything else is
+    /// [`EpmStatus::InvalidConfig`] with a message naming the accepted values.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(Self::Auto),
+            "cuda" | "gpu" => Ok(Self::Cuda),
+            "host" | "cpu" => Ok(Self::Host),
+            other => Err(Error::new(
+                EpmStatus::InvalidConfig,
+                format!("EPM_DEVICE={other:?} is not one of auto, cuda, host"),
+            )),
+        }
+    }
+    /// Read `EPM_DEVICE`; unset means `auto`.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("EPM_DEVICE") {
+            Ok(v) => Self::parse(&v),
+            Err(std::env::VarError::NotPresent) => Ok(Self::Auto),
+            Err(e) => Err(Error::new(EpmStatus::InvalidConfig, format!("EPM_DEVICE: {e}"))),
+        }
+    }
+}
+
+/// Static facts about a device, read once when it is opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub kind: DeviceKind,
+    pub ordinal: u32,
+    /// e.g. "NVIDIA H200" or "host (memfd VMM)".
+    pub name: String,
+    /// Total device memory in bytes (host device: a nominal figure, physical RAM).
+    pub total_mem: u64,
+    /// VMM granularity in bytes (2 MiB on the H200; query it, never assume).
+    pub granularity: usize,
+    /// PCI bus id "dddd:bb:dd.f", when the device has one.
+    pub pci_bus_id: Option<String>,
+    /// (major, minor) compute capability; (0, 0) on the host device.
+    pub compute_capability: (u32, u32),
+    /// CUDA driver version as an integer (13000 = 13.0); 0 on the host device.
+    pub driver_version: u32,
+}
+
+/// A stream handle, valid only on the device that created it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawStream(pub u64);
+/// An event handle, valid only on the device that created it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawEvent(pub u64);
+/// A physical memory handle (one or more granules), valid only on its device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawPhys(pub u64);
+
+/// Access of a mapped VA range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    ReadWrite,
+    ReadOnly,
+}
+
+/// Counters of live device resources, for leak checks at teardown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LiveCounts {
+    pub streams: u64,
+    pub events: u64,
+    pub pinned_buffers: u64,
+    pub pinned_bytes: u64,
+    pub host_registrations: u64,
+    pub device_allocations: u64,
+    pub device_bytes: u64,
+    pub physical_handles: u64,
+    pub physical_bytes: u64,
+    pub va_reservations: u64,
+    pub mappings: u64,
+}
+
+/// Driver-call counters (monotonic), for "no driver call in steady state" checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCounts {
+    pub pinned_alloc_calls: u64,
+    pub pinned_free_calls: u64,
+    pub host_register_calls: u64,
+    pub device_alloc_calls: u64,
+    pub device_free_calls: u64,
+    pub vmm_create_calls: u64,
+    pub vmm_release_calls: u64,
+    pub vmm_map_calls: u64,
+    pub vmm_unmap_calls: u64,
+    pub vmm_set_access_calls: u64,
+}
+
+/// The hardware abstraction. One object per device ordinal, shared as
+/// `Arc<dyn Device>`; every method may be called from any thread.
+///
+/// Errors: every fallible call returns [`Error`]; a CUDA failure carries the
+/// call name and CUresult in its message, a sticky CUDA error maps to
+/// [`EpmStatus::ContextLost`]. Nothing panics on bad input.
+///
+/// Handles ([`RawStream`], [`RawEvent`], [`RawPhys`]) and device addresses are
+/// validated by both implementations: an unknown one is an error.
+pub trait Device: Send + Sync + fmt::Debug {
+    /// Static facts, read at open.
+    fn info(&self) -> &DeviceInfo;
+    /// (free, total) device memory in bytes.
+    fn mem_get_info(&self) -> Result<(u64, u64)>;
+    /// Block until all work on the device has completed.
+    fn synchronize(&self) -> Result<()>;
+    /// Live resource counts (leak checks).
+    fn live_counts(&self) -> LiveCounts;
+    /// Monotonic driver-call counts.
+    fn driver_counts(&self) -> DriverCounts;
+
+    // ---- streams -------------------------------------------------------
+    /// A new non-blocking stream.
+    fn stream_create(&self) -> Result<RawStream>;
+    /// Destroy a stream. Work already queued still completes.
+    fn stream_destroy(&self, s: RawStream) -> Result<()>;
+    /// Block until all work queued on `s` has completed.
+    fn stream_synchronize(&self, s: RawStream) -> Result<()>;
+    /// Work queued on `s` after this call waits until `e`'s recorded work completes.
+    /// The host does not wait.
+    fn stream_wait_event(&self, s: RawStream, e: RawEvent) -> Result<()>;
+
+    // ---- events --------------------------------------------------------
+    /// A new event. `timing` events can be used with [`Device::event_elapsed_ms`].
+    fn event_create(&self, timing: bool) -> Result<RawEvent>;
+    fn event_destroy(&self, e: RawEvent) -> Result<()>;
+    /// Capture the work queued on `s` so far.
+    fn event_record(&self, e: RawEvent, s: RawStream) -> Result<()>;
+    /// True when the captured work has completed (an event never recorded is complete).
+    /// Never blocks.
+    fn event_query(&self, e: RawEvent) -> Result<bool>;
+    /// Block until the captured work has completed.
+    fn event_synchronize(&self, e: RawEvent) -> Result<()>;
+    /// Milliseconds between two completed timing events. Never blocks: if
+    /// either has not completed, returns [`EpmStatus::NotReady`].
+    fn event_elapsed_ms(&self, start: RawEvent, end: RawEvent) -> Result<f32>;
+
+    // ---- host memory ---------------------------------------------------
+    /// Page-locked host memory (never write-combined), `bytes > 0`.
+    fn pinned_alloc(&self, bytes: usize) -> Result<*mut u8>;
+    /// Free memory from [`Device::pinned_alloc`].
+    ///
+    /// # Safety
+    /// `p` came from `pinned_alloc` on this device, is not freed yet, and no
+    /// queued copy still reads or writes it.
+    unsafe fn pinned_free(&self, p: *mut u8) -> Result<()>;
+    /// Page-lock an existing host range so copies from it need no staging.
+    /// `read_only`: the device will only read it (cuMemHostRegister READ_ONLY).
+    ///
+    /// # Safety
+    /// `[p, p+len)` is valid, mapped host memory for as long as it stays registered.
+    unsafe fn host_register(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()>;
+    /// Undo [`Device::host_register`].
+    ///
+    /// # Safety
+    /// `p` is the start of a registered range and no queued copy uses it.
+    unsafe fn host_unregister(&self, p: *mut u8) -> Result<()>;
+    /// Whether `p` lies in page-locked memory known to the driver (a pinned
+    /// allocation or a registered range). Never fails: unknown means false.
+    fn host_is_page_locked(&self, p: *const u8, len: usize) -> bool;
+
+    // ---- device memory -------------------------------------------------
+    /// Plain device memory (cuMemAlloc), `bytes > 0`.
+    fn mem_alloc(&self, bytes: usize) -> Result<DevicePtr>;
+    /// Free memory from [`Device::mem_alloc`]. The caller guarantees no queued
+    /// work still uses it (on CUDA this synchronizes like cuMemFree).
+    fn mem_free(&self, p: DevicePtr) -> Result<()>;
+
+    // ---- copies (asynchronous, ordered on the stream) ------------------
+    /// Host → device.
+    ///
+    /// # Safety
+    /// `[src, src+n)` is readable host memory until the copy completes.
+    unsafe fn memcpy_htod_async(&self, dst: DevicePtr, src: *const u8, n: usize, s: RawStream) -> Result<()>;
+    /// Device → host.
+    ///
+    /// # Safety
+    /// `[dst, dst+n)` is writable host memory, not otherwise accessed, until the copy completes.
+    unsafe fn memcpy_dtoh_async(&self, dst: *mut u8, src: DevicePtr, n: usize, s: RawStream) -> Result<()>;
+    /// Device → device.
+    fn memcpy_dtod_async(&self, dst: DevicePtr, src: DevicePtr, n: usize, s: RawStream) -> Result<()>;
+    /// Fill device memory with a byte.
+    fn memset_d8_async(&self, dst: DevicePtr, value: u8, n: usize, s: RawStream) -> Result<()>;
+
+    // ---- device-side helpers (small built-in kernels) ------------------
+    /// Write the 64-bit position-weighted checksum of `[p, p+n)` to the
+    /// device address `out` (8 bytes). `n` is a multiple of 4. The checksum is
+    /// `sum over u32 words w[i] of (w[i] as u64) * (2*i + 1)`, wrapping: order
+    /// independent to compute, position sensitive. See [`checksum_host`].
+    fn checksum_async(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()>;
+    /// A kernel that keeps the stream busy for about `micros` microseconds
+    /// (the fixed "compute" of benchmarks and overlap tests).
+    fn spin_async(&self, micros: u32, s: RawStream) -> Result<()>;
+
+    // ---- VMM -----------------------------------------------------------
+    /// Physical allocation granularity in bytes.
+    fn vmm_granularity(&self) -> usize;
+    /// New physical memory of `bytes` (a multiple of the granularity).
+    fn vmm_create(&self, bytes: usize) -> Result<RawPhys>;
+    /// Release a physical handle. Mappings of it keep the memory alive until unmapped.
+    fn vmm_release(&self, h: RawPhys) -> Result<()>;
+    /// Reserve `bytes` of VA (a multiple of the granularity), aligned to `align` (0 = granularity).
+    fn vmm_reserve(&self, bytes: usize, align: usize) -> Result<DevicePtr>;
+    /// Free a VA reservation; it must be fully unmapped.
+    fn vmm_free_va(&self, va: DevicePtr, bytes: usize) -> Result<()>;
+    /// Map `bytes` of physical handle `h` starting at `offset` to `va`
+    /// (inside a reservation, not yet mapped). Access starts as none: call
+    /// [`Device::vmm_set_access`].
+    fn vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()>;
+    /// Unmap `[va, va+bytes)`. The caller guarantees no in-flight work touches it.
+    fn vmm_unmap(&self, va: DevicePtr, bytes: usize) -> Result<()>;
+    /// Set the access of a mapped range.
+    fn vmm_set_access(&self, va: DevicePtr, bytes: usize, access: Access) -> Result<()>;
+}
+
+/// The checksum [`Device::checksum_async`] computes, on the host.
+pub fn checksum_host(bytes: &[u8]) -> u64 {
+    let mut sum: u64 = 0;
+    for (i, w) in bytes.chunks_exact(4).enumerate() {
+        let w = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as u64;
+        sum = sum.wrapping_add(w.wrapping_mul(2 * i as u64 + 1));
+    }
+    sum
+}
+
+/// Open a device: `select` picks the implementation, `ordinal` the device.
+///
+/// `Auto` tries CUDA (driver present and a device at `ordinal`), else the host
+/// device, and logs which it chose and why.
+pub fn open(select: DeviceSelect, ordinal: u32) -> Result<Arc<dyn Device>> {
+    match select {
+        DeviceSelect::Host => Ok(Arc::new(host::HostDevice::new(ordinal)?)),
+        DeviceSelect::Cuda => Ok(Arc::new(cuda::CudaDevice::new(ordinal)?)),
+        DeviceSelect::Auto => match cuda::CudaDevice::new(ordinal) {
+            Ok(d) => {
+                log::info!("epmem: EPM_DEVICE=auto chose cuda:{ordinal} ({})", d.info().name);
+                Ok(Arc::new(d))
+            }
+            Err(e) => {
+                log::info!("epmem: EPM_DEVICE=auto chose the host device (CUDA unavailable: {})", e.message());
+                Ok(Arc::new(host::HostDevice::new(ordinal)?))
+            }
+        },
+    }
+}
+
+/// Open the device `EPM_DEVICE` names at `ordinal`.
+pub fn open_from_env(ordinal: u32) -> Result<Arc<dyn Device>> {
+    open(DeviceSelect::from_env()?, ordinal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn select_parses_known_values_and_rejects_others() {
+        assert_eq!(DeviceSelect::parse("AUTO").unwrap(), DeviceSelect::Auto);
+        assert_eq!(DeviceSelect::parse("cuda").unwrap(), DeviceSelect::Cuda);
+        assert_eq!(DeviceSelect::parse(" host ").unwrap(), DeviceSelect::Host);
+        let e = DeviceSelect::parse("tpu").unwrap_err();
+        assert_eq!(e.status(), EpmStatus::InvalidConfig);
+        assert!(e.message().contains("tpu") && e.message().contains("auto, cuda, host"), "{e}");
+    }
+
+    #[test]
+    fn checksum_is_position_sensitive() {
+        let a = [1u8, 0, 0, 0, 2, 0, 0, 0];
+        let b = [2u8, 0, 0, 0, 1, 0, 0, 0];
+        assert_eq!(checksum_host(&a), 1 + 2 * 3);
+        assert_eq!(checksum_host(&b), 2 + 3);
+        assert_ne!(checksum_host(&a), checksum_host(&b));
+    }
+}

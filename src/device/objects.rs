@@ -1,0 +1,365 @@
+//! The safe level of the device layer: objects that clean up on drop.
+//!
+//! Each object holds an `Arc<dyn Device>`, so the device outlives everything
+//! made from it, whatever order the host frees things in. `Drop` never
+//! panics: a failure while freeing is logged and otherwise ignored.
+
+use std::sync::Arc;
+
+use super::{Access, Device, DevicePtr, RawEvent, RawPhys, RawStream};
+use crate::error::Result;
+
+/// Log a failure in a destructor; never panic.
+pub(crate) fn log_drop_error(what: &str, r: Result<()>) {
+    if let Err(e) = r {
+        log::warn!("epmem: {what} failed during cleanup: {e}");
+    }
+}
+
+/// An owned stream.
+#[derive(Debug)]
+pub struct Stream {
+    dev: Arc<dyn Device>,
+    raw: RawStream,
+}
+
+impl Stream {
+    pub fn new(dev: &Arc<dyn Device>) -> Result<Self> {
+        Ok(Self { raw: dev.stream_create()?, dev: dev.clone() })
+    }
+    pub fn raw(&self) -> RawStream {
+        self.raw
+    }
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.stream_synchronize(self.raw)
+    }
+    /// Work queued after this waits for `e`; the host does not wait.
+    pub fn wait_event(&self, e: &Event) -> Result<()> {
+        self.dev.stream_wait_event(self.raw, e.raw)
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        log_drop_error("stream_destroy", self.dev.stream_destroy(self.raw));
+    }
+}
+
+/// An owned event.
+#[derive(Debug)]
+pub struct Event {
+    dev: Arc<dyn Device>,
+    raw: RawEvent,
+}
+
+impl Event {
+    pub fn new(dev: &Arc<dyn Device>, timing: bool) -> Result<Self> {
+        Ok(Self { raw: dev.event_create(timing)?, dev: dev.clone() })
+    }
+    pub fn raw(&self) -> RawEvent {
+        self.raw
+    }
+    /// Record on a raw stream (for streams the host owns).
+    pub fn record_raw(&self, s: RawStream) -> Result<()> {
+        self.dev.event_record(self.raw, s)
+    }
+    pub fn record(&self, s: &Stream) -> Result<()> {
+        self.record_raw(s.raw)
+    }
+    /// Non-blocking: has the recorded work completed?
+    pub fn query(&self) -> Result<bool> {
+        self.dev.event_query(self.raw)
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.event_synchronize(self.raw)
+    }
+    /// Non-blocking elapsed time from `start` to `self`; NotReady if either is pending.
+    pub fn elapsed_since(&self, start: &Event) -> Result<f32> {
+        self.dev.event_elapsed_ms(start.raw, self.raw)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        log_drop_error("event_destroy", self.dev.event_destroy(self.raw));
+    }
+}
+
+/// Page-locked host memory, owned. Derefs to a byte slice.
+///
+/// It is not `Clone`; a copy reading from it takes it by value (see
+/// [`super::fence`]), so the buffer cannot be touched while a DMA reads it.
+pub struct PinnedBuffer {
+    dev: Arc<dyn Device>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain page-locked host memory owned by this value;
+// moving it to another thread moves exclusive ownership with it.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for PinnedBuffer {}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer").field("ptr", &self.ptr).field("len", &self.len).finish()
+    }
+}
+
+impl PinnedBuffer {
+    /// Allocate `len > 0` bytes of page-locked memory (one driver call).
+    pub fn new(dev: &Arc<dyn Device>, len: usize) -> Result<Self> {
+        crate::ensure!(len > 0, InvalidArgument, "pinned allocation of 0 bytes");
+        let ptr = dev.pinned_alloc(len)?;
+        Ok(Self { dev: dev.clone(), ptr, len })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+}
+
+impl std::ops::Deref for PinnedBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` is a live allocation of `len` bytes owned by self; no
+        // copy can be writing it because copies take the buffer by value.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for PinnedBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: we own the allocation; copies own the buffer while in flight,
+        // so none can be reading it when it is dropped here.
+        log_drop_error("pinned_free", unsafe { self.dev.pinned_free(self.ptr) });
+    }
+}
+
+/// A host range the caller vouches for: readable for as long as this value
+/// (and anything made from it) lives. Made only by `unsafe` code (the FFI
+/// layer, tests), used safely by the core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HostRange {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: a HostRange is a promise of readability by its creator; it is only
+// read, never written, through this type.
+unsafe impl Send for HostRange {}
+// SAFETY: as above.
+unsafe impl Sync for HostRange {}
+
+impl HostRange {
+    /// # Safety
+    /// `[ptr, ptr+len)` must stay readable and unmodified by others while any
+    /// copy of this value is used.
+    pub unsafe fn new(ptr: *const u8, len: usize) -> Self {
+        Self { ptr, len }
+    }
+    /// A range over a slice that lives for the whole program.
+    pub fn from_static(s: &'static [u8]) -> Self {
+        Self { ptr: s.as_ptr(), len: s.len() }
+    }
+    pub fn ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// A sub-range. Errors if out of bounds.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<HostRange> {
+        crate::ensure!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            InvalidArgument,
+            "sub-range [{offset}, +{len}) outside a host range of {} bytes",
+            self.len
+        );
+        // SAFETY: inside the range the creator vouched for.
+        Ok(unsafe { HostRange::new(self.ptr.add(offset), len) })
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the creator of this range promised it readable (see `new`).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// Plain device memory (cuMemAlloc), owned.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    dev: Arc<dyn Device>,
+    ptr: DevicePtr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    pub fn new(dev: &Arc<dyn Device>, len: usize) -> Result<Self> {
+        crate::ensure!(len > 0, InvalidArgument, "device allocation of 0 bytes");
+        Ok(Self { ptr: dev.mem_alloc(len)?, dev: dev.clone(), len })
+    }
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        log_drop_error("mem_free", self.dev.mem_free(self.ptr));
+    }
+}
+
+/// A physical memory handle (VMM), owned. Released on drop; memory stays
+/// alive while mapped.
+#[derive(Debug)]
+pub struct PhysMem {
+    dev: Arc<dyn Device>,
+    raw: RawPhys,
+    len: usize,
+}
+
+impl PhysMem {
+    pub fn new(dev: &Arc<dyn Device>, len: usize) -> Result<Self> {
+        Ok(Self { raw: dev.vmm_create(len)?, dev: dev.clone(), len })
+    }
+    pub fn raw(&self) -> RawPhys {
+        self.raw
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PhysMem {
+    fn drop(&mut self) {
+        log_drop_error("vmm_release", self.dev.vmm_release(self.raw));
+    }
+}
+
+/// A VA reservation, owned. On drop, whatever is still mapped is unmapped,
+/// then the VA is freed (teardown order: unmap → release handle → free VA;
+/// handles are released by their own owners).
+#[derive(Debug)]
+pub struct VaRange {
+    dev: Arc<dyn Device>,
+    base: DevicePtr,
+    len: usize,
+    /// Mapped sub-ranges (offset, len), so drop can unmap them.
+    mapped: Vec<(usize, usize)>,
+}
+
+impl VaRange {
+    /// Reserve `len` bytes (rounded up to the granularity by the caller's choice: must be a multiple).
+    pub fn reserve(dev: &Arc<dyn Device>, len: usize) -> Result<Self> {
+        let g = dev.vmm_granularity();
+        crate::ensure!(
+            len > 0 && len % g == 0,
+            InvalidArgument,
+            "VA reservation of {len} bytes is not a positive multiple of the granularity {g}"
+        );
+        Ok(Self { base: dev.vmm_reserve(len, 0)?, dev: dev.clone(), len, mapped: Vec::new() })
+    }
+    pub fn base(&self) -> DevicePtr {
+        self.base
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        let g = self.dev.vmm_granularity();
+        crate::ensure!(
+            len > 0 && offset % g == 0 && len % g == 0 && offset.checked_add(len).is_some_and(|e| e <= self.len),
+            InvalidArgument,
+            "range [{offset}, +{len}) is not granule-aligned inside a reservation of {} bytes",
+            self.len
+        );
+        Ok(())
+    }
+    /// Map `len` bytes of `phys` (from `phys_offset`) at `offset`, with `access`.
+    pub fn map(&mut self, offset: usize, len: usize, phys: &PhysMem, phys_offset: usize, access: Access) -> Result<()> {
+        self.check(offset, len)?;
+        crate::ensure!(
+            self.mapped.iter().all(|&(o, l)| offset + len <= o || o + l <= offset),
+            InvalidState,
+            "range [{offset}, +{len}) overlaps an existing mapping"
+        );
+        let va = self.base + offset as u64;
+        self.dev.vmm_map(va, len, phys.raw(), phys_offset)?;
+        if let Err(e) = self.dev.vmm_set_access(va, len, access) {
+            log_drop_error("vmm_unmap after failed set_access", self.dev.vmm_unmap(va, len));
+            return Err(e);
+        }
+        self.mapped.push((offset, len));
+        Ok(())
+    }
+    /// Change the access of a mapped range.
+    pub fn set_access(&self, offset: usize, len: usize, access: Access) -> Result<()> {
+        self.check(offset, len)?;
+        self.dev.vmm_set_access(self.base + offset as u64, len, access)
+    }
+    /// Unmap exactly a range previously passed to [`VaRange::map`].
+    pub fn unmap(&mut self, offset: usize, len: usize) -> Result<()> {
+        let i = self.mapped.iter().position(|&m| m == (offset, len)).ok_or_else(|| {
+            crate::error::Error::invalid_state(format!("range [{offset}, +{len}) is not a mapping of this reservation"))
+        })?;
+        self.dev.vmm_unmap(self.base + offset as u64, len)?;
+        self.mapped.swap_remove(i);
+        Ok(())
+    }
+    /// Whether `[offset, offset+len)` is exactly one current mapping.
+    pub fn is_mapped(&self, offset: usize, len: usize) -> bool {
+        self.mapped.contains(&(offset, len))
+    }
+}
+
+impl Drop for VaRange {
+    fn drop(&mut self) {
+        for (o, l) in self.mapped.drain(..) {
+            log_drop_error("vmm_unmap", self.dev.vmm_unmap(self.base + o as u64, l));
+        }
+        log_drop_error("vmm_free_va", self.dev.vmm_free_va(self.base, self.len));
+    }
+}

@@ -1,0 +1,1 @@
+//! STUB: the C ABI layer.

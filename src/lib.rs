@@ -1,0 +1,14 @@
+//! epmem: GPU memory machinery for LLM inference stacks, behind a C ABI.
+//!
+//! Layers (data flows down; nothing below imports anything above):
+//! - [`ffi`]: the `epm_*` C functions — handles, status codes, panic boundary;
+//! - core, safe Rust: staging, residency, arena, kv, stats;
+//! - [`device`]: the only code that talks to hardware (CUDA or the host device).
+//!
+//! See README.md and docs/ for the C-level documentation.
+
+pub mod device;
+pub mod error;
+pub mod ffi;
+
+pub use error::{EpmStatus, Error, Result};
