@@ -31,6 +31,12 @@ impl Device for CudaDevice {
     fn stream_create(&self) -> Result<RawStream> {
         Err(Error::unsupported("cuda device not implemented yet"))
     }
+    fn stream_wrap_native(&self, _native: u64) -> Result<RawStream> {
+        Err(Error::unsupported("stub"))
+    }
+    fn stream_native(&self, _s: RawStream) -> Result<u64> {
+        Err(Error::unsupported("stub"))
+    }
     fn stream_destroy(&self, _s: RawStream) -> Result<()> {
         Err(Error::unsupported("cuda device not implemented yet"))
     }

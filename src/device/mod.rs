@@ -173,7 +173,15 @@ pub trait Device: Send + Sync + fmt::Debug {
     // ---- streams -------------------------------------------------------
     /// A new non-blocking stream.
     fn stream_create(&self) -> Result<RawStream>;
-    /// Destroy a stream. Work already queued still completes.
+    /// Adopt a stream the host created itself (a `CUstream` on CUDA), so
+    /// epmem can order work against it. epmem never destroys it:
+    /// [`Device::stream_destroy`] only forgets it. The host device has no
+    /// native streams and returns [`EpmStatus::Unsupported`].
+    fn stream_wrap_native(&self, native: u64) -> Result<RawStream>;
+    /// The native handle (`CUstream` on CUDA, 0 on the host device), for the
+    /// host to launch its own kernels on.
+    fn stream_native(&self, s: RawStream) -> Result<u64>;
+    /// Destroy a stream (or forget an adopted one). Work already queued still completes.
     fn stream_destroy(&self, s: RawStream) -> Result<()>;
     /// Block until all work queued on `s` has completed.
     fn stream_synchronize(&self, s: RawStream) -> Result<()>;
