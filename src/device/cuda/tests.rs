@@ -47,6 +47,36 @@ fn auto_without_a_driver_falls_back_to_the_host_device() {
     }
 }
 
+/// Runs the GPU tests below in a child process against `fake_libcuda.c`, a
+/// fake driver that checks flags, struct fields and the current context:
+/// the CUDA plumbing is exercised on every `cargo test`, GPU or not.
+#[test]
+fn fake_driver_runs_the_gpu_tests() {
+    let dir = std::env::temp_dir().join(format!("epmem-fake-libcuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("fake_libcuda.c");
+    std::fs::write(&src, include_str!("fake_libcuda.c")).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let built = std::process::Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&src)
+        .status()
+        .unwrap_or_else(|e| panic!("building the fake libcuda needs a C compiler ({cc}): {e}"));
+    assert!(built.success(), "{cc} failed on fake_libcuda.c");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["device::cuda::tests::gpu_", "--include-ignored", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("EPM_DEVICE", "cuda")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let ran = stdout.lines().filter(|l| l.starts_with("test device::cuda::tests::gpu_") && l.ends_with(" ok")).count();
+    assert!(ran >= 9, "only {ran} GPU tests ran on the fake driver:\n{stdout}");
+}
+
 // ---------------------------------------------------------------- GPU only
 
 fn gpu() -> Arc<dyn Device> {
