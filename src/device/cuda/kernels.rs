@@ -9,7 +9,6 @@ use std::ffi::{CStr, c_uint, c_void};
 use cudarc::driver::sys;
 
 use super::driver::Handle;
-use super::memory::bad_range;
 use super::{CudaDevice, lock};
 use crate::device::{DevicePtr, RawStream};
 use crate::error::Result;
@@ -82,35 +81,14 @@ impl CudaDevice {
         Ok(k)
     }
 
-    /// Refuse a kernel access that would fault on the GPU: a fault there
-    /// (700, misaligned 716) is sticky and loses the whole context.
-    fn check_kernel_range(&self, what: &str, p: DevicePtr, n: usize, write: bool) -> Result<()> {
-        if self.vmm_allows(p, n, write)? || self.in_device_allocation(p, n) {
-            return Ok(());
-        }
-        // Memory we did not allocate (the host's own cuMemAlloc): ask the
-        // driver which allocation holds it. Caller holds the context guard.
-        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: valid out-pointers; the driver only looks the address up.
-        unsafe { cu!(cuMemGetAddressRange_v2(&mut base, &mut size, p)) }
-            .map_err(|e| bad_range(what, p, n).context(e.message()))?;
-        let inside = p.checked_add(n as u64).is_some_and(|e| e <= base + size as u64);
-        if !inside {
-            return Err(bad_range(what, p, n));
-        }
-        Ok(())
-    }
-
     pub(super) fn cu_checksum(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
         crate::ensure!(n.is_multiple_of(4), InvalidArgument, "checksum length {n} is not a multiple of 4");
         crate::ensure!(p.is_multiple_of(4), InvalidArgument, "checksum input {p:#x} is not 4-byte aligned");
         crate::ensure!(out.is_multiple_of(8), InvalidArgument, "checksum output {out:#x} is not 8-byte aligned");
         let stream = self.stream(s)?;
         let _g = self.enter()?;
-        self.check_kernel_range("checksum output", out, 8, true)?;
-        if n > 0 {
-            self.check_kernel_range("checksum input", p, n, false)?;
-        }
+        self.check_device_range("checksum output", out, 8, true)?;
+        self.check_device_range("checksum input", p, n, false)?;
         // SAFETY: `out` is 8 writable device bytes (checked above).
         unsafe { cu!(cuMemsetD8Async(out, 0, 8, stream.0)) }?;
         if n == 0 {

@@ -160,12 +160,31 @@ impl CudaDevice {
         r
     }
 
-    /// Whether `[p, p+len)` lies inside one of our cuMemAlloc allocations.
-    pub(super) fn in_device_allocation(&self, p: DevicePtr, len: usize) -> bool {
-        let mem = lock(&self.device_mem);
-        mem.range(..=p)
-            .next_back()
-            .is_some_and(|(&s, &l)| p.checked_add(len as u64).is_some_and(|e| e <= s + l as u64))
+    /// Refuse a device range that is not usable memory, before the driver
+    /// sees it: a copy engine or kernel (memset, D2D and the checksum may run
+    /// as kernels) touching a bad address can fault, and GPU faults are
+    /// sticky. Ours are judged by our tables; for memory we did not allocate
+    /// (the host's own) the driver says which allocation holds the start.
+    /// Our context must be current.
+    pub(super) fn check_device_range(&self, what: &str, p: DevicePtr, n: usize, write: bool) -> Result<()> {
+        if n == 0 || self.vmm_allows(p, n, write)? {
+            return Ok(());
+        }
+        let Some(end) = p.checked_add(n as u64) else {
+            return Err(bad_range(what, p, n));
+        };
+        let ours = lock(&self.device_mem).range(..=p).next_back().map(|(&s, &l)| (s, s + l as u64));
+        if let Some((_, alloc_end)) = ours.filter(|&(_, e)| p < e) {
+            return if end <= alloc_end { Ok(()) } else { Err(bad_range(what, p, n)) };
+        }
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: valid out-pointers; the driver only looks the address up.
+        unsafe { cu!(cuMemGetAddressRange_v2(&mut base, &mut size, p)) }
+            .map_err(|e| bad_range(what, p, n).context(e.message()))?;
+        if end > base + size as u64 {
+            return Err(bad_range(what, p, n));
+        }
+        Ok(())
     }
 
     /// # Safety
@@ -176,10 +195,10 @@ impl CudaDevice {
             return Ok(());
         }
         crate::ensure!(!src.is_null(), NullPointer, "host → device copy from a NULL host pointer");
-        self.check_vmm_write(dst, n)?;
         let _g = self.enter()?;
+        self.check_device_range("copy destination", dst, n, true)?;
         // SAFETY: the caller keeps `[src, src+n)` readable until the copy
-        // completes; the driver validates the device range.
+        // completes; the device range was checked above.
         unsafe { cu!(cuMemcpyHtoDAsync_v2(dst, src.cast(), n, stream.0)) }
     }
 
@@ -191,10 +210,10 @@ impl CudaDevice {
             return Ok(());
         }
         crate::ensure!(!dst.is_null(), NullPointer, "device → host copy into a NULL host pointer");
-        self.check_vmm_read(src, n)?;
         let _g = self.enter()?;
+        self.check_device_range("copy source", src, n, false)?;
         // SAFETY: the caller keeps `[dst, dst+n)` writable and untouched until
-        // the copy completes; the driver validates the device range.
+        // the copy completes; the device range was checked above.
         unsafe { cu!(cuMemcpyDtoHAsync_v2(dst.cast(), src, n, stream.0)) }
     }
 
@@ -203,10 +222,10 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        self.check_vmm_read(src, n)?;
-        self.check_vmm_write(dst, n)?;
         let _g = self.enter()?;
-        // SAFETY: device addresses only; the driver validates both ranges.
+        self.check_device_range("copy source", src, n, false)?;
+        self.check_device_range("copy destination", dst, n, true)?;
+        // SAFETY: device ranges checked above.
         unsafe { cu!(cuMemcpyDtoDAsync_v2(dst, src, n, stream.0)) }
     }
 
@@ -215,9 +234,9 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        self.check_vmm_write(dst, n)?;
         let _g = self.enter()?;
-        // SAFETY: device addresses only; the driver validates the range.
+        self.check_device_range("memset destination", dst, n, true)?;
+        // SAFETY: a device range checked above.
         unsafe { cu!(cuMemsetD8Async(dst, value, n, stream.0)) }
     }
 }

@@ -3,8 +3,9 @@
 //! The tables mirror what the driver holds, so we can refuse what would
 //! otherwise reach the GPU as a fault: a kernel or memset writing into a
 //! read-only mapping raises error 700 and loses the context (measured on the
-//! H200), so writes into our read-only or unmapped ranges are refused here,
-//! before any driver call.
+//! H200), so writes into our read-only ranges, and any access to our
+//! unmapped or no-access granules, are `AccessDenied` before any driver call
+//! (the same statuses as the host device).
 
 use std::collections::{BTreeMap, HashMap};
 use std::mem::{offset_of, size_of};
@@ -145,8 +146,8 @@ impl VmmTables {
         while a < last {
             match Self::access_at(r, a, g) {
                 None => crate::bail!(
-                    InvalidArgument,
-                    "device {what} [{va:#x}, +{n}) touches {a:#x}, which is not mapped with access"
+                    AccessDenied,
+                    "device {what} [{va:#x}, +{n}) refused: the granule at {a:#x} is unmapped or has no access"
                 ),
                 Some(Access::ReadOnly) if write => crate::bail!(
                     AccessDenied,
@@ -184,16 +185,6 @@ impl CudaDevice {
             "{what} [{va:#x}, +{n}) is not a positive, granule-aligned range (granularity {g})"
         );
         Ok(())
-    }
-
-    /// Refuse a device-side write into our read-only or unmapped VA.
-    pub(super) fn check_vmm_write(&self, dst: DevicePtr, n: usize) -> Result<()> {
-        lock(&self.vmm).check_access(dst, n, true, self.info.granularity).map(drop)
-    }
-
-    /// Refuse a device-side read of our unmapped VA.
-    pub(super) fn check_vmm_read(&self, src: DevicePtr, n: usize) -> Result<()> {
-        lock(&self.vmm).check_access(src, n, false, self.info.granularity).map(drop)
     }
 
     /// `Ok(true)` if `[p, p+n)` lies in our VMM ranges with the access asked for.
@@ -405,8 +396,8 @@ mod tests {
         assert!(t.check_access(b + 2 * G as u64, G, false, G).unwrap());
         let e = t.check_access(b + G as u64 + 8, G, true, G).unwrap_err();
         assert_eq!(e.status(), EpmStatus::AccessDenied, "{e}");
-        assert_eq!(t.check_access(b + 3 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::InvalidArgument);
-        assert_eq!(t.check_access(b + 5 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::InvalidArgument);
+        assert_eq!(t.check_access(b + 3 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::AccessDenied);
+        assert_eq!(t.check_access(b + 5 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::AccessDenied);
     }
 
     #[test]
