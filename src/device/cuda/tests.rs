@@ -247,6 +247,15 @@ fn gpu_unknown_handles_and_pointers_are_errors() {
     let s = d.stream_create().unwrap();
     d.stream_destroy(s).unwrap();
     assert_eq!(d.stream_destroy(s).unwrap_err().status(), EpmStatus::InvalidHandle, "stale handle");
+
+    // A second device on the same GPU shares the context, not the handles.
+    let other = CudaDevice::new(0).unwrap();
+    let (s, e) = (d.stream_create().unwrap(), d.event_create(false).unwrap());
+    assert_eq!(other.stream_synchronize(s).unwrap_err().status(), EpmStatus::InvalidHandle);
+    assert_eq!(other.event_query(e).unwrap_err().status(), EpmStatus::InvalidHandle);
+    assert_eq!(d.stream_synchronize(RawStream(e.0)).unwrap_err().status(), EpmStatus::InvalidHandle, "event as stream");
+    d.stream_destroy(s).unwrap();
+    d.event_destroy(e).unwrap();
 }
 
 #[test]
