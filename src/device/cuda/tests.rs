@@ -206,6 +206,10 @@ fn gpu_vmm_alias_read_only_and_exact_counts() {
     assert_eq!(d.memset_d8_async(ro, 0, 64, s.raw()).unwrap_err().status(), EpmStatus::AccessDenied);
     assert_eq!(d.memcpy_dtod_async(ro, rw, 64, s.raw()).unwrap_err().status(), EpmStatus::AccessDenied);
     assert_eq!(d.checksum_async(rw, 64, ro, s.raw()).unwrap_err().status(), EpmStatus::AccessDenied);
+    // A "host" pointer that is one of our device addresses is checked as one.
+    // SAFETY: refused before any copy is queued.
+    let e = unsafe { d.memcpy_dtoh_async(ro as usize as *mut u8, rw, 64, s.raw()) }.unwrap_err();
+    assert_eq!(e.status(), EpmStatus::AccessDenied, "D2H into a read-only VA: {e}");
     d.synchronize().expect("refused writes must not lose the context");
     assert_eq!(read_back(&d, rw, g, &s), data, "data intact");
     d.checksum_async(ro, g, rw, s.raw()).expect("kernels may read a read-only alias");
@@ -278,6 +282,9 @@ fn gpu_registered_range_is_page_locked_and_copies() {
     // SAFETY: `src` is readable until the synchronize in read_back.
     unsafe { d.memcpy_htod_async(dst.ptr(), src.as_ptr(), n, s.raw()) }.unwrap();
     assert_eq!(read_back(&d, dst.ptr(), n, &s), src);
+    // SAFETY: refused before any copy is queued (declared read-only).
+    let e = unsafe { d.memcpy_dtoh_async(src.as_mut_ptr().add(64), dst.ptr(), 64, s.raw()) }.unwrap_err();
+    assert_eq!(e.status(), EpmStatus::AccessDenied, "D2H into a read-only registration: {e}");
     // SAFETY: registered above; the copy completed.
     unsafe { d.host_unregister(src.as_mut_ptr()) }.unwrap();
     assert!(!d.host_is_page_locked(src.as_ptr(), n));

@@ -187,6 +187,11 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Whether `[p, p+n)` overlaps any of our VA reservations.
+    pub(super) fn vmm_touches(&self, p: DevicePtr, n: usize) -> bool {
+        lock(&self.vmm).touches(p, n)
+    }
+
     /// `Ok(true)` if `[p, p+n)` lies in our VMM ranges with the access asked for.
     pub(super) fn vmm_allows(&self, p: DevicePtr, n: usize, write: bool) -> Result<bool> {
         lock(&self.vmm).check_access(p, n, write, self.info.granularity)
