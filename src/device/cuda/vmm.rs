@@ -27,7 +27,10 @@ const _: () = assert!(offset_of!(sys::CUmemAllocationProp_st, win32HandleMetaDat
 const _: () = assert!(offset_of!(sys::CUmemAllocationProp_st, allocFlags) == 24);
 
 fn location(dev: sys::CUdevice) -> sys::CUmemLocation {
-    sys::CUmemLocation_st { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev }
+    sys::CUmemLocation_st {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev,
+    }
 }
 
 /// Pinned device memory on `dev`, no exportable handle.
@@ -51,7 +54,10 @@ fn access_desc(dev: sys::CUdevice, access: Access) -> sys::CUmemAccessDesc {
         Access::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         Access::ReadOnly => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
     };
-    sys::CUmemAccessDesc_st { location: location(dev), flags }
+    sys::CUmemAccessDesc_st {
+        location: location(dev),
+        flags,
+    }
 }
 
 /// The recommended granularity for pinned device memory on `dev`.
@@ -61,7 +67,11 @@ pub(super) fn granularity(dev: sys::CUdevice) -> Result<usize> {
     let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
     // SAFETY: valid out-pointer and a fully initialized prop.
     unsafe { cu!(cuMemGetAllocationGranularity(&mut g, &prop, flag)) }?;
-    crate::ensure!(g.is_power_of_two(), Internal, "the driver reports a VMM granularity of {g} bytes");
+    crate::ensure!(
+        g.is_power_of_two(),
+        Internal,
+        "the driver reports a VMM granularity of {g} bytes"
+    );
     Ok(g)
 }
 
@@ -117,7 +127,10 @@ impl VmmTables {
     /// Whether `[va, va+n)` overlaps any reservation.
     fn touches(&self, va: u64, n: usize) -> bool {
         let e = end(va, n).unwrap_or(u64::MAX);
-        self.res.range(..e).next_back().is_some_and(|(&b, r)| b + r.len as u64 > va)
+        self.res
+            .range(..e)
+            .next_back()
+            .is_some_and(|(&b, r)| b + r.len as u64 > va)
     }
 
     /// Access of the granule at `a`, `None` when unmapped or no access set.
@@ -138,7 +151,10 @@ impl VmmTables {
         }
         let what = if write { "write" } else { "read" };
         let Some((_, r)) = self.reservation(va, n) else {
-            crate::bail!(InvalidArgument, "device {what} [{va:#x}, +{n}) crosses the edge of a VA reservation");
+            crate::bail!(
+                InvalidArgument,
+                "device {what} [{va:#x}, +{n}) crosses the edge of a VA reservation"
+            );
         };
         let g64 = g as u64;
         let mut a = va - va % g64;
@@ -212,10 +228,12 @@ impl CudaDevice {
 
     pub(super) fn cu_vmm_release(&self, h: RawPhys) -> Result<()> {
         let _g = self.enter()?;
-        let phys = lock(&self.vmm)
-            .phys
-            .remove(&h.0)
-            .ok_or_else(|| Error::new(EpmStatus::InvalidHandle, format!("physical handle {} is not live on this device", h.0)))?;
+        let phys = lock(&self.vmm).phys.remove(&h.0).ok_or_else(|| {
+            Error::new(
+                EpmStatus::InvalidHandle,
+                format!("physical handle {} is not live on this device", h.0),
+            )
+        })?;
         bump(&self.counts.vmm_release);
         // SAFETY: a handle from cuMemCreate, removed from the table so it is
         // released once; mappings of it keep the memory until unmapped.
@@ -238,7 +256,13 @@ impl CudaDevice {
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; no fixed address requested; flags must be 0.
         unsafe { cu!(cuMemAddressReserve(&mut va, bytes, align.max(g), 0, 0)) }?;
-        lock(&self.vmm).res.insert(va, Reservation { len: bytes, maps: BTreeMap::new() });
+        lock(&self.vmm).res.insert(
+            va,
+            Reservation {
+                len: bytes,
+                maps: BTreeMap::new(),
+            },
+        );
         Ok(va)
     }
 
@@ -246,9 +270,16 @@ impl CudaDevice {
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
         match t.res.get(&va) {
-            None => crate::bail!(InvalidArgument, "{va:#x} is not the start of a VA reservation of this device"),
+            None => crate::bail!(
+                InvalidArgument,
+                "{va:#x} is not the start of a VA reservation of this device"
+            ),
             Some(r) if r.len != bytes => {
-                crate::bail!(InvalidArgument, "VA reservation {va:#x} is {} bytes, not {bytes}", r.len)
+                crate::bail!(
+                    InvalidArgument,
+                    "VA reservation {va:#x} is {} bytes, not {bytes}",
+                    r.len
+                )
             }
             Some(r) if !r.maps.is_empty() => crate::bail!(
                 InvalidState,
@@ -266,13 +297,19 @@ impl CudaDevice {
     pub(super) fn cu_vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()> {
         self.aligned("mapping", va, bytes)?;
         let g = self.info.granularity;
-        crate::ensure!(offset.is_multiple_of(g), InvalidArgument, "physical offset {offset} is not granule-aligned ({g})");
+        crate::ensure!(
+            offset.is_multiple_of(g),
+            InvalidArgument,
+            "physical offset {offset} is not granule-aligned ({g})"
+        );
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
-        let phys = t
-            .phys
-            .get(&h.0)
-            .ok_or_else(|| Error::new(EpmStatus::InvalidHandle, format!("physical handle {} is not live on this device", h.0)))?;
+        let phys = t.phys.get(&h.0).ok_or_else(|| {
+            Error::new(
+                EpmStatus::InvalidHandle,
+                format!("physical handle {} is not live on this device", h.0),
+            )
+        })?;
         crate::ensure!(
             offset.checked_add(bytes).is_some_and(|e| e <= phys.bytes),
             InvalidArgument,
@@ -281,16 +318,28 @@ impl CudaDevice {
         );
         let handle = phys.handle;
         let r = t.reservation_mut(va, bytes).ok_or_else(|| {
-            Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not inside a VA reservation of this device"))
+            Error::invalid_argument(format!(
+                "[{va:#x}, +{bytes}) is not inside a VA reservation of this device"
+            ))
         })?;
         let e = va + bytes as u64;
-        let clash = r.maps.range(..e).next_back().is_some_and(|(&s, m)| s + m.len as u64 > va);
+        let clash = r
+            .maps
+            .range(..e)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.len as u64 > va);
         crate::ensure!(!clash, InvalidState, "[{va:#x}, +{bytes}) overlaps an existing mapping");
         bump(&self.counts.vmm_map);
         // SAFETY: an unmapped, granule-aligned range inside our reservation,
         // and a live handle with `offset + bytes` inside it; flags must be 0.
         unsafe { cu!(cuMemMap(va, bytes, offset, handle, 0)) }?;
-        r.maps.insert(va, Mapping { len: bytes, access: vec![None; bytes / g] });
+        r.maps.insert(
+            va,
+            Mapping {
+                len: bytes,
+                access: vec![None; bytes / g],
+            },
+        );
         Ok(())
     }
 
@@ -298,11 +347,15 @@ impl CudaDevice {
         self.aligned("unmap", va, bytes)?;
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
-        let r = t
-            .reservation_mut(va, bytes)
-            .ok_or_else(|| Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not inside a VA reservation of this device")))?;
+        let r = t.reservation_mut(va, bytes).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "[{va:#x}, +{bytes}) is not inside a VA reservation of this device"
+            ))
+        })?;
         let tiles = VmmTables::tiling(r, va, bytes).ok_or_else(|| {
-            Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not a union of whole mappings (cuMemUnmap cannot split one)"))
+            Error::invalid_argument(format!(
+                "[{va:#x}, +{bytes}) is not a union of whole mappings (cuMemUnmap cannot split one)"
+            ))
         })?;
         // One call per mapping, each exactly as mapped: the driver cannot unmap part of one.
         for (s, len) in tiles {
@@ -320,14 +373,19 @@ impl CudaDevice {
         let g = self.info.granularity;
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
-        let r = t
-            .reservation_mut(va, bytes)
-            .ok_or_else(|| Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not inside a VA reservation of this device")))?;
+        let r = t.reservation_mut(va, bytes).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "[{va:#x}, +{bytes}) is not inside a VA reservation of this device"
+            ))
+        })?;
         let e = va + bytes as u64;
         let mut a = va;
         while a < e {
             crate::ensure!(
-                r.maps.range(..=a).next_back().is_some_and(|(&s, m)| a < s + m.len as u64),
+                r.maps
+                    .range(..=a)
+                    .next_back()
+                    .is_some_and(|(&s, m)| a < s + m.len as u64),
                 InvalidArgument,
                 "set_access [{va:#x}, +{bytes}): {a:#x} is not mapped"
             );
@@ -355,7 +413,10 @@ impl CudaDevice {
                 // SAFETY: a live mapping of ours; the device is being dropped, so
                 // nothing of epmem's can still use it.
                 if let Err(e) = unsafe { cu!(cuMemUnmap(s, m.len)) } {
-                    log::warn!("epmem: unmapping [{s:#x}, +{}) in reservation {base:#x} at teardown: {e}", m.len);
+                    log::warn!(
+                        "epmem: unmapping [{s:#x}, +{}) in reservation {base:#x} at teardown: {e}",
+                        m.len
+                    );
                 }
             }
         }
@@ -385,10 +446,31 @@ mod tests {
         // 2 mapped RO, 3 mapped with no access, 4-7 unmapped.
         let mut t = VmmTables::default();
         let base = 0x1000_0000u64;
-        let mut r = Reservation { len: 8 * G, maps: BTreeMap::new() };
-        r.maps.insert(base, Mapping { len: 2 * G, access: vec![Some(Access::ReadWrite); 2] });
-        r.maps.insert(base + 2 * G as u64, Mapping { len: G, access: vec![Some(Access::ReadOnly)] });
-        r.maps.insert(base + 3 * G as u64, Mapping { len: G, access: vec![None] });
+        let mut r = Reservation {
+            len: 8 * G,
+            maps: BTreeMap::new(),
+        };
+        r.maps.insert(
+            base,
+            Mapping {
+                len: 2 * G,
+                access: vec![Some(Access::ReadWrite); 2],
+            },
+        );
+        r.maps.insert(
+            base + 2 * G as u64,
+            Mapping {
+                len: G,
+                access: vec![Some(Access::ReadOnly)],
+            },
+        );
+        r.maps.insert(
+            base + 3 * G as u64,
+            Mapping {
+                len: G,
+                access: vec![None],
+            },
+        );
         t.res.insert(base, r);
         t
     }
@@ -401,8 +483,14 @@ mod tests {
         assert!(t.check_access(b + 2 * G as u64, G, false, G).unwrap());
         let e = t.check_access(b + G as u64 + 8, G, true, G).unwrap_err();
         assert_eq!(e.status(), EpmStatus::AccessDenied, "{e}");
-        assert_eq!(t.check_access(b + 3 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::AccessDenied);
-        assert_eq!(t.check_access(b + 5 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::AccessDenied);
+        assert_eq!(
+            t.check_access(b + 3 * G as u64, 4, false, G).unwrap_err().status(),
+            EpmStatus::AccessDenied
+        );
+        assert_eq!(
+            t.check_access(b + 5 * G as u64, 4, false, G).unwrap_err().status(),
+            EpmStatus::AccessDenied
+        );
     }
 
     #[test]
@@ -419,19 +507,35 @@ mod tests {
         let t = tables();
         let b = 0x1000_0000u64;
         let r = &t.res[&b];
-        assert_eq!(VmmTables::tiling(r, b, 3 * G), Some(vec![(b, 2 * G), (b + 2 * G as u64, G)]));
+        assert_eq!(
+            VmmTables::tiling(r, b, 3 * G),
+            Some(vec![(b, 2 * G), (b + 2 * G as u64, G)])
+        );
         assert_eq!(VmmTables::tiling(r, b, G), None, "cuts a mapping");
-        assert_eq!(VmmTables::tiling(r, b + 2 * G as u64, 3 * G), None, "runs into unmapped VA");
+        assert_eq!(
+            VmmTables::tiling(r, b + 2 * G as u64, 3 * G),
+            None,
+            "runs into unmapped VA"
+        );
         assert_eq!(VmmTables::tiling(r, b + 4 * G as u64, G), None, "nothing mapped");
     }
 
     #[test]
     fn live_counts_follow_the_tables() {
         let mut t = tables();
-        t.phys.insert(7, Phys { handle: 1, bytes: 4 * G });
+        t.phys.insert(
+            7,
+            Phys {
+                handle: 1,
+                bytes: 4 * G,
+            },
+        );
         let mut c = LiveCounts::default();
         t.live_counts(&mut c);
-        assert_eq!((c.physical_handles, c.physical_bytes, c.va_reservations, c.mappings), (1, 4 * G as u64, 1, 3));
+        assert_eq!(
+            (c.physical_handles, c.physical_bytes, c.va_reservations, c.mappings),
+            (1, 4 * G as u64, 1, 3)
+        );
     }
 
     #[test]
