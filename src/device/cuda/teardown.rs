@@ -11,11 +11,15 @@ use super::{CudaDevice, lock};
 use crate::device::{Device, LiveCounts};
 
 impl CudaDevice {
-    fn free_leftovers(&self) {
-        // SAFETY: no arguments; our context is current (caller holds the guard).
-        // Waiting first means no queued copy still uses what is freed below.
-        if let Err(e) = unsafe { cu!(cuCtxSynchronize()) } {
-            log::warn!("epmem: synchronizing cuda:{} at teardown: {e}", self.info.ordinal);
+    fn free_leftovers(&self, live: &LiveCounts) {
+        // Waiting first means no queued copy or kernel still uses what is
+        // freed below. It also waits for the host's own work in the shared
+        // primary context, so it is skipped when there is nothing to free.
+        if *live != LiveCounts::default() || lock(&self.kernels).is_some() {
+            // SAFETY: no arguments; our context is current (caller holds the guard).
+            if let Err(e) = unsafe { cu!(cuCtxSynchronize()) } {
+                log::warn!("epmem: synchronizing cuda:{} at teardown: {e}", self.info.ordinal);
+            }
         }
         if let Some(k) = lock(&self.kernels).take() {
             // SAFETY: our module; no launch can be pending after the synchronize.
@@ -62,7 +66,7 @@ impl Drop for CudaDevice {
             );
         }
         match self.enter() {
-            Ok(_guard) => self.free_leftovers(),
+            Ok(_guard) => self.free_leftovers(&live),
             Err(e) => log::warn!(
                 "epmem: cuda:{} teardown cannot make its context current: {e}",
                 self.info.ordinal
