@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use super::{assert_same, download, no_leaks, random_bytes, upload};
-use crate::device::{Access, Device, DeviceBuffer, DeviceKind, Event, PhysMem, RawEvent, RawPhys, RawStream, Stream, VaRange};
+use crate::device::{
+    Access, Device, DeviceBuffer, DeviceKind, Event, PhysMem, RawEvent, RawPhys, RawStream, Stream, VaRange,
+};
 use crate::error::{EpmStatus, Result};
 
 /// A value no device hands out as a handle.
@@ -99,15 +101,30 @@ pub fn bad_device_addresses_are_errors(dev: &Arc<dyn Device>) -> Result<()> {
         let mut host = [0u8; 64];
         // SAFETY: `host` outlives the calls, all refused before any copy.
         unsafe {
-            assert_status(dev, "H2D to an unknown address", dev.memcpy_htod_async(NOWHERE, host.as_ptr(), 64, s.raw()), ia);
-            assert_status(dev, "D2H from an unknown address", dev.memcpy_dtoh_async(host.as_mut_ptr(), NOWHERE, 64, s.raw()), ia);
+            assert_status(
+                dev,
+                "H2D to an unknown address",
+                dev.memcpy_htod_async(NOWHERE, host.as_ptr(), 64, s.raw()),
+                ia,
+            );
+            assert_status(
+                dev,
+                "D2H from an unknown address",
+                dev.memcpy_dtoh_async(host.as_mut_ptr(), NOWHERE, 64, s.raw()),
+                ia,
+            );
         }
         assert_status(dev, "D2D to an unknown address", dev.memcpy_dtod_async(NOWHERE, b.ptr(), 64, s.raw()), ia);
         assert_status(dev, "D2D from an unknown address", dev.memcpy_dtod_async(b.ptr(), NOWHERE, 64, s.raw()), ia);
         assert_status(dev, "memset of an unknown address", dev.memset_d8_async(NOWHERE, 0, 64, s.raw()), ia);
         assert_status(dev, "checksum of an unknown address", dev.checksum_async(NOWHERE, 64, b.ptr(), s.raw()), ia);
         assert_status(dev, "checksum into an unknown address", dev.checksum_async(b.ptr(), 64, NOWHERE, s.raw()), ia);
-        assert_status(dev, "checksum of a length not a multiple of 4", dev.checksum_async(b.ptr(), 63, b.ptr() + 64, s.raw()), ia);
+        assert_status(
+            dev,
+            "checksum of a length not a multiple of 4",
+            dev.checksum_async(b.ptr(), 63, b.ptr() + 64, s.raw()),
+            ia,
+        );
         assert_status(dev, "mem_free of an unknown address", dev.mem_free(NOWHERE), ia);
         assert_status(dev, "mem_alloc of 0 bytes", dev.mem_alloc(0), ia);
         assert_status(dev, "pinned_alloc of 0 bytes", dev.pinned_alloc(0), ia);
@@ -126,7 +143,12 @@ pub fn bad_device_addresses_are_errors(dev: &Arc<dyn Device>) -> Result<()> {
         assert_status(dev, "vmm_map at an unaligned VA", dev.vmm_map(r.base() + 4096, g, phys.raw(), 0), ia);
         assert_status(dev, "vmm_map past the handle's end", dev.vmm_map(r.base(), g, phys.raw(), g), ia);
         assert_status(dev, "vmm_unmap of an unmapped range", dev.vmm_unmap(r.base(), g), ia);
-        assert_status(dev, "vmm_set_access of an unmapped range", dev.vmm_set_access(r.base(), g, Access::ReadWrite), ia);
+        assert_status(
+            dev,
+            "vmm_set_access of an unmapped range",
+            dev.vmm_set_access(r.base(), g, Access::ReadWrite),
+            ia,
+        );
         r.map(0, g, &phys, 0, Access::ReadWrite)?;
         assert_err("vmm_map over an existing mapping", dev.vmm_map(r.base(), g, phys.raw(), 0));
         assert_err("vmm_free_va of a reservation still mapped", dev.vmm_free_va(r.base(), 2 * g));
@@ -153,7 +175,10 @@ pub fn straddling_device_ranges_are_errors(dev: &Arc<dyn Device>) -> Result<()> 
         let end = b.ptr() + 4096 - 32;
         // SAFETY: `src`/`dst` outlive the calls, which the device must refuse.
         let (w, r) = unsafe {
-            (dev.memcpy_htod_async(end, src.as_ptr(), 64, s.raw()), dev.memcpy_dtoh_async(dst.as_mut_ptr(), end, 64, s.raw()))
+            (
+                dev.memcpy_htod_async(end, src.as_ptr(), 64, s.raw()),
+                dev.memcpy_dtoh_async(dst.as_mut_ptr(), end, 64, s.raw()),
+            )
         };
         let sync = s.synchronize();
         assert!((w.is_err() && r.is_err()) || sync.is_err(), "copies across the end of an allocation: {w:?} {r:?}");

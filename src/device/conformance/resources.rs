@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use super::{assert_same, download, no_leaks, random_bytes};
-use crate::device::{Access, Device, DeviceBuffer, DeviceKind, Event, LiveCounts, PhysMem, PinnedBuffer, Stream, VaRange};
+use crate::device::{
+    Access, Device, DeviceBuffer, DeviceKind, Event, LiveCounts, PhysMem, PinnedBuffer, Stream, VaRange,
+};
 use crate::error::{EpmStatus, Result};
 
 /// Every object moves its live count by exactly one (and its bytes by its
@@ -38,9 +40,23 @@ pub fn live_and_driver_counts_are_exact(dev: &Arc<dyn Device>) -> Result<()> {
             c.physical_bytes += 2 * g as u64;
             c.va_reservations += 1;
         };
-        assert_eq!(dev.live_counts(), want(&|c| { all(c); c.mappings += 2 }), "live counts with one of everything");
+        assert_eq!(
+            dev.live_counts(),
+            want(&|c| {
+                all(c);
+                c.mappings += 2
+            }),
+            "live counts with one of everything"
+        );
         r.unmap(g, g)?;
-        assert_eq!(dev.live_counts(), want(&|c| { all(c); c.mappings += 1 }), "live counts after one unmap");
+        assert_eq!(
+            dev.live_counts(),
+            want(&|c| {
+                all(c);
+                c.mappings += 1
+            }),
+            "live counts after one unmap"
+        );
 
         // Steady-state work makes no driver-level calls.
         let before = dev.driver_counts();
@@ -83,7 +99,11 @@ pub fn pinned_and_registered_host_memory(dev: &Arc<dyn Device>) -> Result<()> {
         // SAFETY: inside the pinned buffer.
         assert!(dev.host_is_page_locked(unsafe { pinned.as_ptr().add(10) }, 100), "inside a pinned buffer");
         let l1 = dev.live_counts();
-        assert_eq!((l1.pinned_buffers, l1.pinned_bytes), (l0.pinned_buffers + 1, l0.pinned_bytes + n as u64), "pinned counts");
+        assert_eq!(
+            (l1.pinned_buffers, l1.pinned_bytes),
+            (l0.pinned_buffers + 1, l0.pinned_bytes + n as u64),
+            "pinned counts"
+        );
 
         // A pageable range, registered in its middle so its ends stay
         // pageable. Aligned to 64 KiB so no page is half registered.
@@ -140,7 +160,7 @@ pub fn pinned_and_registered_host_memory(dev: &Arc<dyn Device>) -> Result<()> {
 pub fn info_is_consistent(dev: &Arc<dyn Device>) -> Result<()> {
     let i = dev.info();
     assert!(!i.name.is_empty(), "device name is empty");
-    assert!(i.granularity > 0 && i.granularity % 4096 == 0, "granularity {}", i.granularity);
+    assert!(i.granularity > 0 && i.granularity.is_multiple_of(4096), "granularity {}", i.granularity);
     assert_eq!(dev.vmm_granularity(), i.granularity, "vmm_granularity() and info().granularity differ");
     let (free, total) = dev.mem_get_info()?;
     assert!(total > 0 && free <= total, "mem_get_info: free {free}, total {total}");

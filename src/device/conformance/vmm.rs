@@ -96,7 +96,11 @@ pub fn readonly_write_is_refused_and_non_sticky(dev: &Arc<dyn Device>) -> Result
         upload(dev, &s, fresh.ptr(), &data)?;
         assert_same("a copy after a refused write", &download(dev, &s, fresh.ptr(), data.len())?, &data);
         upload(dev, &s, rw.base() + 8, &data)?;
-        assert_same("a read-only view of a granule written via RW", &download(dev, &s, ro.base() + 8, data.len())?, &data);
+        assert_same(
+            "a read-only view of a granule written via RW",
+            &download(dev, &s, ro.base() + 8, data.len())?,
+            &data,
+        );
         Ok(())
     })
 }

@@ -15,6 +15,9 @@ mod stream;
 mod sys;
 mod vmm;
 
+#[cfg(test)]
+mod tests;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -32,17 +35,21 @@ const DEFAULT_GRANULARITY: usize = 2 << 20;
 
 /// Read `EPM_HOST_GRANULARITY` (bytes): a positive multiple of the page size.
 fn granularity_from_env() -> Result<usize> {
-    let page = sys::page_size();
     match std::env::var("EPM_HOST_GRANULARITY") {
-        Err(std::env::VarError::NotPresent) => Ok(DEFAULT_GRANULARITY),
+        Err(std::env::VarError::NotPresent) => parse_granularity(None, sys::page_size()),
         Err(e) => Err(Error::new(EpmStatus::InvalidConfig, format!("EPM_HOST_GRANULARITY: {e}"))),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(g) if g > 0 && g % page == 0 => Ok(g),
-            _ => Err(Error::new(
-                EpmStatus::InvalidConfig,
-                format!("EPM_HOST_GRANULARITY={v:?} is not a positive multiple of the page size {page}"),
-            )),
-        },
+        Ok(v) => parse_granularity(Some(&v), sys::page_size()),
+    }
+}
+
+fn parse_granularity(v: Option<&str>, page: usize) -> Result<usize> {
+    let Some(v) = v else { return Ok(DEFAULT_GRANULARITY) };
+    match v.trim().parse::<usize>() {
+        Ok(g) if g > 0 && g.is_multiple_of(page) => Ok(g),
+        _ => Err(Error::new(
+            EpmStatus::InvalidConfig,
+            format!("EPM_HOST_GRANULARITY={v:?} is not a positive multiple of the page size {page}"),
+        )),
     }
 }
 
@@ -71,7 +78,7 @@ impl HostDevice {
     pub fn with_granularity(ordinal: u32, granularity: usize) -> Result<Self> {
         let page = sys::page_size();
         crate::ensure!(
-            granularity > 0 && granularity % page == 0,
+            granularity > 0 && granularity.is_multiple_of(page),
             InvalidConfig,
             "granularity {granularity} is not a positive multiple of the page size {page}"
         );
@@ -146,7 +153,8 @@ impl Drop for HostDevice {
     fn drop(&mut self) {
         // Streams first: joining them lets queued copies finish before the
         // memory they touch goes away.
-        drop(std::mem::take(&mut *lock(&self.streams)));
+        let streams = std::mem::take(&mut *lock(&self.streams));
+        drop(streams);
         self.write().release_all();
         lock(&self.host).release_all();
     }
@@ -320,7 +328,7 @@ impl Device for HostDevice {
         self.enqueue_mem(s, op, vec![(dst, n, Need::Write)])
     }
     fn checksum_async(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
-        crate::ensure!(n % 4 == 0, InvalidArgument, "checksum length {n} is not a multiple of 4");
+        crate::ensure!(n.is_multiple_of(4), InvalidArgument, "checksum length {n} is not a multiple of 4");
         let op = MemOp::Checksum { p: p as usize, n, out: out as usize };
         self.enqueue_mem(s, op, vec![(p, n, Need::Read), (out, 8, Need::Write)])
     }

@@ -64,7 +64,11 @@ impl HostMem {
     }
 
     pub fn unregister(&mut self, p: usize) -> Result<()> {
-        crate::ensure!(self.registered.remove(&p).is_some(), InvalidArgument, "{p:#x} is not the start of a registered host range");
+        crate::ensure!(
+            self.registered.remove(&p).is_some(),
+            InvalidArgument,
+            "{p:#x} is not the start of a registered host range"
+        );
         Ok(())
     }
 

@@ -60,10 +60,10 @@ pub(super) struct AddrSpace {
 
 /// `[addr, addr+n)` as host addresses, or an error if it wraps.
 pub(super) fn span(addr: DevicePtr, n: usize) -> Result<(usize, usize)> {
-    let a = usize::try_from(addr).map_err(|_| Error::invalid_argument(format!("device address {addr:#x} out of range")))?;
-    let end = a
-        .checked_add(n)
-        .ok_or_else(|| Error::invalid_argument(format!("device range {addr:#x}+{n} wraps around")))?;
+    let a =
+        usize::try_from(addr).map_err(|_| Error::invalid_argument(format!("device address {addr:#x} out of range")))?;
+    let end =
+        a.checked_add(n).ok_or_else(|| Error::invalid_argument(format!("device range {addr:#x}+{n} wraps around")))?;
     Ok((a, end))
 }
 

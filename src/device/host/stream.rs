@@ -34,10 +34,19 @@ pub(super) enum MemOp {
 #[derive(Debug)]
 pub(super) enum Op {
     /// `checks`: the device ranges it touches, re-checked when it runs.
-    Mem { op: MemOp, checks: Vec<(DevicePtr, usize, Need)> },
+    Mem {
+        op: MemOp,
+        checks: Vec<(DevicePtr, usize, Need)>,
+    },
     Spin(Duration),
-    Mark { ev: Arc<EventShared>, generation: u64 },
-    Wait { on: Arc<StreamShared>, seq: u64 },
+    Mark {
+        ev: Arc<EventShared>,
+        generation: u64,
+    },
+    Wait {
+        on: Arc<StreamShared>,
+        seq: u64,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -184,7 +193,8 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
 unsafe fn run_mem(op: MemOp) {
     match op {
         MemOp::Copy { dst, src, n } => {
-            let (d, s) = (std::ptr::with_exposed_provenance_mut::<u8>(dst), std::ptr::with_exposed_provenance::<u8>(src));
+            let (d, s) =
+                (std::ptr::with_exposed_provenance_mut::<u8>(dst), std::ptr::with_exposed_provenance::<u8>(src));
             // SAFETY: both ranges valid (caller); `copy` allows overlap.
             unsafe { std::ptr::copy(s, d, n) }
         }

@@ -66,7 +66,9 @@ pub(super) fn reserve_aligned(len: usize, align: usize) -> Result<usize> {
 pub(super) unsafe fn map_shared_fixed(addr: usize, len: usize, fd: &OwnedFd, offset: usize) -> Result<()> {
     let flags = libc::MAP_SHARED | libc::MAP_FIXED;
     // SAFETY: the caller owns the range; MAP_FIXED replaces only it.
-    let p = unsafe { libc::mmap(addr as *mut libc::c_void, len, libc::PROT_NONE, flags, fd.as_raw_fd(), offset as libc::off_t) };
+    let p = unsafe {
+        libc::mmap(addr as *mut libc::c_void, len, libc::PROT_NONE, flags, fd.as_raw_fd(), offset as libc::off_t)
+    };
     if p == libc::MAP_FAILED {
         return Err(Error::last_os_error("mmap(MAP_FIXED|MAP_SHARED, memfd)"));
     }

@@ -26,7 +26,7 @@ pub(super) struct Phys {
 impl Phys {
     pub fn create(bytes: usize, granularity: usize) -> Result<Self> {
         crate::ensure!(
-            bytes > 0 && bytes % granularity == 0,
+            bytes > 0 && bytes.is_multiple_of(granularity),
             InvalidArgument,
             "physical allocation of {bytes} bytes is not a positive multiple of the granularity {granularity}"
         );
@@ -43,7 +43,11 @@ impl AddrSpace {
     /// one reservation; returns (reservation start, first granule, granule count).
     fn granule_range(&self, va: DevicePtr, bytes: usize) -> Result<(usize, usize, usize)> {
         let g = self.granularity;
-        crate::ensure!(bytes > 0 && bytes % g == 0, InvalidArgument, "size {bytes} is not a positive multiple of the granularity {g}");
+        crate::ensure!(
+            bytes > 0 && bytes.is_multiple_of(g),
+            InvalidArgument,
+            "size {bytes} is not a positive multiple of the granularity {g}"
+        );
         let (a, end) = span(va, bytes)?;
         let (start, region) = self.region_of(a, end)?;
         crate::ensure!(
@@ -85,8 +89,16 @@ impl AddrSpace {
 
     pub fn reserve(&mut self, bytes: usize, align: usize) -> Result<DevicePtr> {
         let g = self.granularity;
-        crate::ensure!(bytes > 0 && bytes % g == 0, InvalidArgument, "reservation of {bytes} bytes is not a positive multiple of the granularity {g}");
-        crate::ensure!(align == 0 || align.is_power_of_two(), InvalidArgument, "alignment {align} is not a power of two");
+        crate::ensure!(
+            bytes > 0 && bytes.is_multiple_of(g),
+            InvalidArgument,
+            "reservation of {bytes} bytes is not a positive multiple of the granularity {g}"
+        );
+        crate::ensure!(
+            align == 0 || align.is_power_of_two(),
+            InvalidArgument,
+            "alignment {align} is not a power of two"
+        );
         let align = if align == 0 { g } else { align / gcd(align, g) * g };
         let va = sys::reserve_aligned(bytes, align)?;
         self.regions.insert(va, Region::Reservation { len: bytes, granules: BTreeMap::new() });
@@ -97,7 +109,12 @@ impl AddrSpace {
         let a = usize::try_from(va).unwrap_or(usize::MAX);
         match self.regions.get(&a) {
             Some(Region::Reservation { len, granules }) if *len == bytes => {
-                crate::ensure!(granules.is_empty(), InvalidState, "reservation {va:#x} still has {} mapped granules", granules.len());
+                crate::ensure!(
+                    granules.is_empty(),
+                    InvalidState,
+                    "reservation {va:#x} still has {} mapped granules",
+                    granules.len()
+                );
             }
             _ => crate::bail!(InvalidArgument, "{va:#x}+{bytes} is not a live VA reservation"),
         }
@@ -111,7 +128,7 @@ impl AddrSpace {
         let g = self.granularity;
         let (start, first, count) = self.granule_range(va, bytes)?;
         crate::ensure!(
-            offset % g == 0 && offset.checked_add(bytes).is_some_and(|e| e <= phys.len),
+            offset.is_multiple_of(g) && offset.checked_add(bytes).is_some_and(|e| e <= phys.len),
             InvalidArgument,
             "physical range [{offset}, +{bytes}) is not granule-aligned inside a handle of {} bytes",
             phys.len

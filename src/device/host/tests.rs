@@ -1,0 +1,143 @@
+//! Host-device behaviour the conformance suite cannot ask of CUDA: async
+//! errors when a range changes under a queued copy, teardown with live
+//! objects, small granularities, the granularity setting.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::device::conformance;
+
+fn host(granularity: usize) -> Arc<dyn Device> {
+    Arc::new(HostDevice::with_granularity(0, granularity).expect("host device"))
+}
+
+#[test]
+fn granularity_setting_accepts_page_multiples_only() {
+    assert_eq!(parse_granularity(None, 4096).unwrap(), 2 << 20);
+    assert_eq!(parse_granularity(Some(" 65536 "), 4096).unwrap(), 65536);
+    for bad in ["0", "1000", "4097", "-4096", "2M", ""] {
+        let e = parse_granularity(Some(bad), 4096).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::InvalidConfig, "{bad:?}: {e}");
+        assert!(e.message().contains("EPM_HOST_GRANULARITY"), "{e}");
+    }
+    assert_eq!(HostDevice::with_granularity(0, 100).unwrap_err().status(), EpmStatus::InvalidConfig);
+}
+
+#[test]
+fn vmm_checks_pass_at_a_small_granularity() {
+    let dev = host(16 * sys::page_size());
+    conformance::granule_aliased_at_two_addresses(&dev).unwrap();
+    conformance::readonly_postures_in_one_reservation(&dev).unwrap();
+    conformance::live_and_driver_counts_are_exact(&dev).unwrap();
+}
+
+/// A range unmapped after a copy was queued (but before it ran) fails the
+/// copy on the stream thread: synchronize reports it once, nothing faults.
+#[test]
+fn a_range_unmapped_under_a_queued_copy_is_an_async_error() {
+    let dev = host(sys::page_size());
+    let g = dev.vmm_granularity();
+    let s = Stream::new(&dev).unwrap();
+    let phys = PhysMem::new(&dev, g).unwrap();
+    let mut r = VaRange::reserve(&dev, g).unwrap();
+    r.map(0, g, &phys, 0, Access::ReadWrite).unwrap();
+    let src = vec![9u8; g];
+    dev.spin_async(50_000, s.raw()).unwrap();
+    // SAFETY: `src` outlives the copy (the stream is synchronized below).
+    unsafe { dev.memcpy_htod_async(r.base(), src.as_ptr(), g, s.raw()).unwrap() };
+    r.unmap(0, g).unwrap();
+    let e = s.synchronize().unwrap_err();
+    assert_eq!(e.status(), EpmStatus::AccessDenied, "{e}");
+    s.synchronize().expect("the async error is reported once");
+
+    let b = DeviceBuffer::new(&dev, 4096).unwrap();
+    let p = b.ptr();
+    dev.spin_async(50_000, s.raw()).unwrap();
+    dev.memset_d8_async(p, 1, 4096, s.raw()).unwrap();
+    drop(b);
+    assert_eq!(s.synchronize().unwrap_err().status(), EpmStatus::InvalidArgument);
+}
+
+#[test]
+fn wait_on_a_never_recorded_event_and_a_destroyed_stream_are_fine() {
+    let dev = host(2 << 20);
+    let s = Stream::new(&dev).unwrap();
+    let e = Event::new(&dev, false).unwrap();
+    s.wait_event(&e).unwrap();
+    {
+        let other = Stream::new(&dev).unwrap();
+        dev.spin_async(20_000, other.raw()).unwrap();
+        e.record(&other).unwrap();
+    }
+    // The recording stream is gone but its work finished: the event completed.
+    assert!(e.query().unwrap());
+    s.wait_event(&e).unwrap();
+    s.synchronize().unwrap();
+}
+
+/// Dropping the device with objects still alive (raw handles leaked by a
+/// careless host) joins the streams and frees the memory without panicking.
+#[test]
+fn teardown_with_live_objects_does_not_panic_or_hang() {
+    let dev = HostDevice::with_granularity(0, 2 << 20).unwrap();
+    let s = dev.stream_create().unwrap();
+    let d = dev.mem_alloc(1 << 20).unwrap();
+    let p = dev.pinned_alloc(1 << 20).unwrap();
+    dev.spin_async(20_000, s).unwrap();
+    // SAFETY: `p` is pinned memory the device frees only after joining the stream.
+    unsafe { dev.memcpy_dtoh_async(p, d, 1 << 20, s).unwrap() };
+    let h = dev.vmm_create(2 << 20).unwrap();
+    let va = dev.vmm_reserve(4 << 20, 0).unwrap();
+    dev.vmm_map(va, 2 << 20, h, 0).unwrap();
+    dev.vmm_set_access(va, 2 << 20, Access::ReadOnly).unwrap();
+    let e = dev.event_create(true).unwrap();
+    dev.event_record(e, s).unwrap();
+    let t = std::time::Instant::now();
+    drop(dev);
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn registration_may_not_overlap_pinned_memory() {
+    let dev = host(2 << 20);
+    let p = dev.pinned_alloc(8192).unwrap();
+    // SAFETY: refused before anything is recorded; `p` is live pinned memory.
+    let e = unsafe { dev.host_register(p.add(4096), 100, false) }.unwrap_err();
+    assert_eq!(e.status(), EpmStatus::InvalidState, "{e}");
+    // SAFETY: `p` came from pinned_alloc and nothing uses it.
+    unsafe { dev.pinned_free(p).unwrap() };
+    // SAFETY: already freed: refused, nothing touched.
+    assert_eq!(unsafe { dev.pinned_free(p) }.unwrap_err().status(), EpmStatus::InvalidArgument);
+}
+
+/// Many threads sharing one device, each with its own stream.
+#[test]
+fn concurrent_streams_from_many_threads() {
+    let dev = host(2 << 20);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let dev = dev.clone();
+            std::thread::spawn(move || {
+                let s = Stream::new(&dev).unwrap();
+                for i in 0..20u64 {
+                    let n = 1000 + (t * 20 + i) as usize * 97;
+                    let data = conformance::random_bytes(t * 1000 + i, n);
+                    let b = DeviceBuffer::new(&dev, n).unwrap();
+                    let mut out = vec![0u8; n];
+                    // SAFETY: `data` and `out` outlive the copies (synchronized next).
+                    unsafe {
+                        dev.memcpy_htod_async(b.ptr(), data.as_ptr(), n, s.raw()).unwrap();
+                        dev.memcpy_dtoh_async(out.as_mut_ptr(), b.ptr(), n, s.raw()).unwrap();
+                    }
+                    s.synchronize().unwrap();
+                    assert_eq!(out, data);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("worker thread");
+    }
+    assert_eq!(dev.live_counts(), LiveCounts::default());
+}
