@@ -135,9 +135,30 @@ impl HostDevice {
             .ok_or_else(|| Error::new(EpmStatus::InvalidHandle, format!("unknown event handle {:#x}", e.0)))
     }
 
-    /// Check the device ranges now, then queue `op` to run on `s` (where they are checked again).
-    fn enqueue_mem(&self, s: RawStream, op: MemOp, checks: Vec<(DevicePtr, usize, Need)>) -> Result<()> {
+    /// Check the device ranges now, then queue `op` to run on `s` (where they
+    /// are checked again). `host` is the host side of an H2D/D2H copy: if it
+    /// points into device memory it is checked like a device range (so even a
+    /// confused caller cannot make the stream thread fault), and a D2H
+    /// destination in a read-only registration is refused.
+    fn enqueue_mem(
+        &self,
+        s: RawStream,
+        op: MemOp,
+        mut checks: Vec<(DevicePtr, usize, Need)>,
+        host: Option<(usize, usize, Need)>,
+    ) -> Result<()> {
         let stream = self.stream(s)?;
+        if let Some((p, n, need)) = host.filter(|&(_, n, _)| n > 0) {
+            let end = p.checked_add(n).ok_or_else(|| Error::invalid_argument("host range wraps around"))?;
+            crate::ensure!(
+                need == Need::Read || !lock(&self.host).overlaps_read_only(p, end),
+                AccessDenied,
+                "D2H destination {p:#x}+{n} is host memory registered read-only"
+            );
+            if self.read().touches(p, end) {
+                checks.push((p as DevicePtr, n, need));
+            }
+        }
         {
             let sp = self.read();
             for &(addr, n, need) in &checks {
@@ -284,8 +305,8 @@ impl Device for HostDevice {
         self.count(|c| c.pinned_free_calls += 1);
         Ok(())
     }
-    unsafe fn host_register(&self, p: *mut u8, len: usize, _read_only: bool) -> Result<()> {
-        lock(&self.host).register(p.expose_provenance(), len)?;
+    unsafe fn host_register(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
+        lock(&self.host).register(p.expose_provenance(), len, read_only)?;
         self.count(|c| c.host_register_calls += 1);
         Ok(())
     }
@@ -312,25 +333,25 @@ impl Device for HostDevice {
     unsafe fn memcpy_htod_async(&self, dst: DevicePtr, src: *const u8, n: usize, s: RawStream) -> Result<()> {
         let src = host_addr(src, n, "source")?;
         let op = MemOp::Copy { dst: dst as usize, src, n };
-        self.enqueue_mem(s, op, vec![(dst, n, Need::Write)])
+        self.enqueue_mem(s, op, vec![(dst, n, Need::Write)], Some((src, n, Need::Read)))
     }
     unsafe fn memcpy_dtoh_async(&self, dst: *mut u8, src: DevicePtr, n: usize, s: RawStream) -> Result<()> {
         let dst = host_addr(dst, n, "destination")?;
         let op = MemOp::Copy { dst, src: src as usize, n };
-        self.enqueue_mem(s, op, vec![(src, n, Need::Read)])
+        self.enqueue_mem(s, op, vec![(src, n, Need::Read)], Some((dst, n, Need::Write)))
     }
     fn memcpy_dtod_async(&self, dst: DevicePtr, src: DevicePtr, n: usize, s: RawStream) -> Result<()> {
         let op = MemOp::Copy { dst: dst as usize, src: src as usize, n };
-        self.enqueue_mem(s, op, vec![(src, n, Need::Read), (dst, n, Need::Write)])
+        self.enqueue_mem(s, op, vec![(src, n, Need::Read), (dst, n, Need::Write)], None)
     }
     fn memset_d8_async(&self, dst: DevicePtr, value: u8, n: usize, s: RawStream) -> Result<()> {
         let op = MemOp::Fill { dst: dst as usize, value, n };
-        self.enqueue_mem(s, op, vec![(dst, n, Need::Write)])
+        self.enqueue_mem(s, op, vec![(dst, n, Need::Write)], None)
     }
     fn checksum_async(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
         crate::ensure!(n.is_multiple_of(4), InvalidArgument, "checksum length {n} is not a multiple of 4");
         let op = MemOp::Checksum { p: p as usize, n, out: out as usize };
-        self.enqueue_mem(s, op, vec![(p, n, Need::Read), (out, 8, Need::Write)])
+        self.enqueue_mem(s, op, vec![(p, n, Need::Read), (out, 8, Need::Write)], None)
     }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.stream(s)?.push(Op::Spin(Duration::from_micros(micros.into())))?;

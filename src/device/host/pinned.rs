@@ -11,8 +11,8 @@ use crate::error::Result;
 pub(super) struct HostMem {
     /// Pinned allocations: start → (mapped length, requested length).
     pub pinned: BTreeMap<usize, (usize, usize)>,
-    /// Registered ranges: start → length.
-    pub registered: BTreeMap<usize, usize>,
+    /// Registered ranges: start → (length, registered read-only).
+    pub registered: BTreeMap<usize, (usize, bool)>,
     /// mlock refusals (RLIMIT_MEMLOCK): the memory is still usable, just not locked.
     pub mlock_failures: u64,
 }
@@ -50,16 +50,16 @@ impl HostMem {
         Ok(())
     }
 
-    pub fn register(&mut self, p: usize, len: usize) -> Result<()> {
+    pub fn register(&mut self, p: usize, len: usize, read_only: bool) -> Result<()> {
         crate::ensure!(p != 0, NullPointer, "host_register of a NULL pointer");
         crate::ensure!(len > 0, InvalidArgument, "host_register of 0 bytes");
         let end = p.checked_add(len).ok_or_else(|| crate::Error::invalid_argument("host range wraps around"))?;
         crate::ensure!(
-            !overlaps(&self.registered, p, end, |&l| l) && !overlaps(&self.pinned, p, end, |&(l, _)| l),
+            !overlaps(&self.registered, p, end, |&(l, _)| l) && !overlaps(&self.pinned, p, end, |&(l, _)| l),
             InvalidState,
             "host range {p:#x}+{len} overlaps memory that is already page-locked"
         );
-        self.registered.insert(p, len);
+        self.registered.insert(p, (len, read_only));
         Ok(())
     }
 
@@ -74,7 +74,14 @@ impl HostMem {
 
     pub fn is_page_locked(&self, p: usize, len: usize) -> bool {
         let end = p.saturating_add(len.max(1));
-        contains(&self.registered, p, end, |&l| l) || contains(&self.pinned, p, end, |&(_, req)| req)
+        contains(&self.registered, p, end, |&(l, _)| l) || contains(&self.pinned, p, end, |&(_, req)| req)
+    }
+
+    /// Whether `[p, end)` overlaps a range registered read-only: the device
+    /// may read it but not write it (a D2H destination there is refused).
+    pub fn overlaps_read_only(&self, p: usize, end: usize) -> bool {
+        // Registrations are disjoint: walk back from the end while they still reach `p`.
+        self.registered.range(..end).rev().take_while(|&(&s, &(l, _))| s + l > p).any(|(_, &(_, ro))| ro)
     }
 
     pub fn pinned_bytes(&self) -> u64 {

@@ -119,6 +119,12 @@ impl AddrSpace {
         Ok(())
     }
 
+    /// Whether `[a, end)` overlaps any device region (a host pointer that
+    /// points into device memory is then checked as a device range).
+    pub fn touches(&self, a: usize, end: usize) -> bool {
+        self.regions.range(..end).next_back().is_some_and(|(&start, r)| start + r.len() > a)
+    }
+
     /// Counts for `live_counts`: (allocations, allocated bytes, reservations).
     pub fn counts(&self) -> (u64, u64, u64) {
         let mut out = (0, 0, 0);

@@ -141,3 +141,50 @@ fn concurrent_streams_from_many_threads() {
     }
     assert_eq!(dev.live_counts(), LiveCounts::default());
 }
+
+/// Host pointers that point into device memory are checked like device
+/// ranges, and a D2H destination registered read-only is refused: no copy
+/// can make the stream thread fault.
+#[test]
+fn host_pointers_into_device_memory_or_read_only_registrations_are_checked() {
+    let dev = host(sys::page_size());
+    let g = dev.vmm_granularity();
+    let s = Stream::new(&dev).unwrap();
+    let b = DeviceBuffer::new(&dev, g).unwrap();
+    let phys = PhysMem::new(&dev, g).unwrap();
+    let mut r = VaRange::reserve(&dev, 2 * g).unwrap();
+    r.map(0, g, &phys, 0, Access::ReadOnly).unwrap();
+    let ro = std::ptr::with_exposed_provenance_mut::<u8>(r.base() as usize);
+    let unmapped = std::ptr::with_exposed_provenance_mut::<u8>(r.base() as usize + g);
+    // SAFETY: every call below is refused at enqueue; nothing is copied.
+    unsafe {
+        let e = dev.memcpy_dtoh_async(ro, b.ptr(), 64, s.raw()).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::AccessDenied, "D2H into a read-only VA: {e}");
+        let e = dev.memcpy_htod_async(b.ptr(), unmapped, 64, s.raw()).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::AccessDenied, "H2D from an unmapped VA: {e}");
+    }
+    // A host pointer into read-write device memory is simply memory.
+    let other = DeviceBuffer::new(&dev, 64).unwrap();
+    let src = std::ptr::with_exposed_provenance::<u8>(other.ptr() as usize);
+    dev.memset_d8_async(other.ptr(), 7, 64, s.raw()).unwrap();
+    // SAFETY: `other` is live read-write memory for the whole copy (synchronized next).
+    unsafe { dev.memcpy_htod_async(b.ptr(), src, 64, s.raw()).unwrap() };
+    s.synchronize().unwrap();
+
+    let mut page = vec![0u8; 3 * sys::page_size()];
+    let p = page.as_mut_ptr();
+    for read_only in [true, false] {
+        // SAFETY: `page` outlives the registration and the copy (synchronized next).
+        unsafe {
+            dev.host_register(p, page.len(), read_only).unwrap();
+            let r = dev.memcpy_dtoh_async(p.add(10), b.ptr(), 64, s.raw());
+            s.synchronize().unwrap();
+            dev.host_unregister(p).unwrap();
+            match r {
+                Err(e) => assert!(read_only && e.status() == EpmStatus::AccessDenied, "{e}"),
+                Ok(()) => assert!(!read_only, "D2H into a read-only registration was accepted"),
+            }
+        }
+    }
+    assert!(page[10..74].iter().all(|&x| x == 7));
+}

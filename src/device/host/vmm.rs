@@ -12,7 +12,7 @@ use std::os::fd::OwnedFd;
 use super::space::{AddrSpace, Granule, Region, span};
 use super::sys;
 use crate::device::{Access, DevicePtr};
-use crate::error::{Error, Result};
+use crate::error::{EpmStatus, Error, Result};
 
 /// A physical allocation. Dropping it closes the memfd; pages still mapped
 /// stay alive until their last mapping goes (the kernel holds the file), the
@@ -30,8 +30,14 @@ impl Phys {
             InvalidArgument,
             "physical allocation of {bytes} bytes is not a positive multiple of the granularity {granularity}"
         );
-        Ok(Self { fd: sys::memfd(bytes)?, len: bytes })
+        Ok(Self { fd: sys::memfd(bytes).map_err(as_device_oom)?, len: bytes })
     }
+}
+
+/// "Device memory" is host memory here, but the core must see the status
+/// a GPU would give when it runs out.
+fn as_device_oom(e: Error) -> Error {
+    if e.status() == EpmStatus::OutOfHostMemory { Error::new(EpmStatus::OutOfDeviceMemory, e.message()) } else { e }
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -69,7 +75,7 @@ impl AddrSpace {
     /// Plain device memory: private anonymous read-write pages.
     pub fn alloc(&mut self, bytes: usize) -> Result<DevicePtr> {
         crate::ensure!(bytes > 0, InvalidArgument, "device allocation of 0 bytes");
-        let p = sys::map_anon(bytes, libc::PROT_READ | libc::PROT_WRITE, false)?;
+        let p = sys::map_anon(bytes, libc::PROT_READ | libc::PROT_WRITE, false).map_err(as_device_oom)?;
         self.regions.insert(p, Region::Alloc { len: bytes });
         Ok(p as DevicePtr)
     }
