@@ -53,12 +53,14 @@ fn parse_granularity(v: Option<&str>, page: usize) -> Result<usize> {
     }
 }
 
+/// Handle ids for streams, events and physical handles of every host device
+/// come from one counter, so a handle of one kind (or of another device) is
+/// never valid here, and small integers are never handles at all.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0x1_0000);
+
 #[derive(Debug)]
 pub struct HostDevice {
     info: DeviceInfo,
-    /// Handle ids for streams, events and physical handles come from one
-    /// counter, so a handle of one kind is never valid as another.
-    next_id: AtomicU64,
     space: Arc<RwLock<AddrSpace>>,
     phys: Mutex<HashMap<u64, Phys>>,
     streams: Mutex<HashMap<u64, HostStream>>,
@@ -95,7 +97,6 @@ impl HostDevice {
         };
         Ok(Self {
             info,
-            next_id: AtomicU64::new(1),
             space: Arc::new(RwLock::new(AddrSpace::new(granularity))),
             phys: Mutex::default(),
             streams: Mutex::default(),
@@ -111,7 +112,7 @@ impl HostDevice {
     }
 
     fn id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        NEXT_ID.fetch_add(1, Ordering::Relaxed)
     }
     fn count(&self, f: impl FnOnce(&mut DriverCounts)) {
         f(&mut lock(&self.counts));

@@ -192,6 +192,13 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
 /// Every range is valid for its access (see `execute`).
 unsafe fn run_mem(op: MemOp) {
     match op {
+        // Zero-length ops are valid with any address (even NULL), which
+        // `ptr::copy` and `from_raw_parts` do not accept: skip them.
+        MemOp::Copy { n: 0, .. } | MemOp::Fill { n: 0, .. } => {}
+        MemOp::Checksum { n: 0, out, .. } => {
+            // SAFETY: 8 writable device bytes (caller).
+            unsafe { std::ptr::write_unaligned(std::ptr::with_exposed_provenance_mut::<u64>(out), 0) }
+        }
         MemOp::Copy { dst, src, n } => {
             let (d, s) =
                 (std::ptr::with_exposed_provenance_mut::<u8>(dst), std::ptr::with_exposed_provenance::<u8>(src));

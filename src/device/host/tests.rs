@@ -188,3 +188,46 @@ fn host_pointers_into_device_memory_or_read_only_registrations_are_checked() {
     }
     assert!(page[10..74].iter().all(|&x| x == 7));
 }
+
+#[test]
+fn handles_of_one_host_device_are_unknown_to_another() {
+    let (a, b) = (host(2 << 20), host(2 << 20));
+    let s = a.stream_create().unwrap();
+    let e = a.event_create(false).unwrap();
+    let p = a.vmm_create(2 << 20).unwrap();
+    assert_eq!(b.stream_synchronize(s).unwrap_err().status(), EpmStatus::InvalidHandle);
+    assert_eq!(b.event_query(e).unwrap_err().status(), EpmStatus::InvalidHandle);
+    assert_eq!(b.vmm_release(p).unwrap_err().status(), EpmStatus::InvalidHandle);
+    let buf = a.mem_alloc(64).unwrap();
+    assert_eq!(b.mem_free(buf).unwrap_err().status(), EpmStatus::InvalidArgument);
+    a.mem_free(buf).unwrap();
+    a.vmm_release(p).unwrap();
+    a.event_destroy(e).unwrap();
+    a.stream_destroy(s).unwrap();
+}
+
+#[test]
+fn zero_length_ops_are_no_ops_even_with_null_pointers() {
+    let dev = host(2 << 20);
+    let s = Stream::new(&dev).unwrap();
+    let b = DeviceBuffer::new(&dev, 8).unwrap();
+    dev.memset_d8_async(b.ptr(), 0xFF, 8, s.raw()).unwrap();
+    // SAFETY: zero-length copies read and write nothing.
+    unsafe {
+        dev.memcpy_htod_async(b.ptr(), std::ptr::null(), 0, s.raw()).unwrap();
+        dev.memcpy_dtoh_async(std::ptr::null_mut(), b.ptr(), 0, s.raw()).unwrap();
+        assert_eq!(
+            dev.memcpy_htod_async(b.ptr(), std::ptr::null(), 8, s.raw()).unwrap_err().status(),
+            EpmStatus::NullPointer
+        );
+    }
+    dev.memcpy_dtod_async(0, 0, 0, s.raw()).unwrap();
+    dev.memset_d8_async(0, 1, 0, s.raw()).unwrap();
+    dev.checksum_async(0, 0, b.ptr(), s.raw()).unwrap();
+    s.synchronize().unwrap();
+    let mut out = [1u8; 8];
+    // SAFETY: `out` outlives the copy (synchronized next).
+    unsafe { dev.memcpy_dtoh_async(out.as_mut_ptr(), b.ptr(), 8, s.raw()).unwrap() };
+    s.synchronize().unwrap();
+    assert_eq!(out, [0; 8], "the checksum of nothing is 0");
+}
