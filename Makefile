@@ -20,6 +20,10 @@ LIB_DIR   := target/release
 TEST_DIR  := target/ffi-tests
 TEST_SRCS := $(wildcard ffi-tests/test_*.c)
 TEST_BINS := $(patsubst ffi-tests/%.c,$(TEST_DIR)/%,$(TEST_SRCS))
+# The same tests under AddressSanitizer (with leak checks) and UBSan, run in
+# CI only: the plain binaries are the ones shipped to the GPU machine.
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+SAN_BINS  := $(patsubst ffi-tests/%.c,$(TEST_DIR)/san/%,$(TEST_SRCS))
 EXAMPLES  := $(wildcard examples-c/*.c)
 # The demo is examples-c/offload_decode.c once it exists; until then the
 # device tour stands in, so `make demo` always shows something real.
@@ -48,6 +52,10 @@ $(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/l
 	@mkdir -p $(TEST_DIR)
 	$(CC) $(TEST_CFLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../release'
 
+$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+	@mkdir -p $(TEST_DIR)/san
+	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../../release'
+
 $(LIB_DIR)/libepmem.so: build
 
 ffi-tests: build $(TEST_BINS)
@@ -57,8 +65,8 @@ ffi-tests: build $(TEST_BINS)
 test-rust:
 	$(CARGO) test
 
-test-c: ffi-tests
-	@fail=0; for t in $(TEST_BINS); do \
+test-c: ffi-tests $(SAN_BINS)
+	@fail=0; for t in $(TEST_BINS) $(SAN_BINS); do \
 	  echo "== $$t"; $$t || { echo "FAILED: $$t (exit $$?)"; fail=1; }; \
 	done; exit $$fail
 

@@ -517,8 +517,8 @@ enum EpmStatus epm_device_spin_async(struct EpmDevice *dev,
 
 /**
  * The message of the most recent failed status-returning `epm_*` call on
- * this thread, prefixed by its status name, e.g.
- * `"EPM_STATUS_NULL_POINTER: argument `out` is NULL"`.
+ * this thread, e.g. "argument `out` is NULL" (`epm_status_name` names the
+ * status itself).
  *
  * Returns "" (never NULL) when that call succeeded or no call was made yet.
  * The string is owned by epmem and stays valid until the next `epm_*` call on

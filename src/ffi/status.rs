@@ -28,9 +28,8 @@ pub(crate) fn clear_last_error() {
 
 /// Record `e` as this thread's last error.
 pub(crate) fn set_last_error(e: &Error) {
-    let text = format!("{}: {}", status_name(e.status()).to_str().unwrap_or("?"), e.message());
     // A message with an interior NUL would be cut short in C; keep the rest visible.
-    let text = CString::new(text.replace('\0', "\\0")).unwrap_or_default();
+    let text = CString::new(e.message().replace('\0', "\\0")).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|m| *m.borrow_mut() = text);
 }
 
@@ -80,8 +79,8 @@ pub fn status_from_int(v: c_int) -> Option<EpmStatus> {
 }
 
 /// The message of the most recent failed status-returning `epm_*` call on
-/// this thread, prefixed by its status name, e.g.
-/// `"EPM_STATUS_NULL_POINTER: argument `out` is NULL"`.
+/// this thread, e.g. "argument `out` is NULL" (`epm_status_name` names the
+/// status itself).
 ///
 /// Returns "" (never NULL) when that call succeeded or no call was made yet.
 /// The string is owned by epmem and stays valid until the next `epm_*` call on
@@ -126,7 +125,7 @@ mod tests {
         clear_last_error();
         assert_eq!(last(), "");
         set_last_error(&Error::new(EpmStatus::NullPointer, "argument `out` is NULL"));
-        assert_eq!(last(), "EPM_STATUS_NULL_POINTER: argument `out` is NULL");
+        assert_eq!(last(), "argument `out` is NULL");
         clear_last_error();
         assert_eq!(last(), "");
     }
@@ -134,7 +133,7 @@ mod tests {
     #[test]
     fn last_error_survives_interior_nul() {
         set_last_error(&Error::new(EpmStatus::Internal, "a\0b"));
-        assert_eq!(last(), "EPM_STATUS_INTERNAL: a\\0b");
+        assert_eq!(last(), "a\\0b");
     }
 
     #[test]
