@@ -34,6 +34,9 @@
 //! }
 //! ```
 //!
+//! The header is generated from this folder (and `EpmStatus` in error.rs)
+//! only: declare every C type and constant here, next to its functions.
+//!
 //! Input enums cross as integers (`u32`), never as Rust enums: C can pass any
 //! value, and an out-of-range Rust enum is undefined behaviour.
 
