@@ -65,10 +65,25 @@ ffi-tests: build $(TEST_BINS)
 test-rust:
 	$(CARGO) test
 
-test-c: ffi-tests $(SAN_BINS)
+# The C tests run three ways: plain and sanitized on the host device, then
+# plain with EPM_DEVICE=cuda against the fake libcuda the CUDA device's own
+# tests use (src/device/cuda/fake_libcuda.c), so the CUDA code path behind
+# every epm_* function is exercised without a GPU.
+FAKE_CUDA_SRC := $(wildcard src/device/cuda/fake_libcuda.c)
+FAKE_CUDA_DIR := target/fake-cuda
+
+$(FAKE_CUDA_DIR)/libcuda.so: $(FAKE_CUDA_SRC)
+	@mkdir -p $(FAKE_CUDA_DIR)
+	$(CC) -shared -fPIC -O1 -o $@ $<
+
+test-c: ffi-tests $(SAN_BINS) $(if $(FAKE_CUDA_SRC),$(FAKE_CUDA_DIR)/libcuda.so)
 	@fail=0; for t in $(TEST_BINS) $(SAN_BINS); do \
 	  echo "== $$t"; $$t || { echo "FAILED: $$t (exit $$?)"; fail=1; }; \
-	done; exit $$fail
+	done; \
+	if [ -n "$(FAKE_CUDA_SRC)" ]; then for t in $(TEST_BINS); do \
+	  echo "== $$t (EPM_DEVICE=cuda, fake libcuda)"; \
+	  LD_LIBRARY_PATH=$(FAKE_CUDA_DIR) EPM_DEVICE=cuda $$t || { echo "FAILED: $$t on fake cuda (exit $$?)"; fail=1; }; \
+	done; fi; exit $$fail
 
 # Install into a throw-away prefix and build every example the way a user
 # would: through pkg-config, nothing from this tree.
