@@ -15,7 +15,7 @@ CARGO    ?= cargo
 VERSION  := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 
 WARN      := -Wall -Wextra -Werror
-TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer
+TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer -pthread
 LIB_DIR   := target/release
 TEST_DIR  := target/ffi-tests
 TEST_SRCS := $(wildcard ffi-tests/test_*.c)
