@@ -95,7 +95,15 @@ test-examples: build
 	  PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -o $$prefix/$$name $$ex \
 	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
 	  $$prefix/$$name; \
-	done
+	done; \
+	echo "== example device_info, linked statically (libepmem.a + Libs.private)"; \
+	$(CC) -std=c11 $(WARN) -o $$prefix/device_info_static examples-c/device_info.c \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags epmem) \
+	  -L$$prefix/lib -Wl,-Bstatic -lepmem -Wl,-Bdynamic \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --static --libs-only-l epmem | sed 's/-lepmem//'); \
+	if ldd $$prefix/device_info_static | grep -q libepmem; then \
+	  echo "device_info_static links libepmem.so: the static library was not used"; exit 1; fi; \
+	$$prefix/device_info_static >/dev/null
 
 test:
 	$(MAKE) test-rust
