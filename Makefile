@@ -25,6 +25,8 @@ TEST_BINS := $(patsubst ffi-tests/%.c,$(TEST_DIR)/%,$(TEST_SRCS))
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
 SAN_BINS  := $(patsubst ffi-tests/%.c,$(TEST_DIR)/san/%,$(TEST_SRCS))
 EXAMPLES  := $(wildcard examples-c/*.c)
+# What an example may use besides epmem: threads and libm.
+EX_LIBS   := -pthread -lm
 # The demo is examples-c/offload_decode.c once it exists; until then the
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
@@ -93,7 +95,7 @@ test-examples: build
 	for ex in $(EXAMPLES); do \
 	  name=$$(basename $$ex .c); echo "== example $$name"; \
 	  PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -o $$prefix/$$name $$ex \
-	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
+	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
 	  $$prefix/$$name; \
 	done; \
 	echo "== example device_info, linked statically (libepmem.a + Libs.private)"; \
@@ -119,7 +121,7 @@ demo: build
 	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
 	$(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
 	PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -O2 -o $$prefix/$(DEMO) examples-c/$(DEMO).c \
-	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
 	$$prefix/$(DEMO)
 
 clean-c:
