@@ -21,7 +21,10 @@ use crate::error::{EpmStatus, Error, Result};
 
 pub mod conformance;
 pub mod cuda;
+pub mod fence;
+pub mod fill;
 pub mod host;
+pub mod hostreg;
 pub mod objects;
 
 pub use objects::*;
