@@ -228,21 +228,26 @@ impl fmt::Debug for CopyCompleted {
 }
 
 pub(crate) mod sealed {
-    /// Keeps [`super::CopySource`] closed: only the crate decides what may be
-    /// a copy source, so every implementation owns (or is) its pinned buffer.
+    /// Keeps [`super::PinnedOwner`] closed: only the crate decides what a
+    /// copy may own, so every implementation owns (or is) its pinned buffer.
     pub trait Sealed {}
 }
 
-/// A value that owns page-locked memory an H2D copy can read from: a
-/// [`PinnedBuffer`], or a pooled staging buffer. Sealed.
-pub trait CopySource: sealed::Sealed + Send + 'static {
+/// A value that owns page-locked memory a copy can read (H2D) or write
+/// (D2H): a [`PinnedBuffer`], or a pooled staging buffer. Sealed.
+pub trait PinnedOwner: sealed::Sealed + Send + 'static {
     /// The pinned memory this value owns.
     fn pinned(&self) -> &PinnedBuffer;
+    /// The same, mutably.
+    fn pinned_mut(&mut self) -> &mut PinnedBuffer;
 }
 
 impl sealed::Sealed for PinnedBuffer {}
-impl CopySource for PinnedBuffer {
+impl PinnedOwner for PinnedBuffer {
     fn pinned(&self) -> &PinnedBuffer {
+        self
+    }
+    fn pinned_mut(&mut self) -> &mut PinnedBuffer {
         self
     }
 }
@@ -278,8 +283,9 @@ impl CopyTiming {
     }
 }
 
-/// An H2D copy in progress, owning its source buffer until the copy's event
-/// is observed complete. The only ways back to the buffer are
+/// A copy in progress, owning its pinned buffer (the source of an H2D copy,
+/// or the destination of a D2H one) until the copy's event is observed
+/// complete. The only ways back to the buffer are
 /// [`InFlight::wait`] and [`InFlight::try_complete`].
 ///
 /// Dropping an `InFlight` blocks until the copy completes (it synchronizes the
@@ -292,13 +298,13 @@ impl CopyTiming {
 /// buffer is leaked and the error logged: without proof of completion,
 /// leaking is the only safe choice, and dropping must not panic.
 #[must_use = "dropping an InFlight blocks until the copy completes and frees its buffer; wait() or try_complete() instead"]
-pub struct InFlight<T: CopySource> {
-    source: Option<T>,
+pub struct InFlight<T: PinnedOwner> {
+    buf: Option<T>,
     done: Event,
     bytes: usize,
 }
 
-impl<T: CopySource> fmt::Debug for InFlight<T> {
+impl<T: PinnedOwner> fmt::Debug for InFlight<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("InFlight").field("bytes", &self.bytes).field("event", &self.done.raw()).finish()
     }
@@ -306,14 +312,14 @@ impl<T: CopySource> fmt::Debug for InFlight<T> {
 
 /// The result of [`InFlight::try_complete`].
 #[derive(Debug)]
-pub enum TryComplete<T: CopySource> {
+pub enum TryComplete<T: PinnedOwner> {
     /// The copy completed: the buffer and its witness.
     Done(T, CopyCompleted),
     /// Still running: the copy keeps its buffer.
     Pending(InFlight<T>),
 }
 
-impl<T: CopySource> InFlight<T> {
+impl<T: PinnedOwner> InFlight<T> {
     /// Bytes the copy moves.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -326,41 +332,41 @@ impl<T: CopySource> InFlight<T> {
     /// buffer if that fails too.
     pub fn wait(mut self) -> Result<(T, CopyCompleted)> {
         self.done.synchronize()?;
-        Ok((self.take_source(), CopyCompleted::mint()))
+        Ok((self.take_buf(), CopyCompleted::mint()))
     }
 
     /// Never blocks: the buffer and its witness if the copy has completed,
     /// else `Pending(self)`. A failing query is an error (as in [`Self::wait`]).
     pub fn try_complete(mut self) -> Result<TryComplete<T>> {
         if self.done.query()? {
-            Ok(TryComplete::Done(self.take_source(), CopyCompleted::mint()))
+            Ok(TryComplete::Done(self.take_buf(), CopyCompleted::mint()))
         } else {
             Ok(TryComplete::Pending(self))
         }
     }
 
-    fn take_source(&mut self) -> T {
-        // `source` is Some from construction until this call, which consumes
+    fn take_buf(&mut self) -> T {
+        // `buf` is Some from construction until this call, which consumes
         // the InFlight (wait/try_complete take `self`), so it runs once.
-        match self.source.take() {
+        match self.buf.take() {
             Some(s) => s,
-            None => unreachable!("InFlight source taken twice"),
+            None => unreachable!("InFlight buffer taken twice"),
         }
     }
 }
 
-impl<T: CopySource> Drop for InFlight<T> {
+impl<T: PinnedOwner> Drop for InFlight<T> {
     fn drop(&mut self) {
-        let Some(source) = self.source.take() else { return };
+        let Some(buf) = self.buf.take() else { return };
         match self.done.synchronize() {
-            Ok(()) => drop(source),
+            Ok(()) => drop(buf),
             Err(e) => {
                 log::error!(
                     "epmem: an in-flight copy of {} bytes could not be confirmed complete ({e}); \
                      leaking its staging buffer rather than freeing memory a DMA may still read",
                     self.bytes
                 );
-                std::mem::forget(source);
+                std::mem::forget(buf);
             }
         }
     }
@@ -373,27 +379,61 @@ impl<T: CopySource> Drop for InFlight<T> {
 /// Returns immediately; the copy owns `src` until it completes. On error the
 /// buffer is dropped — after synchronizing the stream if the copy had already
 /// been enqueued.
-pub fn enqueue_htod<T: CopySource>(
+pub fn enqueue_htod<T: PinnedOwner>(
     stream: &Stream,
     dst: DevicePtr,
     src: T,
     len: usize,
     timing: Option<&CopyTiming>,
 ) -> Result<InFlight<T>> {
-    let dev = stream.device();
     let (ptr, cap) = (src.pinned().as_ptr(), src.pinned().len());
-    crate::ensure!(len <= cap, InvalidArgument, "copy of {len} bytes from a staging buffer of {cap} bytes");
-    let done = Event::new(dev, false)?;
+    crate::ensure!(len <= cap, InvalidArgument, "copy of {len} bytes from a pinned buffer of {cap} bytes");
+    enqueue(stream, src, len, timing, |dev| {
+        // SAFETY: `[ptr, ptr+len)` lies inside the pinned allocation `src`
+        // owns. `src` moves into the returned InFlight (or, on a later error,
+        // is dropped only after the stream synchronizes), and InFlight gives
+        // no access to it until its event is observed complete, so the memory
+        // stays allocated and unwritten until the DMA has read it.
+        unsafe { dev.memcpy_htod_async(dst, ptr, len, stream.raw()) }
+    })
+}
+
+/// Enqueue a D2H copy of `len` bytes from `src` into the start of `dst` on
+/// `stream`. The copy owns `dst` until it completes, so its bytes can be
+/// read only after [`InFlight::wait`] / [`InFlight::try_complete`].
+pub fn enqueue_dtoh<T: PinnedOwner>(
+    stream: &Stream,
+    mut dst: T,
+    src: DevicePtr,
+    len: usize,
+    timing: Option<&CopyTiming>,
+) -> Result<InFlight<T>> {
+    let (ptr, cap) = (dst.pinned_mut().as_mut_ptr(), dst.pinned().len());
+    crate::ensure!(len <= cap, InvalidArgument, "copy of {len} bytes into a pinned buffer of {cap} bytes");
+    enqueue(stream, dst, len, timing, |dev| {
+        // SAFETY: `[ptr, ptr+len)` lies inside the pinned allocation `dst`
+        // owns exclusively (taken by value, `&mut` when the pointer was made),
+        // and nothing can read or free it until the copy's event completes
+        // (see the htod case).
+        unsafe { dev.memcpy_dtoh_async(ptr, src, len, stream.raw()) }
+    })
+}
+
+/// The shared part of both directions: timing, the copy, the event, and the
+/// error path that must not free a buffer a queued copy may still use.
+fn enqueue<T: PinnedOwner>(
+    stream: &Stream,
+    buf: T,
+    len: usize,
+    timing: Option<&CopyTiming>,
+    copy: impl FnOnce(&std::sync::Arc<dyn super::Device>) -> Result<()>,
+) -> Result<InFlight<T>> {
+    let done = Event::new(stream.device(), false)?;
     if let Some(t) = timing {
         t.record_start(stream)?;
     }
     if len > 0 {
-        // SAFETY: `[ptr, ptr+len)` lies inside the pinned allocation `src`
-        // owns. `src` moves into the returned InFlight (or, on a later error,
-        // is dropped only after the stream synchronizes), and InFlight gives
-        // no access to it until `done` is observed complete, so the memory
-        // stays allocated and unwritten until the DMA has read it.
-        unsafe { dev.memcpy_htod_async(dst, ptr, len, stream.raw())? };
+        copy(stream.device())?;
     }
     let recorded = match timing {
         Some(t) => t.record_end(stream).and_then(|()| done.record(stream)),
@@ -403,12 +443,12 @@ pub fn enqueue_htod<T: CopySource>(
         // The copy may be queued with no event to observe it: wait for the
         // whole stream before the buffer can be dropped.
         if let Err(e2) = stream.synchronize() {
-            log::error!("epmem: leaking a staging buffer: copy enqueued, event not recorded ({e}), stream sync failed ({e2})");
-            std::mem::forget(src);
+            log::error!("epmem: leaking a pinned buffer: copy enqueued, event not recorded ({e}), stream sync failed ({e2})");
+            std::mem::forget(buf);
         }
         return Err(e);
     }
-    Ok(InFlight { source: Some(src), done, bytes: len })
+    Ok(InFlight { buf: Some(buf), done, bytes: len })
 }
 
 /// Enqueue an H2D copy straight from a host range (no staging): the direct

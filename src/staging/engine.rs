@@ -33,7 +33,7 @@ use std::time::Instant;
 use super::pool::{PinnedStagingPool, PooledStaging};
 use super::stats::{self, EngineCounters, StagingStats};
 use crate::device::fence::{self, CopyTiming, InFlight, TryComplete};
-use crate::device::fill::FillThreads;
+use crate::device::fill::{FillThreads, MAX_FILL_THREADS};
 use crate::device::{Device, DevicePtr, Event, HostRange, RawStream, Stream};
 use crate::error::Result;
 
@@ -147,6 +147,12 @@ impl CopyEngine {
             InvalidConfig,
             "chunk of {} bytes is below the 1 MiB minimum",
             cfg.chunk_bytes
+        );
+        crate::ensure!(
+            (1..=MAX_FILL_THREADS).contains(&cfg.fill_threads),
+            InvalidConfig,
+            "fill threads {} not in 1..={MAX_FILL_THREADS}",
+            cfg.fill_threads
         );
         let pc = pool.config();
         crate::ensure!(

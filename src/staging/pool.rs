@@ -88,7 +88,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::device::fence::{sealed, CopyCompleted, CopySource};
+use crate::device::fence::{sealed, CopyCompleted, PinnedOwner};
 use crate::device::{Device, PinnedBuffer};
 use crate::error::Result;
 
@@ -304,11 +304,17 @@ impl PooledStaging {
 }
 
 impl sealed::Sealed for PooledStaging {}
-impl CopySource for PooledStaging {
+impl PinnedOwner for PooledStaging {
     fn pinned(&self) -> &PinnedBuffer {
         match &self.buf {
             Some(b) => b,
             // `buf` is None only inside `retire`/`drop`, which consume self.
+            None => unreachable!("PooledStaging used after retire"),
+        }
+    }
+    fn pinned_mut(&mut self) -> &mut PinnedBuffer {
+        match &mut self.buf {
+            Some(b) => b,
             None => unreachable!("PooledStaging used after retire"),
         }
     }
@@ -323,10 +329,7 @@ impl std::ops::Deref for PooledStaging {
 
 impl std::ops::DerefMut for PooledStaging {
     fn deref_mut(&mut self) -> &mut [u8] {
-        match &mut self.buf {
-            Some(b) => b,
-            None => unreachable!("PooledStaging used after retire"),
-        }
+        self.pinned_mut()
     }
 }
 
