@@ -111,12 +111,14 @@ fn direct_path_can_be_switched_off() {
 
 /// The consumer stream is ordered after the copy by an event, and the copy
 /// after the work already on the caller's stream — with no host wait: `htod`
-/// returns while the copy is still held back behind 300 ms of work.
+/// returns while the copy is still held back behind 300 ms of work. (The
+/// copy fits in the engine's slots: 3 chunks of 1 MiB; a bigger one would
+/// wait for a slot, by design.)
 fn ordering_case(register: bool) {
     let d = dev();
     let e = small_engine(&d);
     let (producer, consumer) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
-    let n = 3 * MIB + 5;
+    let n = 2 * MIB + 5;
     let src = random_bytes(n, 99);
     let range = leak_range(src.clone());
     let _reg = register.then(|| e.register(range).unwrap());
@@ -142,6 +144,23 @@ fn a_stream_waiting_on_the_fence_sees_the_data_staged() {
 #[test]
 fn a_stream_waiting_on_the_fence_sees_the_data_direct() {
     ordering_case(true);
+}
+
+#[test]
+fn a_copy_bigger_than_the_slots_waits_for_slots_and_stays_exact() {
+    let d = dev();
+    let e = small_engine(&d);
+    let producer = Stream::new(&d).unwrap();
+    let n = 6 * MIB + 1; // 7 chunks through 3 slots
+    let src = random_bytes(n, 1234);
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    d.spin_async(100_000, producer.raw()).unwrap();
+    let f = e.htod(dst.ptr(), leak_range(src.clone()), Some(producer.raw())).unwrap();
+    assert_same(&read_back(&d, &producer, dst.ptr(), n), &src, "through reused slots");
+    assert!(f.query().unwrap());
+    let st = e.stats();
+    assert_eq!(st.chunks, 7);
+    assert!(st.slot_wait_ms > 50.0, "the 4th chunk waited for the first slot: {st:?}");
 }
 
 #[test]

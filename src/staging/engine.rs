@@ -212,6 +212,11 @@ impl CopyEngine {
     /// semantics of an async memcpy on `stream` — with no host wait. Without
     /// it, order the consumer with [`Fence::make_wait`].
     ///
+    /// The host waits only for back-pressure: a staged copy of more than
+    /// `slots` chunks reuses a slot only once that slot's previous copy has
+    /// completed, so behind a stalled copy stream it waits. A direct copy, or
+    /// a staged one within the free slots, returns without waiting.
+    ///
     /// `src` must stay readable and unmodified until the fence completes.
     pub fn htod(&self, dst: DevicePtr, src: HostRange, stream: Option<RawStream>) -> Result<Fence> {
         let mut st = self.lock();
