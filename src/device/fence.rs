@@ -23,6 +23,8 @@
 //!
 //! Each `compile_fail` block below differs from the compiling block before it
 //! by exactly one line, so it fails for the reason named and nothing else.
+//! (Stable rustdoc ignores the error codes — only nightly checks them — so
+//! `tests/staging_doctest_twins.rs` enforces the one-line structure.)
 //!
 //! The legitimate path compiles and runs (on the host device in CI):
 //! ```
