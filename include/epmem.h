@@ -374,7 +374,8 @@ typedef struct EpmCopyEngineConfig {
    */
   uint32_t slots;
   /**
-   * Threads that fill a slot, counting the calling thread, 1–64 (default 8).
+   * Threads that fill a slot, counting the calling thread, 1–64 (default 8,
+   * or the number of CPUs if fewer).
    */
   uint32_t fill_threads;
   /**

@@ -12,7 +12,9 @@ fn blocks(src: &str) -> Vec<(String, Vec<String>)> {
     let mut out = Vec::new();
     let mut cur: Option<(String, Vec<String>)> = None;
     for line in src.lines() {
-        let Some(doc) = line.trim_start().strip_prefix("//!") else { continue };
+        let Some(doc) = line.trim_start().strip_prefix("//!") else {
+            continue;
+        };
         let doc = doc.strip_prefix(' ').unwrap_or(doc);
         if let Some(info) = doc.strip_prefix("```") {
             match cur.take() {
@@ -32,7 +34,8 @@ fn check(name: &str, src: &str, expected_fails: usize) {
     let fails: Vec<_> = bs.iter().filter(|(info, _)| info.starts_with("compile_fail")).collect();
     assert_eq!(fails.len(), expected_fails, "{name}: compile_fail blocks");
     for (info, lines) in fails {
-        let code = info.strip_prefix("compile_fail,E").unwrap_or_else(|| panic!("{name}: `{info}` names no error code"));
+        let code =
+            info.strip_prefix("compile_fail,E").unwrap_or_else(|| panic!("{name}: `{info}` names no error code"));
         assert!(code.len() == 4 && code.bytes().all(|b| b.is_ascii_digit()), "{name}: `{info}`");
         assert_eq!(lines.len(), twin.1.len(), "{name} {info}: not a copy of the compiling block");
         let changed: Vec<_> = lines.iter().zip(&twin.1).filter(|(a, b)| a != b).collect();

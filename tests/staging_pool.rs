@@ -155,7 +155,11 @@ fn eight_threads_lose_and_duplicate_nothing() {
     }
     let st = pool.stats();
     assert_eq!(st.pinned_alloc_calls + st.pinned_reuses, (THREADS * CYCLES) as u64, "every acquire counted once");
-    assert_eq!(st.pinned_alloc_calls, st.retained_buffers + st.pinned_free_calls, "every allocation accounted for: {st:?}");
+    assert_eq!(
+        st.pinned_alloc_calls,
+        st.retained_buffers + st.pinned_free_calls,
+        "every allocation accounted for: {st:?}"
+    );
     assert!(st.retained_buffers <= cfg.max_buffers as u64);
     let held: HashSet<usize> = (0..st.retained_buffers).map(|_| pool.acquire(1).unwrap().as_ptr() as usize).collect();
     assert_eq!(held.len() as u64, st.retained_buffers, "retained buffers are distinct");

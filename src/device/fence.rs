@@ -445,7 +445,9 @@ fn enqueue<T: PinnedOwner>(
         // The copy may be queued with no event to observe it: wait for the
         // whole stream before the buffer can be dropped.
         if let Err(e2) = stream.synchronize() {
-            log::error!("epmem: leaking a pinned buffer: copy enqueued, event not recorded ({e}), stream sync failed ({e2})");
+            log::error!(
+                "epmem: leaking a pinned buffer: copy enqueued, event not recorded ({e}), stream sync failed ({e2})"
+            );
             std::mem::forget(buf);
         }
         return Err(e);

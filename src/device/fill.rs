@@ -96,13 +96,7 @@ impl FillThreads {
     /// when all of it is written. Not reentrant per pool in any harmful way:
     /// concurrent callers interleave their pieces and each waits for its own.
     pub fn copy(&self, dst: &mut [u8], src: &[u8]) -> Result<()> {
-        crate::ensure!(
-            dst.len() == src.len(),
-            InvalidArgument,
-            "fill of {} bytes into {} bytes",
-            src.len(),
-            dst.len()
-        );
+        crate::ensure!(dst.len() == src.len(), InvalidArgument, "fill of {} bytes into {} bytes", src.len(), dst.len());
         let len = src.len();
         let pieces = (len / MIN_PIECE).clamp(1, self.threads);
         if pieces == 1 {

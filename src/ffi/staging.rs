@@ -60,7 +60,8 @@ pub struct EpmCopyEngineConfig {
     pub size: usize,
     /// Staging slots in flight at once, 2–4 (default 3).
     pub slots: u32,
-    /// Threads that fill a slot, counting the calling thread, 1–64 (default 8).
+    /// Threads that fill a slot, counting the calling thread, 1–64 (default 8,
+    /// or the number of CPUs if fewer).
     pub fill_threads: u32,
     /// Capacity of one slot and the largest chunk, at least 1 MiB (default 8 MiB).
     pub chunk_bytes: u64,
@@ -152,12 +153,12 @@ fn c_stats(s: StagingStats, size: usize) -> EpmStagingStats {
     }
 }
 
-fn write_stats(out: *mut EpmStagingStats, s: StagingStats) -> Result<()> {
-    check_not_null!(out);
-    // SAFETY: non-NULL; the caller promises an EpmStagingStats with its size set.
-    let size = unsafe { caller_size(out, STATS_MIN_SIZE, "EpmStagingStats")? };
+fn write_stats(out: OutParam<'_, EpmStagingStats>, s: StagingStats) -> Result<()> {
+    // SAFETY: non-NULL (OutParam); the caller promises an EpmStagingStats
+    // with its size set.
+    let size = unsafe { caller_size(out.as_ptr(), STATS_MIN_SIZE, "EpmStagingStats")? };
     // SAFETY: the caller's struct has `size` writable bytes.
-    unsafe { write_sized(out, &c_stats(s, size), size) };
+    unsafe { write_sized(out.as_ptr(), &c_stats(s, size), size) };
     Ok(())
 }
 
@@ -236,7 +237,7 @@ pub extern "C" fn epm_staging_pool_get_stats(pool: *mut EpmStagingPool, out: *mu
             retained_buffers: p.retained_buffers,
             ..StagingStats::default()
         };
-        write_stats(out, s)
+        write_stats(try_out!(out), s)
     }
 }
 
@@ -257,13 +258,13 @@ pub extern "C" fn epm_staging_pool_destroy(pool: *mut EpmStagingPool) -> EpmStat
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_copy_engine_config_default(out: *mut EpmCopyEngineConfig) -> EpmStatus {
     ffi_boundary! {
-        check_not_null!(out);
-        // SAFETY: non-NULL; the caller promises a config with its size set.
-        let size = unsafe { caller_size(out, CONFIG_MIN_SIZE, "EpmCopyEngineConfig")? };
+        let out = try_out!(out);
+        // SAFETY: non-NULL (OutParam); the caller promises a config with its size set.
+        let size = unsafe { caller_size(out.as_ptr(), CONFIG_MIN_SIZE, "EpmCopyEngineConfig")? };
         let mut d = default_config();
         d.size = size.min(std::mem::size_of::<EpmCopyEngineConfig>());
         // SAFETY: the caller's struct has `size` writable bytes.
-        unsafe { write_sized(out, &d, size) };
+        unsafe { write_sized(out.as_ptr(), &d, size) };
         Ok(())
     }
 }
@@ -278,6 +279,9 @@ pub extern "C" fn epm_copy_engine_config_default(out: *mut EpmCopyEngineConfig) 
 /// (steady-state copies would allocate); INVALID_ARGUMENT for unknown flags or
 /// a too-small `config->size`; device errors. Threading: the engine is safe to
 /// share; concurrent copies on one engine are serialized.
+// The config is an input struct read through a raw pointer; its validity is
+// the C caller's documented contract, as for every pointer argument here.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_copy_engine_create(
     pool: *mut EpmStagingPool,
@@ -424,6 +428,7 @@ pub extern "C" fn epm_copy_engine_synchronize(engine: *mut EpmCopyEngine) -> Epm
 pub extern "C" fn epm_copy_engine_get_stats(engine: *mut EpmCopyEngine, out: *mut EpmStagingStats) -> EpmStatus {
     ffi_boundary! {
         let engine = try_handle!(engine);
+        let out = try_out!(out);
         write_stats(out, engine.stats())
     }
 }

@@ -55,7 +55,9 @@ pub struct EngineConfig {
     pub slots: usize,
     /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 8 MiB).
     pub chunk_bytes: usize,
-    /// Threads that fill a chunk, counting the caller's, 1..=64 (default 8).
+    /// Threads that fill a chunk, counting the caller's, 1..=64 (default 8,
+    /// or the number of CPUs if fewer: oversubscribed fill threads spin
+    /// against each other).
     pub fill_threads: usize,
     /// Record timing events around each copy for `htod_ms` (default true).
     pub timing: bool,
@@ -65,7 +67,8 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { slots: 3, chunk_bytes: 8 << 20, fill_threads: 8, timing: true, direct: true }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self { slots: 3, chunk_bytes: 8 << 20, fill_threads: cpus.min(8), timing: true, direct: true }
     }
 }
 

@@ -88,7 +88,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::device::fence::{sealed, CopyCompleted, PinnedOwner};
+use crate::device::fence::{CopyCompleted, PinnedOwner, sealed};
 use crate::device::{Device, PinnedBuffer};
 use crate::error::Result;
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use epmem::device::{self, fence, Device, DevicePtr, HostRange, PinnedBuffer, Stream};
+use epmem::device::{self, Device, DevicePtr, HostRange, PinnedBuffer, Stream, fence};
 
 /// The device `EPM_DEVICE` names (host in CI, cuda on the GPU machine).
 pub fn dev() -> Arc<dyn Device> {
