@@ -43,9 +43,17 @@ struct Job {
 unsafe impl Send for Job {}
 
 #[derive(Default)]
-struct Mailbox {
+struct Inbox {
     /// A queue, not a slot: concurrent callers may post to the same worker.
-    jobs: Mutex<VecDeque<Job>>,
+    jobs: VecDeque<Job>,
+    /// The worker is blocked on `ready` (not spinning): only then does a post
+    /// pay for a futex wake.
+    sleeping: bool,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    inbox: Mutex<Inbox>,
     ready: Condvar,
     has_job: AtomicBool,
     shutdown: AtomicBool,
@@ -93,15 +101,24 @@ impl FillThreads {
     }
 
     /// Copy `src` into `dst` (equal lengths) using every fill thread; returns
-    /// when all of it is written. Not reentrant per pool in any harmful way:
-    /// concurrent callers interleave their pieces and each waits for its own.
+    /// when all of it is written. Concurrent callers interleave their pieces
+    /// and each waits for its own.
     pub fn copy(&self, dst: &mut [u8], src: &[u8]) -> Result<()> {
+        self.copy_with(dst, src, || ())
+    }
+
+    /// As [`Self::copy`], and run `during` on the calling thread while the
+    /// other fill threads copy (before the caller copies its own piece). The
+    /// copy engine enqueues the previous chunk's DMA here, so its driver calls
+    /// cost no fill time.
+    pub fn copy_with<R>(&self, dst: &mut [u8], src: &[u8], during: impl FnOnce() -> R) -> Result<R> {
         crate::ensure!(dst.len() == src.len(), InvalidArgument, "fill of {} bytes into {} bytes", src.len(), dst.len());
         let len = src.len();
         let pieces = (len / MIN_PIECE).clamp(1, self.threads);
         if pieces == 1 {
+            let r = during();
             dst.copy_from_slice(src);
-            return Ok(());
+            return Ok(r);
         }
         let piece = len.div_ceil(pieces).next_multiple_of(PIECE_ALIGN);
         let remaining = Arc::new(AtomicUsize::new(0));
@@ -123,9 +140,10 @@ impl FillThreads {
         }
         // pieces <= threads and each worker took one, so nothing is left over.
         debug_assert!(start >= len);
+        let r = during();
         let own = piece.min(len);
         dst[..own].copy_from_slice(&src[..own]);
-        Ok(())
+        Ok(r)
     }
 }
 
@@ -138,10 +156,12 @@ impl Drop for Join<'_> {
 }
 
 fn post(mb: &Mailbox, job: Job) {
-    let mut jobs = mb.jobs.lock().unwrap_or_else(|p| p.into_inner());
-    jobs.push_back(job);
+    let mut inbox = mb.inbox.lock().unwrap_or_else(|p| p.into_inner());
+    inbox.jobs.push_back(job);
     mb.has_job.store(true, Ordering::Release);
-    mb.ready.notify_one();
+    if inbox.sleeping {
+        mb.ready.notify_one();
+    }
 }
 
 /// The caller's wait: the pieces are the same size as its own, so they finish
@@ -167,16 +187,18 @@ fn worker(mb: &Mailbox) {
             std::hint::spin_loop();
         }
         let job = {
-            let mut jobs = mb.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            let mut inbox = mb.inbox.lock().unwrap_or_else(|p| p.into_inner());
             loop {
-                if let Some(job) = jobs.pop_front() {
-                    mb.has_job.store(!jobs.is_empty(), Ordering::Release);
+                if let Some(job) = inbox.jobs.pop_front() {
+                    mb.has_job.store(!inbox.jobs.is_empty(), Ordering::Release);
                     break Some(job);
                 }
                 if mb.shutdown.load(Ordering::Acquire) {
                     break None;
                 }
-                jobs = mb.ready.wait(jobs).unwrap_or_else(|p| p.into_inner());
+                inbox.sleeping = true;
+                inbox = mb.ready.wait(inbox).unwrap_or_else(|p| p.into_inner());
+                inbox.sleeping = false;
             }
         };
         let Some(job) = job else { return };
@@ -191,7 +213,7 @@ fn worker(mb: &Mailbox) {
 impl Drop for FillThreads {
     fn drop(&mut self) {
         for mb in &self.mailboxes {
-            let _jobs = mb.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            let _inbox = mb.inbox.lock().unwrap_or_else(|p| p.into_inner());
             mb.shutdown.store(true, Ordering::Release);
             mb.ready.notify_one();
         }
@@ -227,6 +249,24 @@ mod tests {
             let mut dst = vec![0u8; n];
             fill.copy(&mut dst, &src).unwrap();
             assert!(dst == src, "mismatch at n={n}");
+        }
+    }
+
+    #[test]
+    fn copy_with_runs_its_closure_once_while_filling() {
+        let fill = FillThreads::new(4).unwrap();
+        for &n in &[100usize, 4 * MIN_PIECE + 1] {
+            let src = pattern(n, 5);
+            let mut dst = vec![0u8; n];
+            let mut calls = 0;
+            let r = fill
+                .copy_with(&mut dst, &src, || {
+                    calls += 1;
+                    n * 2
+                })
+                .unwrap();
+            assert_eq!((r, calls), (n * 2, 1));
+            assert!(dst == src);
         }
     }
 

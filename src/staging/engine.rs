@@ -4,7 +4,8 @@
 //! A copy from pageable memory is cut into chunks. Each chunk is filled into
 //! a pooled pinned staging buffer by the fill threads (the caller's thread is
 //! one of them), then enqueued on the engine's copy stream; the next chunk is
-//! filled while that one is in DMA. N slots bound how many chunks are in
+//! filled while that one is in DMA, and the calling thread enqueues a chunk's
+//! copy while the other fill threads are already filling the next one. N slots bound how many chunks are in
 //! flight: the (N+1)th chunk waits for the oldest copy — proven complete by
 //! its witness — and reuses its buffer through the pool.
 //!
@@ -108,6 +109,13 @@ impl Fence {
     pub fn bypassed(&self) -> bool {
         self.bypassed
     }
+}
+
+/// A filled staging chunk waiting to be enqueued.
+struct Chunk {
+    buf: PooledStaging,
+    off: usize,
+    len: usize,
 }
 
 struct State {
@@ -263,31 +271,49 @@ impl CopyEngine {
     fn stage(&self, st: &mut State, dst: DevicePtr, src: HostRange, timing: Option<&CopyTiming>) -> Result<()> {
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
+        // The chunk filled last, not yet enqueued: its copy is enqueued by the
+        // calling thread while the fill threads fill the next chunk, so the
+        // driver calls (copy, event: ~10 µs) cost no fill time.
+        let mut filled: Option<Chunk> = None;
         let mut off = 0;
         while off < bytes.len() {
             let n = chunk.min(bytes.len() - off);
-            let mut buf = self.slot(st)?;
+            let mut buf = self.slot(st, filled.is_some())?;
+            let prev = filled.take();
             let t0 = Instant::now();
-            self.fill.copy(&mut buf[..n], &bytes[off..off + n])?;
+            let enqueued = self.fill.copy_with(&mut buf[..n], &bytes[off..off + n], || match prev {
+                Some(c) => self.enqueue(st, dst, c, timing),
+                None => Ok(()),
+            })?;
             stats::add_time(&self.counters.fill_ns, t0.elapsed());
-            // Start the clock at the first DMA, not before the first fill.
-            if let (0, Some(t)) = (off, timing) {
-                t.record_start(&st.stream)?;
-            }
-            st.ring.push_back(fence::enqueue_htod(&st.stream, dst + off as u64, buf, n, None)?);
-            stats::add(&self.counters.chunks, 1);
+            enqueued?;
+            filled = Some(Chunk { buf, off, len: n });
             off += n;
         }
+        match filled {
+            Some(c) => self.enqueue(st, dst, c, timing),
+            None => Ok(()),
+        }
+    }
+
+    fn enqueue(&self, st: &mut State, dst: DevicePtr, c: Chunk, timing: Option<&CopyTiming>) -> Result<()> {
+        // Start the clock at the first DMA, not before the first fill.
+        if let (0, Some(t)) = (c.off, timing) {
+            t.record_start(&st.stream)?;
+        }
+        st.ring.push_back(fence::enqueue_htod(&st.stream, dst + c.off as u64, c.buf, c.len, None)?);
+        stats::add(&self.counters.chunks, 1);
         Ok(())
     }
 
-    /// A staging buffer for the next chunk. When every slot is in flight,
-    /// wait for the oldest copy (back-pressure: the DMA is behind the fill)
-    /// and retire its buffer with the witness that wait hands back.
-    fn slot(&self, st: &mut State) -> Result<PooledStaging> {
-        if st.ring.len() >= self.cfg.slots
-            && let Some(oldest) = st.ring.pop_front()
-        {
+    /// A staging buffer for the next chunk. The engine holds at most `slots`
+    /// buffers: those in flight, the one filled but not yet enqueued
+    /// (`holding`), and this one. When that would be exceeded, wait for the
+    /// oldest copy (back-pressure: the DMA is behind the fill) and retire its
+    /// buffer with the witness the wait hands back.
+    fn slot(&self, st: &mut State, holding: bool) -> Result<PooledStaging> {
+        while st.ring.len() + usize::from(holding) + 1 > self.cfg.slots {
+            let Some(oldest) = st.ring.pop_front() else { break };
             let t0 = Instant::now();
             let (buf, done) = oldest.wait()?;
             stats::add_time(&self.counters.slot_wait_ns, t0.elapsed());

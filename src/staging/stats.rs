@@ -31,8 +31,8 @@ pub struct StagingStats {
     pub htod_bytes: u64,
     /// Staging chunks filled and copied.
     pub chunks: u64,
-    /// Host time spent filling staging buffers (wall time of the parallel
-    /// fill, summed over chunks).
+    /// Host time spent filling staging buffers: wall time of each chunk's
+    /// parallel fill, summed (the previous chunk's enqueue runs inside it).
     pub fill_ms: f64,
     /// Host time spent waiting for a staging slot's previous copy (the
     /// pipeline was DMA-bound); near zero when the fill is the bottleneck.
