@@ -386,6 +386,12 @@ typedef struct EpmCopyEngineConfig {
    * `EPM_COPY_ENGINE_*` bits (default 0).
    */
   uint32_t flags;
+  /**
+   * Cut a copy into about this many chunks (within 1 MiB and
+   * `chunk_bytes`), 1–256 (default 16): more chunks overlap more of the
+   * fill with the DMA, fewer cost fewer per-chunk driver calls.
+   */
+  uint32_t target_chunks;
 } EpmCopyEngineConfig;
 
 /**

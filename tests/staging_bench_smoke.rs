@@ -28,6 +28,7 @@ fn quick_bench_runs_and_reports_every_scenario() {
         "f_fill_ceiling/8MiB",
         "acquire_release",
         "steady_state_pinned_allocs",
+        "c_threads2/k4",
     ] {
         assert!(text.contains(&format!("\"name\":\"{name}\"")), "JSON lacks {name}");
     }

@@ -64,6 +64,8 @@ fn chunking_cuts_big_copies_into_many_slot_sized_pieces() {
     assert_eq!(e.chunk_len(1), MIB, "never below 1 MiB");
     assert_eq!(e.chunk_len(32 * MIB), 2 * MIB, "32 MiB: 16 chunks");
     assert_eq!(e.chunk_len(1 << 30), c, "never above the slot size");
+    let e4 = engine(&d, EngineConfig { target_chunks: 4, chunk_bytes: 32 * MIB, ..EngineConfig::default() });
+    assert_eq!(e4.chunk_len(32 * MIB), 8 * MIB, "32 MiB in 4 chunks");
 }
 
 #[test]
@@ -243,6 +245,7 @@ fn configurations_outside_the_bounds_are_rejected() {
     assert_eq!(bad(EngineConfig { slots: 5, ..ok }), EpmStatus::InvalidConfig);
     assert_eq!(bad(EngineConfig { chunk_bytes: MIB / 2, ..ok }), EpmStatus::InvalidConfig);
     assert_eq!(bad(EngineConfig { chunk_bytes: 8 * MIB, ..ok }), EpmStatus::InvalidConfig, "3 x 8 MiB > 16 MiB pool");
+    assert_eq!(bad(EngineConfig { target_chunks: 0, ..ok }), EpmStatus::InvalidConfig);
     assert_eq!(bad(EngineConfig { fill_threads: 0, ..ok }), EpmStatus::InvalidConfig);
     assert_eq!(bad(EngineConfig { fill_threads: 65, ..ok }), EpmStatus::InvalidConfig);
 }

@@ -38,6 +38,10 @@ struct Plan {
     ceiling_threads: &'static [usize],
     ceiling_fill: usize,
     ceiling_dma: usize,
+    /// (c) tuning sweep: sizes, fill threads, chunks per page-in.
+    sweep_mib: &'static [usize],
+    sweep_threads: &'static [usize],
+    sweep_chunks: &'static [usize],
 }
 
 const FULL: Plan = Plan {
@@ -48,6 +52,9 @@ const FULL: Plan = Plan {
     ceiling_threads: &[4, 6, 8, 12, 16],
     ceiling_fill: 128 * MIB,
     ceiling_dma: 1024 * MIB,
+    sweep_mib: &[32, 128],
+    sweep_threads: &[4, 8, 16],
+    sweep_chunks: &[4, 8, 16, 32],
 };
 
 const QUICK: Plan = Plan {
@@ -58,6 +65,9 @@ const QUICK: Plan = Plan {
     ceiling_threads: &[2, 4],
     ceiling_fill: 8 * MIB,
     ceiling_dma: 64 * MIB,
+    sweep_mib: &[8],
+    sweep_threads: &[2],
+    sweep_chunks: &[4, 16],
 };
 
 type Res<T> = epmem::Result<T>;
@@ -200,6 +210,7 @@ fn run(args: &BenchArgs) -> Res<()> {
     let mut steady_allocs = 0u64;
     let mut targets = Vec::new();
     let timing = CopyTiming::new(&dev)?;
+    let mut sources = Vec::new();
     for &mib in plan.sizes_mib {
         let n = mib * MIB;
         let src = pageable(n, mib as u8);
@@ -274,7 +285,9 @@ fn run(args: &BenchArgs) -> Res<()> {
             targets.push(format!("(c) ≥ 70% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vc / ve, verdict(vc >= 0.7 * ve)));
         }
         targets.push(format!("(d) ≥ 95% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vd / ve, verdict(vd >= 0.95 * ve)));
+        sources.push((mib, src, dst));
     }
+    let sweep = sweep(&plan, &c.pool, &sources, &mut rep)?;
     targets.insert(0, format!("acquire+release median ≤ 1 µs: {lat_us:.3} µs {}", verdict(lat_us <= 1.0)));
     targets.insert(1, format!("steady-state pinned_alloc_calls = 0: {steady_allocs} {}", verdict(steady_allocs == 0)));
     rep.push(Scenario::new("pool", "steady_state_pinned_allocs", "calls", false, vec![steady_allocs as f64]));
@@ -306,6 +319,8 @@ fn run(args: &BenchArgs) -> Res<()> {
         "| threads | while a DMA runs | alone | samples where the DMA ended first (dropped) |\n|---|---|---|---|\n",
     );
     md.push_str(&ceiling_rows);
+    let _ = writeln!(md, "\n### Tuning sweep: (c) GB/s by fill threads and chunks per page-in (chunks ≤ 32 MiB)\n");
+    md.push_str(&sweep);
     let _ = writeln!(md, "\n### Targets (issue 3)\n");
     for t in &targets {
         let _ = writeln!(md, "- {t}");
@@ -332,6 +347,40 @@ fn run(args: &BenchArgs) -> Res<()> {
             .map_err(|e| epmem::Error::new(epmem::EpmStatus::OsError, format!("writing {path}: {e}")))?;
     }
     Ok(())
+}
+
+/// (c) over fill threads × chunks per page-in (chunks up to 32 MiB): the
+/// figures that choose the engine's defaults. Returns a markdown table.
+fn sweep(
+    plan: &Plan,
+    pool: &PinnedStagingPool,
+    sources: &[(usize, HostRange, DeviceBuffer)],
+    rep: &mut Report,
+) -> Res<String> {
+    let sizes: Vec<_> = sources.iter().filter(|(mib, ..)| plan.sweep_mib.contains(mib)).collect();
+    let mut md = String::from("| fill threads | chunks per page-in |");
+    for (mib, ..) in &sizes {
+        let _ = write!(md, " {mib} MiB |");
+    }
+    md.push_str("\n|---|---|");
+    md.push_str(&"---|".repeat(sizes.len()));
+    md.push('\n');
+    for &t in plan.sweep_threads {
+        for &k in plan.sweep_chunks {
+            let cfg =
+                EngineConfig { fill_threads: t, target_chunks: k, chunk_bytes: 32 * MIB, ..EngineConfig::default() };
+            let engine = CopyEngine::new(pool, cfg)?;
+            let _ = write!(md, "| {t} | {k} |");
+            for (mib, src, dst) in &sizes {
+                let samples = rate(plan, mib * MIB, || engine.htod(dst.ptr(), *src, None)?.wait())?;
+                let name = format!("c_threads{t}/k{k}");
+                let v = rep.push(Scenario::new(&format!("sweep_{mib}MiB"), &name, "GB/s", true, samples).at(k as f64));
+                let _ = write!(md, " {v:.1} |");
+            }
+            md.push('\n');
+        }
+    }
+    Ok(md)
 }
 
 fn verdict(ok: bool) -> &'static str {

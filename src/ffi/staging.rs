@@ -67,6 +67,10 @@ pub struct EpmCopyEngineConfig {
     pub chunk_bytes: u64,
     /// `EPM_COPY_ENGINE_*` bits (default 0).
     pub flags: u32,
+    /// Cut a copy into about this many chunks (within 1 MiB and
+    /// `chunk_bytes`), 1–256 (default 16): more chunks overlap more of the
+    /// fill with the DMA, fewer cost fewer per-chunk driver calls.
+    pub target_chunks: u32,
 }
 
 /// Counters of a copy engine and its pool (or of a pool alone: then the
@@ -170,6 +174,7 @@ fn default_config() -> EpmCopyEngineConfig {
         fill_threads: d.fill_threads as u32,
         chunk_bytes: d.chunk_bytes as u64,
         flags: 0,
+        target_chunks: d.target_chunks as u32,
     }
 }
 
@@ -306,6 +311,7 @@ pub extern "C" fn epm_copy_engine_create(
             slots: c.slots as usize,
             fill_threads: c.fill_threads as usize,
             chunk_bytes: usize::try_from(c.chunk_bytes).unwrap_or(usize::MAX),
+            target_chunks: c.target_chunks as usize,
             timing: c.flags & EPM_COPY_ENGINE_NO_TIMING == 0,
             direct: c.flags & EPM_COPY_ENGINE_NO_DIRECT == 0,
         };

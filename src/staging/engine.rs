@@ -23,9 +23,10 @@
 //! stay within 5% of the fill ceiling f needs n ≥ 20·f/p ≈ 10–14 chunks; a
 //! chunk also must not shrink to where per-chunk costs (waking the fill
 //! threads, one enqueue, one event: a few µs) matter against its fill time
-//! (~30 µs per MiB). So a page-in is cut into about 16 chunks of at least
-//! 1 MiB, and never more than `chunk_bytes` (the slot size, default 8 MiB:
-//! copies of 8 MiB and up already reach the 53–54 GB/s PCIe peak).
+//! (~30 µs per MiB). So a page-in is cut into about `target_chunks` (16)
+//! chunks of at least 1 MiB, and never more than `chunk_bytes` (the slot
+//! size, default 8 MiB: copies of 8 MiB and up already reach the 53–54 GB/s
+//! PCIe peak). `bench_staging` sweeps both on the GPU machine.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -40,8 +41,6 @@ use crate::error::Result;
 
 pub use crate::device::hostreg::HostRegistration;
 
-/// Aim for this many chunks per page-in (see the module docs).
-const TARGET_CHUNKS: usize = 16;
 /// Smallest chunk: below ~1 MiB a DMA stays far from the PCIe peak.
 const MIN_CHUNK: usize = 1 << 20;
 /// Most timing pairs awaiting completion; past it, new copies go untimed
@@ -56,6 +55,9 @@ pub struct EngineConfig {
     pub slots: usize,
     /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 8 MiB).
     pub chunk_bytes: usize,
+    /// Cut a page-in into about this many chunks, 1..=256 (default 16; see
+    /// the module docs), within [1 MiB, `chunk_bytes`].
+    pub target_chunks: usize,
     /// Threads that fill a chunk, counting the caller's, 1..=64 (default 8,
     /// or the number of CPUs if fewer: oversubscribed fill threads spin
     /// against each other).
@@ -69,7 +71,14 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self { slots: 3, chunk_bytes: 8 << 20, fill_threads: cpus.min(8), timing: true, direct: true }
+        Self {
+            slots: 3,
+            chunk_bytes: 8 << 20,
+            target_chunks: 16,
+            fill_threads: cpus.min(8),
+            timing: true,
+            direct: true,
+        }
     }
 }
 
@@ -158,6 +167,12 @@ impl CopyEngine {
             InvalidConfig,
             "chunk of {} bytes is below the 1 MiB minimum",
             cfg.chunk_bytes
+        );
+        crate::ensure!(
+            (1..=256).contains(&cfg.target_chunks),
+            InvalidConfig,
+            "target chunks {} not in 1..=256",
+            cfg.target_chunks
         );
         crate::ensure!(
             (1..=MAX_FILL_THREADS).contains(&cfg.fill_threads),
@@ -265,7 +280,7 @@ impl CopyEngine {
 
     /// The chunk length for a copy of `len` bytes (see the module docs).
     pub fn chunk_len(&self, len: usize) -> usize {
-        len.div_ceil(TARGET_CHUNKS).next_multiple_of(64 << 10).clamp(MIN_CHUNK, self.cfg.chunk_bytes)
+        len.div_ceil(self.cfg.target_chunks).next_multiple_of(64 << 10).clamp(MIN_CHUNK, self.cfg.chunk_bytes)
     }
 
     fn stage(&self, st: &mut State, dst: DevicePtr, src: HostRange, timing: Option<&CopyTiming>) -> Result<()> {
