@@ -16,5 +16,6 @@ pub mod bench_support;
 pub mod device;
 pub mod error;
 pub mod ffi;
+pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};

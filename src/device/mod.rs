@@ -22,7 +22,10 @@ use crate::error::{EpmStatus, Error, Result};
 pub mod conformance;
 pub mod cuda;
 pub mod fault;
+pub mod fence;
+pub mod fill;
 pub mod host;
+pub mod hostreg;
 pub mod objects;
 
 pub use objects::*;

@@ -52,6 +52,7 @@ pub mod handle;
 pub mod log;
 pub mod memory;
 pub mod panic;
+pub mod staging;
 pub mod status;
 pub mod stream;
 pub mod version;
