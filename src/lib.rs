@@ -10,5 +10,6 @@
 pub mod device;
 pub mod error;
 pub mod ffi;
+pub mod kv;
 
 pub use error::{EpmStatus, Error, Result};
