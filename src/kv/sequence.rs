@@ -227,6 +227,9 @@ impl KvArena {
             seq.len,
             seq.max_tokens
         );
+        if n_tokens == 0 {
+            return Ok(());
+        }
         let work: Vec<usize> = seq
             .slot_range(seq.len, seq.len + n_tokens, g)
             .filter(|&i| !matches!(seq.slots[i], Slot::Private(_)))
