@@ -185,6 +185,7 @@ fn ledger_matches_an_independent_model_over_random_operations() {
         assert_eq!(st.ledger.owned_granules * g, st.ledger.owned_bytes);
         assert_eq!(st.ledger.charges - st.ledger.credits, st.ledger.owned_granules);
     }
+    eprintln!("ops run: {done:?}");
     assert!(done.iter().all(|&n| n > 0), "every operation ran: {done:?}");
     // Tear down: everything but the dummy is credited.
     a.clear().unwrap();
