@@ -188,6 +188,8 @@ fn stream_of(arena: &ArenaObj, stream: Arc<Stream>) -> Result<RawStream> {
     Ok(stream.raw())
 }
 
+/// Register a sequence the arena just made. If that fails, dropping `obj`
+/// destroys the sequence again, so nothing leaks.
 fn new_seq(arena: &Arc<ArenaObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
     let obj = Arc::new(SeqObj { arena: arena.clone(), id });
     out.set(handle::register::<EpmKvSeq>(obj)?);
@@ -381,12 +383,13 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
         let l = layout_from_c(layout)?;
         let mode = admit_mode(admit)?;
         let toks = self::tokens(tokens, n_tokens)?;
+        let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
         let (id, shared) = arena.lock().create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
-        if !shared_tokens.is_null() {
-            // SAFETY: non-NULL; the caller promises a writable u64.
-            unsafe { shared_tokens.write(shared) };
+        new_seq(&arena, id, out)?;
+        if let Some(o) = shared_out {
+            o.set(shared);
         }
-        new_seq(&arena, id, out)
+        Ok(())
     }
 }
 

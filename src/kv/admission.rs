@@ -28,7 +28,7 @@ pub struct Admission {
 
 /// Pure arithmetic over bytes. `private` of 0 is unbounded and saturates.
 pub fn admissible(budget: u64, prefix: u64, private: u64) -> Admission {
-    let div = |a: u64, b: u64| if b == 0 { u64::MAX } else { a / b };
+    let div = |a: u64, b: u64| a.checked_div(b).unwrap_or(u64::MAX);
     let without = div(budget, prefix.saturating_add(private));
     let (with, seed) = if budget < prefix {
         (0, 0)
