@@ -184,6 +184,13 @@ fn ledger_matches_an_independent_model_over_random_operations() {
         assert_eq!(st.prefixes, m.prefixes.len() as u64, "live prefixes after step {step}");
         assert_eq!(st.ledger.owned_granules * g, st.ledger.owned_bytes);
         assert_eq!(st.ledger.charges - st.ledger.credits, st.ledger.owned_granules);
+        // The device's own counts agree: every physical byte is owned or retained,
+        // one VA per sequence and prefix, one mapping per slot and view granule.
+        let live = d.live_counts();
+        assert_eq!(live.physical_bytes, st.ledger.owned_bytes + st.pool.retained * g, "device bytes after step {step}");
+        assert_eq!(live.va_reservations, (m.seqs.len() + m.prefixes.len()) as u64, "VA ranges after step {step}");
+        let slots: usize = m.seqs.values().map(|s| s.slots.len()).sum::<usize>() + m.prefixes.values().map(|p| p.ids.len()).sum::<usize>();
+        assert_eq!(live.mappings, slots as u64, "mappings after step {step}");
     }
     eprintln!("ops run: {done:?}");
     assert!(done.iter().all(|&n| n > 0), "every operation ran: {done:?}");
