@@ -54,7 +54,11 @@ declare -A SEEN_TEST
 for t in .carry/tests/device_conformance .carry/tests/*; do
   [ -x "$t" ] || continue
   n=$(basename "$t")
-  case "$n" in header) continue ;; esac
+  case "$n" in
+    header) continue ;;
+    # The lib's unit tests: only the CUDA-specific ones, which are #[ignore]d without a GPU.
+    epmem_lib) step rust-lib-cuda '^test result' "$t" device::cuda --include-ignored --skip fake_driver --test-threads=1; continue ;;
+  esac
   [ "${SEEN_TEST[$n]:-}" ] && continue
   SEEN_TEST[$n]=1
   step "rust-$n" '^test result' "$t" --test-threads=1
