@@ -213,11 +213,6 @@ typedef struct EpmKvSeq EpmKvSeq;
 typedef struct EpmStream EpmStream;
 
 /**
- * The kinds of device call a fault can target.
- */
-typedef struct FaultKind FaultKind;
-
-/**
  * Static facts about a device, filled by `epm_device_get_info`.
  *
  * Versioned by size: set `size = sizeof(EpmDeviceInfo)` before the call.
@@ -439,14 +434,6 @@ typedef void (*EpmLogCallback)(void *user_data, enum EpmLogLevel level, const ch
  * A device virtual address (on the host device, a host address). 0 is "none".
  */
 typedef uint64_t EpmDevicePtr;
-
-/**
- * Sizes that catch off-by-ones and chunking bugs: a byte, one short of a
- * page, an odd size past 1 MiB, and a large copy.
- */
-#define COPY_SIZES { 1, 4095, ((1 << 20) + 3), (64 << 20), }
-
-
 
 #ifdef __cplusplus
 extern "C" {
