@@ -31,6 +31,18 @@
 #define EPM_EVENT_TIMING 1
 
 /**
+ * Promise a sequence's worst-case private granules at creation (refused
+ * with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
+ * for budget afterwards.
+ */
+#define EPM_KV_ADMIT_RESERVE 0
+
+/**
+ * Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
+ */
+#define EPM_KV_ADMIT_ON_DEMAND 1
+
+/**
  * `EpmCopyEngineConfig::flags`: do not record timing events (`htod_ms`
  * stays 0).
  */
@@ -210,6 +222,21 @@ typedef struct EpmFence EpmFence;
 typedef struct EpmHostRegistration EpmHostRegistration;
 
 /**
+ * A KV arena: granule pool, ledger (budget) and dummy granule.
+ */
+typedef struct EpmKvArena EpmKvArena;
+
+/**
+ * A pinned shared prefix.
+ */
+typedef struct EpmKvPrefix EpmKvPrefix;
+
+/**
+ * A sequence: one token-major VA reservation.
+ */
+typedef struct EpmKvSeq EpmKvSeq;
+
+/**
  * A bounded pool of pinned staging buffers. Engines made from it share it;
  * it lives until the last of them and its own handle are destroyed.
  */
@@ -266,6 +293,169 @@ typedef struct EpmDeviceInfo {
    */
   char pci_bus_id[EPM_PCI_BUS_ID_LEN];
 } EpmDeviceInfo;
+
+/**
+ * Where K and V of (layer, token, head) live, relative to a sequence's
+ * base address: `token * token_stride + layer * layer_stride +
+ * kv * kv_stride + head * head_stride + i * elem_bytes` (kv = 0 for K, 1 for
+ * V; element i < head_dim). Token-major: a token's bytes of every layer lie
+ * within one `token_stride`, so a prefix of all layers is one range.
+ *
+ * Versioned by size: set `size = sizeof(EpmKvLayout)`. Fields are only ever
+ * added at the end.
+ */
+typedef struct EpmKvLayout {
+  size_t size;
+  uint32_t layers;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  /**
+   * Bytes per element (2 for fp16/bf16).
+   */
+  uint32_t elem_bytes;
+  /**
+   * Bytes per token in the reservation (layers × 2 × kv_heads × head_dim × elem_bytes when dense).
+   */
+  uint64_t token_stride;
+  uint64_t layer_stride;
+  /**
+   * Bytes from K to V of the same (layer, token, head).
+   */
+  uint64_t kv_stride;
+  uint64_t head_stride;
+} EpmKvLayout;
+
+/**
+ * Ledger and arena statistics, filled by `epm_kv_arena_get_stats`.
+ * Versioned by size: set `size = sizeof(EpmKvStats)`.
+ */
+typedef struct EpmKvStats {
+  size_t size;
+  /**
+   * The ledger's budget, owned bytes (physical, each granule once, the
+   * dummy included), bytes promised to admitted sequences, peak owned.
+   */
+  uint64_t budget_bytes;
+  uint64_t owned_bytes;
+  uint64_t promised_bytes;
+  uint64_t peak_owned_bytes;
+  uint64_t owned_granules;
+  /**
+   * Granule 0→1 (charge) and 1→0 (credit) transitions; admissions and
+   * appends refused with OUT_OF_BUDGET.
+   */
+  uint64_t charges;
+  uint64_t credits;
+  uint64_t refusals;
+  uint64_t granule_bytes;
+  /**
+   * Physical handles created / released to the driver, acquisitions served
+   * from a retained handle, handles retained now.
+   */
+  uint64_t pool_created;
+  uint64_t pool_released;
+  uint64_t pool_reused;
+  uint64_t pool_retained;
+  uint64_t sequences;
+  uint64_t prefixes;
+  uint64_t pinned_prefixes;
+  /**
+   * Granule bytes mapped into sequences (dummy excluded): what they would
+   * own without sharing. `mapped_bytes - owned_bytes` is roughly the saving.
+   */
+  uint64_t mapped_bytes;
+  uint64_t cow_granules;
+  uint64_t committed_granules;
+  /**
+   * Host waits on a caller's stream before a mapping change.
+   */
+  uint64_t fences;
+  /**
+   * Sequences that found a prefix by content hash.
+   */
+  uint64_t hash_hits;
+} EpmKvStats;
+
+/**
+ * A sequence's layout descriptor and state, filled by `epm_kv_seq_get_info`.
+ * Versioned by size: set `size = sizeof(EpmKvSeqInfo)`.
+ */
+typedef struct EpmKvSeqInfo {
+  size_t size;
+  struct EpmKvLayout layout;
+  /**
+   * Device address of token 0 (a `CUdeviceptr` on CUDA).
+   */
+  uint64_t base;
+  uint64_t max_tokens;
+  /**
+   * Tokens made writable so far (shared prefix tokens included).
+   */
+  uint64_t len_tokens;
+  /**
+   * VA reserved: max_tokens × token_stride rounded up to the granule.
+   */
+  uint64_t reserved_bytes;
+  uint64_t shared_granules;
+  uint64_t private_granules;
+  uint64_t promised_granules;
+} EpmKvSeqInfo;
+
+/**
+ * A prefix's state, filled by `epm_kv_prefix_get_info`. Versioned by size.
+ */
+typedef struct EpmKvPrefixInfo {
+  size_t size;
+  uint64_t n_tokens;
+  uint64_t granules;
+  /**
+   * Sequences mapping the prefix (its origin included while it has not diverged past it).
+   */
+  uint32_t sharers;
+  bool pinned;
+  /**
+   * A read-only view of the prefix (token 0 at this device address).
+   */
+  uint64_t view_base;
+} EpmKvPrefixInfo;
+
+/**
+ * Admissible concurrency, filled by `epm_kv_admissible`. Versioned by size.
+ */
+typedef struct EpmKvAdmission {
+  size_t size;
+  /**
+   * floor(B / (P + Q)): every request holds its own copy of the prefix.
+   */
+  uint64_t without_sharing;
+  /**
+   * floor((B − P) / Q): one physical prefix plus Q private bytes per request.
+   */
+  uint64_t with_sharing;
+  /**
+   * 1 + floor((B − P) / Q), as seed 003 wrote it: one more than fits.
+   */
+  uint64_t seed_formula;
+} EpmKvAdmission;
+
+/**
+ * Granule-rounded physical cost of a request, filled by `epm_kv_request_cost`.
+ */
+typedef struct EpmKvRequestCost {
+  size_t size;
+  /**
+   * Granule bytes of the shared prefix (full granules plus the boundary): P.
+   */
+  uint64_t prefix_bytes;
+  /**
+   * Granule bytes one sharer owns, its boundary copy included: Q.
+   */
+  uint64_t private_bytes;
+  /**
+   * Granule bytes of the same request without sharing.
+   */
+  uint64_t unshared_bytes;
+} EpmKvRequestCost;
 
 /**
  * A host log sink. `message` is a NUL-terminated UTF-8 string valid only
@@ -509,6 +699,229 @@ enum EpmStatus epm_event_elapsed_ms(struct EpmEvent *start, struct EpmEvent *end
  * must not be used after this call.
  */
 enum EpmStatus epm_event_destroy(struct EpmEvent *event);
+
+/**
+ * Fill `*out` with the dense token-major layout of a model:
+ * [token][layer][K,V][head][head_dim]. E.g. qwen14b (48, 8, 128, 2) has
+ * 196,608 bytes per token.
+ *
+ * NULL: `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a zero
+ * dimension or an overflow. `*out` is written only on success (all of it:
+ * `out->size` need not be set). Threading: pure.
+ */
+enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
+                                         uint32_t kv_heads,
+                                         uint32_t head_dim,
+                                         uint32_t elem_bytes,
+                                         struct EpmKvLayout *out);
+
+/**
+ * Create a KV arena on `dev` with a budget of `budget_bytes` physical bytes.
+ * The arena's dummy granule (one granule, zeroed) is charged to the budget,
+ * so it must hold at least one granule.
+ *
+ * Ownership: `*out` is a new handle; destroy it with `epm_kv_arena_destroy`.
+ * It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
+ * NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
+ * device errors.
+ */
+enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
+                                   uint64_t budget_bytes,
+                                   struct EpmKvArena **out);
+
+/**
+ * Release the arena handle. NULL is a no-op. Sequences and prefixes still
+ * held keep the arena alive; it is torn down (unmap → release → free VA)
+ * when the last of them is destroyed. The caller guarantees no queued
+ * kernel still touches its sequences by then.
+ */
+enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
+
+/**
+ * Fill `*out` with the arena's ledger and counters.
+ *
+ * Set `out->size = sizeof(EpmKvStats)` first; epmem writes at most that many
+ * bytes and sets `out->size` to the number written. NULL: `arena` is
+ * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
+ * below the first version's.
+ */
+enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStats *out);
+
+/**
+ * Create a sequence of up to `max_tokens` tokens of `layout`. Its whole
+ * reservation (max_tokens × token_stride, rounded up to the granule) maps
+ * the arena's zeroed dummy granule read-only until `prepare_append`.
+ *
+ * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+ * is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `arena` is
+ * INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
+ * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
+ * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ */
+enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
+                                 const struct EpmKvLayout *layout,
+                                 uint64_t max_tokens,
+                                 uint32_t admit,
+                                 struct EpmKvSeq **out);
+
+/**
+ * Create a sequence that declares its prompt `tokens[0..n_tokens)`. If a
+ * live prefix (pinned from a sequence that declared the same leading
+ * tokens, compared in whole blocks of 16 tokens and then token by token)
+ * exists, its longest match is shared read-only at offset 0, exactly as
+ * `epm_kv_commit_shared_prefix`, and `*shared_tokens` says how many tokens
+ * are already in the cache (skip their prefill). Otherwise it is a plain
+ * sequence and `*shared_tokens` is 0.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
+ * be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
+ * `n_tokens > max_tokens`. Out-params are written only on success.
+ */
+enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
+                                            const struct EpmKvLayout *layout,
+                                            uint64_t max_tokens,
+                                            const uint32_t *tokens,
+                                            size_t n_tokens,
+                                            uint32_t admit,
+                                            struct EpmKvSeq **out,
+                                            uint64_t *shared_tokens);
+
+/**
+ * Destroy a sequence: unmap its slots, drop its granule references (the
+ * ledger is credited for granules nobody else maps), return its unused
+ * promise, free its VA. NULL is a no-op; a destroyed handle is
+ * INVALID_HANDLE. The caller guarantees no queued kernel still touches the
+ * sequence (as with cuMemFree).
+ */
+enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
+
+/**
+ * Fill `*out` with the sequence's layout descriptor, base address and state.
+ *
+ * Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
+ * INVALID_HANDLE, `out` is NULL_POINTER.
+ */
+enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *out);
+
+/**
+ * Make the granules that tokens `[len, len + n_tokens)` fall in private and
+ * read-write, so the caller's next kernel on `stream` may write them, and
+ * advance `len`. Call it before launching the kernel that writes them.
+ *
+ * A granule that is already private costs nothing (no driver call, no
+ * wait). Otherwise the host waits for the work queued on `stream` so far
+ * (mappings are not stream-ordered: a kernel still reading the old mapping
+ * would fault), then maps a pooled granule read-write; a shared boundary
+ * granule is copied on write by a D2D copy queued on `stream`, which the
+ * caller's later kernels on `stream` are ordered after. Work on other
+ * streams that touches the sequence must be ordered before `stream`.
+ *
+ * NULL: `seq`, `stream` are INVALID_HANDLE. Errors: INVALID_ARGUMENT if
+ * `len + n_tokens > max_tokens` or the stream is on another device;
+ * OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
+ * sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
+ */
+enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
+                                         uint64_t n_tokens,
+                                         struct EpmStream *stream);
+
+/**
+ * Declare more of a sequence's token ids (appended to those declared at
+ * creation), so a prefix later pinned from it can be found by content.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
+ * INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
+ */
+enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
+                                         const uint32_t *tokens,
+                                         size_t n_tokens);
+
+/**
+ * Pin the first `n_tokens` tokens of `seq` (its full granules plus the
+ * partial boundary granule) as a shared prefix. They turn read-only in
+ * `seq` too, so its next append into the boundary granule copies it. The
+ * host waits for `stream` first (access changes are not stream-ordered).
+ *
+ * Ownership: `*out` is the pin; end it with `epm_kv_prefix_unpin`. A pinned
+ * prefix is never reclaimed; it is freed when the pin and its last sharer
+ * are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
+ * Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
+ * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+ * granule, and the ledger cannot promise that one more granule.
+ */
+enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
+                                 uint64_t n_tokens,
+                                 struct EpmStream *stream,
+                                 struct EpmKvPrefix **out);
+
+/**
+ * End a pin. The prefix is freed now if no sequence shares it, else with
+ * its last sharer; the handle is invalid from now on. NULL is a no-op; an
+ * unpinned handle is INVALID_HANDLE.
+ */
+enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
+
+/**
+ * Fill `*out` with the prefix's state. Set `out->size` first. NULL:
+ * `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
+ */
+enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPrefixInfo *out);
+
+/**
+ * Create a sequence of up to `max_tokens` tokens whose first `n_tokens`
+ * tokens map the prefix read-only at offset 0: no copy, and the ledger
+ * charges nothing (the Nth sharer costs 0 owned bytes). The rest maps the
+ * dummy. The sequence's `len` starts at `n_tokens`.
+ *
+ * Ownership: `*out` is a new sequence handle. NULL: `prefix` is
+ * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
+ * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
+ * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+ */
+enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
+                                           uint64_t n_tokens,
+                                           uint64_t max_tokens,
+                                           uint32_t admit,
+                                           struct EpmKvSeq **out);
+
+/**
+ * How many leading tokens of `tokens` a live prefix of `layout` already
+ * holds (whole 16-token blocks, confirmed token by token); 0 if none.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0; `out` is
+ * NULL_POINTER. Threading: safe from any thread.
+ */
+enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
+                                  const struct EpmKvLayout *layout,
+                                  const uint32_t *tokens,
+                                  size_t n_tokens,
+                                  uint64_t *out);
+
+/**
+ * Admissible concurrency for a budget `budget_bytes`, a shared prefix of
+ * `prefix_bytes` and `private_bytes` per request (pure arithmetic; use
+ * `epm_kv_request_cost` for granule-rounded P and Q of a layout).
+ *
+ * Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
+ * 0 saturates to UINT64_MAX.
+ */
+enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
+                                 uint64_t prefix_bytes,
+                                 uint64_t private_bytes,
+                                 struct EpmKvAdmission *out);
+
+/**
+ * The physical cost of a request of `max_tokens` tokens of `layout` whose
+ * first `prefix_tokens` are shared, on this arena's granule.
+ *
+ * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+ * are NULL_POINTER.
+ */
+enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
+                                   const struct EpmKvLayout *layout,
+                                   uint64_t prefix_tokens,
+                                   uint64_t max_tokens,
+                                   struct EpmKvRequestCost *out);
 
 /**
  * Route epmem's log records to `callback` (or, with NULL, back to stderr

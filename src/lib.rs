@@ -16,6 +16,8 @@ pub mod bench_support;
 pub mod device;
 pub mod error;
 pub mod ffi;
+/// cbindgen:ignore
+pub mod kv;
 pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};

@@ -49,6 +49,7 @@ pub mod args;
 pub mod device;
 pub mod event;
 pub mod handle;
+pub mod kv;
 pub mod log;
 pub mod memory;
 pub mod panic;
