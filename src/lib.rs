@@ -7,8 +7,10 @@
 //!
 //! See README.md and docs/ for the C-level documentation.
 
+pub mod arena;
 pub mod device;
 pub mod error;
 pub mod ffi;
+pub mod residency;
 
 pub use error::{EpmStatus, Error, Result};
