@@ -201,14 +201,18 @@ fn pinned_arena_big_requests_get_their_own_segment_and_budget_holds() {
     let big = arena.alloc(2 * g + 1, 0).unwrap();
     let s = arena.stats();
     assert_eq!((s.committed_bytes, s.driver_alloc_calls), (3 * g as u64, 1), "{s:?}");
+    // A small request fits in the big segment's tail: no new segment.
     let small = arena.alloc(100, 0).unwrap();
+    assert_eq!(arena.stats().committed_bytes, 3 * g as u64);
+    let third = arena.alloc(g, 0).unwrap();
     assert_eq!(arena.stats().committed_bytes, 4 * g as u64);
     let e = arena.alloc(g, 0).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
     arena.free(big).unwrap();
+    arena.free(small).unwrap();
     assert_eq!(arena.trim().unwrap(), 3 * g);
     assert_eq!(arena.free(big).unwrap_err().status(), EpmStatus::InvalidArgument);
-    arena.free(small).unwrap();
+    arena.free(third).unwrap();
     let s = arena.stats();
     assert_eq!((s.driver_free_calls, s.live_allocations), (1, 0), "{s:?}");
 }

@@ -105,7 +105,7 @@ impl Arena for PinnedArena {
         let addr = match found {
             Some(a) => a,
             None => {
-                let size = (bytes + align).next_multiple_of(self.chunk).max(self.chunk);
+                let size = (bytes + align - DEFAULT_UNIT).next_multiple_of(self.chunk).max(self.chunk);
                 crate::ensure!(
                     g.committed + size <= self.capacity,
                     OutOfBudget,
