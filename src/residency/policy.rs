@@ -40,6 +40,13 @@ pub trait Policy: Send + std::fmt::Debug {
     fn set_cycle(&mut self, order: &[WeightId]) -> Result<()>;
     /// Resident weights, best victim first.
     fn candidates(&self) -> Box<dyn Iterator<Item = WeightId> + '_>;
+    /// Accesses until `w` is next used, when the policy knows (a declared
+    /// cycle): 1 for the weight after the last one used, n for the last one
+    /// used itself. Prefetch never evicts a weight needed sooner than the
+    /// one it brings in.
+    fn distance(&self, _w: WeightId) -> Option<usize> {
+        None
+    }
 }
 
 /// Build a policy of `kind`.
@@ -138,13 +145,20 @@ impl Policy for CyclicPolicy {
                 pos[&w]
             );
         }
-        // Re-file the resident set under the new order.
+        // Re-file the resident set under the new order; the cursor starts
+        // before position 0 (as if the last weight had just been used).
         let resident: Vec<WeightId> = self.resident.values().copied().chain(self.others.candidates()).collect();
-        *self = CyclicPolicy { pos, ..Default::default() };
+        let cursor = order.len().saturating_sub(1);
+        *self = CyclicPolicy { pos, cursor, ..Default::default() };
         for w in resident {
             self.inserted(w);
         }
         Ok(())
+    }
+    fn distance(&self, w: WeightId) -> Option<usize> {
+        let n = self.pos.len();
+        let p = *self.pos.get(&w)?;
+        Some((p + n - self.cursor - 1) % n + 1)
     }
     fn candidates(&self) -> Box<dyn Iterator<Item = WeightId> + '_> {
         let c = self.cursor;

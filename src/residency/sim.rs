@@ -183,6 +183,18 @@ mod tests {
     }
 
     #[test]
+    fn cyclic_distance_counts_accesses_until_next_use() {
+        let mut p = new_policy(PolicyKind::Cyclic);
+        p.set_cycle(&(0..5).map(WeightId).collect::<Vec<_>>()).unwrap();
+        assert_eq!(p.distance(WeightId(0)), Some(1), "before any use, position 0 is next");
+        p.accessed(WeightId(2));
+        assert_eq!(p.distance(WeightId(3)), Some(1));
+        assert_eq!(p.distance(WeightId(1)), Some(4));
+        assert_eq!(p.distance(WeightId(2)), Some(5));
+        assert_eq!(p.distance(WeightId(9)), None);
+    }
+
+    #[test]
     fn duplicate_weights_in_a_cycle_are_rejected() {
         let mut p = new_policy(PolicyKind::Cyclic);
         let e = p.set_cycle(&[WeightId(1), WeightId(2), WeightId(1)]).unwrap_err();
