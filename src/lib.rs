@@ -8,6 +8,8 @@
 //! See README.md and docs/ for the C-level documentation.
 
 pub mod arena;
+#[doc(hidden)]
+pub mod bench_support;
 pub mod device;
 pub mod error;
 pub mod ffi;
