@@ -14,10 +14,12 @@ pub struct ResidencyConfig {
     /// When pageable sources are registered with the device (default: on
     /// first page-in within RLIMIT_MEMLOCK).
     pub register_sources: RegisterSources,
-    /// Weights paged in ahead of use along the declared cycle (default 1).
-    /// One is enough to overlap each page-in with the previous weight's
-    /// compute; each costs one weight of budget (the weight being read must
-    /// stay resident while the next one is copied in).
+    /// Most weights paged in ahead of use (and not used yet) along the
+    /// declared cycle (default 1). Each costs about one weight of budget in
+    /// hits: the prefetched weight takes room that Belady's demand schedule
+    /// would still use for a weight needed sooner. One suffices when misses
+    /// are spread out; when they come in a run, a deeper window lets the
+    /// run's copies start during the preceding hits' compute.
     pub prefetch_depth: usize,
     /// The seed's design: the host waits for every page-in to complete
     /// before `acquire` returns. For comparison only (default false).

@@ -412,14 +412,28 @@ impl ResidencyManager {
         Ok(())
     }
 
-    /// Page in up to `prefetch_depth` weights after `w` in the cycle.
+    /// Keep up to `prefetch_depth` weights ahead of `w` in the cycle paged in
+    /// and not yet used: walk forward past resident weights to the next
+    /// missing ones. Skipping resident weights matters: Belady's resident
+    /// set is a run of the cycle, so misses come in runs, and the copies of
+    /// the next run must start while the hit run computes.
     fn prefetch_ahead(&self, st: &mut State, w: WeightId) -> Result<()> {
         let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
         let n = st.cycle.len();
-        for k in 1..=self.cfg.prefetch_depth.min(n.saturating_sub(1)) {
-            let x = st.cycle[(p + k) % n];
-            if st.reg.get(x)?.block.is_none() && !self.page_in(st, x, false)? {
+        let mut ahead = 0;
+        for k in 1..n {
+            if ahead >= self.cfg.prefetch_depth {
                 break;
+            }
+            let x = st.cycle[(p + k) % n];
+            let e = st.reg.get(x)?;
+            if e.block.is_none() {
+                if !self.page_in(st, x, false)? {
+                    break;
+                }
+                ahead += 1;
+            } else if e.prefetched {
+                ahead += 1;
             }
         }
         Ok(())
