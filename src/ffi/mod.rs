@@ -38,12 +38,14 @@
 //! value, and an out-of-range Rust enum is undefined behaviour.
 
 pub mod args;
+pub mod arena;
 pub mod device;
 pub mod event;
 pub mod handle;
 pub mod log;
 pub mod memory;
 pub mod panic;
+pub mod residency;
 pub mod status;
 pub mod stream;
 pub mod version;
