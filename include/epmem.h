@@ -440,6 +440,10 @@ typedef struct EpmResidencyStats {
   uint64_t page_ins;
   uint64_t prefetch_page_ins;
   /**
+   * Prefetched weights not acquired yet.
+   */
+  uint64_t pending_prefetches;
+  /**
    * Prefetched weights evicted before use.
    */
   uint64_t wasted_prefetches;

@@ -95,6 +95,8 @@ pub struct EpmResidencyStats {
     /// Copies of a weight to the device (demand and prefetch).
     pub page_ins: u64,
     pub prefetch_page_ins: u64,
+    /// Prefetched weights not acquired yet.
+    pub pending_prefetches: u64,
     /// Prefetched weights evicted before use.
     pub wasted_prefetches: u64,
     pub evictions: u64,
@@ -428,6 +430,7 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             hit_rate: s.hit_rate,
             page_ins: s.page_ins,
             prefetch_page_ins: s.prefetch_page_ins,
+            pending_prefetches: s.pending_prefetches,
             wasted_prefetches: s.wasted_prefetches,
             evictions: s.evictions,
             eviction_waits: s.eviction_waits,
