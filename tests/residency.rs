@@ -328,3 +328,39 @@ fn prefetch_hides_page_ins_behind_compute() {
     assert_eq!(st.page_ins, st.acquires - st.hits + 1, "{st:?}");
     assert!(st.device_stall_ms < st.htod_ms, "prefetched copies should barely stall the stream: {st:?}");
 }
+
+#[test]
+fn concurrent_decoders_on_two_streams_stay_bit_exact() {
+    let d = dev();
+    let sizes: Vec<usize> = (0..10).map(|i| (48 << 10) + 4096 * i).collect();
+    let w = Weights::new(&sizes, 21);
+    let budget = sizes.iter().sum::<usize>() / 2;
+    let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..2 {
+            let (d, m, w, ids) = (&d, &m, &w, &ids);
+            scope.spawn(move || {
+                let s = Stream::new(d).unwrap();
+                let slots = Slots::new(d, ids.len());
+                for _ in 0..4 {
+                    for k in 0..ids.len() {
+                        // The two threads walk the cycle from opposite ends.
+                        let i = if t == 0 { k } else { ids.len() - 1 - k };
+                        let p = m.acquire(ids[i], s.raw()).unwrap();
+                        d.checksum_async(p, w.spans[i].1, slots.at(i), s.raw()).unwrap();
+                        m.release(ids[i], s.raw()).unwrap();
+                    }
+                    let got = slots.read(d, &s);
+                    for (i, &g) in got.iter().enumerate() {
+                        assert_eq!(g, w.checksum(i), "thread {t}: weight {i} corrupted");
+                    }
+                }
+            });
+        }
+    });
+    let s = m.stats();
+    assert_eq!(s.acquires, 2 * 4 * ids.len() as u64);
+    assert!(s.resident_bytes <= budget as u64, "{s:?}");
+}
