@@ -16,11 +16,6 @@
 #include <stdint.h>
 
 /**
- * Most fill threads a pool may have (a guard against typos like 800).
- */
-#define MAX_FILL_THREADS 64
-
-/**
  * Length of `EpmDeviceInfo::name`, including the terminating NUL.
  */
 #define EPM_DEVICE_NAME_LEN 256
@@ -226,11 +221,6 @@ typedef struct EpmStagingPool EpmStagingPool;
 typedef struct EpmStream EpmStream;
 
 /**
- * The kinds of device call a fault can target.
- */
-typedef struct FaultKind FaultKind;
-
-/**
  * Static facts about a device, filled by `epm_device_get_info`.
  *
  * Versioned by size: set `size = sizeof(EpmDeviceInfo)` before the call.
@@ -393,14 +383,6 @@ typedef struct EpmCopyEngineConfig {
    */
   uint32_t target_chunks;
 } EpmCopyEngineConfig;
-
-/**
- * Sizes that catch off-by-ones and chunking bugs: a byte, one short of a
- * page, an odd size past 1 MiB, and a large copy.
- */
-#define COPY_SIZES { 1, 4095, ((1 << 20) + 3), (64 << 20), }
-
-
 
 #ifdef __cplusplus
 extern "C" {
@@ -719,6 +701,7 @@ enum EpmStatus epm_staging_pool_destroy(struct EpmStagingPool *pool);
  *
  * Set `out->size = sizeof(EpmCopyEngineConfig)` first. NULL: `out` is
  * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
+ * Threading: safe from any thread.
  */
 enum EpmStatus epm_copy_engine_config_default(struct EpmCopyEngineConfig *out);
 
