@@ -1615,7 +1615,7 @@ enum EpmStatus epm_staging_pool_destroy(struct EpmStagingPool *pool);
  *
  * Set `out->size = sizeof(EpmCopyEngineConfig)` first. NULL: `out` is
  * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
- * Threading: any thread; it touches only `*out`.
+ * Threading: safe from any thread.
  */
 enum EpmStatus epm_copy_engine_config_default(struct EpmCopyEngineConfig *out);
 
