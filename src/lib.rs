@@ -10,5 +10,6 @@
 pub mod device;
 pub mod error;
 pub mod ffi;
+pub mod ort;
 
 pub use error::{EpmStatus, Error, Result};

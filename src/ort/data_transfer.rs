@@ -1,0 +1,213 @@
+//! `OrtDataTransferImpl`: copies between plain CPU memory and epmem's device
+//! and pinned memory, in every direction ORT asks for.
+//!
+//! epmem's EP is not stream aware, so ORT passes no streams and every copy
+//! is complete when `CopyTensors` returns: copies are queued on one stream
+//! per device, all of a batch before the first wait, then each used stream
+//! is synchronized once.
+
+use std::sync::{Arc, Mutex};
+
+use super::abi::*;
+use super::api::MemoryDeviceDesc;
+use super::factory::Shared;
+use super::status_boundary;
+use crate::device::Stream;
+use crate::error::Result;
+
+/// Where one side of a copy lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// ORT's own CPU memory (not epmem's): a host pointer.
+    Cpu,
+    /// epmem pinned memory of device `i`: a host pointer.
+    Pinned(usize),
+    /// epmem device memory of device `i`: a device address.
+    Device(usize),
+}
+
+impl Side {
+    fn is_host(self) -> bool {
+        matches!(self, Side::Cpu | Side::Pinned(_))
+    }
+}
+
+/// Which side `desc` is, or None if it is memory epmem cannot address
+/// (another vendor's device, a GPU ordinal we did not open).
+pub(crate) fn classify(shared: &Shared, desc: &MemoryDeviceDesc) -> Option<Side> {
+    match shared.device_for(&desc.kind) {
+        Some(i) => match desc.mem_type {
+            DEVICE_MEMORY_DEFAULT => Some(Side::Device(i)),
+            DEVICE_MEMORY_HOST_ACCESSIBLE => Some(Side::Pinned(i)),
+            _ => None,
+        },
+        None if desc.kind.device_type == MEMORY_INFO_DEVICE_CPU => Some(Side::Cpu),
+        None => None,
+    }
+}
+
+/// Whether we copy between `a` and `b`: both addressable, and at least one
+/// of them epmem's (CPU↔CPU is ORT's own business).
+pub(crate) fn can_copy(a: Option<Side>, b: Option<Side>) -> bool {
+    matches!((a, b), (Some(x), Some(y)) if !(x == Side::Cpu && y == Side::Cpu))
+}
+
+#[repr(C)]
+pub(crate) struct DataTransfer {
+    base: OrtDataTransferImpl,
+    shared: Arc<Shared>,
+    /// One stream per device, made on first use; the lock also serializes
+    /// concurrent CopyTensors calls on this object.
+    streams: Mutex<Vec<Option<Stream>>>,
+}
+
+impl DataTransfer {
+    pub fn create(shared: &Arc<Shared>) -> *mut OrtDataTransferImpl {
+        let t = Box::new(DataTransfer {
+            base: OrtDataTransferImpl {
+                ort_version_supported: ORT_VERSION_SUPPORTED,
+                Release: Some(release),
+                CanCopy: Some(can_copy_fn),
+                CopyTensors: Some(copy_tensors),
+            },
+            shared: shared.clone(),
+            streams: Mutex::new((0..shared.devices.len()).map(|_| None).collect()),
+        });
+        Box::into_raw(t) as *mut OrtDataTransferImpl
+    }
+
+    /// Copy `n` bytes from `src` to `dst`, queueing device copies on
+    /// `streams` (synchronized by the caller).
+    ///
+    /// # Safety
+    /// Host addresses are valid for `n` bytes (read for `src`, write for
+    /// `dst`) until the streams are synchronized.
+    unsafe fn copy(&self, streams: &mut [Option<Stream>], (src_side, src): (Side, u64), (dst_side, dst): (Side, u64), n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let devs = &self.shared.devices;
+        let mut stream = |i: usize| -> Result<crate::device::RawStream> {
+            if streams[i].is_none() {
+                streams[i] = Some(Stream::new(&devs[i].dev)?);
+            }
+            Ok(streams[i].as_ref().map(Stream::raw).expect("created above"))
+        };
+        match (src_side, dst_side) {
+            // SAFETY (whole match): the caller vouches for host ranges; device
+            // addresses are validated by the device layer.
+            (s, d) if s.is_host() && d.is_host() => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) },
+            (s, Side::Device(j)) if s.is_host() => unsafe { devs[j].dev.memcpy_htod_async(dst, src as *const u8, n, stream(j)?)? },
+            (Side::Device(i), d) if d.is_host() => unsafe { devs[i].dev.memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)? },
+            (Side::Device(i), Side::Device(j)) if i == j => devs[i].dev.memcpy_dtod_async(dst, src, n, stream(i)?)?,
+            (Side::Device(i), Side::Device(j)) => {
+                // Different devices: bounce through host memory (no peer copy
+                // in the device layer); rare, so simplicity wins.
+                let mut bounce = vec![0u8; n];
+                let (si, sj) = (stream(i)?, stream(j)?);
+                unsafe { devs[i].dev.memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)? };
+                devs[i].dev.stream_synchronize(si)?;
+                unsafe { devs[j].dev.memcpy_htod_async(dst, bounce.as_ptr(), n, sj)? };
+                devs[j].dev.stream_synchronize(sj)?;
+            }
+            _ => unreachable!("every host/device pair is covered above"),
+        }
+        Ok(())
+    }
+}
+
+/// # Safety
+/// `this` is a transfer made by [`DataTransfer::create`].
+unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
+    // SAFETY: per the caller; `base` is the first field of a repr(C) struct.
+    unsafe { &*(this as *const DataTransfer) }
+}
+
+unsafe extern "C" fn release(this: *mut OrtDataTransferImpl) {
+    if !this.is_null() {
+        // SAFETY: ORT releases the transfer we gave it, once.
+        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
+    }
+}
+
+unsafe extern "C" fn can_copy_fn(this: *const OrtDataTransferImpl, src: *const OrtMemoryDevice, dst: *const OrtMemoryDevice) -> bool {
+    std::panic::catch_unwind(|| {
+        if src.is_null() || dst.is_null() {
+            return false;
+        }
+        // SAFETY: ORT passes our transfer and two live memory devices.
+        let (t, s, d) = unsafe {
+            let t = me(this);
+            (t, t.shared.api.memory_device(src), t.shared.api.memory_device(dst))
+        };
+        can_copy(classify(&t.shared, &s), classify(&t.shared, &d))
+    })
+    .unwrap_or(false)
+}
+
+unsafe extern "C" fn copy_tensors(
+    this: *mut OrtDataTransferImpl,
+    src: *const *const OrtValue,
+    dst: *mut *mut OrtValue,
+    _streams: *mut *mut OrtSyncStream,
+    n: usize,
+) -> *mut OrtStatus {
+    // SAFETY: ORT passes our transfer.
+    let t = unsafe { me(this) };
+    let api = t.shared.api;
+    status_boundary(&api, "CopyTensors", || {
+        crate::ensure!(n == 0 || (!src.is_null() && !dst.is_null()), NullPointer, "tensor arrays are NULL");
+        let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let mut result = Ok(());
+        for i in 0..n {
+            // SAFETY: ORT passes n live source and destination values.
+            let (s, d) = unsafe { (api.tensor(*src.add(i), false), api.tensor(*dst.add(i), true)) };
+            let step = s.and_then(|s| Ok((s, d?))).and_then(|(s, d)| {
+                crate::ensure!(
+                    s.bytes == d.bytes,
+                    InvalidArgument,
+                    "tensor {i}: source has {} bytes, destination {}",
+                    s.bytes,
+                    d.bytes
+                );
+                let side = |v: &super::api::TensorView| {
+                    classify(&t.shared, &v.desc)
+                        .ok_or_else(|| crate::error::Error::unsupported(format!("tensor {i}: epmem cannot address memory {:?}", v.desc)))
+                };
+                let (ss, ds) = (side(&s)?, side(&d)?);
+                // SAFETY: ORT's tensors own their buffers for the whole call,
+                // and we synchronize before returning.
+                unsafe { t.copy(&mut streams, (ss, s.ptr), (ds, d.ptr), s.bytes) }
+            });
+            if let Err(e) = step {
+                result = Err(e);
+                break;
+            }
+        }
+        // Always drain what was queued, even after an error: ORT may free
+        // the buffers as soon as we return.
+        for (i, s) in streams.iter().enumerate() {
+            if let Some(s) = s {
+                if let Err(e) = s.synchronize() {
+                    result = result.and(Err(e.context(format!("synchronizing {}", t.shared.devices[i].label()))));
+                }
+            }
+        }
+        result
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_need_an_epmem_side_and_an_addressable_other_side() {
+        let (c, p, d0, d1) = (Some(Side::Cpu), Some(Side::Pinned(0)), Some(Side::Device(0)), Some(Side::Device(1)));
+        for (a, b) in [(c, d0), (d0, c), (d0, d0), (d0, d1), (p, d0), (d0, p), (c, p), (p, c)] {
+            assert!(can_copy(a, b), "{a:?} -> {b:?}");
+        }
+        assert!(!can_copy(c, c), "CPU to CPU is ORT's own copy");
+        assert!(!can_copy(None, d0) && !can_copy(d0, None), "foreign memory is refused");
+    }
+}

@@ -1,0 +1,456 @@
+//! `OrtEpFactory`: one per `CreateEpFactories` call, owning that
+//! registration's devices and memory infos.
+//!
+//! State is per call, never global: registering the same library file under
+//! two names gives two independent factories (ORT shares one `dlopen`
+//! handle between them), and a duplicate registration that ORT rejects after
+//! creating its factory releases exactly that factory.
+
+use std::ffi::{c_char, CString};
+use std::sync::{Arc, Mutex};
+
+use super::abi::*;
+use super::allocator::Allocator;
+use super::api::{cstring_lossy, Api, MemoryKind, OwnedMemoryInfo};
+use super::data_transfer::DataTransfer;
+use super::device_match::{self, Binding, HwInfo, NVIDIA_VENDOR_ID};
+use super::ep::Ep;
+use super::options::AllocatorOptions;
+use super::source::MemKind;
+use super::status_boundary;
+use crate::device::{self, Device, DeviceSelect};
+use crate::error::Result;
+
+/// Metadata key on our EpDevices carrying the device ordinal to `CreateEp`.
+pub const META_ORDINAL: &str = "epmem.ordinal";
+/// Metadata key: "cuda" or "host".
+pub const META_DEVICE: &str = "epmem.device";
+
+/// One epmem device and the memory infos it is registered with.
+pub(crate) struct EpmDevice {
+    pub dev: Arc<dyn Device>,
+    pub kind: MemoryKind,
+    pub default_info: OwnedMemoryInfo,
+    pub pinned_info: OwnedMemoryInfo,
+}
+
+impl EpmDevice {
+    pub fn label(&self) -> String {
+        format!("{}:{}", self.dev.info().kind.name(), self.dev.info().ordinal)
+    }
+}
+
+/// What every object made by one factory shares; the last of them to go
+/// releases the memory infos and created hardware devices.
+pub(crate) struct Shared {
+    pub api: Api,
+    pub ep_name: CString,
+    vendor: CString,
+    version: CString,
+    pub devices: Vec<EpmDevice>,
+    created_hw: Mutex<Vec<HwHandle>>,
+}
+
+/// A hardware device we created (ORT 1.24+).
+struct HwHandle(*mut OrtHardwareDevice);
+// SAFETY: an OrtHardwareDevice is immutable once created; we only release it.
+unsafe impl Send for HwHandle {}
+
+impl Shared {
+    /// Index of our device whose memory is labelled `kind`.
+    pub fn device_for(&self, kind: &MemoryKind) -> Option<usize> {
+        self.devices.iter().position(|d| d.kind == *kind)
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let hw = std::mem::take(&mut *self.created_hw.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(release) = self.api.release_hardware_device {
+            for h in hw {
+                // SAFETY: we created h with CreateHardwareDevice; the EpDevices
+                // that referred to it were released by ORT before the factory.
+                unsafe { release(h.0) };
+            }
+        }
+    }
+}
+
+/// The factory ORT holds. `base` first: ORT's `OrtEpFactory*` points here.
+#[repr(C)]
+pub(crate) struct Factory {
+    base: OrtEpFactory,
+    pub shared: Arc<Shared>,
+}
+
+impl Factory {
+    /// Open the devices `EPM_DEVICE` selects and build a factory for them.
+    pub fn create(api: Api, registered_name: &str) -> Result<*mut OrtEpFactory> {
+        crate::ensure!(!registered_name.is_empty(), InvalidArgument, "the registration name is empty");
+        let devs = open_devices()?;
+        log::info!("epmem: ONNX Runtime API 1.{}: registering {registered_name:?} with {} device(s)", api.version, devs.len());
+        let mut devices = Vec::with_capacity(devs.len());
+        for dev in devs {
+            let info = dev.info();
+            let kind = device_match::memory_kind(info);
+            let tag = format!("epmem_{}{}", info.kind.name(), info.ordinal);
+            devices.push(EpmDevice {
+                default_info: api.memory_info(&tag, kind, DEVICE_MEMORY_DEFAULT)?,
+                pinned_info: api.memory_info(&format!("{tag}_pinned"), kind, DEVICE_MEMORY_HOST_ACCESSIBLE)?,
+                kind,
+                dev,
+            });
+        }
+        let shared = Arc::new(Shared {
+            api,
+            ep_name: cstring_lossy(registered_name),
+            vendor: cstring_lossy("epmem"),
+            version: cstring_lossy(env!("CARGO_PKG_VERSION")),
+            devices,
+            created_hw: Mutex::new(Vec::new()),
+        });
+        let f = Box::new(Factory {
+            base: OrtEpFactory {
+                ort_version_supported: ORT_VERSION_SUPPORTED,
+                GetName: Some(get_name),
+                GetVendor: Some(get_vendor),
+                GetSupportedDevices: Some(get_supported_devices),
+                CreateEp: Some(create_ep),
+                ReleaseEp: Some(release_ep),
+                GetVendorId: Some(get_vendor_id),
+                GetVersion: Some(get_version),
+                ValidateCompiledModelCompatibilityInfo: Some(validate_compat),
+                CreateAllocator: Some(create_allocator),
+                ReleaseAllocator: Some(release_allocator),
+                CreateDataTransfer: Some(create_data_transfer),
+                IsStreamAware: Some(is_stream_aware),
+                CreateSyncStreamForDevice: Some(create_sync_stream),
+                SetEnvironmentOptions: None,
+                _v24: [None; 3],
+                _v25: [None; 2],
+                SelectBestModelCandidate: None,
+            },
+            shared,
+        });
+        Ok(Box::into_raw(f) as *mut OrtEpFactory)
+    }
+
+    /// # Safety
+    /// `p` came from [`Factory::create`] and is not used afterwards.
+    pub unsafe fn destroy(p: *mut OrtEpFactory) {
+        // SAFETY: per the caller.
+        drop(unsafe { Box::from_raw(p as *mut Factory) });
+    }
+}
+
+/// `EPM_DEVICE=cuda`: every CUDA device (at least one). `host`: the host
+/// device. `auto`: the CUDA devices if there are any, else the host device.
+fn open_devices() -> Result<Vec<Arc<dyn Device>>> {
+    let select = DeviceSelect::from_env()?;
+    if select == DeviceSelect::Host {
+        return Ok(vec![device::open(DeviceSelect::Host, 0)?]);
+    }
+    // The Device layer has no count call: open ordinals until one fails.
+    let mut cuda = Vec::new();
+    let mut last_err = None;
+    for ordinal in 0..64 {
+        match device::open(DeviceSelect::Cuda, ordinal) {
+            Ok(d) => cuda.push(d),
+            Err(e) => {
+                last_err = Some(e);
+                break;
+            }
+        }
+    }
+    if !cuda.is_empty() {
+        return Ok(cuda);
+    }
+    match (select, last_err) {
+        (DeviceSelect::Cuda, Some(e)) => Err(e.context("EPM_DEVICE=cuda but no CUDA device could be opened")),
+        _ => {
+            log::info!("epmem: no CUDA device; the ONNX Runtime EP reports the host device");
+            Ok(vec![device::open(DeviceSelect::Host, 0)?])
+        }
+    }
+}
+
+/// # Safety
+/// `this` is a factory made by [`Factory::create`].
+unsafe fn me<'a>(this: *const OrtEpFactory) -> &'a Factory {
+    // SAFETY: per the caller; `base` is the first field of a repr(C) struct.
+    unsafe { &*(this as *const Factory) }
+}
+
+unsafe extern "C" fn get_name(this: *const OrtEpFactory) -> *const c_char {
+    // SAFETY: ORT passes the factory we gave it.
+    unsafe { me(this) }.shared.ep_name.as_ptr()
+}
+
+unsafe extern "C" fn get_vendor(this: *const OrtEpFactory) -> *const c_char {
+    // SAFETY: as above.
+    unsafe { me(this) }.shared.vendor.as_ptr()
+}
+
+unsafe extern "C" fn get_vendor_id(_this: *const OrtEpFactory) -> u32 {
+    // epmem is not a hardware vendor: 0, as ORT's own CPU EP reports.
+    0
+}
+
+unsafe extern "C" fn get_version(this: *const OrtEpFactory) -> *const c_char {
+    // SAFETY: as above.
+    unsafe { me(this) }.shared.version.as_ptr()
+}
+
+unsafe extern "C" fn is_stream_aware(_this: *const OrtEpFactory) -> bool {
+    // Copies with no stream complete before CopyTensors returns.
+    false
+}
+
+unsafe extern "C" fn create_sync_stream(
+    this: *mut OrtEpFactory,
+    _md: *const OrtMemoryDevice,
+    _opts: *const OrtKeyValuePairs,
+    out: *mut *mut OrtSyncStreamImpl,
+) -> *mut OrtStatus {
+    // SAFETY: as above.
+    let f = unsafe { me(this) };
+    status_boundary(&f.shared.api, "CreateSyncStreamForDevice", || {
+        crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
+        // SAFETY: non-NULL out-param; NULL means "not stream aware".
+        unsafe { *out = std::ptr::null_mut() };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn validate_compat(
+    this: *mut OrtEpFactory,
+    _devices: *const *const OrtHardwareDevice,
+    _n: usize,
+    _info: *const c_char,
+    out: *mut OrtCompiledModelCompatibility,
+) -> *mut OrtStatus {
+    // SAFETY: as above.
+    let f = unsafe { me(this) };
+    status_boundary(&f.shared.api, "ValidateCompiledModelCompatibilityInfo", || {
+        crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
+        // SAFETY: non-NULL out-param. epmem never compiles models.
+        unsafe { *out = COMPILED_MODEL_NOT_APPLICABLE };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn get_supported_devices(
+    this: *mut OrtEpFactory,
+    devices: *const *const OrtHardwareDevice,
+    num_devices: usize,
+    ep_devices: *mut *mut OrtEpDevice,
+    max_ep_devices: usize,
+    num_ep_devices: *mut usize,
+) -> *mut OrtStatus {
+    // SAFETY: as above.
+    let f = unsafe { me(this) };
+    let api = f.shared.api;
+    status_boundary(&api, "GetSupportedDevices", || {
+        crate::ensure!(!num_ep_devices.is_null() && !ep_devices.is_null(), NullPointer, "an out-param is NULL");
+        crate::ensure!(num_devices == 0 || !devices.is_null(), NullPointer, "the device list is NULL");
+        // SAFETY: ORT passes `num_devices` live hardware devices.
+        let hw: Vec<*const OrtHardwareDevice> = (0..num_devices).map(|i| unsafe { *devices.add(i) }).collect();
+        let described: Vec<HwInfo> = hw
+            .iter()
+            // SAFETY: each is a live OrtHardwareDevice.
+            .map(|&h| unsafe {
+                let t = (api.hw_type)(h);
+                HwInfo {
+                    is_cpu: t == HARDWARE_DEVICE_CPU,
+                    is_gpu: t == HARDWARE_DEVICE_GPU,
+                    vendor_id: (api.hw_vendor_id)(h),
+                    pci_bus_id: api.hw_metadata(h, "pci_bus_id"),
+                }
+            })
+            .collect();
+        let ours: Vec<_> = f.shared.devices.iter().map(|d| d.dev.info()).collect();
+        let plan = device_match::plan(&described, &ours, api.create_hardware_device.is_some())?;
+
+        let mut made: Vec<*mut OrtEpDevice> = Vec::new();
+        let result = (|| -> Result<()> {
+            for (d, b) in f.shared.devices.iter().zip(plan) {
+                if made.len() >= max_ep_devices {
+                    log::warn!("epmem: ONNX Runtime takes at most {max_ep_devices} devices; {} not reported", d.label());
+                    continue;
+                }
+                let (hwp, how) = match b {
+                    Binding::Existing(i) => (hw[i], "matched"),
+                    Binding::CpuFallback(i) => (hw[i], "cpu-fallback"),
+                    Binding::Create => (create_hw(&f.shared, d)?, "created"),
+                };
+                let info = d.dev.info();
+                let meta = api.kvp_new(&[
+                    (META_ORDINAL, info.ordinal.to_string()),
+                    (META_DEVICE, info.kind.name().to_string()),
+                    ("epmem.device_name", info.name.clone()),
+                    ("epmem.hardware_binding", how.to_string()),
+                ]);
+                let mut epd: *mut OrtEpDevice = std::ptr::null_mut();
+                // SAFETY: live factory, hardware device and metadata; ORT copies the metadata.
+                api.check(unsafe { (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) }, "CreateEpDevice")?;
+                made.push(epd);
+                // SAFETY: epd is live; the memory infos outlive it (Shared owns them).
+                unsafe {
+                    api.check((api.add_allocator_info)(epd, d.default_info.as_ptr()), "EpDevice_AddAllocatorInfo(DEFAULT)")?;
+                    api.check((api.add_allocator_info)(epd, d.pinned_info.as_ptr()), "EpDevice_AddAllocatorInfo(HOST_ACCESSIBLE)")?;
+                }
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => {
+                // SAFETY: ORT's array holds max_ep_devices entries; made.len() <= that.
+                unsafe {
+                    for (i, &e) in made.iter().enumerate() {
+                        *ep_devices.add(i) = e;
+                    }
+                    *num_ep_devices = made.len();
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for epd in made {
+                    // SAFETY: created above and not handed to ORT.
+                    unsafe { (api.release_ep_device)(epd) };
+                }
+                Err(e)
+            }
+        }
+    })
+}
+
+/// A hardware device for a GPU ORT's discovery did not find (ORT 1.24+).
+fn create_hw(shared: &Shared, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
+    let api = shared.api;
+    let create = api.create_hardware_device.ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
+    let info = d.dev.info();
+    let bus = info.pci_bus_id.clone().unwrap_or_default();
+    let meta = api.kvp_new(&[("pci_bus_id", normalize_pci(&bus)), ("Discrete", "1".to_string()), ("epmem.created", "1".to_string())]);
+    let vendor = cstring_lossy("NVIDIA");
+    let mut out: *mut OrtHardwareDevice = std::ptr::null_mut();
+    // SAFETY: plain ORT call; it copies the name and metadata.
+    let st = unsafe { create(HARDWARE_DEVICE_GPU, NVIDIA_VENDOR_ID, pci_device_id(&bus).unwrap_or(0), vendor.as_ptr(), meta.as_ptr(), &mut out) };
+    api.check(st, "CreateHardwareDevice")?;
+    shared.created_hw.lock().unwrap_or_else(|e| e.into_inner()).push(HwHandle(out));
+    Ok(out)
+}
+
+/// "00000000:65:00.0" → "0000:65:00.0", the form ORT's discovery uses.
+fn normalize_pci(bus: &str) -> String {
+    match device_match::parse_pci(bus) {
+        Some((d, b, s, f)) => format!("{d:04x}:{b:02x}:{s:02x}.{f:x}"),
+        None => bus.to_string(),
+    }
+}
+
+/// The PCI device id from sysfs (0x2335 for an H200), if readable.
+fn pci_device_id(bus: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(format!("/sys/bus/pci/devices/{}/device", normalize_pci(bus))).ok()?;
+    u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
+}
+
+unsafe extern "C" fn create_ep(
+    this: *mut OrtEpFactory,
+    _devices: *const *const OrtHardwareDevice,
+    ep_metadata: *const *const OrtKeyValuePairs,
+    num_devices: usize,
+    _session_options: *const OrtSessionOptions,
+    _logger: *const OrtLogger,
+    out: *mut *mut OrtEp,
+) -> *mut OrtStatus {
+    // SAFETY: as above.
+    let f = unsafe { me(this) };
+    let api = f.shared.api;
+    status_boundary(&api, "CreateEp", || {
+        crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
+        crate::ensure!(num_devices > 0 && !ep_metadata.is_null(), InvalidArgument, "CreateEp was given no devices");
+        for i in 0..num_devices {
+            // SAFETY: ORT passes one metadata set per device (our own, from CreateEpDevice).
+            let v = unsafe { api.kvp_get(*ep_metadata.add(i), META_ORDINAL) };
+            let o: u32 = v
+                .as_deref()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| crate::error::Error::invalid_argument(format!("device {i} has no {META_ORDINAL} metadata")))?;
+            crate::ensure!(
+                f.shared.devices.iter().any(|d| d.dev.info().ordinal == o),
+                InvalidArgument,
+                "device ordinal {o} is not one of this factory's devices"
+            );
+        }
+        // SAFETY: non-NULL out-param.
+        unsafe { *out = Ep::create(&f.shared) };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn release_ep(_this: *mut OrtEpFactory, ep: *mut OrtEp) {
+    if !ep.is_null() {
+        // SAFETY: ep came from our CreateEp.
+        let _ = std::panic::catch_unwind(|| unsafe { Ep::destroy(ep) });
+    }
+}
+
+unsafe extern "C" fn create_allocator(
+    this: *mut OrtEpFactory,
+    memory_info: *const OrtMemoryInfo,
+    options: *const OrtKeyValuePairs,
+    out: *mut *mut OrtAllocator,
+) -> *mut OrtStatus {
+    // SAFETY: as above.
+    let f = unsafe { me(this) };
+    let api = f.shared.api;
+    status_boundary(&api, "CreateAllocator", || {
+        crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
+        crate::ensure!(!memory_info.is_null(), InvalidArgument, "CreateAllocator needs a memory info");
+        // SAFETY: ORT passes live objects.
+        let (desc, entries) = unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
+        let idx = f
+            .shared
+            .device_for(&desc.kind)
+            .ok_or_else(|| crate::error::Error::invalid_argument(format!("memory info {desc:?} is not an epmem device")))?;
+        let kind = match desc.mem_type {
+            DEVICE_MEMORY_DEFAULT => MemKind::Device,
+            DEVICE_MEMORY_HOST_ACCESSIBLE => MemKind::Pinned,
+            m => crate::bail!(InvalidArgument, "memory type {m} is neither DEFAULT nor HOST_ACCESSIBLE"),
+        };
+        let opts = AllocatorOptions::parse(&entries)?;
+        let a = Allocator::create(&f.shared, &f.shared.devices[idx], kind, opts)?;
+        // SAFETY: non-NULL out-param; ORT owns the allocator until ReleaseAllocator.
+        unsafe { *out = a };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn release_allocator(_this: *mut OrtEpFactory, a: *mut OrtAllocator) {
+    if !a.is_null() {
+        // SAFETY: a came from our CreateAllocator.
+        let _ = std::panic::catch_unwind(|| unsafe { Allocator::destroy(a) });
+    }
+}
+
+unsafe extern "C" fn create_data_transfer(this: *mut OrtEpFactory, out: *mut *mut OrtDataTransferImpl) -> *mut OrtStatus {
+    // SAFETY: as above.
+    let f = unsafe { me(this) };
+    status_boundary(&f.shared.api, "CreateDataTransfer", || {
+        crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
+        // SAFETY: non-NULL out-param; ORT calls Release on it.
+        unsafe { *out = DataTransfer::create(&f.shared) };
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pci_ids_are_normalized_to_ort_form() {
+        assert_eq!(normalize_pci("00000000:C5:00.0"), "0000:c5:00.0");
+        assert_eq!(normalize_pci("garbage"), "garbage");
+    }
+}
