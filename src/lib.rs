@@ -7,6 +7,8 @@
 //!
 //! See README.md and docs/ for the C-level documentation.
 
+#[doc(hidden)]
+pub mod bench_support;
 pub mod device;
 pub mod error;
 pub mod ffi;

@@ -21,6 +21,7 @@ use crate::error::{EpmStatus, Error, Result};
 
 pub mod conformance;
 pub mod cuda;
+pub mod fault;
 pub mod host;
 pub mod objects;
 
@@ -297,6 +298,26 @@ pub fn checksum_host(bytes: &[u8]) -> u64 {
 /// `Auto` tries CUDA (driver present and a device at `ordinal`), else the host
 /// device, and logs which it chose and why.
 pub fn open(select: DeviceSelect, ordinal: u32) -> Result<Arc<dyn Device>> {
+    // Parse EPM_FAULT before opening anything, so a bad value opens nothing.
+    let faults = match std::env::var("EPM_FAULT") {
+        Ok(spec) => Some(fault::FaultyDevice::parse_plan(&spec)?),
+        Err(_) => None,
+    };
+    let dev = open_plain(select, ordinal)?;
+    Ok(match faults {
+        Some(plan) if !plan.is_empty() => {
+            log::warn!("epmem: EPM_FAULT is set: injecting {plan:?}");
+            let f = fault::FaultyDevice::new(dev);
+            for (kind, n) in plan {
+                f.fail_nth(kind, n);
+            }
+            Arc::new(f)
+        }
+        _ => dev,
+    })
+}
+
+fn open_plain(select: DeviceSelect, ordinal: u32) -> Result<Arc<dyn Device>> {
     match select {
         DeviceSelect::Host => Ok(Arc::new(host::HostDevice::new(ordinal)?)),
         DeviceSelect::Cuda => Ok(Arc::new(cuda::CudaDevice::new(ordinal)?)),

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Prove epmem on a CUDA GPU from binaries built elsewhere (the GPU machine has
+# no Rust toolchain and no network).
+#
+#   here:   scripts/gpu-pack.sh                  # builds .carry/ (lib, test and bench binaries)
+#   there:  scripts/gpu-check.sh [--bench] [--only REGEX]
+#
+# It runs, with EPM_DEVICE=cuda: every Rust integration-test binary (the device
+# conformance suite, staging, residency, kv, ...), the C tests in ffi-tests/
+# (compiled there with gcc), the C examples, the Q1–Q5 probes (nvcc), the ONNX
+# Runtime tests against the machine's onnxruntime, and with --bench the
+# benchmarks. Logs go to $OUT (default /tmp/epmem-gpu); a table is printed last.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/epmem-gpu}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+BENCH=0
+ONLY=.
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) BENCH=1 ;;
+    --only) ONLY=$2; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+export EPM_DEVICE=${EPM_DEVICE:-cuda}
+export LD_LIBRARY_PATH=$ROOT/.carry/lib:${LD_LIBRARY_PATH:-}
+[ -f .carry/lib/libepmem.so ] || { echo "no .carry/lib/libepmem.so: run scripts/gpu-pack.sh first and carry .carry" >&2; exit 2; }
+
+ROWS=()
+FAILS=0
+# step NAME SUMMARY_REGEX CMD...: run CMD, log to $LOGS/NAME.log, keep a row.
+step() {
+  local name=$1 pat=$2; shift 2
+  echo "$name" | grep -Eq "$ONLY" || return 0
+  local t0=$SECONDS rc
+  echo "== $name: $*" >&2
+  timeout 900 "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  local summary
+  summary=$(grep -E "$pat" "$LOGS/$name.log" | tail -1 | cut -c1-90)
+  if [ $rc -eq 0 ]; then ROWS+=("PASS|$name|$((SECONDS - t0))s|$summary")
+  else ROWS+=("FAIL rc=$rc|$name|$((SECONDS - t0))s|$summary"); FAILS=$((FAILS + 1)); tail -30 "$LOGS/$name.log" >&2; fi
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id --format=csv,noheader; nvcc --version | tail -1; python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__)'; } >"$LOGS/machine.txt" 2>&1
+cat "$LOGS/machine.txt" >&2
+
+# 1. Rust integration tests (conformance suite first).
+declare -A SEEN_TEST
+for t in .carry/tests/device_conformance .carry/tests/*; do
+  [ -x "$t" ] || continue
+  n=$(basename "$t")
+  case "$n" in header) continue ;; esac
+  [ "${SEEN_TEST[$n]:-}" ] && continue
+  SEEN_TEST[$n]=1
+  step "rust-$n" '^test result' "$t" --test-threads=1
+done
+
+# 2. C tests, compiled here against the header and the carried library.
+CFLAGS="-std=c11 -O2 -g -Wall -Wextra -Werror -Iinclude"
+mkdir -p "$OUT/cbin"
+for c in ffi-tests/*.c; do
+  [ -f "$c" ] || continue
+  n=$(basename "$c" .c)
+  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$OUT/cbin/$n' -L.carry/lib -lepmem -lpthread && '$OUT/cbin/$n'"
+done
+
+# 3. Examples (the offload demo runs on the GPU by default when there is one).
+for c in examples-c/*.c; do
+  [ -f "$c" ] || continue
+  n=$(basename "$c" .c)
+  step "example-$n" 'tok|GB/s|name|device' sh -c "gcc $CFLAGS '$c' -o '$OUT/cbin/$n' -L.carry/lib -lepmem -lpthread -lm && '$OUT/cbin/$n'"
+done
+
+# 4. The Q1–Q5 probes (one question per binary: a poisoned context stays in its process).
+if [ -x ffi-tests/gpu/build.sh ]; then
+  step gpu-probes-build 'error|built' ffi-tests/gpu/build.sh "$OUT/probes"
+  for p in "$OUT"/probes/q*; do
+    [ -x "$p" ] && step "probe-$(basename "$p")" 'PASS|FAIL' "$p"
+  done
+fi
+
+# 5. ONNX Runtime plugin EP against the machine's onnxruntime.
+[ -x scripts/ort-test.sh ] && step ort 'passed|failed|PASS|FAIL' scripts/ort-test.sh --no-install
+
+# 6. Benchmarks.
+if [ $BENCH = 1 ]; then
+  for b in .carry/bin/bench_*; do
+    [ -x "$b" ] || continue
+    n=$(basename "$b")
+    step "$n" 'target|TARGET|peak' "$b" --json "$OUT/$n.json"
+  done
+fi
+
+tar -C "$OUT" -czf "$OUT/logs.tgz" logs 2>/dev/null
+{
+  echo
+  echo "| result | step | time | last summary line |"
+  echo "|---|---|---|---|"
+  for r in "${ROWS[@]}"; do echo "| ${r//|/ | } |"; done
+  echo
+  echo "$(( ${#ROWS[@]} - FAILS )) passed, $FAILS failed"
+} | tee "$OUT/summary.md"
+[ $FAILS -eq 0 ]
