@@ -3,7 +3,7 @@
 //!
 //! ORT creates several allocators at once (a shared one per memory type at
 //! registration, then one per session), from any thread; each is
-//! independent, and each keeps the factory's shared state alive so it may
+//! independent, and each keeps its factory alive so it may
 //! be released after the library is unregistered.
 
 use std::collections::HashMap;
@@ -12,7 +12,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
-use super::factory::{EpmDevice, Shared};
+use super::factory::{EpmDevice, Factory};
 use super::options::AllocatorOptions;
 use super::source::{self, MemKind, MemorySource};
 use crate::error::Result;
@@ -70,7 +70,7 @@ impl Book {
 #[repr(C)]
 pub(crate) struct Allocator {
     base: OrtAllocator,
-    shared: Arc<Shared>,
+    factory: Arc<Factory>,
     info: *const OrtMemoryInfo,
     device_label: String,
     kind: MemKind,
@@ -80,7 +80,7 @@ pub(crate) struct Allocator {
 
 impl Allocator {
     /// A new allocator for `kind` memory of `dev`, boxed for ORT.
-    pub fn create(shared: &Arc<Shared>, dev: &EpmDevice, kind: MemKind, opts: AllocatorOptions) -> Result<*mut OrtAllocator> {
+    pub fn create(factory: Arc<Factory>, dev: &EpmDevice, kind: MemKind, opts: AllocatorOptions) -> Result<*mut OrtAllocator> {
         let default_limit = match kind {
             MemKind::Device => dev.dev.info().total_mem,
             MemKind::Pinned => physical_ram(),
@@ -101,7 +101,7 @@ impl Allocator {
                 AllocOnStream: Some(alloc_on_stream),
                 Shrink: None,
             },
-            shared: shared.clone(),
+            factory,
             info,
             device_label: dev.label(),
             kind,
@@ -261,9 +261,9 @@ unsafe extern "C" fn info_fn(this: *const OrtAllocator) -> *const OrtMemoryInfo 
 unsafe extern "C" fn get_stats(this: *const OrtAllocator, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus {
     // SAFETY: as in `alloc`.
     let a = unsafe { me(this) };
-    super::status_boundary(&a.shared.api, "OrtAllocator::GetStats", || {
+    super::status_boundary(&a.factory.api, "OrtAllocator::GetStats", || {
         crate::ensure!(!out.is_null(), NullPointer, "GetStats: out is NULL");
-        let kv = a.shared.api.kvp_new(&[]);
+        let kv = a.factory.api.kvp_new(&[]);
         for (k, v) in a.stats() {
             kv.add(k, &v);
         }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use super::abi::*;
 use super::api::MemoryDeviceDesc;
-use super::factory::Shared;
+use super::factory::Factory;
 use super::status_boundary;
 use crate::device::Stream;
 use crate::error::Result;
@@ -34,8 +34,8 @@ impl Side {
 
 /// Which side `desc` is, or None if it is memory epmem cannot address
 /// (another vendor's device, a GPU ordinal we did not open).
-pub(crate) fn classify(shared: &Shared, desc: &MemoryDeviceDesc) -> Option<Side> {
-    match shared.device_for(&desc.kind) {
+pub(crate) fn classify(factory: &Factory, desc: &MemoryDeviceDesc) -> Option<Side> {
+    match factory.device_for(&desc.kind) {
         Some(i) => match desc.mem_type {
             DEVICE_MEMORY_DEFAULT => Some(Side::Device(i)),
             DEVICE_MEMORY_HOST_ACCESSIBLE => Some(Side::Pinned(i)),
@@ -55,14 +55,14 @@ pub(crate) fn can_copy(a: Option<Side>, b: Option<Side>) -> bool {
 #[repr(C)]
 pub(crate) struct DataTransfer {
     base: OrtDataTransferImpl,
-    shared: Arc<Shared>,
+    factory: Arc<Factory>,
     /// One stream per device, made on first use; the lock also serializes
     /// concurrent CopyTensors calls on this object.
     streams: Mutex<Vec<Option<Stream>>>,
 }
 
 impl DataTransfer {
-    pub fn create(shared: &Arc<Shared>) -> *mut OrtDataTransferImpl {
+    pub fn create(factory: Arc<Factory>) -> *mut OrtDataTransferImpl {
         let t = Box::new(DataTransfer {
             base: OrtDataTransferImpl {
                 ort_version_supported: ORT_VERSION_SUPPORTED,
@@ -70,8 +70,8 @@ impl DataTransfer {
                 CanCopy: Some(can_copy_fn),
                 CopyTensors: Some(copy_tensors),
             },
-            shared: shared.clone(),
-            streams: Mutex::new((0..shared.devices.len()).map(|_| None).collect()),
+            streams: Mutex::new((0..factory.devices.len()).map(|_| None).collect()),
+            factory,
         });
         Box::into_raw(t) as *mut OrtDataTransferImpl
     }
@@ -86,7 +86,7 @@ impl DataTransfer {
         if n == 0 {
             return Ok(());
         }
-        let devs = &self.shared.devices;
+        let devs = &self.factory.devices;
         let mut stream = |i: usize| -> Result<crate::device::RawStream> {
             if streams[i].is_none() {
                 streams[i] = Some(Stream::new(&devs[i].dev)?);
@@ -138,9 +138,9 @@ unsafe extern "C" fn can_copy_fn(this: *const OrtDataTransferImpl, src: *const O
         // SAFETY: ORT passes our transfer and two live memory devices.
         let (t, s, d) = unsafe {
             let t = me(this);
-            (t, t.shared.api.memory_device(src), t.shared.api.memory_device(dst))
+            (t, t.factory.api.memory_device(src), t.factory.api.memory_device(dst))
         };
-        can_copy(classify(&t.shared, &s), classify(&t.shared, &d))
+        can_copy(classify(&t.factory, &s), classify(&t.factory, &d))
     })
     .unwrap_or(false)
 }
@@ -154,7 +154,7 @@ unsafe extern "C" fn copy_tensors(
 ) -> *mut OrtStatus {
     // SAFETY: ORT passes our transfer.
     let t = unsafe { me(this) };
-    let api = t.shared.api;
+    let api = t.factory.api;
     status_boundary(&api, "CopyTensors", || {
         crate::ensure!(n == 0 || (!src.is_null() && !dst.is_null()), NullPointer, "tensor arrays are NULL");
         let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
@@ -171,7 +171,7 @@ unsafe extern "C" fn copy_tensors(
                     d.bytes
                 );
                 let side = |v: &super::api::TensorView| {
-                    classify(&t.shared, &v.desc)
+                    classify(&t.factory, &v.desc)
                         .ok_or_else(|| crate::error::Error::unsupported(format!("tensor {i}: epmem cannot address memory {:?}", v.desc)))
                 };
                 let (ss, ds) = (side(&s)?, side(&d)?);
@@ -189,7 +189,7 @@ unsafe extern "C" fn copy_tensors(
         for (i, s) in streams.iter().enumerate() {
             if let Some(s) = s {
                 if let Err(e) = s.synchronize() {
-                    result = result.and(Err(e.context(format!("synchronizing {}", t.shared.devices[i].label()))));
+                    result = result.and(Err(e.context(format!("synchronizing {}", t.factory.devices[i].label()))));
                 }
             }
         }

@@ -7,17 +7,17 @@ use std::ffi::c_char;
 use std::sync::Arc;
 
 use super::abi::*;
-use super::factory::Shared;
+use super::factory::Factory;
 use super::status_boundary;
 
 #[repr(C)]
 pub(crate) struct Ep {
     base: OrtEp,
-    shared: Arc<Shared>,
+    factory: Arc<Factory>,
 }
 
 impl Ep {
-    pub fn create(shared: &Arc<Shared>) -> *mut OrtEp {
+    pub fn create(factory: Arc<Factory>) -> *mut OrtEp {
         let ep = Box::new(Ep {
             base: OrtEp {
                 ort_version_supported: ORT_VERSION_SUPPORTED,
@@ -38,7 +38,7 @@ impl Ep {
                 GetKernelRegistry: None,
                 _later: [None; 11],
             },
-            shared: shared.clone(),
+            factory,
         });
         Box::into_raw(ep) as *mut OrtEp
     }
@@ -61,14 +61,14 @@ unsafe fn me<'a>(this: *const OrtEp) -> &'a Ep {
 unsafe extern "C" fn get_name(this: *const OrtEp) -> *const c_char {
     // The EP's name must be the factory's: the name it was registered under.
     // SAFETY: ORT passes the EP we gave it.
-    unsafe { me(this) }.shared.ep_name.as_ptr()
+    unsafe { me(this) }.factory.ep_name.as_ptr()
 }
 
 unsafe extern "C" fn get_capability(this: *mut OrtEp, _graph: *const OrtGraph, _info: *mut OrtEpGraphSupportInfo) -> *mut OrtStatus {
     // SAFETY: as above.
     let ep = unsafe { me(this) };
     // Claim nothing: adding no nodes to `info` leaves every node to the CPU EP.
-    status_boundary(&ep.shared.api, "GetCapability", || Ok(()))
+    status_boundary(&ep.factory.api, "GetCapability", || Ok(()))
 }
 
 unsafe extern "C" fn compile(
@@ -81,7 +81,7 @@ unsafe extern "C" fn compile(
 ) -> *mut OrtStatus {
     // SAFETY: as above.
     let ep = unsafe { me(this) };
-    status_boundary(&ep.shared.api, "Compile", || {
+    status_boundary(&ep.factory.api, "Compile", || {
         crate::bail!(Unsupported, "asked to compile {count} graphs, but the epmem EP claims no nodes")
     })
 }

@@ -40,9 +40,16 @@ impl EpmDevice {
     }
 }
 
-/// What every object made by one factory shares; the last of them to go
-/// releases the memory infos and created hardware devices.
-pub(crate) struct Shared {
+/// The factory ORT holds, shared (`Arc`) with every allocator, EP and data
+/// transfer made from it: ORT may release those after the factory (a tensor
+/// that outlives `UnregisterExecutionProviderLibrary` frees through its
+/// allocator, and ORT then calls `ReleaseAllocator` through this struct), so
+/// the struct ORT points at lives until the last of them is gone.
+///
+/// `base` first: ORT's `OrtEpFactory*` points here.
+#[repr(C)]
+pub(crate) struct Factory {
+    base: OrtEpFactory,
     pub api: Api,
     pub ep_name: CString,
     vendor: CString,
@@ -56,14 +63,14 @@ struct HwHandle(*mut OrtHardwareDevice);
 // SAFETY: an OrtHardwareDevice is immutable once created; we only release it.
 unsafe impl Send for HwHandle {}
 
-impl Shared {
+impl Factory {
     /// Index of our device whose memory is labelled `kind`.
     pub fn device_for(&self, kind: &MemoryKind) -> Option<usize> {
         self.devices.iter().position(|d| d.kind == *kind)
     }
 }
 
-impl Drop for Shared {
+impl Drop for Factory {
     fn drop(&mut self) {
         let hw = std::mem::take(&mut *self.created_hw.lock().unwrap_or_else(|e| e.into_inner()));
         if let Some(release) = self.api.release_hardware_device {
@@ -74,13 +81,6 @@ impl Drop for Shared {
             }
         }
     }
-}
-
-/// The factory ORT holds. `base` first: ORT's `OrtEpFactory*` points here.
-#[repr(C)]
-pub(crate) struct Factory {
-    base: OrtEpFactory,
-    pub shared: Arc<Shared>,
 }
 
 impl Factory {
@@ -101,15 +101,12 @@ impl Factory {
                 dev,
             });
         }
-        let shared = Arc::new(Shared {
-            api,
+        let f = Arc::new(Factory {
             ep_name: cstring_lossy(registered_name),
             vendor: cstring_lossy("epmem"),
             version: cstring_lossy(env!("CARGO_PKG_VERSION")),
             devices,
             created_hw: Mutex::new(Vec::new()),
-        });
-        let f = Box::new(Factory {
             base: OrtEpFactory {
                 ort_version_supported: ORT_VERSION_SUPPORTED,
                 GetName: Some(get_name),
@@ -130,16 +127,28 @@ impl Factory {
                 _v25: [None; 2],
                 SelectBestModelCandidate: None,
             },
-            shared,
+            api,
         });
-        Ok(Box::into_raw(f) as *mut OrtEpFactory)
+        Ok(Arc::into_raw(f) as *mut OrtEpFactory)
     }
 
+    /// Drop ORT's reference (objects made from the factory keep theirs).
+    ///
     /// # Safety
-    /// `p` came from [`Factory::create`] and is not used afterwards.
-    pub unsafe fn destroy(p: *mut OrtEpFactory) {
-        // SAFETY: per the caller.
-        drop(unsafe { Box::from_raw(p as *mut Factory) });
+    /// `p` came from [`Factory::create`] and ORT does not use it afterwards.
+    pub unsafe fn release(p: *mut OrtEpFactory) {
+        // SAFETY: per the caller, p is the Arc we leaked in `create`.
+        drop(unsafe { Arc::from_raw(p as *const Factory) });
+    }
+
+    /// A new reference for an object made from the factory ORT calls through.
+    fn arc(&self) -> Arc<Factory> {
+        // SAFETY: every &Factory ORT hands us is the Arc leaked in `create`,
+        // still alive (ORT's own reference); we add one more.
+        unsafe {
+            Arc::increment_strong_count(self as *const Factory);
+            Arc::from_raw(self as *const Factory)
+        }
     }
 }
 
@@ -183,12 +192,12 @@ unsafe fn me<'a>(this: *const OrtEpFactory) -> &'a Factory {
 
 unsafe extern "C" fn get_name(this: *const OrtEpFactory) -> *const c_char {
     // SAFETY: ORT passes the factory we gave it.
-    unsafe { me(this) }.shared.ep_name.as_ptr()
+    unsafe { me(this) }.ep_name.as_ptr()
 }
 
 unsafe extern "C" fn get_vendor(this: *const OrtEpFactory) -> *const c_char {
     // SAFETY: as above.
-    unsafe { me(this) }.shared.vendor.as_ptr()
+    unsafe { me(this) }.vendor.as_ptr()
 }
 
 unsafe extern "C" fn get_vendor_id(_this: *const OrtEpFactory) -> u32 {
@@ -198,7 +207,7 @@ unsafe extern "C" fn get_vendor_id(_this: *const OrtEpFactory) -> u32 {
 
 unsafe extern "C" fn get_version(this: *const OrtEpFactory) -> *const c_char {
     // SAFETY: as above.
-    unsafe { me(this) }.shared.version.as_ptr()
+    unsafe { me(this) }.version.as_ptr()
 }
 
 unsafe extern "C" fn is_stream_aware(_this: *const OrtEpFactory) -> bool {
@@ -214,7 +223,7 @@ unsafe extern "C" fn create_sync_stream(
 ) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
-    status_boundary(&f.shared.api, "CreateSyncStreamForDevice", || {
+    status_boundary(&f.api, "CreateSyncStreamForDevice", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
         // SAFETY: non-NULL out-param; NULL means "not stream aware".
         unsafe { *out = std::ptr::null_mut() };
@@ -231,7 +240,7 @@ unsafe extern "C" fn validate_compat(
 ) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
-    status_boundary(&f.shared.api, "ValidateCompiledModelCompatibilityInfo", || {
+    status_boundary(&f.api, "ValidateCompiledModelCompatibilityInfo", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
         // SAFETY: non-NULL out-param. epmem never compiles models.
         unsafe { *out = COMPILED_MODEL_NOT_APPLICABLE };
@@ -249,7 +258,7 @@ unsafe extern "C" fn get_supported_devices(
 ) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
-    let api = f.shared.api;
+    let api = f.api;
     status_boundary(&api, "GetSupportedDevices", || {
         crate::ensure!(!num_ep_devices.is_null() && !ep_devices.is_null(), NullPointer, "an out-param is NULL");
         crate::ensure!(num_devices == 0 || !devices.is_null(), NullPointer, "the device list is NULL");
@@ -268,12 +277,12 @@ unsafe extern "C" fn get_supported_devices(
                 }
             })
             .collect();
-        let ours: Vec<_> = f.shared.devices.iter().map(|d| d.dev.info()).collect();
+        let ours: Vec<_> = f.devices.iter().map(|d| d.dev.info()).collect();
         let plan = device_match::plan(&described, &ours, api.create_hardware_device.is_some())?;
 
         let mut made: Vec<*mut OrtEpDevice> = Vec::new();
         let result = (|| -> Result<()> {
-            for (d, b) in f.shared.devices.iter().zip(plan) {
+            for (d, b) in f.devices.iter().zip(plan) {
                 if made.len() >= max_ep_devices {
                     log::warn!("epmem: ONNX Runtime takes at most {max_ep_devices} devices; {} not reported", d.label());
                     continue;
@@ -281,7 +290,7 @@ unsafe extern "C" fn get_supported_devices(
                 let (hwp, how) = match b {
                     Binding::Existing(i) => (hw[i], "matched"),
                     Binding::CpuFallback(i) => (hw[i], "cpu-fallback"),
-                    Binding::Create => (create_hw(&f.shared, d)?, "created"),
+                    Binding::Create => (create_hw(f, d)?, "created"),
                 };
                 let info = d.dev.info();
                 let meta = api.kvp_new(&[
@@ -294,7 +303,7 @@ unsafe extern "C" fn get_supported_devices(
                 // SAFETY: live factory, hardware device and metadata; ORT copies the metadata.
                 api.check(unsafe { (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) }, "CreateEpDevice")?;
                 made.push(epd);
-                // SAFETY: epd is live; the memory infos outlive it (Shared owns them).
+                // SAFETY: epd is live; the memory infos outlive it (the factory owns them).
                 unsafe {
                     api.check((api.add_allocator_info)(epd, d.default_info.as_ptr()), "EpDevice_AddAllocatorInfo(DEFAULT)")?;
                     api.check((api.add_allocator_info)(epd, d.pinned_info.as_ptr()), "EpDevice_AddAllocatorInfo(HOST_ACCESSIBLE)")?;
@@ -325,8 +334,8 @@ unsafe extern "C" fn get_supported_devices(
 }
 
 /// A hardware device for a GPU ORT's discovery did not find (ORT 1.24+).
-fn create_hw(shared: &Shared, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
-    let api = shared.api;
+fn create_hw(f: &Factory, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
+    let api = f.api;
     let create = api.create_hardware_device.ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
     let info = d.dev.info();
     let bus = info.pci_bus_id.clone().unwrap_or_default();
@@ -336,7 +345,7 @@ fn create_hw(shared: &Shared, d: &EpmDevice) -> Result<*const OrtHardwareDevice>
     // SAFETY: plain ORT call; it copies the name and metadata.
     let st = unsafe { create(HARDWARE_DEVICE_GPU, NVIDIA_VENDOR_ID, pci_device_id(&bus).unwrap_or(0), vendor.as_ptr(), meta.as_ptr(), &mut out) };
     api.check(st, "CreateHardwareDevice")?;
-    shared.created_hw.lock().unwrap_or_else(|e| e.into_inner()).push(HwHandle(out));
+    f.created_hw.lock().unwrap_or_else(|e| e.into_inner()).push(HwHandle(out));
     Ok(out)
 }
 
@@ -365,7 +374,7 @@ unsafe extern "C" fn create_ep(
 ) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
-    let api = f.shared.api;
+    let api = f.api;
     status_boundary(&api, "CreateEp", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
         crate::ensure!(num_devices > 0 && !ep_metadata.is_null(), InvalidArgument, "CreateEp was given no devices");
@@ -377,13 +386,13 @@ unsafe extern "C" fn create_ep(
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| crate::error::Error::invalid_argument(format!("device {i} has no {META_ORDINAL} metadata")))?;
             crate::ensure!(
-                f.shared.devices.iter().any(|d| d.dev.info().ordinal == o),
+                f.devices.iter().any(|d| d.dev.info().ordinal == o),
                 InvalidArgument,
                 "device ordinal {o} is not one of this factory's devices"
             );
         }
         // SAFETY: non-NULL out-param.
-        unsafe { *out = Ep::create(&f.shared) };
+        unsafe { *out = Ep::create(f.arc()) };
         Ok(())
     })
 }
@@ -403,14 +412,13 @@ unsafe extern "C" fn create_allocator(
 ) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
-    let api = f.shared.api;
+    let api = f.api;
     status_boundary(&api, "CreateAllocator", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
         crate::ensure!(!memory_info.is_null(), InvalidArgument, "CreateAllocator needs a memory info");
         // SAFETY: ORT passes live objects.
         let (desc, entries) = unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
         let idx = f
-            .shared
             .device_for(&desc.kind)
             .ok_or_else(|| crate::error::Error::invalid_argument(format!("memory info {desc:?} is not an epmem device")))?;
         let kind = match desc.mem_type {
@@ -419,7 +427,7 @@ unsafe extern "C" fn create_allocator(
             m => crate::bail!(InvalidArgument, "memory type {m} is neither DEFAULT nor HOST_ACCESSIBLE"),
         };
         let opts = AllocatorOptions::parse(&entries)?;
-        let a = Allocator::create(&f.shared, &f.shared.devices[idx], kind, opts)?;
+        let a = Allocator::create(f.arc(), &f.devices[idx], kind, opts)?;
         // SAFETY: non-NULL out-param; ORT owns the allocator until ReleaseAllocator.
         unsafe { *out = a };
         Ok(())
@@ -436,10 +444,10 @@ unsafe extern "C" fn release_allocator(_this: *mut OrtEpFactory, a: *mut OrtAllo
 unsafe extern "C" fn create_data_transfer(this: *mut OrtEpFactory, out: *mut *mut OrtDataTransferImpl) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
-    status_boundary(&f.shared.api, "CreateDataTransfer", || {
+    status_boundary(&f.api, "CreateDataTransfer", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
         // SAFETY: non-NULL out-param; ORT calls Release on it.
-        unsafe { *out = DataTransfer::create(&f.shared) };
+        unsafe { *out = DataTransfer::create(f.arc()) };
         Ok(())
     })
 }

@@ -121,7 +121,7 @@ pub unsafe extern "C" fn ReleaseEpFactory(factory: *mut OrtEpFactory) -> *mut Or
     if !factory.is_null() {
         // SAFETY: per the caller. Objects made by the factory keep its shared
         // state alive, so they may outlive it.
-        let _ = catch_unwind(|| unsafe { Factory::destroy(factory) });
+        let _ = catch_unwind(|| unsafe { Factory::release(factory) });
     }
     std::ptr::null_mut()
 }
