@@ -1,13 +1,18 @@
 //! Allocator options: what `CreateSharedAllocator(..., options)` may pass.
 //!
-//! Every key is checked: an unknown key or a value we cannot parse is an
-//! error naming the key and the accepted forms, never silently ignored (a
-//! typo in a memory limit should not become "no limit").
+//! Keys in epmem's namespace (`epmem.`) are checked: an unknown one or a
+//! value we cannot parse is an error naming the key and the accepted forms,
+//! never silently ignored (a typo in a memory limit should not become "no
+//! limit"). ORT's arena keys (`arena.`) are refused. Any other key is ORT's
+//! own bookkeeping (ORT 1.32 adds `ep_instance_id` to session allocators)
+//! and is left alone.
 
 use crate::error::Result;
 
 /// The byte limit of one allocator.
 pub const OPT_ARENA_BYTES: &str = "epmem.arena_bytes";
+
+const EPMEM_PREFIX: &str = "epmem.";
 
 /// ORT's own arena keys: refused with a pointer to ours, because epmem
 /// brings its own arena and ORT's BFC settings would not mean anything here.
@@ -39,7 +44,10 @@ impl AllocatorOptions {
                     InvalidArgument,
                     "allocator option {k:?} is an ONNX Runtime arena setting; epmem brings its own arena, size it with {OPT_ARENA_BYTES}"
                 ),
-                k => crate::bail!(InvalidArgument, "unknown allocator option {k:?}; epmem accepts {OPT_ARENA_BYTES}"),
+                k if k.starts_with(EPMEM_PREFIX) => {
+                    crate::bail!(InvalidArgument, "unknown allocator option {k:?}; epmem accepts {OPT_ARENA_BYTES}")
+                }
+                _ => {}
             }
         }
         Ok(o)
@@ -102,5 +110,11 @@ mod tests {
         assert!(e.message().contains("unknown allocator option \"epmem.arena_size\""), "{e}");
         let e = AllocatorOptions::parse(&kv("arena.max_mem", "1")).unwrap_err();
         assert!(e.message().contains("brings its own arena"), "{e}");
+    }
+
+    #[test]
+    fn leaves_ort_bookkeeping_keys_alone() {
+        let o = AllocatorOptions::parse(&[("ep_instance_id".into(), "3".into()), (OPT_ARENA_BYTES.into(), "1KiB".into())]).unwrap();
+        assert_eq!(o.arena_bytes, Some(1024));
     }
 }

@@ -225,10 +225,11 @@ static void test_double_registration(void) {
   if (p) a2->Free(a2, p);
   CHECK(ok(ORT_FN(api, UnregisterExecutionProviderLibrary)(env, "epmem_c2")), "unregister epmem_c2: %s", last_msg);
   CHECK(find_device("epmem_c2") == NULL, "epmem_c2 still listed");
-  /* The first name still allocates. */
+  /* The first name still allocates. ORT keys env-level shared allocators by
+   * memory device, which both names share, so make ours again. */
   const OrtEpDevice* d = find_device("epmem_c");
   OrtAllocator* a = NULL;
-  CHECK(d && ok(ORT_FN(api, GetSharedAllocator)(env, ORT_FN(api, EpDevice_MemoryInfo)(d, OrtDeviceMemoryType_DEFAULT), &a)) && a,
+  CHECK(d && ok(ORT_FN(api, CreateSharedAllocator)(env, d, OrtDeviceMemoryType_DEFAULT, OrtDeviceAllocator, NULL, &a)) && a,
         "epmem_c allocator after epmem_c2 went: %s", last_msg);
   p = a ? a->Alloc(a, 256) : NULL;
   CHECK(p != NULL, "epmem_c Alloc after epmem_c2 went");

@@ -180,15 +180,17 @@ class PluginTests(unittest.TestCase):
             da, db = devices_of(a.name), devices_of(b.name)
             self.assertEqual(len(da), len(db))
             self.assertTrue(da)
-        # Unregistering one leaves the other intact.
+        # Unregistering one leaves the other working. (ORT keys its env-level
+        # shared allocators by memory device, which both names share, so only
+        # per-session allocators are certain to survive: see docs/ORT.md.)
         with Registered("epmem_a") as a:
             b = Registered("epmem_b").__enter__()
             b.__exit__()
             self.assertTrue(devices_of(a.name))
-            if VERSION >= (1, 28):
-                v = ort.OrtValue.ortvalue_from_shape_and_type((16,), np.float32, memory_info=a.device().memory_info(DEFAULT))
-                ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(np.ones(16, np.float32))], [v], None)
-                del v
+            so = ort.SessionOptions()
+            so.add_provider_for_devices([a.device()], {})
+            x, want = model_inputs()
+            np.testing.assert_allclose(ort.InferenceSession(MODEL, sess_options=so).run(None, {"X": x})[0], want, rtol=1e-6)
 
     def test_bad_path_is_a_clean_error(self):
         with self.assertRaises(Exception):
