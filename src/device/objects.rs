@@ -27,6 +27,15 @@ impl Stream {
     pub fn new(dev: &Arc<dyn Device>) -> Result<Self> {
         Ok(Self { raw: dev.stream_create()?, dev: dev.clone() })
     }
+    /// Adopt a stream the host created (a `CUstream` on CUDA); dropping the
+    /// result only forgets it, the host still owns and destroys it.
+    pub fn wrap_native(dev: &Arc<dyn Device>, native: u64) -> Result<Self> {
+        Ok(Self { raw: dev.stream_wrap_native(native)?, dev: dev.clone() })
+    }
+    /// The native handle (`CUstream` on CUDA, 0 on the host device).
+    pub fn native(&self) -> Result<u64> {
+        self.dev.stream_native(self.raw)
+    }
     pub fn raw(&self) -> RawStream {
         self.raw
     }
@@ -61,6 +70,9 @@ impl Event {
     }
     pub fn raw(&self) -> RawEvent {
         self.raw
+    }
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
     }
     /// Record on a raw stream (for streams the host owns).
     pub fn record_raw(&self, s: RawStream) -> Result<()> {

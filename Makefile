@@ -1,0 +1,103 @@
+# epmem: build, install, test, demo.
+#
+#   make build                 cargo build --release (libepmem.so, libepmem.a)
+#   make install PREFIX=/opt   lib/libepmem.{so,a}, include/epmem.h, lib/pkgconfig/epmem.pc
+#   make test                  everything CI runs (the README's test command)
+#   make demo                  build and run the demo against an installed copy
+#
+# The C tests link target/release/libepmem.so with an rpath relative to the
+# binary, so target/ffi-tests/ and target/release/ can be shipped together to
+# a GPU machine and run there with EPM_DEVICE=cuda (see scripts/gpu-check.sh).
+
+PREFIX   ?= /usr/local
+CC       ?= cc
+CARGO    ?= cargo
+VERSION  := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+
+WARN      := -Wall -Wextra -Werror
+TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer
+LIB_DIR   := target/release
+TEST_DIR  := target/ffi-tests
+TEST_SRCS := $(wildcard ffi-tests/test_*.c)
+TEST_BINS := $(patsubst ffi-tests/%.c,$(TEST_DIR)/%,$(TEST_SRCS))
+# The same tests under AddressSanitizer (with leak checks) and UBSan, run in
+# CI only: the plain binaries are the ones shipped to the GPU machine.
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+SAN_BINS  := $(patsubst ffi-tests/%.c,$(TEST_DIR)/san/%,$(TEST_SRCS))
+EXAMPLES  := $(wildcard examples-c/*.c)
+# The demo is examples-c/offload_decode.c once it exists; until then the
+# device tour stands in, so `make demo` always shows something real.
+DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
+
+.PHONY: build install uninstall test test-rust test-c test-examples ffi-tests demo clean-c
+
+build:
+	$(CARGO) build --release
+
+install: build
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
+	install -m 755 $(LIB_DIR)/libepmem.so $(DESTDIR)$(PREFIX)/lib/libepmem.so
+	install -m 644 $(LIB_DIR)/libepmem.a $(DESTDIR)$(PREFIX)/lib/libepmem.a
+	install -m 644 include/epmem.h $(DESTDIR)$(PREFIX)/include/epmem.h
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' epmem.pc.in \
+	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/epmem.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/lib/libepmem.so $(DESTDIR)$(PREFIX)/lib/libepmem.a \
+	  $(DESTDIR)$(PREFIX)/include/epmem.h $(DESTDIR)$(PREFIX)/lib/pkgconfig/epmem.pc
+
+# ---- C tests ---------------------------------------------------------------
+
+$(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+	@mkdir -p $(TEST_DIR)
+	$(CC) $(TEST_CFLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../release'
+
+$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+	@mkdir -p $(TEST_DIR)/san
+	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../../release'
+
+$(LIB_DIR)/libepmem.so: build
+
+ffi-tests: build $(TEST_BINS)
+
+# ---- the test command --------------------------------------------------------
+
+test-rust:
+	$(CARGO) test
+
+test-c: ffi-tests $(SAN_BINS)
+	@fail=0; for t in $(TEST_BINS) $(SAN_BINS); do \
+	  echo "== $$t"; $$t || { echo "FAILED: $$t (exit $$?)"; fail=1; }; \
+	done; exit $$fail
+
+# Install into a throw-away prefix and build every example the way a user
+# would: through pkg-config, nothing from this tree.
+test-examples: build
+	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
+	$(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
+	for ex in $(EXAMPLES); do \
+	  name=$$(basename $$ex .c); echo "== example $$name"; \
+	  PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -o $$prefix/$$name $$ex \
+	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
+	  $$prefix/$$name; \
+	done
+
+test:
+	$(MAKE) test-rust
+	$(MAKE) test-c
+	$(MAKE) test-examples
+	@# Later suites plug in here, one line each, e.g.:
+	@#   $(MAKE) test-ort      (the Python / ONNX Runtime plugin tests)
+	@echo "make test: all suites passed"
+
+# ---- demo --------------------------------------------------------------------
+
+demo: build
+	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
+	$(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
+	PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -O2 -o $$prefix/$(DEMO) examples-c/$(DEMO).c \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
+	$$prefix/$(DEMO)
+
+clean-c:
+	rm -rf $(TEST_DIR)

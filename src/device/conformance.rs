@@ -1,1 +1,0 @@
-//! STUB: the device conformance suite (written once, run on every device).

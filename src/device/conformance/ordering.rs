@@ -1,0 +1,139 @@
+//! Streams and events: ordering across streams, query/synchronize/elapsed,
+//! the spin kernel, stream teardown with queued work.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{SplitMix, assert_same, download, no_leaks, random_bytes};
+use crate::device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
+use crate::error::{EpmStatus, Result};
+
+/// A spin long enough that "still pending right after enqueue" is certain
+/// even on a loaded machine, short enough to keep the suite quick.
+const LONG_SPIN_US: u32 = 200_000;
+/// A host call that does not wait returns far sooner than this.
+const NON_BLOCKING_BOUND: Duration = Duration::from_millis(100);
+
+/// Stream A spins, then copies 64 MiB and records an event; stream B waits
+/// on the event and reads A's destination. B must see A's data (it would see
+/// zeros if it ran early), and the wait must not block the host.
+pub fn events_order_work_across_streams(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "events_order_work_across_streams", || {
+        let n = 64 << 20;
+        let (a, b) = (Stream::new(dev)?, Stream::new(dev)?);
+        let buf = DeviceBuffer::new(dev, n)?;
+        let copy = DeviceBuffer::new(dev, n)?;
+        dev.memset_d8_async(buf.ptr(), 0, n, a.raw())?;
+        a.synchronize()?;
+        let mut src = PinnedBuffer::new(dev, n)?;
+        SplitMix::new(0xA11CE).fill(&mut src);
+        let mut dst = PinnedBuffer::new(dev, n)?;
+        let ev = Event::new(dev, false)?;
+
+        dev.spin_async(LONG_SPIN_US, a.raw())?;
+        // SAFETY: `src` and `dst` live until both streams are synchronized below.
+        unsafe { dev.memcpy_htod_async(buf.ptr(), src.as_ptr(), n, a.raw())? };
+        ev.record(&a)?;
+        let t = Instant::now();
+        b.wait_event(&ev)?;
+        let waited = t.elapsed();
+        dev.memcpy_dtod_async(copy.ptr(), buf.ptr(), n, b.raw())?;
+        // SAFETY: as above.
+        unsafe { dev.memcpy_dtoh_async(dst.as_mut_ptr(), copy.ptr(), n, b.raw())? };
+        assert!(waited < NON_BLOCKING_BOUND, "stream_wait_event blocked the host for {waited:?}");
+        b.synchronize()?;
+        assert!(ev.query()?, "stream B finished but the event it waited on is not complete");
+        assert_same("stream B's copy of stream A's 64 MiB", &dst, &src);
+        a.synchronize()
+    })
+}
+
+/// query is true for a never-recorded event and false while recorded work
+/// runs; elapsed never blocks (NotReady while pending); after synchronize
+/// both are complete and elapsed covers the work; re-recording moves an event.
+pub fn event_query_synchronize_elapsed(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "event_query_synchronize_elapsed", || {
+        let s = Stream::new(dev)?;
+        let never = Event::new(dev, false)?;
+        assert!(never.query()?, "an event never recorded must be complete");
+        never.synchronize()?;
+
+        let (start, end) = (Event::new(dev, true)?, Event::new(dev, true)?);
+        start.record(&s)?;
+        dev.spin_async(LONG_SPIN_US, s.raw())?;
+        end.record(&s)?;
+        assert!(!end.query()?, "an event behind a {LONG_SPIN_US} µs spin completed at once");
+        let t = Instant::now();
+        let early = end.elapsed_since(&start);
+        let took = t.elapsed();
+        let still_pending = !end.query()?;
+        assert!(took < NON_BLOCKING_BOUND, "event_elapsed_ms blocked for {took:?}");
+        match &early {
+            Ok(ms) => assert!(!still_pending, "elapsed returned {ms} ms for an event still pending"),
+            Err(e) => assert_eq!(e.status(), EpmStatus::NotReady, "elapsed on a pending event: {e}"),
+        }
+        end.synchronize()?;
+        assert!(end.query()? && start.query()?, "events not complete after event_synchronize");
+        let ms = end.elapsed_since(&start)?;
+        let want = LONG_SPIN_US as f32 / 1000.0;
+        assert!(ms >= 0.7 * want && ms < 20.0 * want + 1000.0, "elapsed {ms} ms around a {want} ms spin");
+
+        // Re-recording captures the newer work.
+        start.record(&s)?;
+        dev.spin_async(30_000, s.raw())?;
+        end.record(&s)?;
+        s.synchronize()?;
+        let again = end.elapsed_since(&start)?;
+        assert!(again >= 21.0 && again < ms, "re-recorded events measured {again} ms around a 30 ms spin");
+
+        let plain = Event::new(dev, false)?;
+        plain.record(&s)?;
+        s.synchronize()?;
+        assert!(plain.elapsed_since(&start).is_err(), "elapsed with an event created without timing must fail");
+        Ok(())
+    })
+}
+
+/// A spin of N µs delays the event recorded after it by about N µs.
+pub fn spin_delays_a_later_event(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "spin_delays_a_later_event", || {
+        let s = Stream::new(dev)?;
+        let (e0, e1) = (Event::new(dev, true)?, Event::new(dev, true)?);
+        for micros in [5_000u32, 50_000] {
+            e0.record(&s)?;
+            dev.spin_async(micros, s.raw())?;
+            e1.record(&s)?;
+            e1.synchronize()?;
+            let ms = e1.elapsed_since(&e0)?;
+            let want = micros as f32 / 1000.0;
+            assert!(ms >= 0.7 * want && ms < 20.0 * want + 500.0, "a {want} ms spin delayed the next event by {ms} ms");
+        }
+        Ok(())
+    })
+}
+
+/// Destroying a stream lets its queued work finish (an event recorded on it
+/// still completes, the data arrives), and destroying an idle stream returns.
+pub fn stream_destroy_lets_queued_work_finish(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "stream_destroy_lets_queued_work_finish", || {
+        let n = 1 << 20;
+        let buf = DeviceBuffer::new(dev, n)?;
+        let mut src = PinnedBuffer::new(dev, n)?;
+        src.copy_from_slice(&random_bytes(0xDE57, n));
+        let ev = Event::new(dev, false)?;
+        {
+            let s = Stream::new(dev)?;
+            dev.spin_async(20_000, s.raw())?;
+            // SAFETY: `src` lives until `ev` (recorded after this copy) is synchronized below.
+            unsafe { dev.memcpy_htod_async(buf.ptr(), src.as_ptr(), n, s.raw())? };
+            ev.record(&s)?;
+        }
+        ev.synchronize()?;
+        let reader = Stream::new(dev)?;
+        assert_same("data copied by a destroyed stream", &download(dev, &reader, buf.ptr(), n)?, &src);
+        let t = Instant::now();
+        drop(Stream::new(dev)?);
+        assert!(t.elapsed() < Duration::from_secs(5), "destroying an idle stream took {:?}", t.elapsed());
+        Ok(())
+    })
+}

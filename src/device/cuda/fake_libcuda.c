@@ -1,0 +1,145 @@
+// A fake libcuda.so: runs epmem's CUDA device code on a machine with no GPU.
+//
+// It checks what a real driver would reject (flags, struct fields, which
+// context is current) and reports a violation as an error, so the CUDA
+// tests fail. Device memory is host memory (so device pointers are host
+// pointers), VMM is memfd + mmap + mprotect, copies and the checksum kernel
+// run synchronously, and the spin kernel advances a per-stream "busy until"
+// clock that events, queries and synchronizes honour.
+//
+// Built and used by the test `fake_driver_runs_the_gpu_tests` (tests.rs).
+// It proves the plumbing (symbols, argument order, layouts, kernel
+// parameters), not the real driver's behaviour: the GPU run does that.
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void* CUcontext;
+typedef struct { uint64_t busy_until; } Stream;
+typedef struct { uint64_t at; int flags; int recorded; } Event;
+typedef void* CUmodule;
+typedef void* CUfunction;
+typedef unsigned long long CUdeviceptr;
+
+static int CTX_OBJ;
+static __thread CUcontext current;
+static int retains;
+static int failures; // argument validation failures seen
+#define BAD(...) do { fprintf(stderr, "FAKE-CUDA BAD: " __VA_ARGS__); fprintf(stderr, "\n"); failures++; return 1; } while (0)
+#define NEED_CTX() do { if (current != &CTX_OBJ) BAD("%s without our context current", __func__); } while (0)
+static uint64_t now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return (uint64_t)t.tv_sec * 1000000000ull + t.tv_nsec; }
+
+int fake_failures(void) { return failures; }
+int fake_retains(void) { return retains; }
+
+CUresult cuInit(unsigned f) { return f ? 1 : 0; }
+CUresult cuGetErrorName(CUresult r, const char **p) {
+  switch (r) { case 1: *p = "CUDA_ERROR_INVALID_VALUE"; return 0; case 600: *p = "CUDA_ERROR_NOT_READY"; return 0;
+  case 2: *p = "CUDA_ERROR_OUT_OF_MEMORY"; return 0; default: return 1; }
+}
+CUresult cuDriverGetVersion(int *v) { *v = 12080; return 0; }
+CUresult cuDeviceGetCount(int *c) { *c = 1; return 0; }
+CUresult cuDeviceGet(CUdevice *d, int o) { if (o != 0) return 101; *d = 0; return 0; }
+CUresult cuDeviceGetName(char *n, int len, CUdevice d) { if (d) return 101; snprintf(n, len, "Fake H200"); return 0; }
+CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { *b = 80ull << 30; return d ? 101 : 0; }
+CUresult cuDeviceGetAttribute(int *v, int a, CUdevice d) {
+  if (d) return 101;
+  switch (a) { case 102: *v = 1; break; case 75: *v = 9; break; case 76: *v = 0; break; case 113: *v = 1; break; case 16: *v = 132; break; default: BAD("attribute %d", a); }
+  return 0;
+}
+CUresult cuDeviceGetPCIBusId(char *b, int len, CUdevice d) { snprintf(b, len, "00000000:9A:00.0"); return d ? 101 : 0; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { if (d) return 101; *c = &CTX_OBJ; retains++; return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { if (d) return 101; retains--; return 0; }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
+CUresult cuCtxSetCurrent(CUcontext c) { if (c && c != &CTX_OBJ) BAD("set foreign ctx"); current = c; return 0; }
+CUresult cuCtxSynchronize(void) { NEED_CTX(); return 0; }
+CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { NEED_CTX(); *f = 70ull << 30; *t = 80ull << 30; return 0; }
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { NEED_CTX(); if (flags) BAD("host alloc flags %u", flags); *p = malloc(n); return 0; }
+CUresult cuMemFreeHost(void *p) { NEED_CTX(); free(p); return 0; }
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) { NEED_CTX(); if (!p || !n || (flags & ~8u)) BAD("register"); return 0; }
+CUresult cuMemHostUnregister(void *p) { NEED_CTX(); return p ? 0 : 1; }
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); void *m = aligned_alloc(256, (n + 255) & ~255ul); *p = (CUdeviceptr)m; return m ? 0 : 2; }
+CUresult cuMemFree_v2(CUdeviceptr p) { NEED_CTX(); free((void*)p); return 0; }
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *b, size_t *s, CUdeviceptr p) { NEED_CTX(); (void)b; (void)s; (void)p; return 1; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, Stream *st) { NEED_CTX(); (void)st; memcpy((void*)d, s, n); return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, Stream *st) { NEED_CTX(); (void)st; memcpy(d, (void*)s, n); return 0; }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, Stream *st) { NEED_CTX(); (void)st; memmove((void*)d, (void*)s, n); return 0; }
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, Stream *st) { NEED_CTX(); (void)st; memset((void*)d, v, n); return 0; }
+CUresult cuStreamCreate(Stream **s, unsigned f) { NEED_CTX(); if (f != 1) BAD("stream flags %u", f); *s = calloc(1, sizeof(Stream)); return 0; }
+CUresult cuStreamDestroy_v2(Stream *s) { NEED_CTX(); free(s); return 0; }
+static void wait_until(uint64_t t) { while (now_ns() < t) usleep(100); }
+CUresult cuStreamSynchronize(Stream *s) { NEED_CTX(); if ((uintptr_t)s > 2) wait_until(s->busy_until); return 0; }
+CUresult cuStreamWaitEvent(Stream *s, Event *e, unsigned f) { NEED_CTX(); if (f) BAD("wait flags"); if ((uintptr_t)s > 2 && e->at > s->busy_until) s->busy_until = e->at; return 0; }
+CUresult cuStreamGetCtx(Stream *s, CUcontext *c) { (void)s; *c = current; return 0; }
+CUresult cuEventCreate(Event **e, unsigned f) { NEED_CTX(); if (f != 0 && f != 2) BAD("event flags %u", f); *e = calloc(1, sizeof(Event)); (*e)->flags = f; return 0; }
+CUresult cuEventDestroy_v2(Event *e) { NEED_CTX(); free(e); return 0; }
+CUresult cuEventRecord(Event *e, Stream *s) { NEED_CTX(); uint64_t t = now_ns(); if ((uintptr_t)s > 2 && s->busy_until > t) t = s->busy_until; e->at = t; e->recorded = 1; return 0; }
+CUresult cuEventQuery(Event *e) { NEED_CTX(); return now_ns() >= e->at ? 0 : 600; }
+CUresult cuEventSynchronize(Event *e) { NEED_CTX(); wait_until(e->at); return 0; }
+static CUresult elapsed(float *ms, Event *a, Event *b) { NEED_CTX(); if ((a->flags | b->flags) & 2) return 400; if (now_ns() < a->at || now_ns() < b->at) BAD("elapsed on a pending event"); *ms = (float)((double)((int64_t)(b->at - a->at)) / 1e6); return 0; }
+CUresult cuEventElapsedTime(float *ms, Event *a, Event *b) { return elapsed(ms, a, b); }
+CUresult cuEventElapsedTime_v2(float *ms, Event *a, Event *b) { return elapsed(ms, a, b); }
+static int MOD, F_SUM, F_SPIN;
+CUresult cuModuleLoadDataEx(CUmodule *m, const void *img, unsigned n, int *opts, void **vals) {
+  NEED_CTX();
+  if (n != 2 || opts[0] != 5 || opts[1] != 6 || (size_t)vals[1] != 8192) BAD("jit options");
+  if (!strstr((const char*)img, ".entry epm_checksum(") || !strstr((const char*)img, ".entry epm_spin(")) BAD("ptx");
+  *m = &MOD; return 0;
+}
+CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
+  if (m != &MOD) BAD("module");
+  if (!strcmp(name, "epm_checksum")) *f = &F_SUM;
+  else if (!strcmp(name, "epm_spin")) *f = &F_SPIN;
+  else return 500;
+  return 0;
+}
+CUresult cuModuleUnload(CUmodule m) { NEED_CTX(); return m == &MOD ? 0 : 400; }
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, Stream *s, void **params, void **extra) {
+  NEED_CTX();
+  if (gy != 1 || gz != 1 || by != 1 || bz != 1 || sh || extra || !gx || !bx) BAD("launch dims");
+  if (f == &F_SUM) {
+    if (bx % 32) BAD("block");
+    const uint32_t *p = (const uint32_t*)*(uint64_t*)params[0]; uint64_t words = *(uint64_t*)params[1]; uint64_t *out = (uint64_t*)*(uint64_t*)params[2];
+    uint64_t sum = 0; for (uint64_t i = 0; i < words; i++) sum += (uint64_t)p[i] * (2 * i + 1);
+    *out += sum; return 0;
+  }
+  if (f == &F_SPIN) { uint64_t ns = *(uint64_t*)params[0]; uint64_t t = now_ns(); if (s->busy_until > t) t = s->busy_until; s->busy_until = t + ns; return 0; }
+  BAD("function");
+}
+// ---- VMM
+#define GRAN (2u << 20)
+typedef struct { int type, handleTypes; int locType, locId; void *win32; unsigned char flags[8]; } Prop;
+typedef struct { int locType, locId; int flags; } AccessDesc;
+static int check_prop(const Prop *p) { return p->type == 1 && p->handleTypes == 0 && p->locType == 1 && p->locId == 0 && !p->win32; }
+CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *p, int opt) { if (!check_prop(p) || opt != 1) BAD("granularity prop"); *g = GRAN; return 0; }
+CUresult cuMemCreate(unsigned long long *h, size_t n, const Prop *p, unsigned long long f) {
+  NEED_CTX(); if (!check_prop(p) || f || n % GRAN) BAD("create");
+  int fd = memfd_create("fakevmm", 0); if (fd < 0 || ftruncate(fd, n)) return 2; *h = (unsigned long long)fd + 1000; return 0;
+}
+CUresult cuMemRelease(unsigned long long h) { NEED_CTX(); close((int)(h - 1000)); return 0; }
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr, unsigned long long f) {
+  NEED_CTX(); if (addr || f || n % GRAN || align % GRAN) BAD("reserve");
+  size_t over = n + align; char *m = mmap(0, over, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return 2;
+  uintptr_t a = ((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1);
+  if (a > (uintptr_t)m) munmap(m, a - (uintptr_t)m);
+  if ((char*)a + n < m + over) munmap((char*)a + n, m + over - ((char*)a + n));
+  *p = a; return 0;
+}
+CUresult cuMemAddressFree(CUdeviceptr p, size_t n) { NEED_CTX(); munmap((void*)p, n); return 0; }
+CUresult cuMemMap(CUdeviceptr p, size_t n, size_t off, unsigned long long h, unsigned long long f) {
+  NEED_CTX(); if (f || p % GRAN || n % GRAN || off % GRAN) BAD("map");
+  return mmap((void*)p, n, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)(h - 1000), off) == MAP_FAILED ? 1 : 0;
+}
+CUresult cuMemUnmap(CUdeviceptr p, size_t n) { NEED_CTX(); return mmap((void*)p, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED ? 1 : 0; }
+CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const AccessDesc *d, size_t count) {
+  NEED_CTX(); if (count != 1 || d->locType != 1 || d->locId != 0 || (d->flags != 1 && d->flags != 3)) BAD("access desc %d %d %d", d->locType, d->locId, d->flags);
+  return mprotect((void*)p, n, d->flags == 3 ? PROT_READ | PROT_WRITE : PROT_READ) ? 1 : 0;
+}

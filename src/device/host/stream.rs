@@ -1,0 +1,292 @@
+//! Streams and events of the host device.
+//!
+//! A stream is a worker thread running its queue in order. Every queued op
+//! gets the next sequence number of its stream; the worker publishes the
+//! sequence of the last op it finished. An event is a marker op: it remembers
+//! (stream, sequence) when recorded, and it has completed once the stream's
+//! completed sequence reaches it. A stream waiting on an event queues a wait
+//! for that (stream, sequence); the host does not wait.
+
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::space::{AddrSpace, Need};
+use crate::device::{DevicePtr, checksum_host};
+use crate::error::{Error, Result};
+
+/// Lock, ignoring poison: a panic elsewhere must not turn into a panic here.
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A byte operation on memory. Addresses are plain integers (device
+/// addresses and host pointers alike, the latter with exposed provenance).
+#[derive(Debug)]
+pub(super) enum MemOp {
+    Copy { dst: usize, src: usize, n: usize },
+    Fill { dst: usize, value: u8, n: usize },
+    Checksum { p: usize, n: usize, out: usize },
+}
+
+#[derive(Debug)]
+pub(super) enum Op {
+    /// `checks`: the device ranges it touches, re-checked when it runs.
+    Mem {
+        op: MemOp,
+        checks: Vec<(DevicePtr, usize, Need)>,
+    },
+    Spin(Duration),
+    Mark {
+        ev: Arc<EventShared>,
+        generation: u64,
+    },
+    Wait {
+        on: Arc<StreamShared>,
+        seq: u64,
+    },
+}
+
+#[derive(Debug, Default)]
+struct State {
+    queue: VecDeque<(u64, Op)>,
+    submitted: u64,
+    completed: u64,
+    closing: bool,
+    /// An op that failed on the worker (its range changed after enqueue);
+    /// reported by the next synchronize, like a CUDA asynchronous error.
+    error: Option<Error>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct StreamShared {
+    state: Mutex<State>,
+    work: Condvar,
+    done: Condvar,
+}
+
+impl StreamShared {
+    /// Queue `op`; returns its sequence number.
+    pub fn push(&self, op: Op) -> Result<u64> {
+        let mut st = lock(&self.state);
+        crate::ensure!(!st.closing, InvalidHandle, "stream is being destroyed");
+        st.submitted += 1;
+        let seq = st.submitted;
+        st.queue.push_back((seq, op));
+        self.work.notify_one();
+        Ok(seq)
+    }
+    pub fn is_done(&self, seq: u64) -> bool {
+        lock(&self.state).completed >= seq
+    }
+    pub fn wait_for(&self, seq: u64) {
+        let mut st = lock(&self.state);
+        while st.completed < seq {
+            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+    /// Wait for everything queued so far; report (and clear) an asynchronous error.
+    pub fn synchronize(&self) -> Result<()> {
+        let mut st = lock(&self.state);
+        let target = st.submitted;
+        while st.completed < target {
+            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.error.take().map_or(Ok(()), Err)
+    }
+}
+
+/// A stream: the shared queue plus the worker that drains it.
+#[derive(Debug)]
+pub(super) struct HostStream {
+    pub shared: Arc<StreamShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HostStream {
+    pub fn spawn(id: u64, space: Arc<RwLock<AddrSpace>>) -> Result<Self> {
+        let shared = Arc::new(StreamShared::default());
+        let worker = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("epm-stream-{id}"))
+            .spawn(move || run(&worker, &space))
+            .map_err(|e| Error::new(crate::EpmStatus::OsError, format!("spawning a stream thread: {e}")))?;
+        Ok(Self { shared, thread: Some(thread) })
+    }
+}
+
+impl Drop for HostStream {
+    /// Lets queued work finish, then joins the worker. An empty queue returns at once.
+    fn drop(&mut self) {
+        lock(&self.shared.state).closing = true;
+        self.shared.work.notify_all();
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            log::warn!("epmem: a host stream worker panicked");
+        }
+    }
+}
+
+fn run(me: &StreamShared, space: &RwLock<AddrSpace>) {
+    loop {
+        let (seq, op) = {
+            let mut st = lock(&me.state);
+            loop {
+                if let Some(item) = st.queue.pop_front() {
+                    break item;
+                }
+                if st.closing {
+                    return;
+                }
+                st = me.work.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let r = catch_unwind(AssertUnwindSafe(|| execute(op, space)))
+            .unwrap_or_else(|_| Err(Error::internal("a host stream op panicked")));
+        let mut st = lock(&me.state);
+        if let Err(e) = r {
+            log::error!("epmem: host stream op {seq} failed: {e}");
+            st.error.get_or_insert(e);
+        }
+        st.completed = seq;
+        me.done.notify_all();
+    }
+}
+
+fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
+    match op {
+        Op::Mem { op, checks } => {
+            // Held for the whole op: mapping changes wait until it is done.
+            let sp = space.read().unwrap_or_else(|e| e.into_inner());
+            for &(addr, n, need) in &checks {
+                sp.check(addr, n, need)?;
+            }
+            // SAFETY: every device range was just checked under the read lock,
+            // which keeps it mapped with that access until we finish; host ranges
+            // are vouched for by the caller of the unsafe enqueue function.
+            unsafe { run_mem(op) };
+            Ok(())
+        }
+        Op::Spin(d) => {
+            spin(d);
+            Ok(())
+        }
+        Op::Mark { ev, generation } => {
+            let mut st = lock(&ev.state);
+            if st.generation == generation {
+                st.at = Some(Instant::now());
+            }
+            Ok(())
+        }
+        Op::Wait { on, seq } => {
+            on.wait_for(seq);
+            Ok(())
+        }
+    }
+}
+
+/// # Safety
+/// Every range is valid for its access (see `execute`).
+unsafe fn run_mem(op: MemOp) {
+    match op {
+        // Zero-length ops are valid with any address (even NULL), which
+        // `ptr::copy` and `from_raw_parts` do not accept: skip them.
+        MemOp::Copy { n: 0, .. } | MemOp::Fill { n: 0, .. } => {}
+        MemOp::Checksum { n: 0, out, .. } => {
+            // SAFETY: 8 writable device bytes (caller).
+            unsafe { std::ptr::write_unaligned(std::ptr::with_exposed_provenance_mut::<u64>(out), 0) }
+        }
+        MemOp::Copy { dst, src, n } => {
+            let (d, s) =
+                (std::ptr::with_exposed_provenance_mut::<u8>(dst), std::ptr::with_exposed_provenance::<u8>(src));
+            // SAFETY: both ranges valid (caller); `copy` allows overlap.
+            unsafe { std::ptr::copy(s, d, n) }
+        }
+        MemOp::Fill { dst, value, n } => {
+            // SAFETY: a writable device range (caller).
+            unsafe { std::ptr::write_bytes(std::ptr::with_exposed_provenance_mut::<u8>(dst), value, n) }
+        }
+        MemOp::Checksum { p, n, out } => {
+            // SAFETY: a readable device range (caller).
+            let bytes = unsafe { std::slice::from_raw_parts(std::ptr::with_exposed_provenance::<u8>(p), n) };
+            let sum = checksum_host(bytes);
+            // SAFETY: 8 writable device bytes (caller); no alignment is promised.
+            unsafe { std::ptr::write_unaligned(std::ptr::with_exposed_provenance_mut::<u64>(out), sum.to_le()) }
+        }
+    }
+}
+
+/// Sleep most of the way, spin the last stretch: a "kernel" of `d` that is
+/// neither early nor much late.
+fn spin(d: Duration) {
+    let until = Instant::now() + d;
+    if d > Duration::from_millis(2) {
+        std::thread::sleep(d - Duration::from_millis(1));
+    }
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
+}
+
+#[derive(Debug, Default)]
+struct EventState {
+    /// The stream and sequence captured by the last record.
+    rec: Option<(Arc<StreamShared>, u64)>,
+    /// Bumped by every record, so a stale marker does not stamp a newer record.
+    generation: u64,
+    /// When the marker of the current record ran (timing events).
+    at: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct EventShared {
+    pub timing: bool,
+    state: Mutex<EventState>,
+}
+
+impl EventShared {
+    pub fn new(timing: bool) -> Self {
+        Self { timing, state: Mutex::default() }
+    }
+
+    pub fn record(self: &Arc<Self>, s: &Arc<StreamShared>) -> Result<()> {
+        // The event lock is held across the push so the marker cannot stamp
+        // before `rec` names it; the worker never holds its queue lock while
+        // taking an event lock, so this order cannot deadlock.
+        let mut st = lock(&self.state);
+        let generation = st.generation + 1;
+        let seq = s.push(Op::Mark { ev: self.clone(), generation })?;
+        st.generation = generation;
+        st.at = None;
+        st.rec = Some((s.clone(), seq));
+        Ok(())
+    }
+
+    /// (stream, sequence) still pending, or None when complete.
+    pub fn pending(&self) -> Option<(Arc<StreamShared>, u64)> {
+        let st = lock(&self.state);
+        st.rec.as_ref().filter(|(s, seq)| !s.is_done(*seq)).map(|(s, seq)| (s.clone(), *seq))
+    }
+
+    pub fn synchronize(&self) {
+        if let Some((s, seq)) = self.pending() {
+            s.wait_for(seq);
+        }
+    }
+
+    /// The completion instant, or NotReady / InvalidState. Never blocks.
+    pub fn completed_at(&self) -> Result<Instant> {
+        crate::ensure!(self.timing, InvalidArgument, "event was created without timing");
+        let st = lock(&self.state);
+        let Some((s, seq)) = &st.rec else {
+            crate::bail!(InvalidState, "event was never recorded");
+        };
+        if !s.is_done(*seq) {
+            return Err(Error::not_ready("event has not completed yet"));
+        }
+        st.at.ok_or_else(|| Error::internal("completed timing event has no timestamp"))
+    }
+}

@@ -1,0 +1,353 @@
+//! Opaque handles checked against typed, generation-counted registries.
+//!
+//! C sees `typedef struct EpmDevice EpmDevice;` and holds `EpmDevice*`. The
+//! pointer's VALUE is an id, never an address, and epmem never dereferences
+//! it:
+//!
+//! ```text
+//!  63  62 ........ 48  47 ........ 24  23 ......... 0
+//!  1 | type tag (15)  | generation (24)| slot (24)
+//! ```
+//!
+//! Bit 63 makes every id a non-canonical address on x86-64 and AArch64, so it
+//! is never NULL and never a real pointer. Each C type has its own registry of
+//! `Arc<Object>` slots; a slot's generation is bumped when its handle is
+//! destroyed, and freed slots are reused oldest-first, so a destroyed,
+//! double-destroyed, wrong-typed or garbage handle is `EPM_STATUS_INVALID_HANDLE`
+//! with a message naming the expected type — never undefined behaviour.
+//! (A stale handle could only alias a live one after 2^24 reuses of its slot.)
+//!
+//! Lookups clone the `Arc` under a short lock, so one thread may destroy a
+//! handle while another is using it: the user finishes with its own `Arc`.
+//!
+//! Adding a handle type (copy this):
+//! ```ignore
+//! /// A doc comment: this becomes the C typedef's documentation.
+//! pub struct EpmThing {
+//!     _opaque: [u8; 0],
+//! }
+//! impl_handle!(EpmThing => crate::thing::Thing, tag = 0x21);
+//! // register: `out.set(handle::register::<EpmThing>(Arc::new(thing))?)`
+//! // use:      `let thing = try_handle!(thing);`  (an Arc<Thing>)
+//! // destroy:  `handle::destroy(thing)`           (NULL is a no-op)
+//! ```
+//!
+//! Tags are allotted in blocks, one per layer, so helpers never collide:
+//! 0x01–0x0f ffi/device (0x01 EpmDevice, 0x02 EpmStream, 0x03 EpmEvent),
+//! 0x10–0x1f staging, 0x20–0x2f residency, 0x30–0x3f arena, 0x40–0x4f kv,
+//! 0x50–0x5f ort, 0x60–0x6f stats/bench. A duplicate tag is still caught at
+//! run time: registering the second type fails with `EPM_STATUS_INTERNAL`.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use crate::error::{EpmStatus, Error, Result};
+
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("epmem handles encode 64-bit ids in pointers");
+
+const MARK: u64 = 1 << 63;
+const TAG_SHIFT: u32 = 48;
+const TAG_MASK: u64 = 0x7fff;
+const GEN_SHIFT: u32 = 24;
+const GEN_MASK: u64 = 0xff_ffff;
+const SLOT_MASK: u64 = 0xff_ffff;
+
+/// A C handle type (the opaque `Epm*` struct) and what it refers to.
+pub trait Handle: Sized + 'static {
+    /// What the registry holds an `Arc` of.
+    type Object: ?Sized + Send + Sync + 'static;
+    /// The C type name, for messages ("EpmDevice").
+    const NAME: &'static str;
+    /// Unique per type, 1..=0x7fff; see the block table above.
+    const TAG: u16;
+    fn registry() -> &'static Registry<Self::Object>;
+}
+
+/// Implement [`Handle`] for an opaque C type; see the module docs.
+macro_rules! impl_handle {
+    ($c:ident => $obj:ty, tag = $tag:expr) => {
+        impl $crate::ffi::handle::Handle for $c {
+            type Object = $obj;
+            const NAME: &'static str = stringify!($c);
+            const TAG: u16 = $tag;
+            fn registry() -> &'static $crate::ffi::handle::Registry<$obj> {
+                static REGISTRY: $crate::ffi::handle::Registry<$obj> = $crate::ffi::handle::Registry::new();
+                &REGISTRY
+            }
+        }
+    };
+}
+pub(crate) use impl_handle;
+
+/// Look up a handle argument: `let dev = try_handle!(dev);` gives an `Arc`,
+/// or returns `EPM_STATUS_INVALID_HANDLE` with a message naming the argument.
+macro_rules! try_handle {
+    ($h:ident) => {
+        $crate::ffi::handle::get($h).map_err(|e| e.context(format_args!("argument `{}`", stringify!($h))))?
+    };
+}
+pub(crate) use try_handle;
+
+struct Slot<T: ?Sized> {
+    generation: u32,
+    value: Option<Arc<T>>,
+}
+
+struct Slab<T: ?Sized> {
+    slots: Vec<Slot<T>>,
+    /// Free slot indices, reused oldest-first to spread generations.
+    free: VecDeque<u32>,
+}
+
+/// The live objects of one handle type.
+pub struct Registry<T: ?Sized> {
+    slab: Mutex<Slab<T>>,
+    tag_claimed: OnceLock<std::result::Result<(), String>>,
+}
+
+impl<T: ?Sized> Registry<T> {
+    pub const fn new() -> Self {
+        Self { slab: Mutex::new(Slab { slots: Vec::new(), free: VecDeque::new() }), tag_claimed: OnceLock::new() }
+    }
+    fn lock(&self) -> MutexGuard<'_, Slab<T>> {
+        // Nothing panics while the lock is held, but a poisoned slab is still
+        // consistent (every mutation is a single assignment), so keep going.
+        self.slab.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: ?Sized> Default for Registry<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Tag → type name, to catch duplicate tags and to name wrong-typed handles.
+static TAGS: Mutex<Vec<(u16, &'static str)>> = Mutex::new(Vec::new());
+
+fn claim_tag<H: Handle>() -> Result<()> {
+    let claimed = H::registry().tag_claimed.get_or_init(|| {
+        let mut tags = TAGS.lock().unwrap_or_else(|p| p.into_inner());
+        match tags.iter().find(|(t, _)| *t == H::TAG) {
+            Some((_, other)) if *other != H::NAME => {
+                Err(format!("handle tag {:#x} is used by both {other} and {}", H::TAG, H::NAME))
+            }
+            Some(_) => Ok(()),
+            None if H::TAG == 0 || u64::from(H::TAG) > TAG_MASK => {
+                Err(format!("handle tag {:#x} of {} is out of range", H::TAG, H::NAME))
+            }
+            None => {
+                tags.push((H::TAG, H::NAME));
+                Ok(())
+            }
+        }
+    });
+    claimed.clone().map_err(Error::internal)
+}
+
+fn type_name_of_tag(tag: u64) -> Option<&'static str> {
+    let tags = TAGS.lock().unwrap_or_else(|p| p.into_inner());
+    tags.iter().find(|(t, _)| u64::from(*t) == tag).map(|(_, n)| *n)
+}
+
+fn encode<H: Handle>(slot: u32, generation: u32) -> *mut H {
+    let id = MARK | (u64::from(H::TAG) << TAG_SHIFT) | (u64::from(generation) << GEN_SHIFT) | u64::from(slot);
+    // An id, not an address: no provenance, never dereferenced.
+    std::ptr::without_provenance_mut(id as usize)
+}
+
+/// Decode and check the type; returns (slot, generation).
+fn decode<H: Handle>(ptr: *const H) -> Result<(usize, u32)> {
+    let id = ptr.addr() as u64;
+    let bad = |why: String| Err(Error::new(EpmStatus::InvalidHandle, why));
+    if id == 0 {
+        return bad(format!("NULL {} handle", H::NAME));
+    }
+    if id & MARK == 0 {
+        return bad(format!("{id:#x} is not an epmem handle (expected {})", H::NAME));
+    }
+    let tag = (id >> TAG_SHIFT) & TAG_MASK;
+    if tag != u64::from(H::TAG) {
+        return match type_name_of_tag(tag) {
+            Some(other) => bad(format!("expected an {} handle, got an {other} handle", H::NAME)),
+            None => bad(format!("{id:#x} is not an epmem handle (expected {})", H::NAME)),
+        };
+    }
+    Ok(((id & SLOT_MASK) as usize, ((id >> GEN_SHIFT) & GEN_MASK) as u32))
+}
+
+fn stale<H: Handle>(ptr: *const H) -> Error {
+    Error::new(
+        EpmStatus::InvalidHandle,
+        format!("{} handle {:#x} is stale: it was destroyed", H::NAME, ptr.addr()),
+    )
+}
+
+/// Register an object; the returned handle is what C holds.
+pub fn register<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
+    claim_tag::<H>()?;
+    let mut slab = H::registry().lock();
+    let slot = match slab.free.pop_front() {
+        Some(i) => i,
+        None => {
+            let i = slab.slots.len();
+            crate::ensure!(
+                (i as u64) <= SLOT_MASK,
+                OutOfHostMemory,
+                "too many live {} handles ({})",
+                H::NAME,
+                SLOT_MASK + 1
+            );
+            slab.slots.push(Slot { generation: 1, value: None });
+            i as u32
+        }
+    };
+    let s = &mut slab.slots[slot as usize];
+    s.value = Some(object);
+    Ok(encode::<H>(slot, s.generation))
+}
+
+/// The object behind a live handle.
+pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
+    let (slot, generation) = decode(ptr)?;
+    let slab = H::registry().lock();
+    match slab.slots.get(slot) {
+        Some(Slot { generation: g, value: Some(v) }) if *g == generation => Ok(v.clone()),
+        Some(_) => Err(stale(ptr)),
+        None => Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME))),
+    }
+}
+
+/// Unregister a handle and return its object (the caller drops it, outside
+/// the registry lock). NULL is `Ok(None)`: `*_destroy(NULL)` is a no-op.
+pub fn remove<H: Handle>(ptr: *const H) -> Result<Option<Arc<H::Object>>> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    let (slot, generation) = decode(ptr)?;
+    let mut slab = H::registry().lock();
+    let taken = match slab.slots.get_mut(slot) {
+        Some(s) if s.generation == generation && s.value.is_some() => {
+            s.generation = if u64::from(s.generation) == GEN_MASK { 1 } else { s.generation + 1 };
+            s.value.take()
+        }
+        Some(_) => return Err(stale(ptr)),
+        None => {
+            return Err(Error::new(
+                EpmStatus::InvalidHandle,
+                format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME),
+            ));
+        }
+    };
+    slab.free.push_back(slot as u32);
+    Ok(taken)
+}
+
+/// The body of every `epm_*_destroy`: unregister and drop. NULL is a no-op.
+/// The object itself lives on while other handles still hold it (a stream
+/// keeps its device alive), so C may destroy handles in any order.
+pub fn destroy<H: Handle>(ptr: *mut H) -> Result<()> {
+    drop(remove(ptr)?);
+    Ok(())
+}
+
+/// Number of live handles of one type (leak checks in tests).
+pub fn live_count<H: Handle>() -> usize {
+    H::registry().lock().slots.iter().filter(|s| s.value.is_some()).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub struct EpmTestA {
+        _opaque: [u8; 0],
+    }
+    pub struct EpmTestB {
+        _opaque: [u8; 0],
+    }
+    pub struct EpmTestDup {
+        _opaque: [u8; 0],
+    }
+    impl_handle!(EpmTestA => String, tag = 0x7f01);
+    impl_handle!(EpmTestB => dyn Fn() -> u32 + Send + Sync, tag = 0x7f02);
+    impl_handle!(EpmTestDup => u8, tag = 0x7f01);
+
+    fn status_of<T>(r: Result<T>) -> EpmStatus {
+        match r {
+            Ok(_) => EpmStatus::Ok,
+            Err(e) => e.status(),
+        }
+    }
+
+    #[test]
+    fn register_get_destroy_then_stale() {
+        let h = register::<EpmTestA>(Arc::new("a".to_owned())).unwrap();
+        assert!(!h.is_null());
+        assert_eq!(*get(h).unwrap(), "a");
+        destroy(h).unwrap();
+        let e = get(h).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::InvalidHandle);
+        assert!(e.message().contains("EpmTestA") && e.message().contains("destroyed"), "{e}");
+        // Double destroy is an error, not UB and not a no-op.
+        assert_eq!(status_of(destroy(h)), EpmStatus::InvalidHandle);
+    }
+
+    #[test]
+    fn reused_slot_does_not_revive_a_stale_handle() {
+        let old = register::<EpmTestA>(Arc::new("old".into())).unwrap();
+        destroy(old).unwrap();
+        let mut fresh = Vec::new();
+        for i in 0..64 {
+            fresh.push(register::<EpmTestA>(Arc::new(format!("new{i}"))).unwrap());
+        }
+        assert_eq!(status_of(get(old)), EpmStatus::InvalidHandle);
+        for h in fresh {
+            assert!(get(h).unwrap().starts_with("new"));
+            destroy(h).unwrap();
+        }
+    }
+
+    #[test]
+    fn wrong_type_and_garbage_are_named() {
+        let a = register::<EpmTestA>(Arc::new("a".into())).unwrap();
+        let b = register::<EpmTestB>(Arc::new(|| 7u32)).unwrap();
+        assert_eq!((get(b).unwrap())(), 7);
+        let e = get::<EpmTestB>(a.cast()).err().unwrap();
+        assert_eq!(e.status(), EpmStatus::InvalidHandle);
+        assert!(e.message().contains("expected an EpmTestB handle, got an EpmTestA handle"), "{e}");
+        let garbage = std::ptr::without_provenance_mut::<EpmTestA>(0xdead_beef);
+        let e = get(garbage).unwrap_err();
+        assert!(e.message().contains("not an epmem handle") && e.message().contains("EpmTestA"), "{e}");
+        let e = get(std::ptr::null_mut::<EpmTestA>()).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::InvalidHandle);
+        assert!(e.message().contains("NULL EpmTestA"), "{e}");
+        // A well-formed id for a slot that never existed.
+        let never = encode::<EpmTestA>(0xff_fff0, 1);
+        assert_eq!(status_of(get(never)), EpmStatus::InvalidHandle);
+        destroy(a).unwrap();
+        destroy(b).unwrap();
+    }
+
+    #[test]
+    fn destroy_null_is_noop() {
+        destroy(std::ptr::null_mut::<EpmTestA>()).unwrap();
+    }
+
+    #[test]
+    fn object_outlives_destroy_while_in_use() {
+        let h = register::<EpmTestA>(Arc::new("held".into())).unwrap();
+        let held = get(h).unwrap();
+        destroy(h).unwrap();
+        assert_eq!(*held, "held");
+    }
+
+    #[test]
+    fn duplicate_tag_is_an_internal_error() {
+        let _a = register::<EpmTestA>(Arc::new("a".into())).unwrap();
+        let e = register::<EpmTestDup>(Arc::new(1)).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::Internal);
+        assert!(e.message().contains("EpmTestA") && e.message().contains("EpmTestDup"), "{e}");
+    }
+}

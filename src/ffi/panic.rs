@@ -1,0 +1,170 @@
+//! The panic boundary: no Rust panic ever unwinds into C.
+//!
+//! Every exported function body is wrapped in [`ffi_boundary!`], in one of two
+//! forms:
+//!
+//! ```ignore
+//! // Fallible: the body is a `Result<()>`; the function returns EpmStatus.
+//! ffi_boundary! {
+//!     let dev = try_handle!(dev);
+//!     let out = try_out!(out);
+//!     out.set(dev.info().ordinal);
+//!     Ok(())
+//! }
+//!
+//! // Infallible: the body is a plain value of a type with a panic default
+//! // (`PanicValue`): 0, false, or "" for C strings.
+//! ffi_boundary! { -> u32 { version_number() } }
+//! ```
+//!
+//! The fallible form clears the thread's last error on entry, records the
+//! error on failure, and turns a caught panic into `EPM_STATUS_PANIC` with the
+//! panic message. The infallible form leaves the last error alone unless it
+//! catches a panic. Both install the logger on first use.
+
+use std::any::Any;
+use std::ffi::c_char;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use crate::error::{EpmStatus, Error, Result};
+use crate::ffi::status::{clear_last_error, set_last_error};
+
+/// What an infallible exported function returns when its body panicked.
+pub trait PanicValue {
+    fn panic_value() -> Self;
+}
+
+macro_rules! zero_on_panic {
+    ($($t:ty),*) => { $(impl PanicValue for $t { fn panic_value() -> Self { 0 as $t } })* };
+}
+zero_on_panic!(u8, u16, u32, u64, usize, i32, i64, f32, f64);
+
+impl PanicValue for bool {
+    fn panic_value() -> Self {
+        false
+    }
+}
+
+impl PanicValue for () {
+    fn panic_value() -> Self {}
+}
+
+/// C strings returned by epmem are never NULL: a panic yields "".
+impl PanicValue for *const c_char {
+    fn panic_value() -> Self {
+        c"".as_ptr()
+    }
+}
+
+fn panic_error(payload: Box<dyn Any + Send>) -> Error {
+    let what = if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_owned()
+    };
+    // The payload's own Drop could panic; forget it instead of risking that here.
+    std::mem::forget(payload);
+    log::error!("a panic was caught at the C boundary: {what}");
+    Error::new(EpmStatus::Panic, format!("a Rust panic was caught at the C boundary: {what}"))
+}
+
+/// The fallible form of the boundary; use [`ffi_boundary!`].
+#[doc(hidden)]
+pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
+    clear_last_error();
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        crate::ffi::log::ensure_installed();
+        body()
+    }));
+    match result {
+        Ok(Ok(())) => EpmStatus::Ok,
+        Ok(Err(e)) => {
+            set_last_error(&e);
+            // An Error carrying Ok would read as success in C with a message set.
+            if e.status() == EpmStatus::Ok { EpmStatus::Internal } else { e.status() }
+        }
+        Err(payload) => {
+            set_last_error(&panic_error(payload));
+            EpmStatus::Panic
+        }
+    }
+}
+
+/// The infallible form of the boundary; use [`ffi_boundary!`].
+#[doc(hidden)]
+pub fn value_boundary<T: PanicValue>(body: impl FnOnce() -> T) -> T {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        crate::ffi::log::ensure_installed();
+        body()
+    }));
+    result.unwrap_or_else(|payload| {
+        set_last_error(&panic_error(payload));
+        T::panic_value()
+    })
+}
+
+/// Wrap the body of every `extern "C"` function. See the module docs.
+macro_rules! ffi_boundary {
+    (-> $t:ty { $($body:tt)* }) => {
+        $crate::ffi::panic::value_boundary(|| -> $t { $($body)* })
+    };
+    ($($body:tt)*) => {
+        $crate::ffi::panic::status_boundary(|| -> $crate::error::Result<()> { $($body)* })
+    };
+}
+pub(crate) use ffi_boundary;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ffi::status::epm_last_error_message;
+    use std::ffi::CStr;
+
+    fn last() -> String {
+        // SAFETY: never NULL, valid until the next epm call on this thread.
+        unsafe { CStr::from_ptr(epm_last_error_message()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn panic_becomes_status_with_message() {
+        let s = ffi_boundary! {
+            if last().is_empty() { panic!("boom {}", 7) }
+            Ok(())
+        };
+        assert_eq!(s, EpmStatus::Panic);
+        assert!(last().contains("boom 7"), "{}", last());
+    }
+
+    #[test]
+    fn error_sets_message_and_success_clears_it() {
+        let s = ffi_boundary! { crate::bail!(InvalidArgument, "size {} is zero", 0) };
+        assert_eq!(s, EpmStatus::InvalidArgument);
+        assert_eq!(last(), "size 0 is zero");
+        let s = ffi_boundary! { Ok(()) };
+        assert_eq!(s, EpmStatus::Ok);
+        assert_eq!(last(), "");
+    }
+
+    #[test]
+    fn value_form_returns_default_on_panic_and_keeps_last_error_otherwise() {
+        let s = ffi_boundary! { crate::bail!(NotReady, "pending") };
+        assert_eq!(s, EpmStatus::NotReady);
+        let v = ffi_boundary! { -> u64 { 41 + 1 } };
+        assert_eq!(v, 42);
+        assert!(last().contains("pending"), "value form must not clear: {}", last());
+        let v = ffi_boundary! { -> u64 { if v == 42 { panic!("in value") } v } };
+        assert_eq!(v, 0);
+        assert!(last().contains("in value"));
+        let p = ffi_boundary! { -> *const c_char { panic!("str") } };
+        // SAFETY: the panic default is a static "".
+        assert_eq!(unsafe { CStr::from_ptr(p) }, c"");
+    }
+
+    #[test]
+    fn error_carrying_ok_is_not_success() {
+        let s = ffi_boundary! { Err(Error::new(EpmStatus::Ok, "confused")) };
+        assert_eq!(s, EpmStatus::Internal);
+    }
+}
