@@ -10,6 +10,7 @@
 #   EPMEM_LIB     the library to load (default: .carry/lib, else target/release,
 #                 else target/debug libepmem.so, built with cargo if missing)
 #   PYTHON        interpreter for venvs / --no-install (default python3)
+#   ORT_VENV_DIR  where the per-version venvs live (default .venv/, reused across runs)
 #
 # For each version it runs tests/ort/test_ort_plugin.py (Python) and
 # tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime),
@@ -88,7 +89,7 @@ if [ $INSTALL = 0 ]; then
   run_suites "$PY" "$v"
 else
   for want in ${ORT_VERSIONS:-latest 1.23.2}; do
-    venv=$ROOT/.venv/ort-$want
+    venv=${ORT_VENV_DIR:-$ROOT/.venv}/ort-$want
     if [ ! -x "$venv/bin/python" ]; then
       "$PY" -m venv "$venv" || { echo "cannot make a venv at $venv" >&2; FAILED=$((FAILED + 1)); continue; }
     fi

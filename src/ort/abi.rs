@@ -107,8 +107,10 @@ const _: () = assert!(size_of::<OrtApiBase>() == 16);
 #[repr(C)]
 pub struct OrtEpFactory {
     /* 0 */ pub ort_version_supported: u32,
-    /* 1 */ pub GetName: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> *const c_char>,
-    /* 2 */ pub GetVendor: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> *const c_char>,
+    /* 1 */
+    pub GetName: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> *const c_char>,
+    /* 2 */
+    pub GetVendor: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> *const c_char>,
     /* 3 */
     pub GetSupportedDevices: Option<
         unsafe extern "C" fn(
@@ -132,9 +134,11 @@ pub struct OrtEpFactory {
             ep: *mut *mut OrtEp,
         ) -> *mut OrtStatus,
     >,
-    /* 5 */ pub ReleaseEp: Option<unsafe extern "C" fn(this: *mut OrtEpFactory, ep: *mut OrtEp)>,
+    /* 5 */
+    pub ReleaseEp: Option<unsafe extern "C" fn(this: *mut OrtEpFactory, ep: *mut OrtEp)>,
     /* 6 */ pub GetVendorId: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> u32>,
-    /* 7 */ pub GetVersion: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> *const c_char>,
+    /* 7 */
+    pub GetVersion: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> *const c_char>,
     /* 8 */
     pub ValidateCompiledModelCompatibilityInfo: Option<
         unsafe extern "C" fn(
@@ -154,11 +158,18 @@ pub struct OrtEpFactory {
             out: *mut *mut OrtAllocator,
         ) -> *mut OrtStatus,
     >,
-    /* 10 */ pub ReleaseAllocator: Option<unsafe extern "C" fn(this: *mut OrtEpFactory, allocator: *mut OrtAllocator)>,
+    /* 10 */
+    pub ReleaseAllocator:
+        Option<unsafe extern "C" fn(this: *mut OrtEpFactory, allocator: *mut OrtAllocator)>,
     /* 11 */
-    pub CreateDataTransfer:
-        Option<unsafe extern "C" fn(this: *mut OrtEpFactory, out: *mut *mut OrtDataTransferImpl) -> *mut OrtStatus>,
-    /* 12 */ pub IsStreamAware: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> bool>,
+    pub CreateDataTransfer: Option<
+        unsafe extern "C" fn(
+            this: *mut OrtEpFactory,
+            out: *mut *mut OrtDataTransferImpl,
+        ) -> *mut OrtStatus,
+    >,
+    /* 12 */
+    pub IsStreamAware: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> bool>,
     /* 13 */
     pub CreateSyncStreamForDevice: Option<
         unsafe extern "C" fn(
@@ -199,7 +210,11 @@ pub struct OrtEp {
     /* 1 */ pub GetName: Option<unsafe extern "C" fn(this: *const OrtEp) -> *const c_char>,
     /* 2 */
     pub GetCapability: Option<
-        unsafe extern "C" fn(this: *mut OrtEp, graph: *const OrtGraph, info: *mut OrtEpGraphSupportInfo) -> *mut OrtStatus,
+        unsafe extern "C" fn(
+            this: *mut OrtEp,
+            graph: *const OrtGraph,
+            info: *mut OrtEpGraphSupportInfo,
+        ) -> *mut OrtStatus,
     >,
     /* 3 */
     pub Compile: Option<
@@ -213,8 +228,9 @@ pub struct OrtEp {
         ) -> *mut OrtStatus,
     >,
     /* 4 */
-    pub ReleaseNodeComputeInfos:
-        Option<unsafe extern "C" fn(this: *mut OrtEp, infos: *mut *mut OrtNodeComputeInfo, count: usize)>,
+    pub ReleaseNodeComputeInfos: Option<
+        unsafe extern "C" fn(this: *mut OrtEp, infos: *mut *mut OrtNodeComputeInfo, count: usize),
+    >,
     /* 5 */ pub GetPreferredDataLayout: Slot,
     /* 6 */ pub ShouldConvertDataLayoutForOp: Slot,
     /* 7 */ pub SetDynamicOptions: Slot,
@@ -250,10 +266,20 @@ pub struct OrtAllocator {
     /// 1.18.
     pub Reserve: Option<unsafe extern "C" fn(this: *mut OrtAllocator, size: usize) -> *mut c_void>,
     /// 1.23, optional; ORT takes ownership of `*out`.
-    pub GetStats: Option<unsafe extern "C" fn(this: *const OrtAllocator, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus>,
+    pub GetStats: Option<
+        unsafe extern "C" fn(
+            this: *const OrtAllocator,
+            out: *mut *mut OrtKeyValuePairs,
+        ) -> *mut OrtStatus,
+    >,
     /// 1.23, optional.
-    pub AllocOnStream:
-        Option<unsafe extern "C" fn(this: *mut OrtAllocator, size: usize, stream: *mut OrtSyncStream) -> *mut c_void>,
+    pub AllocOnStream: Option<
+        unsafe extern "C" fn(
+            this: *mut OrtAllocator,
+            size: usize,
+            stream: *mut OrtSyncStream,
+        ) -> *mut c_void,
+    >,
     /// 1.25, optional.
     pub Shrink: Slot,
 }
@@ -275,7 +301,11 @@ pub struct OrtDataTransferImpl {
     pub ort_version_supported: u32,
     pub Release: Option<unsafe extern "C" fn(this: *mut OrtDataTransferImpl)>,
     pub CanCopy: Option<
-        unsafe extern "C" fn(this: *const OrtDataTransferImpl, src: *const OrtMemoryDevice, dst: *const OrtMemoryDevice) -> bool,
+        unsafe extern "C" fn(
+            this: *const OrtDataTransferImpl,
+            src: *const OrtMemoryDevice,
+            dst: *const OrtMemoryDevice,
+        ) -> bool,
     >,
     /// `streams` is NULL when the EP is not stream aware (ours is not).
     pub CopyTensors: Option<

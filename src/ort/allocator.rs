@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
@@ -34,11 +34,16 @@ pub(crate) struct Book {
 
 impl Book {
     pub fn new(limit: u64) -> Self {
-        Self { limit, ..Self::default() }
+        Self {
+            limit,
+            ..Self::default()
+        }
     }
     /// Would `bytes` more stay within the limit?
     pub fn admits(&self, bytes: usize) -> bool {
-        self.in_use.checked_add(bytes as u64).is_some_and(|n| n <= self.limit)
+        self.in_use
+            .checked_add(bytes as u64)
+            .is_some_and(|n| n <= self.limit)
     }
     pub fn record(&mut self, addr: u64, bytes: usize, reserve: bool) {
         self.live.insert(addr, bytes);
@@ -80,7 +85,12 @@ pub(crate) struct Allocator {
 
 impl Allocator {
     /// A new allocator for `kind` memory of `dev`, boxed for ORT.
-    pub fn create(factory: Arc<Factory>, dev: &EpmDevice, kind: MemKind, opts: AllocatorOptions) -> Result<*mut OrtAllocator> {
+    pub fn create(
+        factory: Arc<Factory>,
+        dev: &EpmDevice,
+        kind: MemKind,
+        opts: AllocatorOptions,
+    ) -> Result<*mut OrtAllocator> {
         let default_limit = match kind {
             MemKind::Device => dev.dev.info().total_mem,
             MemKind::Pinned => physical_ram(),
@@ -146,7 +156,11 @@ impl Allocator {
             }
             Err(e) => {
                 book.failed_allocs += 1;
-                log::warn!("epmem: {} {:?} allocation of {bytes} bytes failed: {e}", self.device_label, self.kind);
+                log::warn!(
+                    "epmem: {} {:?} allocation of {bytes} bytes failed: {e}",
+                    self.device_label,
+                    self.kind
+                );
                 std::ptr::null_mut()
             }
         }
@@ -159,7 +173,11 @@ impl Allocator {
         let addr = p as u64;
         let mut book = self.book();
         if book.release(addr).is_none() {
-            log::warn!("epmem: {} {:?} allocator: Free of {addr:#x}, which it did not allocate; ignored", self.device_label, self.kind);
+            log::warn!(
+                "epmem: {} {:?} allocator: Free of {addr:#x}, which it did not allocate; ignored",
+                self.device_label,
+                self.kind
+            );
             return;
         }
         if let Err(e) = self.source.free(addr) {
@@ -170,7 +188,7 @@ impl Allocator {
     fn stats(&self) -> Vec<(&'static str, String)> {
         let b = self.book();
         let s = self.source.stats();
-        vec![
+        let mut v = vec![
             ("Limit", b.limit.to_string()),
             ("InUse", b.in_use.to_string()),
             ("TotalAllocated", b.total_allocated.to_string()),
@@ -191,10 +209,21 @@ impl Allocator {
             ),
             ("epmem.source", self.source.name().to_string()),
             ("epmem.reserved_bytes", s.reserved_bytes.to_string()),
-            ("epmem.live_allocations", (b.num_allocs + b.num_reserves - b.frees).to_string()),
+            (
+                "epmem.live_allocations",
+                (b.num_allocs + b.num_reserves - b.frees).to_string(),
+            ),
             ("epmem.frees", b.frees.to_string()),
             ("epmem.failed_allocs", b.failed_allocs.to_string()),
-        ]
+        ];
+        v.extend(
+            self.factory
+                .copies
+                .snapshot()
+                .iter()
+                .map(|&(k, n)| (k, n.to_string())),
+        );
+        v
     }
 }
 
@@ -221,8 +250,17 @@ impl Drop for Allocator {
 /// Physical RAM in bytes: the default limit of pinned memory.
 fn physical_ram() -> u64 {
     // SAFETY: sysconf has no preconditions.
-    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
-    if pages > 0 && page > 0 { pages as u64 * page as u64 } else { u64::MAX }
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        u64::MAX
+    }
 }
 
 /// # Safety
@@ -234,15 +272,25 @@ unsafe fn me<'a>(this: *const OrtAllocator) -> &'a Allocator {
 
 unsafe extern "C" fn alloc(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: ORT passes the allocator it got from us.
-    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, false))).unwrap_or(std::ptr::null_mut())
+    catch_unwind(AssertUnwindSafe(|| {
+        unsafe { me(this) }.allocate(size, false)
+    }))
+    .unwrap_or(std::ptr::null_mut())
 }
 
 unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: as in `alloc`.
-    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, true))).unwrap_or(std::ptr::null_mut())
+    catch_unwind(AssertUnwindSafe(|| {
+        unsafe { me(this) }.allocate(size, true)
+    }))
+    .unwrap_or(std::ptr::null_mut())
 }
 
-unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, _stream: *mut OrtSyncStream) -> *mut c_void {
+unsafe extern "C" fn alloc_on_stream(
+    this: *mut OrtAllocator,
+    size: usize,
+    _stream: *mut OrtSyncStream,
+) -> *mut c_void {
     // Not stream aware: memory is usable on any stream once Alloc returns.
     // SAFETY: as in `alloc`.
     unsafe { alloc(this, size) }
@@ -258,7 +306,10 @@ unsafe extern "C" fn info_fn(this: *const OrtAllocator) -> *const OrtMemoryInfo 
     unsafe { me(this) }.info
 }
 
-unsafe extern "C" fn get_stats(this: *const OrtAllocator, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus {
+unsafe extern "C" fn get_stats(
+    this: *const OrtAllocator,
+    out: *mut *mut OrtKeyValuePairs,
+) -> *mut OrtStatus {
     // SAFETY: as in `alloc`.
     let a = unsafe { me(this) };
     super::status_boundary(&a.factory.api, "OrtAllocator::GetStats", || {
@@ -286,12 +337,18 @@ mod tests {
         b.record(0x20, 300, true);
         assert!(!b.admits(101));
         assert!(b.admits(100));
-        assert_eq!((b.in_use, b.num_allocs, b.num_reserves, b.max_alloc_size), (900, 1, 1, 600));
+        assert_eq!(
+            (b.in_use, b.num_allocs, b.num_reserves, b.max_alloc_size),
+            (900, 1, 1, 600)
+        );
         assert_eq!(b.release(0x10), Some(600));
         assert_eq!(b.release(0x10), None, "double free is detected");
         assert_eq!(b.release(0x99), None, "foreign pointer is detected");
         b.record(0x30, 50, false);
-        assert_eq!((b.in_use, b.max_in_use, b.total_allocated, b.frees), (350, 900, 950, 1));
+        assert_eq!(
+            (b.in_use, b.max_in_use, b.total_allocated, b.frees),
+            (350, 900, 950, 1)
+        );
         let mut live = b.live_addrs();
         live.sort();
         assert_eq!(live, vec![0x20, 0x30]);
@@ -301,6 +358,9 @@ mod tests {
     fn book_limit_never_overflows() {
         let mut b = Book::new(u64::MAX);
         b.record(1, usize::MAX, false);
-        assert!(!b.admits(usize::MAX), "u64 overflow must read as over the limit");
+        assert!(
+            !b.admits(usize::MAX),
+            "u64 overflow must read as over the limit"
+        );
     }
 }

@@ -6,7 +6,7 @@
 //! 1.24 slots (`CreateHardwareDevice`) are read only when the running ORT
 //! says it is 1.24 or newer.
 
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{CStr, CString, c_char, c_void};
 
 use super::abi::*;
 use crate::error::{EpmStatus, Error, Result};
@@ -26,12 +26,18 @@ pub(crate) struct Api {
     create_kvp: unsafe extern "C" fn(*mut *mut OrtKeyValuePairs),
     add_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs, *const c_char, *const c_char),
     get_kv: unsafe extern "C" fn(*const OrtKeyValuePairs, *const c_char) -> *const c_char,
-    get_kvps: unsafe extern "C" fn(*const OrtKeyValuePairs, *mut *const *const c_char, *mut *const *const c_char, *mut usize),
+    get_kvps: unsafe extern "C" fn(
+        *const OrtKeyValuePairs,
+        *mut *const *const c_char,
+        *mut *const *const c_char,
+        *mut usize,
+    ),
     release_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs),
     pub hw_type: unsafe extern "C" fn(*const OrtHardwareDevice) -> OrtHardwareDeviceType,
     pub hw_vendor_id: unsafe extern "C" fn(*const OrtHardwareDevice) -> u32,
     hw_metadata: unsafe extern "C" fn(*const OrtHardwareDevice) -> *const OrtKeyValuePairs,
-    get_tensor_mutable_data: unsafe extern "C" fn(*mut OrtValue, *mut *mut c_void) -> *mut OrtStatus,
+    get_tensor_mutable_data:
+        unsafe extern "C" fn(*mut OrtValue, *mut *mut c_void) -> *mut OrtStatus,
     get_tensor_data: unsafe extern "C" fn(*const OrtValue, *mut *const c_void) -> *mut OrtStatus,
     get_tensor_size: unsafe extern "C" fn(*const OrtValue, *mut usize) -> *mut OrtStatus,
     #[allow(clippy::type_complexity)]
@@ -54,7 +60,8 @@ pub(crate) struct Api {
         *mut *mut OrtEpDevice,
     ) -> *mut OrtStatus,
     pub release_ep_device: unsafe extern "C" fn(*mut OrtEpDevice),
-    pub add_allocator_info: unsafe extern "C" fn(*mut OrtEpDevice, *const OrtMemoryInfo) -> *mut OrtStatus,
+    pub add_allocator_info:
+        unsafe extern "C" fn(*mut OrtEpDevice, *const OrtMemoryInfo) -> *mut OrtStatus,
     memory_info_device: unsafe extern "C" fn(*const OrtMemoryInfo) -> *const OrtMemoryDevice,
     value_device: unsafe extern "C" fn(*const OrtValue) -> *const OrtMemoryDevice,
     md_type: unsafe extern "C" fn(*const OrtMemoryDevice) -> OrtMemoryInfoDeviceType,
@@ -84,7 +91,11 @@ unsafe fn slot<F: Copy>(table: *const c_void, idx: usize, what: &str) -> Result<
     const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*const c_void>()) };
     // SAFETY: the caller guarantees the table is at least idx+1 slots long.
     let p = unsafe { *(table as *const *const c_void).add(idx) };
-    crate::ensure!(!p.is_null(), Unsupported, "this ONNX Runtime has no {what} (slot {idx} is NULL)");
+    crate::ensure!(
+        !p.is_null(),
+        Unsupported,
+        "this ONNX Runtime has no {what} (slot {idx} is NULL)"
+    );
     // SAFETY: F is a function-pointer type of pointer size (asserted above);
     // the caller guarantees the slot's signature.
     Ok(unsafe { std::mem::transmute_copy::<*const c_void, F>(&p) })
@@ -123,9 +134,14 @@ impl Api {
         // SAFETY: GetApi(23) succeeded, so the table has every v23 slot, and
         // each slot below has the signature documented in ORT_PLUGIN_ABI.md.
         unsafe {
-            let get_ep_api: unsafe extern "C" fn() -> *const OrtEpApi = slot(t, s::GET_EP_API, "GetEpApi")?;
+            let get_ep_api: unsafe extern "C" fn() -> *const OrtEpApi =
+                slot(t, s::GET_EP_API, "GetEpApi")?;
             let ep = get_ep_api() as *const c_void;
-            crate::ensure!(!ep.is_null(), Unsupported, "ONNX Runtime {vstr} returned no OrtEpApi");
+            crate::ensure!(
+                !ep.is_null(),
+                Unsupported,
+                "ONNX Runtime {vstr} returned no OrtEpApi"
+            );
             let v24 = version >= 24;
             Ok(Api {
                 version,
@@ -141,26 +157,58 @@ impl Api {
                 hw_type: slot(t, s::HARDWARE_DEVICE_TYPE, "HardwareDevice_Type")?,
                 hw_vendor_id: slot(t, s::HARDWARE_DEVICE_VENDOR_ID, "HardwareDevice_VendorId")?,
                 hw_metadata: slot(t, s::HARDWARE_DEVICE_METADATA, "HardwareDevice_Metadata")?,
-                get_tensor_mutable_data: slot(t, s::GET_TENSOR_MUTABLE_DATA, "GetTensorMutableData")?,
+                get_tensor_mutable_data: slot(
+                    t,
+                    s::GET_TENSOR_MUTABLE_DATA,
+                    "GetTensorMutableData",
+                )?,
                 get_tensor_data: slot(t, s::GET_TENSOR_DATA, "GetTensorData")?,
                 get_tensor_size: slot(t, s::GET_TENSOR_SIZE_IN_BYTES, "GetTensorSizeInBytes")?,
                 create_memory_info_v2: slot(t, s::CREATE_MEMORY_INFO_V2, "CreateMemoryInfo_V2")?,
                 create_ep_device: slot(ep, e::CREATE_EP_DEVICE, "CreateEpDevice")?,
                 release_ep_device: slot(ep, e::RELEASE_EP_DEVICE, "ReleaseEpDevice")?,
-                add_allocator_info: slot(ep, e::EP_DEVICE_ADD_ALLOCATOR_INFO, "EpDevice_AddAllocatorInfo")?,
-                memory_info_device: slot(ep, e::MEMORY_INFO_GET_MEMORY_DEVICE, "MemoryInfo_GetMemoryDevice")?,
+                add_allocator_info: slot(
+                    ep,
+                    e::EP_DEVICE_ADD_ALLOCATOR_INFO,
+                    "EpDevice_AddAllocatorInfo",
+                )?,
+                memory_info_device: slot(
+                    ep,
+                    e::MEMORY_INFO_GET_MEMORY_DEVICE,
+                    "MemoryInfo_GetMemoryDevice",
+                )?,
                 value_device: slot(ep, e::VALUE_GET_MEMORY_DEVICE, "Value_GetMemoryDevice")?,
-                md_type: slot(ep, e::MEMORY_DEVICE_GET_DEVICE_TYPE, "MemoryDevice_GetDeviceType")?,
-                md_mem_type: slot(ep, e::MEMORY_DEVICE_GET_MEMORY_TYPE, "MemoryDevice_GetMemoryType")?,
-                md_vendor: slot(ep, e::MEMORY_DEVICE_GET_VENDOR_ID, "MemoryDevice_GetVendorId")?,
-                md_id: slot(ep, e::MEMORY_DEVICE_GET_DEVICE_ID, "MemoryDevice_GetDeviceId")?,
+                md_type: slot(
+                    ep,
+                    e::MEMORY_DEVICE_GET_DEVICE_TYPE,
+                    "MemoryDevice_GetDeviceType",
+                )?,
+                md_mem_type: slot(
+                    ep,
+                    e::MEMORY_DEVICE_GET_MEMORY_TYPE,
+                    "MemoryDevice_GetMemoryType",
+                )?,
+                md_vendor: slot(
+                    ep,
+                    e::MEMORY_DEVICE_GET_VENDOR_ID,
+                    "MemoryDevice_GetVendorId",
+                )?,
+                md_id: slot(
+                    ep,
+                    e::MEMORY_DEVICE_GET_DEVICE_ID,
+                    "MemoryDevice_GetDeviceId",
+                )?,
                 create_hardware_device: if v24 {
                     Some(slot(ep, e::CREATE_HARDWARE_DEVICE, "CreateHardwareDevice")?)
                 } else {
                     None
                 },
                 release_hardware_device: if v24 {
-                    Some(slot(ep, e::RELEASE_HARDWARE_DEVICE, "ReleaseHardwareDevice")?)
+                    Some(slot(
+                        ep,
+                        e::RELEASE_HARDWARE_DEVICE,
+                        "ReleaseHardwareDevice",
+                    )?)
                 } else {
                     None
                 },
@@ -196,7 +244,10 @@ impl Api {
             (self.release_status)(st);
             s
         };
-        Err(Error::new(EpmStatus::Internal, format!("ONNX Runtime {call} failed: {msg}")))
+        Err(Error::new(
+            EpmStatus::Internal,
+            format!("ONNX Runtime {call} failed: {msg}"),
+        ))
     }
 
     // ---- key-value pairs -------------------------------------------------
@@ -206,7 +257,10 @@ impl Api {
         let mut kv: *mut OrtKeyValuePairs = std::ptr::null_mut();
         // SAFETY: CreateKeyValuePairs writes a fresh object to `kv`.
         unsafe { (self.create_kvp)(&mut kv) };
-        let out = KeyValues { api: *self, raw: kv };
+        let out = KeyValues {
+            api: *self,
+            raw: kv,
+        };
         for (k, v) in pairs {
             out.add(k, v);
         }
@@ -261,15 +315,32 @@ impl Api {
 
     /// A memory info made with `CreateMemoryInfo_V2` (the legacy way gives
     /// "Invalid memory type: -1" for pinned memory and broke the CUDA EP).
-    pub fn memory_info(&self, name: &str, kind: MemoryKind, mem: OrtDeviceMemoryType) -> Result<OwnedMemoryInfo> {
+    pub fn memory_info(
+        &self,
+        name: &str,
+        kind: MemoryKind,
+        mem: OrtDeviceMemoryType,
+    ) -> Result<OwnedMemoryInfo> {
         let n = cstring_lossy(name);
         let mut out: *mut OrtMemoryInfo = std::ptr::null_mut();
         // SAFETY: plain ORT call; ORT copies the name.
         let st = unsafe {
-            (self.create_memory_info_v2)(n.as_ptr(), kind.device_type, kind.vendor_id, kind.device_id, mem, 0, ALLOCATOR_DEVICE, &mut out)
+            (self.create_memory_info_v2)(
+                n.as_ptr(),
+                kind.device_type,
+                kind.vendor_id,
+                kind.device_id,
+                mem,
+                0,
+                ALLOCATOR_DEVICE,
+                &mut out,
+            )
         };
         self.check(st, "CreateMemoryInfo_V2")?;
-        Ok(OwnedMemoryInfo { api: *self, raw: out })
+        Ok(OwnedMemoryInfo {
+            api: *self,
+            raw: out,
+        })
     }
 
     /// What a memory device is.
@@ -280,7 +351,11 @@ impl Api {
         // SAFETY: per the caller.
         unsafe {
             MemoryDeviceDesc {
-                kind: MemoryKind { device_type: (self.md_type)(md), vendor_id: (self.md_vendor)(md), device_id: (self.md_id)(md) as i32 },
+                kind: MemoryKind {
+                    device_type: (self.md_type)(md),
+                    vendor_id: (self.md_vendor)(md),
+                    device_id: (self.md_id)(md) as i32,
+                },
                 mem_type: (self.md_mem_type)(md),
             }
         }
@@ -303,13 +378,23 @@ impl Api {
         // SAFETY: per the caller.
         unsafe {
             let md = (self.value_device)(v);
-            crate::ensure!(!md.is_null(), InvalidArgument, "an OrtValue to copy is not a tensor");
+            crate::ensure!(
+                !md.is_null(),
+                InvalidArgument,
+                "an OrtValue to copy is not a tensor"
+            );
             let desc = self.memory_device(md);
             let mut bytes = 0usize;
-            self.check((self.get_tensor_size)(v, &mut bytes), "GetTensorSizeInBytes")?;
+            self.check(
+                (self.get_tensor_size)(v, &mut bytes),
+                "GetTensorSizeInBytes",
+            )?;
             let ptr = if mutable {
                 let mut p: *mut c_void = std::ptr::null_mut();
-                self.check((self.get_tensor_mutable_data)(v as *mut OrtValue, &mut p), "GetTensorMutableData")?;
+                self.check(
+                    (self.get_tensor_mutable_data)(v as *mut OrtValue, &mut p),
+                    "GetTensorMutableData",
+                )?;
                 p as u64
             } else {
                 let mut p: *const c_void = std::ptr::null();
@@ -381,6 +466,12 @@ pub(crate) struct OwnedMemoryInfo {
     api: Api,
     raw: *mut OrtMemoryInfo,
 }
+
+// SAFETY: an OrtMemoryInfo is immutable once created and ORT itself reads it
+// from any thread; we only hand out its address and release it once.
+unsafe impl Send for OwnedMemoryInfo {}
+// SAFETY: as above.
+unsafe impl Sync for OwnedMemoryInfo {}
 
 impl OwnedMemoryInfo {
     pub fn as_ptr(&self) -> *const OrtMemoryInfo {

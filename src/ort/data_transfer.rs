@@ -6,6 +6,7 @@
 //! per device, all of a batch before the first wait, then each used stream
 //! is synchronized once.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
@@ -82,11 +83,19 @@ impl DataTransfer {
     /// # Safety
     /// Host addresses are valid for `n` bytes (read for `src`, write for
     /// `dst`) until the streams are synchronized.
-    unsafe fn copy(&self, streams: &mut [Option<Stream>], (src_side, src): (Side, u64), (dst_side, dst): (Side, u64), n: usize) -> Result<()> {
+    unsafe fn copy(
+        &self,
+        streams: &mut [Option<Stream>],
+        (src_side, src): (Side, u64),
+        (dst_side, dst): (Side, u64),
+        n: usize,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let devs = &self.factory.devices;
+        let c = &self.factory.copies;
+        c.bytes.fetch_add(n as u64, Ordering::Relaxed);
         let mut stream = |i: usize| -> Result<crate::device::RawStream> {
             if streams[i].is_none() {
                 streams[i] = Some(Stream::new(&devs[i].dev)?);
@@ -96,16 +105,41 @@ impl DataTransfer {
         match (src_side, dst_side) {
             // SAFETY (whole match): the caller vouches for host ranges; device
             // addresses are validated by the device layer.
-            (s, d) if s.is_host() && d.is_host() => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) },
-            (s, Side::Device(j)) if s.is_host() => unsafe { devs[j].dev.memcpy_htod_async(dst, src as *const u8, n, stream(j)?)? },
-            (Side::Device(i), d) if d.is_host() => unsafe { devs[i].dev.memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)? },
-            (Side::Device(i), Side::Device(j)) if i == j => devs[i].dev.memcpy_dtod_async(dst, src, n, stream(i)?)?,
+            (s, d) if s.is_host() && d.is_host() => {
+                c.host.fetch_add(1, Ordering::Relaxed);
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) }
+            }
+            (s, Side::Device(j)) if s.is_host() => {
+                c.htod.fetch_add(1, Ordering::Relaxed);
+                unsafe {
+                    devs[j]
+                        .dev
+                        .memcpy_htod_async(dst, src as *const u8, n, stream(j)?)?
+                }
+            }
+            (Side::Device(i), d) if d.is_host() => {
+                c.dtoh.fetch_add(1, Ordering::Relaxed);
+                unsafe {
+                    devs[i]
+                        .dev
+                        .memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)?
+                }
+            }
+            (Side::Device(i), Side::Device(j)) if i == j => {
+                c.dtod.fetch_add(1, Ordering::Relaxed);
+                devs[i].dev.memcpy_dtod_async(dst, src, n, stream(i)?)?
+            }
             (Side::Device(i), Side::Device(j)) => {
+                c.dtod.fetch_add(1, Ordering::Relaxed);
                 // Different devices: bounce through host memory (no peer copy
                 // in the device layer); rare, so simplicity wins.
                 let mut bounce = vec![0u8; n];
                 let (si, sj) = (stream(i)?, stream(j)?);
-                unsafe { devs[i].dev.memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)? };
+                unsafe {
+                    devs[i]
+                        .dev
+                        .memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)?
+                };
                 devs[i].dev.stream_synchronize(si)?;
                 unsafe { devs[j].dev.memcpy_htod_async(dst, bounce.as_ptr(), n, sj)? };
                 devs[j].dev.stream_synchronize(sj)?;
@@ -126,11 +160,16 @@ unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
 unsafe extern "C" fn release(this: *mut OrtDataTransferImpl) {
     if !this.is_null() {
         // SAFETY: ORT releases the transfer we gave it, once.
-        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
+        let _ =
+            std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
     }
 }
 
-unsafe extern "C" fn can_copy_fn(this: *const OrtDataTransferImpl, src: *const OrtMemoryDevice, dst: *const OrtMemoryDevice) -> bool {
+unsafe extern "C" fn can_copy_fn(
+    this: *const OrtDataTransferImpl,
+    src: *const OrtMemoryDevice,
+    dst: *const OrtMemoryDevice,
+) -> bool {
     std::panic::catch_unwind(|| {
         if src.is_null() || dst.is_null() {
             return false;
@@ -138,7 +177,11 @@ unsafe extern "C" fn can_copy_fn(this: *const OrtDataTransferImpl, src: *const O
         // SAFETY: ORT passes our transfer and two live memory devices.
         let (t, s, d) = unsafe {
             let t = me(this);
-            (t, t.factory.api.memory_device(src), t.factory.api.memory_device(dst))
+            (
+                t,
+                t.factory.api.memory_device(src),
+                t.factory.api.memory_device(dst),
+            )
         };
         can_copy(classify(&t.factory, &s), classify(&t.factory, &d))
     })
@@ -156,12 +199,21 @@ unsafe extern "C" fn copy_tensors(
     let t = unsafe { me(this) };
     let api = t.factory.api;
     status_boundary(&api, "CopyTensors", || {
-        crate::ensure!(n == 0 || (!src.is_null() && !dst.is_null()), NullPointer, "tensor arrays are NULL");
+        crate::ensure!(
+            n == 0 || (!src.is_null() && !dst.is_null()),
+            NullPointer,
+            "tensor arrays are NULL"
+        );
         let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
         let mut result = Ok(());
         for i in 0..n {
             // SAFETY: ORT passes n live source and destination values.
-            let (s, d) = unsafe { (api.tensor(*src.add(i), false), api.tensor(*dst.add(i), true)) };
+            let (s, d) = unsafe {
+                (
+                    api.tensor(*src.add(i), false),
+                    api.tensor(*dst.add(i), true),
+                )
+            };
             let step = s.and_then(|s| Ok((s, d?))).and_then(|(s, d)| {
                 crate::ensure!(
                     s.bytes == d.bytes,
@@ -171,8 +223,12 @@ unsafe extern "C" fn copy_tensors(
                     d.bytes
                 );
                 let side = |v: &super::api::TensorView| {
-                    classify(&t.factory, &v.desc)
-                        .ok_or_else(|| crate::error::Error::unsupported(format!("tensor {i}: epmem cannot address memory {:?}", v.desc)))
+                    classify(&t.factory, &v.desc).ok_or_else(|| {
+                        crate::error::Error::unsupported(format!(
+                            "tensor {i}: epmem cannot address memory {:?}",
+                            v.desc
+                        ))
+                    })
                 };
                 let (ss, ds) = (side(&s)?, side(&d)?);
                 // SAFETY: ORT's tensors own their buffers for the whole call,
@@ -187,10 +243,9 @@ unsafe extern "C" fn copy_tensors(
         // Always drain what was queued, even after an error: ORT may free
         // the buffers as soon as we return.
         for (i, s) in streams.iter().enumerate() {
-            if let Some(s) = s {
-                if let Err(e) = s.synchronize() {
-                    result = result.and(Err(e.context(format!("synchronizing {}", t.factory.devices[i].label()))));
-                }
+            if let Some(Err(e)) = s.as_ref().map(Stream::synchronize) {
+                let label = t.factory.devices[i].label();
+                result = result.and(Err(e.context(format!("synchronizing {label}"))));
             }
         }
         result
@@ -203,11 +258,28 @@ mod tests {
 
     #[test]
     fn copies_need_an_epmem_side_and_an_addressable_other_side() {
-        let (c, p, d0, d1) = (Some(Side::Cpu), Some(Side::Pinned(0)), Some(Side::Device(0)), Some(Side::Device(1)));
-        for (a, b) in [(c, d0), (d0, c), (d0, d0), (d0, d1), (p, d0), (d0, p), (c, p), (p, c)] {
+        let (c, p, d0, d1) = (
+            Some(Side::Cpu),
+            Some(Side::Pinned(0)),
+            Some(Side::Device(0)),
+            Some(Side::Device(1)),
+        );
+        for (a, b) in [
+            (c, d0),
+            (d0, c),
+            (d0, d0),
+            (d0, d1),
+            (p, d0),
+            (d0, p),
+            (c, p),
+            (p, c),
+        ] {
             assert!(can_copy(a, b), "{a:?} -> {b:?}");
         }
         assert!(!can_copy(c, c), "CPU to CPU is ORT's own copy");
-        assert!(!can_copy(None, d0) && !can_copy(d0, None), "foreign memory is refused");
+        assert!(
+            !can_copy(None, d0) && !can_copy(d0, None),
+            "foreign memory is refused"
+        );
     }
 }

@@ -24,8 +24,16 @@ pub const EPMEM_HOST_VENDOR_ID: u32 = 0x0045_504D;
 /// Host device: CPU memory (it is host memory), vendor [`EPMEM_HOST_VENDOR_ID`].
 pub fn memory_kind(info: &DeviceInfo) -> MemoryKind {
     match info.kind {
-        DeviceKind::Cuda => MemoryKind { device_type: MEMORY_INFO_DEVICE_GPU, vendor_id: NVIDIA_VENDOR_ID, device_id: info.ordinal as i32 },
-        DeviceKind::Host => MemoryKind { device_type: MEMORY_INFO_DEVICE_CPU, vendor_id: EPMEM_HOST_VENDOR_ID, device_id: info.ordinal as i32 },
+        DeviceKind::Cuda => MemoryKind {
+            device_type: MEMORY_INFO_DEVICE_GPU,
+            vendor_id: NVIDIA_VENDOR_ID,
+            device_id: info.ordinal as i32,
+        },
+        DeviceKind::Host => MemoryKind {
+            device_type: MEMORY_INFO_DEVICE_CPU,
+            vendor_id: EPMEM_HOST_VENDOR_ID,
+            device_id: info.ordinal as i32,
+        },
     }
 }
 
@@ -87,7 +95,9 @@ pub fn plan(hw: &[HwInfo], ours: &[&DeviceInfo], can_create: bool) -> Result<Vec
 }
 
 fn no_cpu() -> crate::error::Error {
-    crate::error::Error::unsupported("ONNX Runtime reported no CPU hardware device to attach the epmem device to")
+    crate::error::Error::unsupported(
+        "ONNX Runtime reported no CPU hardware device to attach the epmem device to",
+    )
 }
 
 /// "dddd:bb:dd.f" (any hex width, any case) → (domain, bus, device, function).
@@ -124,7 +134,12 @@ mod tests {
         }
     }
     fn hw(cpu: bool, vendor: u32, pci: Option<&str>) -> HwInfo {
-        HwInfo { is_cpu: cpu, is_gpu: !cpu, vendor_id: vendor, pci_bus_id: pci.map(str::to_string) }
+        HwInfo {
+            is_cpu: cpu,
+            is_gpu: !cpu,
+            vendor_id: vendor,
+            pci_bus_id: pci.map(str::to_string),
+        }
     }
 
     #[test]
@@ -138,19 +153,32 @@ mod tests {
 
     #[test]
     fn gpus_match_by_pci_bus_id_not_by_order() {
-        let hws = [hw(true, 0x8086, None), hw(false, 0x10DE, Some("0000:c5:00.0")), hw(false, 0x10DE, Some("0000:65:00.0"))];
+        let hws = [
+            hw(true, 0x8086, None),
+            hw(false, 0x10DE, Some("0000:c5:00.0")),
+            hw(false, 0x10DE, Some("0000:65:00.0")),
+        ];
         let a = info(DeviceKind::Cuda, 0, Some("00000000:65:00.0"));
         let b = info(DeviceKind::Cuda, 1, Some("00000000:C5:00.0"));
-        assert_eq!(plan(&hws, &[&a, &b], true).unwrap(), vec![Binding::Existing(2), Binding::Existing(1)]);
+        assert_eq!(
+            plan(&hws, &[&a, &b], true).unwrap(),
+            vec![Binding::Existing(2), Binding::Existing(1)]
+        );
     }
 
     #[test]
     fn unmatched_gpu_is_created_on_124_and_hangs_off_the_cpu_on_123() {
         // A BMC graphics card satisfied ORT's DRM scan; the H200 is missing.
-        let hws = [hw(false, 0x1A03, Some("0000:02:00.0")), hw(true, 0x8086, None)];
+        let hws = [
+            hw(false, 0x1A03, Some("0000:02:00.0")),
+            hw(true, 0x8086, None),
+        ];
         let g = info(DeviceKind::Cuda, 0, Some("0000:65:00.0"));
         assert_eq!(plan(&hws, &[&g], true).unwrap(), vec![Binding::Create]);
-        assert_eq!(plan(&hws, &[&g], false).unwrap(), vec![Binding::CpuFallback(1)]);
+        assert_eq!(
+            plan(&hws, &[&g], false).unwrap(),
+            vec![Binding::CpuFallback(1)]
+        );
     }
 
     #[test]
@@ -162,7 +190,10 @@ mod tests {
         assert_eq!(k.device_type, MEMORY_INFO_DEVICE_CPU);
         assert_ne!(k.vendor_id, 0, "must not alias ORT's own CPU memory");
         assert!(k.vendor_id > 0xFFFF, "must not be a PCI vendor id");
-        assert_eq!(memory_kind(&info(DeviceKind::Cuda, 3, None)).device_type, MEMORY_INFO_DEVICE_GPU);
+        assert_eq!(
+            memory_kind(&info(DeviceKind::Cuda, 3, None)).device_type,
+            MEMORY_INFO_DEVICE_GPU
+        );
         assert_eq!(memory_kind(&info(DeviceKind::Cuda, 3, None)).device_id, 3);
     }
 

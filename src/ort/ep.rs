@@ -64,7 +64,11 @@ unsafe extern "C" fn get_name(this: *const OrtEp) -> *const c_char {
     unsafe { me(this) }.factory.ep_name.as_ptr()
 }
 
-unsafe extern "C" fn get_capability(this: *mut OrtEp, _graph: *const OrtGraph, _info: *mut OrtEpGraphSupportInfo) -> *mut OrtStatus {
+unsafe extern "C" fn get_capability(
+    this: *mut OrtEp,
+    _graph: *const OrtGraph,
+    _info: *mut OrtEpGraphSupportInfo,
+) -> *mut OrtStatus {
     // SAFETY: as above.
     let ep = unsafe { me(this) };
     // Claim nothing: adding no nodes to `info` leaves every node to the CPU EP.
@@ -82,10 +86,17 @@ unsafe extern "C" fn compile(
     // SAFETY: as above.
     let ep = unsafe { me(this) };
     status_boundary(&ep.factory.api, "Compile", || {
-        crate::bail!(Unsupported, "asked to compile {count} graphs, but the epmem EP claims no nodes")
+        crate::bail!(
+            Unsupported,
+            "asked to compile {count} graphs, but the epmem EP claims no nodes"
+        )
     })
 }
 
-unsafe extern "C" fn release_node_compute_infos(_this: *mut OrtEp, _infos: *mut *mut OrtNodeComputeInfo, _count: usize) {
+unsafe extern "C" fn release_node_compute_infos(
+    _this: *mut OrtEp,
+    _infos: *mut *mut OrtNodeComputeInfo,
+    _count: usize,
+) {
     // Compile never succeeds, so there is never anything to release.
 }

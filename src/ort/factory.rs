@@ -6,12 +6,13 @@
 //! handle between them), and a duplicate registration that ORT rejects after
 //! creating its factory releases exactly that factory.
 
-use std::ffi::{c_char, CString};
+use std::ffi::{CString, c_char};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
 use super::allocator::Allocator;
-use super::api::{cstring_lossy, Api, MemoryKind, OwnedMemoryInfo};
+use super::api::{Api, MemoryKind, OwnedMemoryInfo, cstring_lossy};
 use super::data_transfer::DataTransfer;
 use super::device_match::{self, Binding, HwInfo, NVIDIA_VENDOR_ID};
 use super::ep::Ep;
@@ -36,7 +37,11 @@ pub(crate) struct EpmDevice {
 
 impl EpmDevice {
     pub fn label(&self) -> String {
-        format!("{}:{}", self.dev.info().kind.name(), self.dev.info().ordinal)
+        format!(
+            "{}:{}",
+            self.dev.info().kind.name(),
+            self.dev.info().ordinal
+        )
     }
 }
 
@@ -56,6 +61,32 @@ pub(crate) struct Factory {
     version: CString,
     pub devices: Vec<EpmDevice>,
     created_hw: Mutex<Vec<HwHandle>>,
+    /// Copies made by this factory's data transfers (all of them).
+    pub copies: CopyCounters,
+}
+
+/// What the data transfers did, reported in every allocator's stats (the
+/// only statistics channel ORT has).
+#[derive(Default)]
+pub(crate) struct CopyCounters {
+    pub htod: AtomicU64,
+    pub dtoh: AtomicU64,
+    pub dtod: AtomicU64,
+    pub host: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+impl CopyCounters {
+    pub fn snapshot(&self) -> [(&'static str, u64); 5] {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("epmem.copies_htod", r(&self.htod)),
+            ("epmem.copies_dtoh", r(&self.dtoh)),
+            ("epmem.copies_dtod", r(&self.dtod)),
+            ("epmem.copies_host", r(&self.host)),
+            ("epmem.copied_bytes", r(&self.bytes)),
+        ]
+    }
 }
 
 /// A hardware device we created (ORT 1.24+).
@@ -86,9 +117,17 @@ impl Drop for Factory {
 impl Factory {
     /// Open the devices `EPM_DEVICE` selects and build a factory for them.
     pub fn create(api: Api, registered_name: &str) -> Result<*mut OrtEpFactory> {
-        crate::ensure!(!registered_name.is_empty(), InvalidArgument, "the registration name is empty");
+        crate::ensure!(
+            !registered_name.is_empty(),
+            InvalidArgument,
+            "the registration name is empty"
+        );
         let devs = open_devices()?;
-        log::info!("epmem: ONNX Runtime API 1.{}: registering {registered_name:?} with {} device(s)", api.version, devs.len());
+        log::info!(
+            "epmem: ONNX Runtime API 1.{}: registering {registered_name:?} with {} device(s)",
+            api.version,
+            devs.len()
+        );
         let mut devices = Vec::with_capacity(devs.len());
         for dev in devs {
             let info = dev.info();
@@ -96,7 +135,11 @@ impl Factory {
             let tag = format!("epmem_{}{}", info.kind.name(), info.ordinal);
             devices.push(EpmDevice {
                 default_info: api.memory_info(&tag, kind, DEVICE_MEMORY_DEFAULT)?,
-                pinned_info: api.memory_info(&format!("{tag}_pinned"), kind, DEVICE_MEMORY_HOST_ACCESSIBLE)?,
+                pinned_info: api.memory_info(
+                    &format!("{tag}_pinned"),
+                    kind,
+                    DEVICE_MEMORY_HOST_ACCESSIBLE,
+                )?,
                 kind,
                 dev,
             });
@@ -107,6 +150,7 @@ impl Factory {
             version: cstring_lossy(env!("CARGO_PKG_VERSION")),
             devices,
             created_hw: Mutex::new(Vec::new()),
+            copies: CopyCounters::default(),
             base: OrtEpFactory {
                 ort_version_supported: ORT_VERSION_SUPPORTED,
                 GetName: Some(get_name),
@@ -175,7 +219,9 @@ fn open_devices() -> Result<Vec<Arc<dyn Device>>> {
         return Ok(cuda);
     }
     match (select, last_err) {
-        (DeviceSelect::Cuda, Some(e)) => Err(e.context("EPM_DEVICE=cuda but no CUDA device could be opened")),
+        (DeviceSelect::Cuda, Some(e)) => {
+            Err(e.context("EPM_DEVICE=cuda but no CUDA device could be opened"))
+        }
         _ => {
             log::info!("epmem: no CUDA device; the ONNX Runtime EP reports the host device");
             Ok(vec![device::open(DeviceSelect::Host, 0)?])
@@ -260,10 +306,20 @@ unsafe extern "C" fn get_supported_devices(
     let f = unsafe { me(this) };
     let api = f.api;
     status_boundary(&api, "GetSupportedDevices", || {
-        crate::ensure!(!num_ep_devices.is_null() && !ep_devices.is_null(), NullPointer, "an out-param is NULL");
-        crate::ensure!(num_devices == 0 || !devices.is_null(), NullPointer, "the device list is NULL");
+        crate::ensure!(
+            !num_ep_devices.is_null() && !ep_devices.is_null(),
+            NullPointer,
+            "an out-param is NULL"
+        );
+        crate::ensure!(
+            num_devices == 0 || !devices.is_null(),
+            NullPointer,
+            "the device list is NULL"
+        );
         // SAFETY: ORT passes `num_devices` live hardware devices.
-        let hw: Vec<*const OrtHardwareDevice> = (0..num_devices).map(|i| unsafe { *devices.add(i) }).collect();
+        let hw: Vec<*const OrtHardwareDevice> = (0..num_devices)
+            .map(|i| unsafe { *devices.add(i) })
+            .collect();
         let described: Vec<HwInfo> = hw
             .iter()
             // SAFETY: each is a live OrtHardwareDevice.
@@ -284,7 +340,10 @@ unsafe extern "C" fn get_supported_devices(
         let result = (|| -> Result<()> {
             for (d, b) in f.devices.iter().zip(plan) {
                 if made.len() >= max_ep_devices {
-                    log::warn!("epmem: ONNX Runtime takes at most {max_ep_devices} devices; {} not reported", d.label());
+                    log::warn!(
+                        "epmem: ONNX Runtime takes at most {max_ep_devices} devices; {} not reported",
+                        d.label()
+                    );
                     continue;
                 }
                 let (hwp, how) = match b {
@@ -301,12 +360,23 @@ unsafe extern "C" fn get_supported_devices(
                 ]);
                 let mut epd: *mut OrtEpDevice = std::ptr::null_mut();
                 // SAFETY: live factory, hardware device and metadata; ORT copies the metadata.
-                api.check(unsafe { (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) }, "CreateEpDevice")?;
+                api.check(
+                    unsafe {
+                        (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd)
+                    },
+                    "CreateEpDevice",
+                )?;
                 made.push(epd);
                 // SAFETY: epd is live; the memory infos outlive it (the factory owns them).
                 unsafe {
-                    api.check((api.add_allocator_info)(epd, d.default_info.as_ptr()), "EpDevice_AddAllocatorInfo(DEFAULT)")?;
-                    api.check((api.add_allocator_info)(epd, d.pinned_info.as_ptr()), "EpDevice_AddAllocatorInfo(HOST_ACCESSIBLE)")?;
+                    api.check(
+                        (api.add_allocator_info)(epd, d.default_info.as_ptr()),
+                        "EpDevice_AddAllocatorInfo(DEFAULT)",
+                    )?;
+                    api.check(
+                        (api.add_allocator_info)(epd, d.pinned_info.as_ptr()),
+                        "EpDevice_AddAllocatorInfo(HOST_ACCESSIBLE)",
+                    )?;
                 }
             }
             Ok(())
@@ -336,16 +406,34 @@ unsafe extern "C" fn get_supported_devices(
 /// A hardware device for a GPU ORT's discovery did not find (ORT 1.24+).
 fn create_hw(f: &Factory, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
     let api = f.api;
-    let create = api.create_hardware_device.ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
+    let create = api
+        .create_hardware_device
+        .ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
     let info = d.dev.info();
     let bus = info.pci_bus_id.clone().unwrap_or_default();
-    let meta = api.kvp_new(&[("pci_bus_id", normalize_pci(&bus)), ("Discrete", "1".to_string()), ("epmem.created", "1".to_string())]);
+    let meta = api.kvp_new(&[
+        ("pci_bus_id", normalize_pci(&bus)),
+        ("Discrete", "1".to_string()),
+        ("epmem.created", "1".to_string()),
+    ]);
     let vendor = cstring_lossy("NVIDIA");
     let mut out: *mut OrtHardwareDevice = std::ptr::null_mut();
     // SAFETY: plain ORT call; it copies the name and metadata.
-    let st = unsafe { create(HARDWARE_DEVICE_GPU, NVIDIA_VENDOR_ID, pci_device_id(&bus).unwrap_or(0), vendor.as_ptr(), meta.as_ptr(), &mut out) };
+    let st = unsafe {
+        create(
+            HARDWARE_DEVICE_GPU,
+            NVIDIA_VENDOR_ID,
+            pci_device_id(&bus).unwrap_or(0),
+            vendor.as_ptr(),
+            meta.as_ptr(),
+            &mut out,
+        )
+    };
     api.check(st, "CreateHardwareDevice")?;
-    f.created_hw.lock().unwrap_or_else(|e| e.into_inner()).push(HwHandle(out));
+    f.created_hw
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(HwHandle(out));
     Ok(out)
 }
 
@@ -359,7 +447,11 @@ fn normalize_pci(bus: &str) -> String {
 
 /// The PCI device id from sysfs (0x2335 for an H200), if readable.
 fn pci_device_id(bus: &str) -> Option<u32> {
-    let text = std::fs::read_to_string(format!("/sys/bus/pci/devices/{}/device", normalize_pci(bus))).ok()?;
+    let text = std::fs::read_to_string(format!(
+        "/sys/bus/pci/devices/{}/device",
+        normalize_pci(bus)
+    ))
+    .ok()?;
     u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
 }
 
@@ -377,14 +469,19 @@ unsafe extern "C" fn create_ep(
     let api = f.api;
     status_boundary(&api, "CreateEp", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
-        crate::ensure!(num_devices > 0 && !ep_metadata.is_null(), InvalidArgument, "CreateEp was given no devices");
+        crate::ensure!(
+            num_devices > 0 && !ep_metadata.is_null(),
+            InvalidArgument,
+            "CreateEp was given no devices"
+        );
         for i in 0..num_devices {
             // SAFETY: ORT passes one metadata set per device (our own, from CreateEpDevice).
             let v = unsafe { api.kvp_get(*ep_metadata.add(i), META_ORDINAL) };
-            let o: u32 = v
-                .as_deref()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| crate::error::Error::invalid_argument(format!("device {i} has no {META_ORDINAL} metadata")))?;
+            let o: u32 = v.as_deref().and_then(|s| s.parse().ok()).ok_or_else(|| {
+                crate::error::Error::invalid_argument(format!(
+                    "device {i} has no {META_ORDINAL} metadata"
+                ))
+            })?;
             crate::ensure!(
                 f.devices.iter().any(|d| d.dev.info().ordinal == o),
                 InvalidArgument,
@@ -415,16 +512,26 @@ unsafe extern "C" fn create_allocator(
     let api = f.api;
     status_boundary(&api, "CreateAllocator", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
-        crate::ensure!(!memory_info.is_null(), InvalidArgument, "CreateAllocator needs a memory info");
+        crate::ensure!(
+            !memory_info.is_null(),
+            InvalidArgument,
+            "CreateAllocator needs a memory info"
+        );
         // SAFETY: ORT passes live objects.
-        let (desc, entries) = unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
-        let idx = f
-            .device_for(&desc.kind)
-            .ok_or_else(|| crate::error::Error::invalid_argument(format!("memory info {desc:?} is not an epmem device")))?;
+        let (desc, entries) =
+            unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
+        let idx = f.device_for(&desc.kind).ok_or_else(|| {
+            crate::error::Error::invalid_argument(format!(
+                "memory info {desc:?} is not an epmem device"
+            ))
+        })?;
         let kind = match desc.mem_type {
             DEVICE_MEMORY_DEFAULT => MemKind::Device,
             DEVICE_MEMORY_HOST_ACCESSIBLE => MemKind::Pinned,
-            m => crate::bail!(InvalidArgument, "memory type {m} is neither DEFAULT nor HOST_ACCESSIBLE"),
+            m => crate::bail!(
+                InvalidArgument,
+                "memory type {m} is neither DEFAULT nor HOST_ACCESSIBLE"
+            ),
         };
         let opts = AllocatorOptions::parse(&entries)?;
         let a = Allocator::create(f.arc(), &f.devices[idx], kind, opts)?;
@@ -441,7 +548,10 @@ unsafe extern "C" fn release_allocator(_this: *mut OrtEpFactory, a: *mut OrtAllo
     }
 }
 
-unsafe extern "C" fn create_data_transfer(this: *mut OrtEpFactory, out: *mut *mut OrtDataTransferImpl) -> *mut OrtStatus {
+unsafe extern "C" fn create_data_transfer(
+    this: *mut OrtEpFactory,
+    out: *mut *mut OrtDataTransferImpl,
+) -> *mut OrtStatus {
     // SAFETY: as above.
     let f = unsafe { me(this) };
     status_boundary(&f.api, "CreateDataTransfer", || {

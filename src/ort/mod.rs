@@ -11,8 +11,8 @@
 //! `catch_unwind`, and errors become `OrtStatus*` made by the host's own
 //! `CreateStatus`.
 
-use std::ffi::{c_char, CStr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ffi::{CStr, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::error::{EpmStatus, Error, Result};
 
@@ -31,7 +31,11 @@ use api::Api;
 use factory::Factory;
 
 /// Run `f`, turning an error or a panic into an `OrtStatus*` (NULL = success).
-pub(crate) fn status_boundary(api: &Api, what: &str, f: impl FnOnce() -> Result<()>) -> *mut OrtStatus {
+pub(crate) fn status_boundary(
+    api: &Api,
+    what: &str,
+    f: impl FnOnce() -> Result<()>,
+) -> *mut OrtStatus {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => std::ptr::null_mut(),
         Ok(Err(e)) => api.status(&e.context(what)),
@@ -41,7 +45,10 @@ pub(crate) fn status_boundary(api: &Api, what: &str, f: impl FnOnce() -> Result<
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            api.status(&Error::new(EpmStatus::Panic, format!("{what} panicked: {msg}")))
+            api.status(&Error::new(
+                EpmStatus::Panic,
+                format!("{what} panicked: {msg}"),
+            ))
         }
     }
 }
@@ -55,10 +62,18 @@ fn pin_library() {
     // reference) and RTLD_NODELETE (never unmapped afterwards).
     unsafe {
         let mut info: libc::Dl_info = std::mem::zeroed();
-        if libc::dladdr(CreateEpFactories as *const libc::c_void, &mut info) != 0 && !info.dli_fname.is_null() {
-            let h = libc::dlopen(info.dli_fname, libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_NODELETE);
+        if libc::dladdr(CreateEpFactories as *const libc::c_void, &mut info) != 0
+            && !info.dli_fname.is_null()
+        {
+            let h = libc::dlopen(
+                info.dli_fname,
+                libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_NODELETE,
+            );
             if h.is_null() {
-                log::warn!("epmem: could not pin {:?} in memory", CStr::from_ptr(info.dli_fname));
+                log::warn!(
+                    "epmem: could not pin {:?} in memory",
+                    CStr::from_ptr(info.dli_fname)
+                );
             }
         }
     }
@@ -96,11 +111,25 @@ pub unsafe extern "C" fn CreateEpFactories(
         Err(_) => return std::ptr::null_mut(),
     };
     status_boundary(&api, "CreateEpFactories", || {
-        crate::ensure!(!factories.is_null() && !num_factories.is_null(), NullPointer, "an out-param is NULL");
-        crate::ensure!(max_factories >= 1, InvalidArgument, "ONNX Runtime allows no factories");
-        crate::ensure!(!registered_name.is_null(), NullPointer, "registered_name is NULL");
+        crate::ensure!(
+            !factories.is_null() && !num_factories.is_null(),
+            NullPointer,
+            "an out-param is NULL"
+        );
+        crate::ensure!(
+            max_factories >= 1,
+            InvalidArgument,
+            "ONNX Runtime allows no factories"
+        );
+        crate::ensure!(
+            !registered_name.is_null(),
+            NullPointer,
+            "registered_name is NULL"
+        );
         // SAFETY: ORT passes a NUL-terminated name.
-        let name = unsafe { CStr::from_ptr(registered_name) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(registered_name) }
+            .to_string_lossy()
+            .into_owned();
         pin_library();
         let f = Factory::create(api, &name)?;
         // SAFETY: non-NULL out-params with room for at least one factory.

@@ -47,7 +47,11 @@ pub(crate) enum MemKind {
 
 /// The source for `kind` memory on `dev`.
 pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind) -> Box<dyn MemorySource> {
-    Box::new(DriverSource { dev: dev.clone(), kind, held: Mutex::new(Held::default()) })
+    Box::new(DriverSource {
+        dev: dev.clone(),
+        kind,
+        held: Mutex::new(Held::default()),
+    })
 }
 
 #[derive(Default)]
@@ -80,7 +84,10 @@ impl MemorySource for DriverSource {
     fn free(&self, addr: u64) -> Result<()> {
         let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let Some(bytes) = h.sizes.remove(&addr) else {
-            crate::bail!(InvalidArgument, "address {addr:#x} was not allocated by this source");
+            crate::bail!(
+                InvalidArgument,
+                "address {addr:#x} was not allocated by this source"
+            );
         };
         let r = match self.kind {
             MemKind::Device => self.dev.mem_free(addr),

@@ -162,9 +162,11 @@ static void test_copy_tensors(void) {
   if (!cpu || !dev || !pin) return;
   enum { N = 3 << 20 }; /* 3 MiB: more than one 2 MiB granule */
   OrtValue *src = tensor(cpu, N), *on_dev = tensor(dev, N), *pinned = tensor(pin, N), *back = tensor(cpu, N);
+  OrtValue* on_dev_b = tensor(dev, N);
   OrtValue *src2 = tensor(cpu, 1000), *on_dev2 = tensor(dev, 1000), *back2 = tensor(cpu, 1000), *wrong = tensor(dev, 999);
-  CHECK(src && on_dev && pinned && back && src2 && on_dev2 && back2 && wrong, "tensor creation: %s", last_msg);
-  if (!(src && on_dev && pinned && back && src2 && on_dev2 && back2 && wrong)) goto cleanup;
+  int made = src && on_dev && on_dev_b && pinned && back && src2 && on_dev2 && back2 && wrong;
+  CHECK(made, "tensor creation: %s", last_msg);
+  if (!made) goto cleanup;
   unsigned char *s = data(src), *b = data(back), *s2 = data(src2), *b2 = data(back2);
   srand(42);
   for (size_t i = 0; i < N; i++) s[i] = (unsigned char)rand();
@@ -180,6 +182,20 @@ static void test_copy_tensors(void) {
   OrtValue* down_dst[2] = {back, back2};
   CHECK(ok(ORT_FN(api, CopyTensors)(env, down_src, down_dst, NULL, 2)), "D2H: %s", last_msg);
   CHECK(memcmp(s, b, N) == 0 && memcmp(s2, b2, 1000) == 0, "device round trip is not bit-exact");
+  /* ORT chose epmem's data transfer for both directions. */
+  CHECK(stat(dev, "epmem.copies_htod") >= 2 && stat(dev, "epmem.copies_dtoh") >= 2, "htod=%lld dtoh=%lld",
+        stat(dev, "epmem.copies_htod"), stat(dev, "epmem.copies_dtoh"));
+
+  /* device -> device -> CPU. */
+  memset(b, 0, N);
+  const OrtValue* dd_src[1] = {on_dev};
+  OrtValue* dd_dst[1] = {on_dev_b};
+  CHECK(ok(ORT_FN(api, CopyTensors)(env, dd_src, dd_dst, NULL, 1)), "D2D: %s", last_msg);
+  const OrtValue* db_src[1] = {on_dev_b};
+  OrtValue* db_dst[1] = {back};
+  CHECK(ok(ORT_FN(api, CopyTensors)(env, db_src, db_dst, NULL, 1)), "D2H after D2D: %s", last_msg);
+  CHECK(memcmp(s, b, N) == 0, "device-to-device copy is not bit-exact");
+  CHECK(stat(dev, "epmem.copies_dtod") >= 1, "D2D was not copied by epmem");
 
   /* device -> pinned -> CPU. */
   memset(b, 0, N);
@@ -190,6 +206,7 @@ static void test_copy_tensors(void) {
   OrtValue* c_dst[1] = {back};
   CHECK(ok(ORT_FN(api, CopyTensors)(env, c_src, c_dst, NULL, 1)), "pinned2CPU: %s", last_msg);
   CHECK(memcmp(s, b, N) == 0, "pinned round trip is not bit-exact");
+  CHECK(stat(dev, "epmem.copies_host") >= 1, "pinned -> CPU was not copied by epmem");
 
   /* Mismatched sizes are an error, not a partial copy. */
   const OrtValue* w_src[1] = {src2};
@@ -199,6 +216,7 @@ static void test_copy_tensors(void) {
 cleanup:
   ORT_FN(api, ReleaseValue)(src);
   ORT_FN(api, ReleaseValue)(on_dev);
+  ORT_FN(api, ReleaseValue)(on_dev_b);
   ORT_FN(api, ReleaseValue)(pinned);
   ORT_FN(api, ReleaseValue)(back);
   ORT_FN(api, ReleaseValue)(src2);

@@ -102,10 +102,16 @@ class PluginTests(unittest.TestCase):
                 dev = ort.OrtValue.ortvalue_from_shape_and_type(bits.shape, np.float32, memory_info=mi)
             else:
                 self.skipTest("allocating in a plugin EP's memory from Python needs onnxruntime 1.28+")
+            dev2 = ort.OrtValue.ortvalue_from_shape_and_type(bits.shape, np.float32, memory_info=mi)
             back = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(bits).view(np.float32))
             ort.copy_tensors([src], [dev], None)
             ort.copy_tensors([dev], [back], None)
             self.assertTrue(np.array_equal(back.numpy().view(np.uint32), bits))
+            # device -> device, then back again
+            back2 = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(bits).view(np.float32))
+            ort.copy_tensors([dev], [dev2], None)
+            ort.copy_tensors([dev2], [back2], None)
+            self.assertTrue(np.array_equal(back2.numpy().view(np.uint32), bits))
 
     def test_pinned_memory_round_trip(self):
         if VERSION < (1, 28):
