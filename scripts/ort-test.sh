@@ -11,6 +11,10 @@
 #                 else target/debug libepmem.so, built with cargo if missing)
 #   PYTHON        interpreter for venvs / --no-install (default python3)
 #   ORT_VENV_DIR  where the per-version venvs live (default .venv/, reused across runs)
+#   ORT_FAKE_CUDA 1 (default without --no-install): also run every version with
+#                 EPM_DEVICE=cuda against src/device/cuda/fake_libcuda.c, so the
+#                 GPU labelling (GPU memory infos, created or CPU-bound hardware
+#                 devices) is exercised with no GPU. Skipped where a real libcuda is.
 #
 # For each version it runs tests/ort/test_ort_plugin.py (Python) and
 # tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime),
@@ -58,14 +62,14 @@ tally() {
 # run_suites PYTHON LABEL: the Python and C tests against PYTHON's onnxruntime.
 run_suites() {
   local py=$1 label=$2 capi so out
-  echo "== onnxruntime $label ($py), EPM_DEVICE=${EPM_DEVICE:-auto}, $EPMEM_LIB"
+  echo "== onnxruntime $label ($py), EPM_DEVICE=${EPM_DEVICE:-auto}${FAKE:+ (fake libcuda)}, $EPMEM_LIB"
   # The committed model must be what the generator makes (when onnx is there).
   if "$py" -c 'import onnx' 2>/dev/null; then
     "$py" tests/ort/make_model.py "$WORK/model.onnx" && cmp -s "$WORK/model.onnx" tests/ort/tiny_matmul_add.onnx ||
       echo "  note: tests/ort/tiny_matmul_add.onnx differs from what make_model.py writes with this onnx"
   fi
   out=$WORK/py-$label.log
-  "$py" tests/ort/test_ort_plugin.py >"$out" 2>&1
+  LD_LIBRARY_PATH="${FAKE:+$FAKE:}${LD_LIBRARY_PATH:-}" "$py" tests/ort/test_ort_plugin.py >"$out" 2>&1
   cat "$out"; tally "$out"
 
   capi=$("$py" -c 'import onnxruntime, os; print(os.path.join(os.path.dirname(onnxruntime.__file__), "capi"))')
@@ -79,10 +83,19 @@ run_suites() {
   if "$CC" -std=c11 -O1 -g -Wall -Wextra -Werror tests/ort/ort_c_test.c -o "$WORK/ort_c_test-$label" "$so" \
       -Wl,-rpath,"$WORK/lib-$label" >"$out" 2>&1; then
     # ORT 1.23 dlopens libonnxruntime_providers_shared.so from the library path.
-    LD_LIBRARY_PATH="$capi:${LD_LIBRARY_PATH:-}" "$WORK/ort_c_test-$label" "$EPMEM_LIB" >>"$out" 2>&1
+    LD_LIBRARY_PATH="${FAKE:+$FAKE:}$capi:${LD_LIBRARY_PATH:-}" "$WORK/ort_c_test-$label" "$EPMEM_LIB" >>"$out" 2>&1
   fi
   cat "$out"; tally "$out"
 }
+
+# A fake libcuda (device memory is host memory) for the GPU-labelled pass.
+FAKE=
+fake_ok=0
+if [ $INSTALL = 1 ] && [ "${ORT_FAKE_CUDA:-1}" = 1 ] && [ -f src/device/cuda/fake_libcuda.c ] &&
+    ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
+  mkdir -p "$WORK/fakecuda" &&
+    "$CC" -shared -fPIC -O1 -o "$WORK/fakecuda/libcuda.so" src/device/cuda/fake_libcuda.c && fake_ok=1
+fi
 
 if [ $INSTALL = 0 ]; then
   v=$("$PY" -c 'import onnxruntime; print(onnxruntime.__version__)') || { echo "$PY has no onnxruntime" >&2; exit 2; }
@@ -98,7 +111,12 @@ else
     if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pip_flags[@]}" "$spec" numpy onnx >"$WORK/pip.log" 2>&1; then
       cat "$WORK/pip.log"; echo "pip could not install $spec" >&2; FAILED=$((FAILED + 1)); continue
     fi
-    run_suites "$venv/bin/python" "$("$venv/bin/python" -c 'import onnxruntime; print(onnxruntime.__version__)')"
+    v=$("$venv/bin/python" -c 'import onnxruntime; print(onnxruntime.__version__)')
+    run_suites "$venv/bin/python" "$v"
+    if [ $fake_ok = 1 ]; then
+      FAKE=$WORK/fakecuda EPM_DEVICE=cuda run_suites "$venv/bin/python" "$v-fakecuda"
+      FAKE=
+    fi
   done
 fi
 echo "ort: $PASSED passed, $FAILED failed"
