@@ -7,8 +7,12 @@
 //!
 //! See README.md and docs/ for the C-level documentation.
 
+// Modules that hold no C-visible types are hidden from cbindgen, so their
+// public Rust constants and enums never leak into include/epmem.h.
+/// cbindgen:ignore
 #[doc(hidden)]
 pub mod bench_support;
+/// cbindgen:ignore
 pub mod device;
 pub mod error;
 pub mod ffi;
