@@ -16,6 +16,7 @@ pub mod bench_support;
 pub mod device;
 pub mod error;
 pub mod ffi;
+/// cbindgen:ignore
 pub mod ort;
 
 pub use error::{EpmStatus, Error, Result};

@@ -331,7 +331,6 @@ const _: () = {
 /// proved the table is at least that long.
 pub mod api_slot {
     pub const CREATE_STATUS: usize = 0;
-    pub const GET_ERROR_CODE: usize = 1;
     pub const GET_ERROR_MESSAGE: usize = 2;
     pub const GET_TENSOR_MUTABLE_DATA: usize = 51;
     pub const RELEASE_STATUS: usize = 93;
@@ -343,15 +342,11 @@ pub mod api_slot {
     pub const RELEASE_KEY_VALUE_PAIRS: usize = 300;
     pub const HARDWARE_DEVICE_TYPE: usize = 307;
     pub const HARDWARE_DEVICE_VENDOR_ID: usize = 308;
-    pub const HARDWARE_DEVICE_VENDOR: usize = 309;
-    pub const HARDWARE_DEVICE_DEVICE_ID: usize = 310;
     pub const HARDWARE_DEVICE_METADATA: usize = 311;
     pub const GET_EP_API: usize = 317;
     pub const GET_TENSOR_SIZE_IN_BYTES: usize = 318;
     pub const CREATE_MEMORY_INFO_V2: usize = 320;
     pub const GET_TENSOR_DATA: usize = 378;
-    /// The highest slot we read: the v23 table must reach it.
-    pub const MAX_USED: usize = GET_TENSOR_DATA;
 }
 
 /// Slot indices in the host's `OrtEpApi` table.
@@ -361,7 +356,6 @@ pub mod ep_api_slot {
     pub const EP_DEVICE_ADD_ALLOCATOR_INFO: usize = 5;
     pub const MEMORY_INFO_GET_MEMORY_DEVICE: usize = 6;
     pub const VALUE_GET_MEMORY_DEVICE: usize = 7;
-    pub const MEMORY_DEVICE_ARE_EQUAL: usize = 8;
     pub const MEMORY_DEVICE_GET_DEVICE_TYPE: usize = 9;
     pub const MEMORY_DEVICE_GET_MEMORY_TYPE: usize = 10;
     pub const MEMORY_DEVICE_GET_VENDOR_ID: usize = 11;

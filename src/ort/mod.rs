@@ -16,7 +16,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::error::{EpmStatus, Error, Result};
 
-pub mod abi;
+mod abi;
 mod allocator;
 mod api;
 mod data_transfer;
