@@ -25,6 +25,8 @@ mod ep;
 mod factory;
 mod options;
 mod source;
+#[cfg(test)]
+mod tests;
 
 use abi::{OrtApiBase, OrtEpFactory, OrtLogger, OrtStatus};
 use api::Api;
@@ -50,6 +52,36 @@ pub(crate) fn status_boundary(
                 format!("{what} panicked: {msg}"),
             ))
         }
+    }
+}
+
+/// Report `e` when the API we need is unavailable (an ORT older than 1.23):
+/// `CreateStatus` has been slot 0 of every API version since 1, so ask for
+/// version 1 just to say why we cannot load. With no API base at all there
+/// is no way to make a status: log it and report no factories.
+///
+/// # Safety
+/// `base` is NULL or ORT's `OrtApiBase`.
+unsafe fn status_without_api(base: *const OrtApiBase, e: &Error) -> *mut OrtStatus {
+    log::error!("epmem: CreateEpFactories: {e}");
+    if base.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: per the caller; GetApi(1) is the oldest table, whose slot 0 is
+    // CreateStatus(OrtErrorCode, const char*).
+    unsafe {
+        let v1 = ((*base).GetApi)(1);
+        if v1.is_null() {
+            return std::ptr::null_mut();
+        }
+        let slot0 = *(v1 as *const *const std::ffi::c_void);
+        if slot0.is_null() {
+            return std::ptr::null_mut();
+        }
+        let create: unsafe extern "C" fn(abi::OrtErrorCode, *const c_char) -> *mut OrtStatus =
+            std::mem::transmute(slot0);
+        let msg = api::cstring_lossy(&format!("epmem: {} ({:?})", e.message(), e.status()));
+        create(abi::ORT_NOT_IMPLEMENTED, msg.as_ptr())
     }
 }
 
@@ -98,15 +130,13 @@ pub unsafe extern "C" fn CreateEpFactories(
     });
     let api = match loaded {
         Ok(Ok(api)) => api,
-        // Without the host's API we cannot even make a status: report no
-        // factories and say why in the log.
         Ok(Err(e)) => {
-            log::error!("epmem: CreateEpFactories: {e}");
             if !num_factories.is_null() {
                 // SAFETY: non-NULL out-param.
                 unsafe { *num_factories = 0 };
             }
-            return std::ptr::null_mut();
+            // SAFETY: ORT passes its OrtApiBase (or NULL, handled inside).
+            return unsafe { status_without_api(api_base, &e) };
         }
         Err(_) => return std::ptr::null_mut(),
     };
