@@ -159,15 +159,10 @@ pub struct OrtEpFactory {
         ) -> *mut OrtStatus,
     >,
     /* 10 */
-    pub ReleaseAllocator:
-        Option<unsafe extern "C" fn(this: *mut OrtEpFactory, allocator: *mut OrtAllocator)>,
+    pub ReleaseAllocator: Option<unsafe extern "C" fn(this: *mut OrtEpFactory, allocator: *mut OrtAllocator)>,
     /* 11 */
-    pub CreateDataTransfer: Option<
-        unsafe extern "C" fn(
-            this: *mut OrtEpFactory,
-            out: *mut *mut OrtDataTransferImpl,
-        ) -> *mut OrtStatus,
-    >,
+    pub CreateDataTransfer:
+        Option<unsafe extern "C" fn(this: *mut OrtEpFactory, out: *mut *mut OrtDataTransferImpl) -> *mut OrtStatus>,
     /* 12 */
     pub IsStreamAware: Option<unsafe extern "C" fn(this: *const OrtEpFactory) -> bool>,
     /* 13 */
@@ -228,9 +223,8 @@ pub struct OrtEp {
         ) -> *mut OrtStatus,
     >,
     /* 4 */
-    pub ReleaseNodeComputeInfos: Option<
-        unsafe extern "C" fn(this: *mut OrtEp, infos: *mut *mut OrtNodeComputeInfo, count: usize),
-    >,
+    pub ReleaseNodeComputeInfos:
+        Option<unsafe extern "C" fn(this: *mut OrtEp, infos: *mut *mut OrtNodeComputeInfo, count: usize)>,
     /* 5 */ pub GetPreferredDataLayout: Slot,
     /* 6 */ pub ShouldConvertDataLayoutForOp: Slot,
     /* 7 */ pub SetDynamicOptions: Slot,
@@ -266,20 +260,11 @@ pub struct OrtAllocator {
     /// 1.18.
     pub Reserve: Option<unsafe extern "C" fn(this: *mut OrtAllocator, size: usize) -> *mut c_void>,
     /// 1.23, optional; ORT takes ownership of `*out`.
-    pub GetStats: Option<
-        unsafe extern "C" fn(
-            this: *const OrtAllocator,
-            out: *mut *mut OrtKeyValuePairs,
-        ) -> *mut OrtStatus,
-    >,
+    pub GetStats:
+        Option<unsafe extern "C" fn(this: *const OrtAllocator, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus>,
     /// 1.23, optional.
-    pub AllocOnStream: Option<
-        unsafe extern "C" fn(
-            this: *mut OrtAllocator,
-            size: usize,
-            stream: *mut OrtSyncStream,
-        ) -> *mut c_void,
-    >,
+    pub AllocOnStream:
+        Option<unsafe extern "C" fn(this: *mut OrtAllocator, size: usize, stream: *mut OrtSyncStream) -> *mut c_void>,
     /// 1.25, optional.
     pub Shrink: Slot,
 }

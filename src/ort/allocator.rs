@@ -41,9 +41,7 @@ impl Book {
     }
     /// Would `bytes` more stay within the limit?
     pub fn admits(&self, bytes: usize) -> bool {
-        self.in_use
-            .checked_add(bytes as u64)
-            .is_some_and(|n| n <= self.limit)
+        self.in_use.checked_add(bytes as u64).is_some_and(|n| n <= self.limit)
     }
     pub fn record(&mut self, addr: u64, bytes: usize, reserve: bool) {
         self.live.insert(addr, bytes);
@@ -216,13 +214,7 @@ impl Allocator {
             ("epmem.frees", b.frees.to_string()),
             ("epmem.failed_allocs", b.failed_allocs.to_string()),
         ];
-        v.extend(
-            self.factory
-                .copies
-                .snapshot()
-                .iter()
-                .map(|&(k, n)| (k, n.to_string())),
-        );
+        v.extend(self.factory.copies.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
         v
     }
 }
@@ -250,12 +242,7 @@ impl Drop for Allocator {
 /// Physical RAM in bytes: the default limit of pinned memory.
 fn physical_ram() -> u64 {
     // SAFETY: sysconf has no preconditions.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
     if pages > 0 && page > 0 {
         pages as u64 * page as u64
     } else {
@@ -272,25 +259,15 @@ unsafe fn me<'a>(this: *const OrtAllocator) -> &'a Allocator {
 
 unsafe extern "C" fn alloc(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: ORT passes the allocator it got from us.
-    catch_unwind(AssertUnwindSafe(|| {
-        unsafe { me(this) }.allocate(size, false)
-    }))
-    .unwrap_or(std::ptr::null_mut())
+    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, false))).unwrap_or(std::ptr::null_mut())
 }
 
 unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: as in `alloc`.
-    catch_unwind(AssertUnwindSafe(|| {
-        unsafe { me(this) }.allocate(size, true)
-    }))
-    .unwrap_or(std::ptr::null_mut())
+    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, true))).unwrap_or(std::ptr::null_mut())
 }
 
-unsafe extern "C" fn alloc_on_stream(
-    this: *mut OrtAllocator,
-    size: usize,
-    _stream: *mut OrtSyncStream,
-) -> *mut c_void {
+unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, _stream: *mut OrtSyncStream) -> *mut c_void {
     // Not stream aware: memory is usable on any stream once Alloc returns.
     // SAFETY: as in `alloc`.
     unsafe { alloc(this, size) }
@@ -306,10 +283,7 @@ unsafe extern "C" fn info_fn(this: *const OrtAllocator) -> *const OrtMemoryInfo 
     unsafe { me(this) }.info
 }
 
-unsafe extern "C" fn get_stats(
-    this: *const OrtAllocator,
-    out: *mut *mut OrtKeyValuePairs,
-) -> *mut OrtStatus {
+unsafe extern "C" fn get_stats(this: *const OrtAllocator, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus {
     // SAFETY: as in `alloc`.
     let a = unsafe { me(this) };
     super::status_boundary(&a.factory.api, "OrtAllocator::GetStats", || {
@@ -345,10 +319,7 @@ mod tests {
         assert_eq!(b.release(0x10), None, "double free is detected");
         assert_eq!(b.release(0x99), None, "foreign pointer is detected");
         b.record(0x30, 50, false);
-        assert_eq!(
-            (b.in_use, b.max_in_use, b.total_allocated, b.frees),
-            (350, 900, 950, 1)
-        );
+        assert_eq!((b.in_use, b.max_in_use, b.total_allocated, b.frees), (350, 900, 950, 1));
         let mut live = b.live_addrs();
         live.sort();
         assert_eq!(live, vec![0x20, 0x30]);
@@ -358,9 +329,6 @@ mod tests {
     fn book_limit_never_overflows() {
         let mut b = Book::new(u64::MAX);
         b.record(1, usize::MAX, false);
-        assert!(
-            !b.admits(usize::MAX),
-            "u64 overflow must read as over the limit"
-        );
+        assert!(!b.admits(usize::MAX), "u64 overflow must read as over the limit");
     }
 }

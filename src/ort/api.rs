@@ -26,18 +26,13 @@ pub(crate) struct Api {
     create_kvp: unsafe extern "C" fn(*mut *mut OrtKeyValuePairs),
     add_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs, *const c_char, *const c_char),
     get_kv: unsafe extern "C" fn(*const OrtKeyValuePairs, *const c_char) -> *const c_char,
-    get_kvps: unsafe extern "C" fn(
-        *const OrtKeyValuePairs,
-        *mut *const *const c_char,
-        *mut *const *const c_char,
-        *mut usize,
-    ),
+    get_kvps:
+        unsafe extern "C" fn(*const OrtKeyValuePairs, *mut *const *const c_char, *mut *const *const c_char, *mut usize),
     release_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs),
     pub hw_type: unsafe extern "C" fn(*const OrtHardwareDevice) -> OrtHardwareDeviceType,
     pub hw_vendor_id: unsafe extern "C" fn(*const OrtHardwareDevice) -> u32,
     hw_metadata: unsafe extern "C" fn(*const OrtHardwareDevice) -> *const OrtKeyValuePairs,
-    get_tensor_mutable_data:
-        unsafe extern "C" fn(*mut OrtValue, *mut *mut c_void) -> *mut OrtStatus,
+    get_tensor_mutable_data: unsafe extern "C" fn(*mut OrtValue, *mut *mut c_void) -> *mut OrtStatus,
     get_tensor_data: unsafe extern "C" fn(*const OrtValue, *mut *const c_void) -> *mut OrtStatus,
     get_tensor_size: unsafe extern "C" fn(*const OrtValue, *mut usize) -> *mut OrtStatus,
     #[allow(clippy::type_complexity)]
@@ -60,8 +55,7 @@ pub(crate) struct Api {
         *mut *mut OrtEpDevice,
     ) -> *mut OrtStatus,
     pub release_ep_device: unsafe extern "C" fn(*mut OrtEpDevice),
-    pub add_allocator_info:
-        unsafe extern "C" fn(*mut OrtEpDevice, *const OrtMemoryInfo) -> *mut OrtStatus,
+    pub add_allocator_info: unsafe extern "C" fn(*mut OrtEpDevice, *const OrtMemoryInfo) -> *mut OrtStatus,
     memory_info_device: unsafe extern "C" fn(*const OrtMemoryInfo) -> *const OrtMemoryDevice,
     value_device: unsafe extern "C" fn(*const OrtValue) -> *const OrtMemoryDevice,
     md_type: unsafe extern "C" fn(*const OrtMemoryDevice) -> OrtMemoryInfoDeviceType,
@@ -134,14 +128,9 @@ impl Api {
         // SAFETY: GetApi(23) succeeded, so the table has every v23 slot, and
         // each slot below has the signature documented in ORT_PLUGIN_ABI.md.
         unsafe {
-            let get_ep_api: unsafe extern "C" fn() -> *const OrtEpApi =
-                slot(t, s::GET_EP_API, "GetEpApi")?;
+            let get_ep_api: unsafe extern "C" fn() -> *const OrtEpApi = slot(t, s::GET_EP_API, "GetEpApi")?;
             let ep = get_ep_api() as *const c_void;
-            crate::ensure!(
-                !ep.is_null(),
-                Unsupported,
-                "ONNX Runtime {vstr} returned no OrtEpApi"
-            );
+            crate::ensure!(!ep.is_null(), Unsupported, "ONNX Runtime {vstr} returned no OrtEpApi");
             let v24 = version >= 24;
             Ok(Api {
                 version,
@@ -157,58 +146,26 @@ impl Api {
                 hw_type: slot(t, s::HARDWARE_DEVICE_TYPE, "HardwareDevice_Type")?,
                 hw_vendor_id: slot(t, s::HARDWARE_DEVICE_VENDOR_ID, "HardwareDevice_VendorId")?,
                 hw_metadata: slot(t, s::HARDWARE_DEVICE_METADATA, "HardwareDevice_Metadata")?,
-                get_tensor_mutable_data: slot(
-                    t,
-                    s::GET_TENSOR_MUTABLE_DATA,
-                    "GetTensorMutableData",
-                )?,
+                get_tensor_mutable_data: slot(t, s::GET_TENSOR_MUTABLE_DATA, "GetTensorMutableData")?,
                 get_tensor_data: slot(t, s::GET_TENSOR_DATA, "GetTensorData")?,
                 get_tensor_size: slot(t, s::GET_TENSOR_SIZE_IN_BYTES, "GetTensorSizeInBytes")?,
                 create_memory_info_v2: slot(t, s::CREATE_MEMORY_INFO_V2, "CreateMemoryInfo_V2")?,
                 create_ep_device: slot(ep, e::CREATE_EP_DEVICE, "CreateEpDevice")?,
                 release_ep_device: slot(ep, e::RELEASE_EP_DEVICE, "ReleaseEpDevice")?,
-                add_allocator_info: slot(
-                    ep,
-                    e::EP_DEVICE_ADD_ALLOCATOR_INFO,
-                    "EpDevice_AddAllocatorInfo",
-                )?,
-                memory_info_device: slot(
-                    ep,
-                    e::MEMORY_INFO_GET_MEMORY_DEVICE,
-                    "MemoryInfo_GetMemoryDevice",
-                )?,
+                add_allocator_info: slot(ep, e::EP_DEVICE_ADD_ALLOCATOR_INFO, "EpDevice_AddAllocatorInfo")?,
+                memory_info_device: slot(ep, e::MEMORY_INFO_GET_MEMORY_DEVICE, "MemoryInfo_GetMemoryDevice")?,
                 value_device: slot(ep, e::VALUE_GET_MEMORY_DEVICE, "Value_GetMemoryDevice")?,
-                md_type: slot(
-                    ep,
-                    e::MEMORY_DEVICE_GET_DEVICE_TYPE,
-                    "MemoryDevice_GetDeviceType",
-                )?,
-                md_mem_type: slot(
-                    ep,
-                    e::MEMORY_DEVICE_GET_MEMORY_TYPE,
-                    "MemoryDevice_GetMemoryType",
-                )?,
-                md_vendor: slot(
-                    ep,
-                    e::MEMORY_DEVICE_GET_VENDOR_ID,
-                    "MemoryDevice_GetVendorId",
-                )?,
-                md_id: slot(
-                    ep,
-                    e::MEMORY_DEVICE_GET_DEVICE_ID,
-                    "MemoryDevice_GetDeviceId",
-                )?,
+                md_type: slot(ep, e::MEMORY_DEVICE_GET_DEVICE_TYPE, "MemoryDevice_GetDeviceType")?,
+                md_mem_type: slot(ep, e::MEMORY_DEVICE_GET_MEMORY_TYPE, "MemoryDevice_GetMemoryType")?,
+                md_vendor: slot(ep, e::MEMORY_DEVICE_GET_VENDOR_ID, "MemoryDevice_GetVendorId")?,
+                md_id: slot(ep, e::MEMORY_DEVICE_GET_DEVICE_ID, "MemoryDevice_GetDeviceId")?,
                 create_hardware_device: if v24 {
                     Some(slot(ep, e::CREATE_HARDWARE_DEVICE, "CreateHardwareDevice")?)
                 } else {
                     None
                 },
                 release_hardware_device: if v24 {
-                    Some(slot(
-                        ep,
-                        e::RELEASE_HARDWARE_DEVICE,
-                        "ReleaseHardwareDevice",
-                    )?)
+                    Some(slot(ep, e::RELEASE_HARDWARE_DEVICE, "ReleaseHardwareDevice")?)
                 } else {
                     None
                 },
@@ -257,10 +214,7 @@ impl Api {
         let mut kv: *mut OrtKeyValuePairs = std::ptr::null_mut();
         // SAFETY: CreateKeyValuePairs writes a fresh object to `kv`.
         unsafe { (self.create_kvp)(&mut kv) };
-        let out = KeyValues {
-            api: *self,
-            raw: kv,
-        };
+        let out = KeyValues { api: *self, raw: kv };
         for (k, v) in pairs {
             out.add(k, v);
         }
@@ -279,9 +233,7 @@ impl Api {
         // SAFETY: kv is live; ORT writes arrays it owns, valid while kv is.
         unsafe {
             (self.get_kvps)(kv, &mut keys, &mut vals, &mut n);
-            (0..n)
-                .map(|i| (lossy(*keys.add(i)), lossy(*vals.add(i))))
-                .collect()
+            (0..n).map(|i| (lossy(*keys.add(i)), lossy(*vals.add(i)))).collect()
         }
     }
 
@@ -315,12 +267,7 @@ impl Api {
 
     /// A memory info made with `CreateMemoryInfo_V2` (the legacy way gives
     /// "Invalid memory type: -1" for pinned memory and broke the CUDA EP).
-    pub fn memory_info(
-        &self,
-        name: &str,
-        kind: MemoryKind,
-        mem: OrtDeviceMemoryType,
-    ) -> Result<OwnedMemoryInfo> {
+    pub fn memory_info(&self, name: &str, kind: MemoryKind, mem: OrtDeviceMemoryType) -> Result<OwnedMemoryInfo> {
         let n = cstring_lossy(name);
         let mut out: *mut OrtMemoryInfo = std::ptr::null_mut();
         // SAFETY: plain ORT call; ORT copies the name.
@@ -337,10 +284,7 @@ impl Api {
             )
         };
         self.check(st, "CreateMemoryInfo_V2")?;
-        Ok(OwnedMemoryInfo {
-            api: *self,
-            raw: out,
-        })
+        Ok(OwnedMemoryInfo { api: *self, raw: out })
     }
 
     /// What a memory device is.
@@ -378,17 +322,10 @@ impl Api {
         // SAFETY: per the caller.
         unsafe {
             let md = (self.value_device)(v);
-            crate::ensure!(
-                !md.is_null(),
-                InvalidArgument,
-                "an OrtValue to copy is not a tensor"
-            );
+            crate::ensure!(!md.is_null(), InvalidArgument, "an OrtValue to copy is not a tensor");
             let desc = self.memory_device(md);
             let mut bytes = 0usize;
-            self.check(
-                (self.get_tensor_size)(v, &mut bytes),
-                "GetTensorSizeInBytes",
-            )?;
+            self.check((self.get_tensor_size)(v, &mut bytes), "GetTensorSizeInBytes")?;
             let ptr = if mutable {
                 let mut p: *mut c_void = std::ptr::null_mut();
                 self.check(

@@ -6,7 +6,7 @@
 //! per device, all of a batch before the first wait, then each used stream
 //! is synchronized once.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
@@ -51,6 +51,30 @@ pub(crate) fn classify(factory: &Factory, desc: &MemoryDeviceDesc) -> Option<Sid
 /// of them epmem's (CPU↔CPU is ORT's own business).
 pub(crate) fn can_copy(a: Option<Side>, b: Option<Side>) -> bool {
     matches!((a, b), (Some(x), Some(y)) if !(x == Side::Cpu && y == Side::Cpu))
+}
+
+/// What the data transfers did, reported in every allocator's stats (the
+/// only statistics channel ORT has).
+#[derive(Default)]
+pub(crate) struct CopyCounters {
+    pub htod: AtomicU64,
+    pub dtoh: AtomicU64,
+    pub dtod: AtomicU64,
+    pub host: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+impl CopyCounters {
+    pub fn snapshot(&self) -> [(&'static str, u64); 5] {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("epmem.copies_htod", r(&self.htod)),
+            ("epmem.copies_dtoh", r(&self.dtoh)),
+            ("epmem.copies_dtod", r(&self.dtod)),
+            ("epmem.copies_host", r(&self.host)),
+            ("epmem.copied_bytes", r(&self.bytes)),
+        ]
+    }
 }
 
 #[repr(C)]
@@ -111,19 +135,11 @@ impl DataTransfer {
             }
             (s, Side::Device(j)) if s.is_host() => {
                 c.htod.fetch_add(1, Ordering::Relaxed);
-                unsafe {
-                    devs[j]
-                        .dev
-                        .memcpy_htod_async(dst, src as *const u8, n, stream(j)?)?
-                }
+                unsafe { devs[j].dev.memcpy_htod_async(dst, src as *const u8, n, stream(j)?)? }
             }
             (Side::Device(i), d) if d.is_host() => {
                 c.dtoh.fetch_add(1, Ordering::Relaxed);
-                unsafe {
-                    devs[i]
-                        .dev
-                        .memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)?
-                }
+                unsafe { devs[i].dev.memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)? }
             }
             (Side::Device(i), Side::Device(j)) if i == j => {
                 c.dtod.fetch_add(1, Ordering::Relaxed);
@@ -135,11 +151,7 @@ impl DataTransfer {
                 // in the device layer); rare, so simplicity wins.
                 let mut bounce = vec![0u8; n];
                 let (si, sj) = (stream(i)?, stream(j)?);
-                unsafe {
-                    devs[i]
-                        .dev
-                        .memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)?
-                };
+                unsafe { devs[i].dev.memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)? };
                 devs[i].dev.stream_synchronize(si)?;
                 unsafe { devs[j].dev.memcpy_htod_async(dst, bounce.as_ptr(), n, sj)? };
                 devs[j].dev.stream_synchronize(sj)?;
@@ -160,8 +172,7 @@ unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
 unsafe extern "C" fn release(this: *mut OrtDataTransferImpl) {
     if !this.is_null() {
         // SAFETY: ORT releases the transfer we gave it, once.
-        let _ =
-            std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
+        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
     }
 }
 
@@ -177,11 +188,7 @@ unsafe extern "C" fn can_copy_fn(
         // SAFETY: ORT passes our transfer and two live memory devices.
         let (t, s, d) = unsafe {
             let t = me(this);
-            (
-                t,
-                t.factory.api.memory_device(src),
-                t.factory.api.memory_device(dst),
-            )
+            (t, t.factory.api.memory_device(src), t.factory.api.memory_device(dst))
         };
         can_copy(classify(&t.factory, &s), classify(&t.factory, &d))
     })
@@ -208,12 +215,7 @@ unsafe extern "C" fn copy_tensors(
         let mut result = Ok(());
         for i in 0..n {
             // SAFETY: ORT passes n live source and destination values.
-            let (s, d) = unsafe {
-                (
-                    api.tensor(*src.add(i), false),
-                    api.tensor(*dst.add(i), true),
-                )
-            };
+            let (s, d) = unsafe { (api.tensor(*src.add(i), false), api.tensor(*dst.add(i), true)) };
             let step = s.and_then(|s| Ok((s, d?))).and_then(|(s, d)| {
                 crate::ensure!(
                     s.bytes == d.bytes,
@@ -264,22 +266,10 @@ mod tests {
             Some(Side::Device(0)),
             Some(Side::Device(1)),
         );
-        for (a, b) in [
-            (c, d0),
-            (d0, c),
-            (d0, d0),
-            (d0, d1),
-            (p, d0),
-            (d0, p),
-            (c, p),
-            (p, c),
-        ] {
+        for (a, b) in [(c, d0), (d0, c), (d0, d0), (d0, d1), (p, d0), (d0, p), (c, p), (p, c)] {
             assert!(can_copy(a, b), "{a:?} -> {b:?}");
         }
         assert!(!can_copy(c, c), "CPU to CPU is ORT's own copy");
-        assert!(
-            !can_copy(None, d0) && !can_copy(d0, None),
-            "foreign memory is refused"
-        );
+        assert!(!can_copy(None, d0) && !can_copy(d0, None), "foreign memory is refused");
     }
 }

@@ -95,9 +95,7 @@ pub fn plan(hw: &[HwInfo], ours: &[&DeviceInfo], can_create: bool) -> Result<Vec
 }
 
 fn no_cpu() -> crate::error::Error {
-    crate::error::Error::unsupported(
-        "ONNX Runtime reported no CPU hardware device to attach the epmem device to",
-    )
+    crate::error::Error::unsupported("ONNX Runtime reported no CPU hardware device to attach the epmem device to")
 }
 
 /// "dddd:bb:dd.f" (any hex width, any case) → (domain, bus, device, function).
@@ -169,16 +167,10 @@ mod tests {
     #[test]
     fn unmatched_gpu_is_created_on_124_and_hangs_off_the_cpu_on_123() {
         // A BMC graphics card satisfied ORT's DRM scan; the H200 is missing.
-        let hws = [
-            hw(false, 0x1A03, Some("0000:02:00.0")),
-            hw(true, 0x8086, None),
-        ];
+        let hws = [hw(false, 0x1A03, Some("0000:02:00.0")), hw(true, 0x8086, None)];
         let g = info(DeviceKind::Cuda, 0, Some("0000:65:00.0"));
         assert_eq!(plan(&hws, &[&g], true).unwrap(), vec![Binding::Create]);
-        assert_eq!(
-            plan(&hws, &[&g], false).unwrap(),
-            vec![Binding::CpuFallback(1)]
-        );
+        assert_eq!(plan(&hws, &[&g], false).unwrap(), vec![Binding::CpuFallback(1)]);
     }
 
     #[test]

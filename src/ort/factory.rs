@@ -7,15 +7,16 @@
 //! creating its factory releases exactly that factory.
 
 use std::ffi::{CString, c_char};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
 use super::allocator::Allocator;
 use super::api::{Api, MemoryKind, OwnedMemoryInfo, cstring_lossy};
+use super::data_transfer::CopyCounters;
 use super::data_transfer::DataTransfer;
-use super::device_match::{self, Binding, HwInfo, NVIDIA_VENDOR_ID};
+use super::device_match;
 use super::ep::Ep;
+use super::ep_devices::{HwHandle, get_supported_devices};
 use super::options::AllocatorOptions;
 use super::source::MemKind;
 use super::status_boundary;
@@ -37,11 +38,7 @@ pub(crate) struct EpmDevice {
 
 impl EpmDevice {
     pub fn label(&self) -> String {
-        format!(
-            "{}:{}",
-            self.dev.info().kind.name(),
-            self.dev.info().ordinal
-        )
+        format!("{}:{}", self.dev.info().kind.name(), self.dev.info().ordinal)
     }
 }
 
@@ -60,39 +57,10 @@ pub(crate) struct Factory {
     vendor: CString,
     version: CString,
     pub devices: Vec<EpmDevice>,
-    created_hw: Mutex<Vec<HwHandle>>,
+    pub(crate) created_hw: Mutex<Vec<HwHandle>>,
     /// Copies made by this factory's data transfers (all of them).
     pub copies: CopyCounters,
 }
-
-/// What the data transfers did, reported in every allocator's stats (the
-/// only statistics channel ORT has).
-#[derive(Default)]
-pub(crate) struct CopyCounters {
-    pub htod: AtomicU64,
-    pub dtoh: AtomicU64,
-    pub dtod: AtomicU64,
-    pub host: AtomicU64,
-    pub bytes: AtomicU64,
-}
-
-impl CopyCounters {
-    pub fn snapshot(&self) -> [(&'static str, u64); 5] {
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        [
-            ("epmem.copies_htod", r(&self.htod)),
-            ("epmem.copies_dtoh", r(&self.dtoh)),
-            ("epmem.copies_dtod", r(&self.dtod)),
-            ("epmem.copies_host", r(&self.host)),
-            ("epmem.copied_bytes", r(&self.bytes)),
-        ]
-    }
-}
-
-/// A hardware device we created (ORT 1.24+).
-struct HwHandle(*mut OrtHardwareDevice);
-// SAFETY: an OrtHardwareDevice is immutable once created; we only release it.
-unsafe impl Send for HwHandle {}
 
 impl Factory {
     /// Index of our device whose memory is labelled `kind`.
@@ -135,11 +103,7 @@ impl Factory {
             let tag = format!("epmem_{}{}", info.kind.name(), info.ordinal);
             devices.push(EpmDevice {
                 default_info: api.memory_info(&tag, kind, DEVICE_MEMORY_DEFAULT)?,
-                pinned_info: api.memory_info(
-                    &format!("{tag}_pinned"),
-                    kind,
-                    DEVICE_MEMORY_HOST_ACCESSIBLE,
-                )?,
+                pinned_info: api.memory_info(&format!("{tag}_pinned"), kind, DEVICE_MEMORY_HOST_ACCESSIBLE)?,
                 kind,
                 dev,
             });
@@ -219,9 +183,7 @@ fn open_devices() -> Result<Vec<Arc<dyn Device>>> {
         return Ok(cuda);
     }
     match (select, last_err) {
-        (DeviceSelect::Cuda, Some(e)) => {
-            Err(e.context("EPM_DEVICE=cuda but no CUDA device could be opened"))
-        }
+        (DeviceSelect::Cuda, Some(e)) => Err(e.context("EPM_DEVICE=cuda but no CUDA device could be opened")),
         _ => {
             log::info!("epmem: no CUDA device; the ONNX Runtime EP reports the host device");
             Ok(vec![device::open(DeviceSelect::Host, 0)?])
@@ -231,7 +193,7 @@ fn open_devices() -> Result<Vec<Arc<dyn Device>>> {
 
 /// # Safety
 /// `this` is a factory made by [`Factory::create`].
-unsafe fn me<'a>(this: *const OrtEpFactory) -> &'a Factory {
+pub(crate) unsafe fn me<'a>(this: *const OrtEpFactory) -> &'a Factory {
     // SAFETY: per the caller; `base` is the first field of a repr(C) struct.
     unsafe { &*(this as *const Factory) }
 }
@@ -294,167 +256,6 @@ unsafe extern "C" fn validate_compat(
     })
 }
 
-unsafe extern "C" fn get_supported_devices(
-    this: *mut OrtEpFactory,
-    devices: *const *const OrtHardwareDevice,
-    num_devices: usize,
-    ep_devices: *mut *mut OrtEpDevice,
-    max_ep_devices: usize,
-    num_ep_devices: *mut usize,
-) -> *mut OrtStatus {
-    // SAFETY: as above.
-    let f = unsafe { me(this) };
-    let api = f.api;
-    status_boundary(&api, "GetSupportedDevices", || {
-        crate::ensure!(
-            !num_ep_devices.is_null() && !ep_devices.is_null(),
-            NullPointer,
-            "an out-param is NULL"
-        );
-        crate::ensure!(
-            num_devices == 0 || !devices.is_null(),
-            NullPointer,
-            "the device list is NULL"
-        );
-        // SAFETY: ORT passes `num_devices` live hardware devices.
-        let hw: Vec<*const OrtHardwareDevice> = (0..num_devices)
-            .map(|i| unsafe { *devices.add(i) })
-            .collect();
-        let described: Vec<HwInfo> = hw
-            .iter()
-            // SAFETY: each is a live OrtHardwareDevice.
-            .map(|&h| unsafe {
-                let t = (api.hw_type)(h);
-                HwInfo {
-                    is_cpu: t == HARDWARE_DEVICE_CPU,
-                    is_gpu: t == HARDWARE_DEVICE_GPU,
-                    vendor_id: (api.hw_vendor_id)(h),
-                    pci_bus_id: api.hw_metadata(h, "pci_bus_id"),
-                }
-            })
-            .collect();
-        let ours: Vec<_> = f.devices.iter().map(|d| d.dev.info()).collect();
-        let plan = device_match::plan(&described, &ours, api.create_hardware_device.is_some())?;
-
-        let mut made: Vec<*mut OrtEpDevice> = Vec::new();
-        let result = (|| -> Result<()> {
-            for (d, b) in f.devices.iter().zip(plan) {
-                if made.len() >= max_ep_devices {
-                    log::warn!(
-                        "epmem: ONNX Runtime takes at most {max_ep_devices} devices; {} not reported",
-                        d.label()
-                    );
-                    continue;
-                }
-                let (hwp, how) = match b {
-                    Binding::Existing(i) => (hw[i], "matched"),
-                    Binding::CpuFallback(i) => (hw[i], "cpu-fallback"),
-                    Binding::Create => (create_hw(f, d)?, "created"),
-                };
-                let info = d.dev.info();
-                let meta = api.kvp_new(&[
-                    (META_ORDINAL, info.ordinal.to_string()),
-                    (META_DEVICE, info.kind.name().to_string()),
-                    ("epmem.device_name", info.name.clone()),
-                    ("epmem.hardware_binding", how.to_string()),
-                ]);
-                let mut epd: *mut OrtEpDevice = std::ptr::null_mut();
-                // SAFETY: live factory, hardware device and metadata; ORT copies the metadata.
-                api.check(
-                    unsafe {
-                        (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd)
-                    },
-                    "CreateEpDevice",
-                )?;
-                made.push(epd);
-                // SAFETY: epd is live; the memory infos outlive it (the factory owns them).
-                unsafe {
-                    api.check(
-                        (api.add_allocator_info)(epd, d.default_info.as_ptr()),
-                        "EpDevice_AddAllocatorInfo(DEFAULT)",
-                    )?;
-                    api.check(
-                        (api.add_allocator_info)(epd, d.pinned_info.as_ptr()),
-                        "EpDevice_AddAllocatorInfo(HOST_ACCESSIBLE)",
-                    )?;
-                }
-            }
-            Ok(())
-        })();
-        match result {
-            Ok(()) => {
-                // SAFETY: ORT's array holds max_ep_devices entries; made.len() <= that.
-                unsafe {
-                    for (i, &e) in made.iter().enumerate() {
-                        *ep_devices.add(i) = e;
-                    }
-                    *num_ep_devices = made.len();
-                }
-                Ok(())
-            }
-            Err(e) => {
-                for epd in made {
-                    // SAFETY: created above and not handed to ORT.
-                    unsafe { (api.release_ep_device)(epd) };
-                }
-                Err(e)
-            }
-        }
-    })
-}
-
-/// A hardware device for a GPU ORT's discovery did not find (ORT 1.24+).
-fn create_hw(f: &Factory, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
-    let api = f.api;
-    let create = api
-        .create_hardware_device
-        .ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
-    let info = d.dev.info();
-    let bus = info.pci_bus_id.clone().unwrap_or_default();
-    let meta = api.kvp_new(&[
-        ("pci_bus_id", normalize_pci(&bus)),
-        ("Discrete", "1".to_string()),
-        ("epmem.created", "1".to_string()),
-    ]);
-    let vendor = cstring_lossy("NVIDIA");
-    let mut out: *mut OrtHardwareDevice = std::ptr::null_mut();
-    // SAFETY: plain ORT call; it copies the name and metadata.
-    let st = unsafe {
-        create(
-            HARDWARE_DEVICE_GPU,
-            NVIDIA_VENDOR_ID,
-            pci_device_id(&bus).unwrap_or(0),
-            vendor.as_ptr(),
-            meta.as_ptr(),
-            &mut out,
-        )
-    };
-    api.check(st, "CreateHardwareDevice")?;
-    f.created_hw
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(HwHandle(out));
-    Ok(out)
-}
-
-/// "00000000:65:00.0" → "0000:65:00.0", the form ORT's discovery uses.
-fn normalize_pci(bus: &str) -> String {
-    match device_match::parse_pci(bus) {
-        Some((d, b, s, f)) => format!("{d:04x}:{b:02x}:{s:02x}.{f:x}"),
-        None => bus.to_string(),
-    }
-}
-
-/// The PCI device id from sysfs (0x2335 for an H200), if readable.
-fn pci_device_id(bus: &str) -> Option<u32> {
-    let text = std::fs::read_to_string(format!(
-        "/sys/bus/pci/devices/{}/device",
-        normalize_pci(bus)
-    ))
-    .ok()?;
-    u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
-}
-
 unsafe extern "C" fn create_ep(
     this: *mut OrtEpFactory,
     _devices: *const *const OrtHardwareDevice,
@@ -478,9 +279,7 @@ unsafe extern "C" fn create_ep(
             // SAFETY: ORT passes one metadata set per device (our own, from CreateEpDevice).
             let v = unsafe { api.kvp_get(*ep_metadata.add(i), META_ORDINAL) };
             let o: u32 = v.as_deref().and_then(|s| s.parse().ok()).ok_or_else(|| {
-                crate::error::Error::invalid_argument(format!(
-                    "device {i} has no {META_ORDINAL} metadata"
-                ))
+                crate::error::Error::invalid_argument(format!("device {i} has no {META_ORDINAL} metadata"))
             })?;
             crate::ensure!(
                 f.devices.iter().any(|d| d.dev.info().ordinal == o),
@@ -518,12 +317,9 @@ unsafe extern "C" fn create_allocator(
             "CreateAllocator needs a memory info"
         );
         // SAFETY: ORT passes live objects.
-        let (desc, entries) =
-            unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
+        let (desc, entries) = unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
         let idx = f.device_for(&desc.kind).ok_or_else(|| {
-            crate::error::Error::invalid_argument(format!(
-                "memory info {desc:?} is not an epmem device"
-            ))
+            crate::error::Error::invalid_argument(format!("memory info {desc:?} is not an epmem device"))
         })?;
         let kind = match desc.mem_type {
             DEVICE_MEMORY_DEFAULT => MemKind::Device,
@@ -560,15 +356,4 @@ unsafe extern "C" fn create_data_transfer(
         unsafe { *out = DataTransfer::create(f.arc()) };
         Ok(())
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pci_ids_are_normalized_to_ort_form() {
-        assert_eq!(normalize_pci("00000000:C5:00.0"), "0000:c5:00.0");
-        assert_eq!(normalize_pci("garbage"), "garbage");
-    }
 }

@@ -22,6 +22,7 @@ mod api;
 mod data_transfer;
 mod device_match;
 mod ep;
+mod ep_devices;
 mod factory;
 mod options;
 mod source;
@@ -33,11 +34,7 @@ use api::Api;
 use factory::Factory;
 
 /// Run `f`, turning an error or a panic into an `OrtStatus*` (NULL = success).
-pub(crate) fn status_boundary(
-    api: &Api,
-    what: &str,
-    f: impl FnOnce() -> Result<()>,
-) -> *mut OrtStatus {
+pub(crate) fn status_boundary(api: &Api, what: &str, f: impl FnOnce() -> Result<()>) -> *mut OrtStatus {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => std::ptr::null_mut(),
         Ok(Err(e)) => api.status(&e.context(what)),
@@ -47,10 +44,7 @@ pub(crate) fn status_boundary(
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            api.status(&Error::new(
-                EpmStatus::Panic,
-                format!("{what} panicked: {msg}"),
-            ))
+            api.status(&Error::new(EpmStatus::Panic, format!("{what} panicked: {msg}")))
         }
     }
 }
@@ -94,18 +88,10 @@ fn pin_library() {
     // reference) and RTLD_NODELETE (never unmapped afterwards).
     unsafe {
         let mut info: libc::Dl_info = std::mem::zeroed();
-        if libc::dladdr(CreateEpFactories as *const libc::c_void, &mut info) != 0
-            && !info.dli_fname.is_null()
-        {
-            let h = libc::dlopen(
-                info.dli_fname,
-                libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_NODELETE,
-            );
+        if libc::dladdr(CreateEpFactories as *const libc::c_void, &mut info) != 0 && !info.dli_fname.is_null() {
+            let h = libc::dlopen(info.dli_fname, libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_NODELETE);
             if h.is_null() {
-                log::warn!(
-                    "epmem: could not pin {:?} in memory",
-                    CStr::from_ptr(info.dli_fname)
-                );
+                log::warn!("epmem: could not pin {:?} in memory", CStr::from_ptr(info.dli_fname));
             }
         }
     }
@@ -146,16 +132,8 @@ pub unsafe extern "C" fn CreateEpFactories(
             NullPointer,
             "an out-param is NULL"
         );
-        crate::ensure!(
-            max_factories >= 1,
-            InvalidArgument,
-            "ONNX Runtime allows no factories"
-        );
-        crate::ensure!(
-            !registered_name.is_null(),
-            NullPointer,
-            "registered_name is NULL"
-        );
+        crate::ensure!(max_factories >= 1, InvalidArgument, "ONNX Runtime allows no factories");
+        crate::ensure!(!registered_name.is_null(), NullPointer, "registered_name is NULL");
         // SAFETY: ORT passes a NUL-terminated name.
         let name = unsafe { CStr::from_ptr(registered_name) }
             .to_string_lossy()

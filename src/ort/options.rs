@@ -135,8 +135,7 @@ mod tests {
     fn rejects_unknown_and_ort_arena_keys() {
         let e = AllocatorOptions::parse(&kv("epmem.arena_size", "1")).unwrap_err();
         assert!(
-            e.message()
-                .contains("unknown allocator option \"epmem.arena_size\""),
+            e.message().contains("unknown allocator option \"epmem.arena_size\""),
             "{e}"
         );
         let e = AllocatorOptions::parse(&kv("arena.max_mem", "1")).unwrap_err();

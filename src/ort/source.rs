@@ -84,10 +84,7 @@ impl MemorySource for DriverSource {
     fn free(&self, addr: u64) -> Result<()> {
         let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let Some(bytes) = h.sizes.remove(&addr) else {
-            crate::bail!(
-                InvalidArgument,
-                "address {addr:#x} was not allocated by this source"
-            );
+            crate::bail!(InvalidArgument, "address {addr:#x} was not allocated by this source");
         };
         let r = match self.kind {
             MemKind::Device => self.dev.mem_free(addr),

@@ -24,9 +24,7 @@ struct FakeStatus {
 
 unsafe extern "C" fn create_status(code: OrtErrorCode, msg: *const c_char) -> *mut OrtStatus {
     // SAFETY: callers pass a NUL-terminated message.
-    let msg = unsafe { CStr::from_ptr(msg) }
-        .to_string_lossy()
-        .into_owned();
+    let msg = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
     Box::into_raw(Box::new(FakeStatus { code, msg })) as *mut OrtStatus
 }
 unsafe extern "C" fn never_called() {
@@ -48,10 +46,10 @@ unsafe extern "C" fn version_string() -> *const c_char {
 
 /// Install a fake ORT offering API `newest`; `with_ep_api` fills GetEpApi.
 fn install(newest: u32, with_ep_api: bool) -> OrtApiBase {
-    let mut t = vec![never_called as usize; 400];
-    t[api_slot::CREATE_STATUS] = create_status as usize;
-    t[api_slot::GET_EP_API] = if with_ep_api { get_ep_api as usize } else { 0 };
-    let ep = vec![never_called as usize; 40];
+    let mut t = vec![never_called as *const () as usize; 400];
+    t[api_slot::CREATE_STATUS] = create_status as *const () as usize;
+    t[api_slot::GET_EP_API] = if with_ep_api { get_ep_api as *const () as usize } else { 0 };
+    let ep = vec![never_called as *const () as usize; 40];
     TABLE.store(
         Box::leak(t.into_boxed_slice()).as_mut_ptr() as *mut c_void,
         Ordering::SeqCst,
@@ -77,8 +75,7 @@ fn create(base: *const OrtApiBase) -> (*mut OrtStatus, usize) {
     let mut f: *mut OrtEpFactory = std::ptr::null_mut();
     let mut n = 99usize;
     // SAFETY: the arguments are what ORT would pass, with a fake API base.
-    let st =
-        unsafe { CreateEpFactories(c"epmem".as_ptr(), base, std::ptr::null(), &mut f, 4, &mut n) };
+    let st = unsafe { CreateEpFactories(c"epmem".as_ptr(), base, std::ptr::null(), &mut f, 4, &mut n) };
     (st, n)
 }
 
@@ -90,11 +87,7 @@ fn an_ort_older_than_1_23_gets_a_status_saying_so() {
     let s = take(st);
     assert_eq!(n, 0);
     assert_eq!(s.code, ORT_NOT_IMPLEMENTED);
-    assert!(
-        s.msg.contains("1.22.1") && s.msg.contains("1.23"),
-        "{}",
-        s.msg
-    );
+    assert!(s.msg.contains("1.22.1") && s.msg.contains("1.23"), "{}", s.msg);
 }
 
 #[test]
