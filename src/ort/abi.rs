@@ -17,6 +17,9 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::mem::{offset_of, size_of};
 
+/// `OrtAllocator::version` from which ORT reads `Shrink`.
+pub const ORT_ALLOCATOR_SHRINK_VERSION: u32 = 25;
+
 /// The minimum ORT API version epmem needs (allocators, data transfer,
 /// `CreateMemoryInfo_V2`, `CopyTensors` all arrived in 1.23).
 pub const ORT_API_MIN: u32 = 23;
@@ -265,8 +268,8 @@ pub struct OrtAllocator {
     /// 1.23, optional.
     pub AllocOnStream:
         Option<unsafe extern "C" fn(this: *mut OrtAllocator, size: usize, stream: *mut OrtSyncStream) -> *mut c_void>,
-    /// 1.25, optional.
-    pub Shrink: Slot,
+    /// 1.25, optional: give unused memory back. Read only when `version >= 25`.
+    pub Shrink: Option<unsafe extern "C" fn(this: *mut OrtAllocator) -> *mut OrtStatus>,
 }
 const _: () = {
     assert!(size_of::<OrtAllocator>() == 64);

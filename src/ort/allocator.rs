@@ -100,14 +100,19 @@ impl Allocator {
         };
         let a = Box::new(Allocator {
             base: OrtAllocator {
-                version: ORT_VERSION_SUPPORTED,
+                // Say 25 only to an ORT that knows Shrink; 23 otherwise.
+                version: if factory.api.version >= ORT_ALLOCATOR_SHRINK_VERSION {
+                    ORT_ALLOCATOR_SHRINK_VERSION
+                } else {
+                    ORT_VERSION_SUPPORTED
+                },
                 Alloc: Some(alloc),
                 Free: Some(free),
                 Info: Some(info_fn),
                 Reserve: Some(reserve),
                 GetStats: Some(get_stats),
                 AllocOnStream: Some(alloc_on_stream),
-                Shrink: None,
+                Shrink: Some(shrink),
             },
             factory,
             info,
@@ -206,7 +211,9 @@ impl Allocator {
                 .to_string(),
             ),
             ("epmem.source", self.source.name().to_string()),
+            ("epmem.committed_bytes", s.committed_bytes.to_string()),
             ("epmem.reserved_bytes", s.reserved_bytes.to_string()),
+            ("epmem.fragmentation", format!("{:.4}", s.fragmentation)),
             (
                 "epmem.live_allocations",
                 (b.num_allocs + b.num_reserves - b.frees).to_string(),
@@ -294,6 +301,20 @@ unsafe extern "C" fn get_stats(this: *const OrtAllocator, out: *mut *mut OrtKeyV
         }
         // SAFETY: out is non-NULL; ORT takes ownership of the pairs.
         unsafe { *out = kv.into_raw() };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn shrink(this: *mut OrtAllocator) -> *mut OrtStatus {
+    // SAFETY: as in `alloc`.
+    let a = unsafe { me(this) };
+    super::status_boundary(&a.factory.api, "OrtAllocator::Shrink", || {
+        let given = a.source.trim()?;
+        log::debug!(
+            "epmem: {} {:?} allocator gave back {given} bytes",
+            a.device_label,
+            a.kind
+        );
         Ok(())
     })
 }

@@ -12,15 +12,19 @@ use std::sync::{Arc, Mutex};
 use crate::device::Device;
 use crate::error::Result;
 
-/// Counters a source keeps about the memory it holds from the driver.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Counters a source keeps about the memory it holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct SourceStats {
-    /// Bytes currently held from the driver (or reserved by an arena).
+    /// Physical bytes held from the driver now.
+    pub committed_bytes: u64,
+    /// Address space held (an arena's reservation; the allocations themselves here).
     pub reserved_bytes: u64,
     /// Times the source went to the driver for more memory.
     pub extensions: u64,
     /// Times the source gave memory back to the driver.
     pub shrinks: u64,
+    /// 1 − largest free range / free bytes (0 when nothing is held unused).
+    pub fragmentation: f64,
 }
 
 /// A provider of one kind of memory on one device.
@@ -31,6 +35,8 @@ pub(crate) trait MemorySource: Send + Sync {
     /// Give back an address from [`MemorySource::alloc`]. No queued work may
     /// still use it.
     fn free(&self, addr: u64) -> Result<()>;
+    /// Return memory no allocation uses to the driver; bytes given back.
+    fn trim(&self) -> Result<usize>;
     fn stats(&self) -> SourceStats;
     /// Short name for stats ("device_alloc", "pinned_alloc", "arena").
     fn name(&self) -> &'static str;
@@ -76,6 +82,7 @@ impl MemorySource for DriverSource {
         };
         let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
         h.sizes.insert(addr, bytes);
+        h.stats.committed_bytes += bytes as u64;
         h.stats.reserved_bytes += bytes as u64;
         h.stats.extensions += 1;
         Ok(addr)
@@ -93,9 +100,15 @@ impl MemorySource for DriverSource {
             // contract with ORT is that nothing uses it any more.
             MemKind::Pinned => unsafe { self.dev.pinned_free(addr as *mut u8) },
         };
+        h.stats.committed_bytes -= bytes as u64;
         h.stats.reserved_bytes -= bytes as u64;
         h.stats.shrinks += 1;
         r
+    }
+
+    fn trim(&self) -> Result<usize> {
+        // Every byte held is a live allocation: nothing to give back.
+        Ok(0)
     }
 
     fn stats(&self) -> SourceStats {

@@ -48,7 +48,11 @@ unsafe extern "C" fn version_string() -> *const c_char {
 fn install(newest: u32, with_ep_api: bool) -> OrtApiBase {
     let mut t = vec![never_called as *const () as usize; 400];
     t[api_slot::CREATE_STATUS] = create_status as *const () as usize;
-    t[api_slot::GET_EP_API] = if with_ep_api { get_ep_api as *const () as usize } else { 0 };
+    t[api_slot::GET_EP_API] = if with_ep_api {
+        get_ep_api as *const () as usize
+    } else {
+        0
+    };
     let ep = vec![never_called as *const () as usize; 40];
     TABLE.store(
         Box::leak(t.into_boxed_slice()).as_mut_ptr() as *mut c_void,

@@ -108,6 +108,12 @@ static void test_shared_allocator_options_and_stats(void) {
   a->Free(a, p);
   CHECK(stat(a, "InUse") == 0 && stat(a, "MaxInUse") == 4096, "after Free: InUse=%lld MaxInUse=%lld",
         stat(a, "InUse"), stat(a, "MaxInUse"));
+  /* Shrink (ORT 1.25+ reads it when version >= 25) gives unused memory back. */
+  if (a->version >= 25) {
+    CHECK(a->Shrink && ok(a->Shrink(a)), "Shrink: %s", last_msg);
+    CHECK(stat(a, "epmem.committed_bytes") == 0, "committed after Shrink with nothing live: %lld",
+          stat(a, "epmem.committed_bytes"));
+  }
   CHECK(ok(ORT_FN(api, ReleaseSharedAllocator)(env, d, OrtDeviceMemoryType_DEFAULT)), "ReleaseSharedAllocator: %s",
         last_msg);
 }
