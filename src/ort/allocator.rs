@@ -222,6 +222,7 @@ impl Allocator {
             ("epmem.failed_allocs", b.failed_allocs.to_string()),
         ];
         v.extend(self.factory.copies.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
+        v.extend(self.factory.engines.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
         v
     }
 }

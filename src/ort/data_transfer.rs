@@ -1,10 +1,16 @@
 //! `OrtDataTransferImpl`: copies between plain CPU memory and epmem's device
 //! and pinned memory, in every direction ORT asks for.
 //!
+//! Host → device goes through the staging pool and copy engine (one engine
+//! per device, shared by the registration): a pageable source is filled into
+//! pinned slots while earlier chunks are in DMA, a page-locked one (epmem's
+//! pinned memory) is copied directly. Device → host, device → device and
+//! host ↔ host are single copies.
+//!
 //! epmem's EP is not stream aware, so ORT passes no streams and every copy
 //! is complete when `CopyTensors` returns: copies are queued on one stream
-//! per device, all of a batch before the first wait, then each used stream
-//! is synchronized once.
+//! per device (the engine's copies ordered into it by events), all of a
+//! batch before the first wait, then each used stream is synchronized once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,8 +19,9 @@ use super::abi::*;
 use super::api::MemoryDeviceDesc;
 use super::factory::Factory;
 use super::status_boundary;
-use crate::device::Stream;
+use crate::device::{Device, HostRange, Stream};
 use crate::error::Result;
+use crate::staging::{CopyEngine, EngineConfig, Fence, PinnedStagingPool, PoolConfig};
 
 /// Where one side of a copy lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +84,51 @@ impl CopyCounters {
     }
 }
 
+/// One staging copy engine per device, shared by every data transfer of a
+/// registration and made on the first host → device copy (it owns fill
+/// threads and a few MiB of pinned slots, so sessions that never upload
+/// pay nothing).
+pub(crate) struct Engines(Vec<Mutex<Option<Arc<CopyEngine>>>>);
+
+impl Engines {
+    pub fn new(devices: usize) -> Self {
+        Self((0..devices).map(|_| Mutex::new(None)).collect())
+    }
+
+    fn get(&self, i: usize, dev: &Arc<dyn Device>) -> Result<Arc<CopyEngine>> {
+        let mut slot = self.0[i].lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = &*slot {
+            return Ok(e.clone());
+        }
+        let pool = PinnedStagingPool::new(dev, PoolConfig::default())?;
+        let e = Arc::new(CopyEngine::new(&pool, EngineConfig::default())?);
+        *slot = Some(e.clone());
+        Ok(e)
+    }
+
+    /// Staging counters summed over the devices, for allocator stats.
+    pub fn snapshot(&self) -> [(&'static str, u64); 4] {
+        let (mut staged, mut direct, mut allocs, mut reuses) = (0, 0, 0, 0);
+        for e in self
+            .0
+            .iter()
+            .filter_map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        {
+            let s = e.stats();
+            staged += s.copies - s.bypassed;
+            direct += s.bypassed;
+            allocs += s.pinned_alloc_calls;
+            reuses += s.pinned_reuses;
+        }
+        [
+            ("epmem.htod_staged", staged),
+            ("epmem.htod_direct", direct),
+            ("epmem.staging_pinned_allocs", allocs),
+            ("epmem.staging_reuses", reuses),
+        ]
+    }
+}
+
 #[repr(C)]
 pub(crate) struct DataTransfer {
     base: OrtDataTransferImpl,
@@ -110,6 +162,7 @@ impl DataTransfer {
     unsafe fn copy(
         &self,
         streams: &mut [Option<Stream>],
+        fences: &mut Vec<Fence>,
         (src_side, src): (Side, u64),
         (dst_side, dst): (Side, u64),
         n: usize,
@@ -134,8 +187,15 @@ impl DataTransfer {
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) }
             }
             (s, Side::Device(j)) if s.is_host() => {
+                // Through the staging pool and copy engine: pageable sources
+                // are filled into pinned slots, page-locked ones (our pinned
+                // memory) go direct. The engine orders the copy after `stream`
+                // and makes `stream` wait for it, so synchronizing `stream`
+                // completes it.
                 c.htod.fetch_add(1, Ordering::Relaxed);
-                unsafe { devs[j].dev.memcpy_htod_async(dst, src as *const u8, n, stream(j)?)? }
+                let engine = self.factory.engines.get(j, &devs[j].dev)?;
+                let range = unsafe { HostRange::new(src as *const u8, n) };
+                fences.push(engine.htod(dst, range, Some(stream(j)?))?);
             }
             (Side::Device(i), d) if d.is_host() => {
                 c.dtoh.fetch_add(1, Ordering::Relaxed);
@@ -212,6 +272,8 @@ unsafe extern "C" fn copy_tensors(
             "tensor arrays are NULL"
         );
         let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
+        // Kept until the streams are synchronized (their events order the copies).
+        let mut fences = Vec::new();
         let mut result = Ok(());
         for i in 0..n {
             // SAFETY: ORT passes n live source and destination values.
@@ -235,7 +297,7 @@ unsafe extern "C" fn copy_tensors(
                 let (ss, ds) = (side(&s)?, side(&d)?);
                 // SAFETY: ORT's tensors own their buffers for the whole call,
                 // and we synchronize before returning.
-                unsafe { t.copy(&mut streams, (ss, s.ptr), (ds, d.ptr), s.bytes) }
+                unsafe { t.copy(&mut streams, &mut fences, (ss, s.ptr), (ds, d.ptr), s.bytes) }
             });
             if let Err(e) = step {
                 result = Err(e);

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use super::abi::*;
 use super::allocator::Allocator;
 use super::api::{Api, MemoryKind, OwnedMemoryInfo, cstring_lossy};
-use super::data_transfer::CopyCounters;
 use super::data_transfer::DataTransfer;
+use super::data_transfer::{CopyCounters, Engines};
 use super::device_match;
 use super::ep::Ep;
 use super::ep_devices::{HwHandle, get_supported_devices};
@@ -60,6 +60,8 @@ pub(crate) struct Factory {
     pub(crate) created_hw: Mutex<Vec<HwHandle>>,
     /// Copies made by this factory's data transfers (all of them).
     pub copies: CopyCounters,
+    /// The staging copy engines of host → device copies, one per device.
+    pub engines: Engines,
 }
 
 impl Factory {
@@ -108,6 +110,7 @@ impl Factory {
                 dev,
             });
         }
+        let n_devices = devices.len();
         let f = Arc::new(Factory {
             ep_name: cstring_lossy(registered_name),
             vendor: cstring_lossy("epmem"),
@@ -115,6 +118,7 @@ impl Factory {
             devices,
             created_hw: Mutex::new(Vec::new()),
             copies: CopyCounters::default(),
+            engines: Engines::new(n_devices),
             base: OrtEpFactory {
                 ort_version_supported: ORT_VERSION_SUPPORTED,
                 GetName: Some(get_name),

@@ -188,7 +188,9 @@ static void test_copy_tensors(void) {
   OrtValue* down_dst[2] = {back, back2};
   CHECK(ok(ORT_FN(api, CopyTensors)(env, down_src, down_dst, NULL, 2)), "D2H: %s", last_msg);
   CHECK(memcmp(s, b, N) == 0 && memcmp(s2, b2, 1000) == 0, "device round trip is not bit-exact");
-  /* ORT chose epmem's data transfer for both directions. */
+  /* ORT chose epmem's data transfer for both directions; host -> device went
+   * through the staging engine (pageable source: staged). */
+  CHECK(stat(dev, "epmem.htod_staged") >= 2, "htod_staged=%lld", stat(dev, "epmem.htod_staged"));
   CHECK(stat(dev, "epmem.copies_htod") >= 2 && stat(dev, "epmem.copies_dtoh") >= 2, "htod=%lld dtoh=%lld",
         stat(dev, "epmem.copies_htod"), stat(dev, "epmem.copies_dtoh"));
 
@@ -212,6 +214,13 @@ static void test_copy_tensors(void) {
   OrtValue* c_dst[1] = {back};
   CHECK(ok(ORT_FN(api, CopyTensors)(env, c_src, c_dst, NULL, 1)), "pinned2CPU: %s", last_msg);
   CHECK(memcmp(s, b, N) == 0, "pinned round trip is not bit-exact");
+  /* pinned -> device: a page-locked source is copied directly, not staged. */
+  const OrtValue* pd_src[1] = {pinned};
+  OrtValue* pd_dst[1] = {on_dev_b};
+  long long direct = stat(dev, "epmem.htod_direct");
+  CHECK(ok(ORT_FN(api, CopyTensors)(env, pd_src, pd_dst, NULL, 1)), "pinned2D: %s", last_msg);
+  CHECK(stat(dev, "epmem.htod_direct") == direct + 1, "pinned source was staged (direct %lld -> %lld)", direct,
+        stat(dev, "epmem.htod_direct"));
   CHECK(stat(dev, "epmem.copies_host") >= 1, "pinned -> CPU was not copied by epmem");
 
   /* Mismatched sizes are an error, not a partial copy. */
