@@ -43,6 +43,17 @@
 #define EPM_KV_ADMIT_ON_DEMAND 1
 
 /**
+ * `EpmCopyEngineConfig::flags`: do not record timing events (`htod_ms`
+ * stays 0).
+ */
+#define EPM_COPY_ENGINE_NO_TIMING 1
+
+/**
+ * `EpmCopyEngineConfig::flags`: stage every copy, even from page-locked memory.
+ */
+#define EPM_COPY_ENGINE_NO_DIRECT 2
+
+/**
  * Major version: incompatible ABI changes.
  */
 #define EPM_VERSION_MAJOR 0
@@ -180,6 +191,12 @@ typedef enum EpmLogLevel {
 } EpmLogLevel;
 
 /**
+ * A host → device copy engine: its own copy stream, staging slots from a
+ * pool, and fill threads.
+ */
+typedef struct EpmCopyEngine EpmCopyEngine;
+
+/**
  * An open device (a CUDA GPU or the host device). Streams, events and every
  * other object made from it keep it alive, so handles may be destroyed in any
  * order.
@@ -191,6 +208,18 @@ typedef struct EpmDevice EpmDevice;
  * Keeps its device alive.
  */
 typedef struct EpmEvent EpmEvent;
+
+/**
+ * The completion of one `epm_copy_engine_htod`: an event on the engine's
+ * copy stream, recorded after the copy's last byte.
+ */
+typedef struct EpmFence EpmFence;
+
+/**
+ * A host range registered read-only with the device (copies from it skip
+ * staging). Unregistered when destroyed.
+ */
+typedef struct EpmHostRegistration EpmHostRegistration;
 
 /**
  * A KV arena: granule pool, ledger (budget) and dummy granule.
@@ -206,6 +235,12 @@ typedef struct EpmKvPrefix EpmKvPrefix;
  * A sequence: one token-major VA reservation.
  */
 typedef struct EpmKvSeq EpmKvSeq;
+
+/**
+ * A bounded pool of pinned staging buffers. Engines made from it share it;
+ * it lives until the last of them and its own handle are destroyed.
+ */
+typedef struct EpmStagingPool EpmStagingPool;
 
 /**
  * A stream: work queued on it runs in order. Keeps its device alive.
@@ -435,6 +470,110 @@ typedef void (*EpmLogCallback)(void *user_data, enum EpmLogLevel level, const ch
  */
 typedef uint64_t EpmDevicePtr;
 
+/**
+ * Counters of a copy engine and its pool (or of a pool alone: then the
+ * engine fields are 0).
+ *
+ * Versioned by size: set `size = sizeof(EpmStagingStats)` first; epmem sets
+ * it to the number of bytes it filled. Fields are only ever added at the end.
+ */
+typedef struct EpmStagingStats {
+  /**
+   * In: `sizeof(EpmStagingStats)`. Out: bytes filled.
+   */
+  size_t size;
+  /**
+   * Pinned allocations (driver calls) made by the pool.
+   */
+  uint64_t pinned_alloc_calls;
+  /**
+   * Pinned frees (driver calls) made by the pool.
+   */
+  uint64_t pinned_free_calls;
+  /**
+   * Staging buffers served by reuse.
+   */
+  uint64_t pinned_reuses;
+  /**
+   * Bytes the pool retains now.
+   */
+  uint64_t retained_bytes;
+  /**
+   * Buffers the pool retains now.
+   */
+  uint64_t retained_buffers;
+  /**
+   * Copies of at least one byte (staged or direct).
+   */
+  uint64_t copies;
+  /**
+   * Copies that took the direct path (page-locked source: no staging).
+   */
+  uint64_t bypassed;
+  /**
+   * Bytes copied host → device.
+   */
+  uint64_t htod_bytes;
+  /**
+   * Staging chunks filled and copied.
+   */
+  uint64_t chunks;
+  /**
+   * Host milliseconds spent filling staging buffers.
+   */
+  double fill_ms;
+  /**
+   * Host milliseconds spent waiting for a staging slot (DMA-bound).
+   */
+  double slot_wait_ms;
+  /**
+   * Device milliseconds of copies, read from timing events after they
+   * completed (lags until then).
+   */
+  double htod_ms;
+  /**
+   * Copies whose `htod_ms` has been read so far.
+   */
+  uint64_t timed_copies;
+} EpmStagingStats;
+
+/**
+ * How a copy engine stages. Fill it with `epm_copy_engine_config_default`,
+ * then change what you need.
+ *
+ * Versioned by size: set `size = sizeof(EpmCopyEngineConfig)` first. Fields
+ * are only ever added at the end.
+ */
+typedef struct EpmCopyEngineConfig {
+  /**
+   * `sizeof(EpmCopyEngineConfig)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Staging slots in flight at once, 2–4 (default 3).
+   */
+  uint32_t slots;
+  /**
+   * Threads that fill a slot, counting the calling thread, 1–64 (default 8,
+   * or the number of CPUs if fewer).
+   */
+  uint32_t fill_threads;
+  /**
+   * Capacity of one slot and the largest chunk, at least 1 MiB (default 8 MiB).
+   */
+  uint64_t chunk_bytes;
+  /**
+   * `EPM_COPY_ENGINE_*` bits (default 0).
+   */
+  uint32_t flags;
+  /**
+   * Cut a copy into about this many chunks (within 1 MiB and
+   * `chunk_bytes`), 1–256 (default 16): more chunks overlap more of the
+   * fill with the DMA, fewer cost fewer per-chunk driver calls.
+   */
+  uint32_t target_chunks;
+} EpmCopyEngineConfig;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -585,6 +724,8 @@ enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
  * It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
  * NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
  * device errors.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
                                    uint64_t budget_bytes,
@@ -595,6 +736,8 @@ enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
  * held keep the arena alive; it is torn down (unmap → release → free VA)
  * when the last of them is destroyed. The caller guarantees no queued
  * kernel still touches its sequences by then.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
 
@@ -605,6 +748,8 @@ enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
  * bytes and sets `out->size` to the number written. NULL: `arena` is
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
  * below the first version's.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStats *out);
 
@@ -618,6 +763,8 @@ enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStat
  * INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
  * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
  * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
                                  const struct EpmKvLayout *layout,
@@ -637,6 +784,8 @@ enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
  * NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
  * be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
  * `n_tokens > max_tokens`. Out-params are written only on success.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
                                             const struct EpmKvLayout *layout,
@@ -653,6 +802,8 @@ enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
  * promise, free its VA. NULL is a no-op; a destroyed handle is
  * INVALID_HANDLE. The caller guarantees no queued kernel still touches the
  * sequence (as with cuMemFree).
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
 
@@ -661,6 +812,8 @@ enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
  *
  * Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
  * INVALID_HANDLE, `out` is NULL_POINTER.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *out);
 
@@ -681,6 +834,8 @@ enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *ou
  * `len + n_tokens > max_tokens` or the stream is on another device;
  * OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
  * sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
                                          uint64_t n_tokens,
@@ -692,6 +847,8 @@ enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
  *
  * NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
  * INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
                                          const uint32_t *tokens,
@@ -709,6 +866,8 @@ enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
  * Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
  * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
  * granule, and the ledger cannot promise that one more granule.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
                                  uint64_t n_tokens,
@@ -719,12 +878,16 @@ enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
  * End a pin. The prefix is freed now if no sequence shares it, else with
  * its last sharer; the handle is invalid from now on. NULL is a no-op; an
  * unpinned handle is INVALID_HANDLE.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
 
 /**
  * Fill `*out` with the prefix's state. Set `out->size` first. NULL:
  * `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPrefixInfo *out);
 
@@ -738,6 +901,8 @@ enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPr
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
  * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
  * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
                                            uint64_t n_tokens,
@@ -765,6 +930,8 @@ enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
  *
  * Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
  * 0 saturates to UINT64_MAX.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
                                  uint64_t prefix_bytes,
@@ -777,6 +944,8 @@ enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
  *
  * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
  * are NULL_POINTER.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
                                    const struct EpmKvLayout *layout,
@@ -927,6 +1096,192 @@ uint64_t epm_checksum_host(const void *data, size_t bytes);
 enum EpmStatus epm_device_spin_async(struct EpmDevice *dev,
                                      uint32_t micros,
                                      struct EpmStream *stream);
+
+/**
+ * Create a staging pool on `dev` that retains at most `max_buffers` buffers
+ * and `max_bytes` bytes between uses (0 means the default: 8 buffers,
+ * 512 MiB). A buffer whose return would breach a bound is freed.
+ *
+ * Ownership: `*out` is a new handle; destroy it with
+ * `epm_staging_pool_destroy` (engines made from it keep it alive). NULL: `dev`
+ * is INVALID_HANDLE, `out` NULL_POINTER. Errors: none beyond those.
+ * Threading: the pool is safe to share between threads.
+ */
+enum EpmStatus epm_staging_pool_create(struct EpmDevice *dev,
+                                       size_t max_buffers,
+                                       size_t max_bytes,
+                                       struct EpmStagingPool **out);
+
+/**
+ * Free every buffer the pool retains; `*out_freed` (may be NULL) receives
+ * how many. Buffers on loan to engines are unaffected.
+ *
+ * NULL: `pool` is INVALID_HANDLE. Threading: safe from any thread.
+ */
+enum EpmStatus epm_staging_pool_trim(struct EpmStagingPool *pool, size_t *out_freed);
+
+/**
+ * Fill `*out` with the pool's counters (the engine fields are 0).
+ *
+ * Set `out->size = sizeof(EpmStagingStats)` first. NULL: `pool` is
+ * INVALID_HANDLE, `out` NULL_POINTER. Errors: INVALID_ARGUMENT if `out->size`
+ * is smaller than the first version of the struct. Threading: safe from any
+ * thread.
+ */
+enum EpmStatus epm_staging_pool_get_stats(struct EpmStagingPool *pool, struct EpmStagingStats *out);
+
+/**
+ * Destroy a pool handle. Retained buffers are freed once no engine uses the
+ * pool any more.
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: the handle must not be used after.
+ */
+enum EpmStatus epm_staging_pool_destroy(struct EpmStagingPool *pool);
+
+/**
+ * Fill `*out` with the default engine configuration.
+ *
+ * Set `out->size = sizeof(EpmCopyEngineConfig)` first. NULL: `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
+ */
+enum EpmStatus epm_copy_engine_config_default(struct EpmCopyEngineConfig *out);
+
+/**
+ * Create a copy engine staging through `pool`. `config` NULL means the
+ * defaults.
+ *
+ * Ownership: `*out` is a new handle; destroy it with
+ * `epm_copy_engine_destroy`. `config` is only read during the call. NULL:
+ * `pool` is INVALID_HANDLE, `out` NULL_POINTER. Errors: INVALID_CONFIG for
+ * values out of range, or when the pool's bounds cannot retain every slot
+ * (steady-state copies would allocate); INVALID_ARGUMENT for unknown flags or
+ * a too-small `config->size`; device errors. Threading: the engine is safe to
+ * share; concurrent copies on one engine are serialized.
+ */
+enum EpmStatus epm_copy_engine_create(struct EpmStagingPool *pool,
+                                      const struct EpmCopyEngineConfig *config,
+                                      struct EpmCopyEngine **out);
+
+/**
+ * Copy `len` bytes from host `src` to device `dst` through the engine, and
+ * return at once with a fence; the copy completes asynchronously.
+ *
+ * From pageable memory the copy is staged: `src` is read (by the calling
+ * thread and the engine's fill threads) before this returns, while earlier
+ * chunks are already in DMA. From page-locked memory (pinned, or registered
+ * with `epm_copy_engine_register` or by the host itself) it is copied
+ * directly and read asynchronously. Either way, keep `src` valid and
+ * unmodified until the fence completes.
+ *
+ * `stream` (may be NULL): the copy is ordered after the work already queued
+ * on it, and work queued on it afterwards waits for the copy — like an async
+ * memcpy on `stream`, with no host wait. Without it, use
+ * `epm_fence_stream_wait`.
+ *
+ * Ownership: `*out` (may be NULL if no fence is wanted) is a new handle;
+ * destroy it with `epm_fence_destroy`. NULL: `engine` is INVALID_HANDLE,
+ * `src` NULL_POINTER. Errors: INVALID_ARGUMENT for `len` 0, an overflowing
+ * range, or a stream of another device; device errors for a bad `dst` (the
+ * engine stays usable). Threading: safe from any thread; copies on one
+ * engine are serialized. A copy larger than the engine's free slots waits
+ * for slots (back-pressure).
+ */
+enum EpmStatus epm_copy_engine_htod(struct EpmCopyEngine *engine,
+                                    EpmDevicePtr dst,
+                                    const void *src,
+                                    size_t len,
+                                    struct EpmStream *stream,
+                                    struct EpmFence **out);
+
+/**
+ * Page-lock `[ptr, ptr+len)` read-only with the device, so later copies from
+ * it take the direct path (no staging, ~55 GB/s on the H200 against ~35 from
+ * pageable memory; registering costs ~40 ms per GiB, once).
+ *
+ * Ownership: `*out` is a new handle; `epm_host_registration_destroy`
+ * unregisters (it first waits for the whole device, so no copy still reads
+ * the range). The range must stay valid until then. NULL: `engine` is
+ * INVALID_HANDLE, `ptr`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT for `len`
+ * 0; INVALID_STATE or a device error if the range overlaps page-locked
+ * memory or the locked-memory limit refuses it (copies then keep staging).
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_copy_engine_register(struct EpmCopyEngine *engine,
+                                        const void *ptr,
+                                        size_t len,
+                                        struct EpmHostRegistration **out);
+
+/**
+ * Unregister a host range (after waiting for the device to go idle).
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: the handle must not be used after.
+ */
+enum EpmStatus epm_host_registration_destroy(struct EpmHostRegistration *reg);
+
+/**
+ * Block until every copy issued on the engine so far has completed, and
+ * return all staging buffers to the pool.
+ *
+ * NULL: `engine` is INVALID_HANDLE. Errors: device errors of a failed copy.
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_copy_engine_synchronize(struct EpmCopyEngine *engine);
+
+/**
+ * Fill `*out` with the engine's and its pool's counters. Never blocks on
+ * the device (timings of copies still running are not counted yet).
+ *
+ * Set `out->size = sizeof(EpmStagingStats)` first. NULL: `engine` is
+ * INVALID_HANDLE, `out` NULL_POINTER. Errors: INVALID_ARGUMENT for a
+ * too-small `out->size`. Threading: safe from any thread.
+ */
+enum EpmStatus epm_copy_engine_get_stats(struct EpmCopyEngine *engine, struct EpmStagingStats *out);
+
+/**
+ * Destroy an engine handle. Copies still in flight complete first (the
+ * call waits for them) and their buffers return to the pool.
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: the handle must not be used after.
+ */
+enum EpmStatus epm_copy_engine_destroy(struct EpmCopyEngine *engine);
+
+/**
+ * Has the copy completed? Never blocks.
+ *
+ * Returns OK when it has, NOT_READY when not (not a failure). NULL: `fence`
+ * is INVALID_HANDLE. Errors: device errors. Threading: safe from any thread.
+ */
+enum EpmStatus epm_fence_query(struct EpmFence *fence);
+
+/**
+ * Block the calling thread until the copy completes. Prefer
+ * `epm_fence_stream_wait`, which orders a stream without blocking.
+ *
+ * NULL: `fence` is INVALID_HANDLE. Errors: device errors. Threading: safe
+ * from any thread.
+ */
+enum EpmStatus epm_fence_wait(struct EpmFence *fence);
+
+/**
+ * Make work queued on `stream` after this call wait for the copy. The
+ * calling thread does not wait.
+ *
+ * NULL: either handle is INVALID_HANDLE. Errors: INVALID_ARGUMENT if they
+ * belong to different devices. Threading: safe from any thread.
+ */
+enum EpmStatus epm_fence_stream_wait(struct EpmFence *fence, struct EpmStream *stream);
+
+/**
+ * Destroy a fence handle. The copy is unaffected (it still completes, and
+ * streams already waiting on it still wait).
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: the handle must not be used after.
+ */
+enum EpmStatus epm_fence_destroy(struct EpmFence *fence);
 
 /**
  * The message of the most recent failed status-returning `epm_*` call on

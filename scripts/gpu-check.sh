@@ -66,18 +66,18 @@ done
 
 # 2. C tests, compiled here against the header and the carried library.
 CFLAGS="-std=c11 -O2 -g -Wall -Wextra -Werror -Iinclude"
-mkdir -p "$OUT/cbin"
+CBIN=/tmp/epmem-cbin; mkdir -p "$CBIN"
 for c in ffi-tests/*.c; do
   [ -f "$c" ] || continue
   n=$(basename "$c" .c)
-  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$OUT/cbin/$n' -L.carry/lib -lepmem -lpthread && '$OUT/cbin/$n'"
+  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib -lepmem -lpthread && '$CBIN/$n'"
 done
 
 # 3. Examples (the offload demo runs on the GPU by default when there is one).
 for c in examples-c/*.c; do
   [ -f "$c" ] || continue
   n=$(basename "$c" .c)
-  step "example-$n" 'tok|GB/s|name|device' sh -c "gcc $CFLAGS '$c' -o '$OUT/cbin/$n' -L.carry/lib -lepmem -lpthread -lm && '$OUT/cbin/$n'"
+  step "example-$n" 'tok|GB/s|name|device' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib -lepmem -lpthread -lm && '$CBIN/$n'"
 done
 
 # 4. The Q1–Q5 probes (one question per binary: a poisoned context stays in its process).

@@ -18,5 +18,6 @@ pub mod error;
 pub mod ffi;
 /// cbindgen:ignore
 pub mod kv;
+pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};

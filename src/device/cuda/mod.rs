@@ -347,6 +347,7 @@ impl Device for CudaDevice {
         self.cu_vmm_free_va(va, bytes)
     }
     fn vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()> {
+        crate::device::check_map_offset(offset)?;
         self.cu_vmm_map(va, bytes, h, offset)
     }
     fn vmm_unmap(&self, va: DevicePtr, bytes: usize) -> Result<()> {

@@ -387,6 +387,7 @@ impl Device for HostDevice {
         self.write().free_va(va, bytes)
     }
     fn vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()> {
+        super::check_map_offset(offset)?;
         // Lock order everywhere: phys table, then address space.
         let phys = lock(&self.phys);
         let p = phys
