@@ -43,6 +43,39 @@
 #define EPM_KV_ADMIT_ON_DEMAND 1
 
 /**
+ * `EpmResidencyConfig::policy`: farthest next use under the declared cycle
+ * (Belady's choice for a decode step); weights outside the cycle go first,
+ * least recently used first. The default.
+ */
+#define EPM_POLICY_CYCLIC 0
+
+/**
+ * `EpmResidencyConfig::policy`: least recently used (hits ~0% on a cyclic
+ * scan larger than the budget; kept for comparison).
+ */
+#define EPM_POLICY_LRU 1
+
+/**
+ * `EpmResidencyConfig::register_sources`: register a pageable weight's
+ * source with the device on its first page-in while the registered bytes
+ * stay within RLIMIT_MEMLOCK, so later page-ins copy it directly at the
+ * pinned peak; stage it otherwise. The default.
+ */
+#define EPM_REGISTER_WITHIN_MEMLOCK 0
+
+/**
+ * `EpmResidencyConfig::register_sources`: never register; stage every
+ * pageable source through pinned buffers.
+ */
+#define EPM_REGISTER_NEVER 1
+
+/**
+ * `EpmResidencyConfig::register_sources`: register on first page-in
+ * whatever RLIMIT_MEMLOCK says (a refusal by the device still stages).
+ */
+#define EPM_REGISTER_ALWAYS 2
+
+/**
  * `EpmCopyEngineConfig::flags`: do not record timing events (`htod_ms`
  * stays 0).
  */
@@ -191,6 +224,12 @@ typedef enum EpmLogLevel {
 } EpmLogLevel;
 
 /**
+ * A device arena or a pinned-host arena. Keeps its device alive; memory it
+ * handed out stays valid until freed or until the arena is destroyed.
+ */
+typedef struct EpmArena EpmArena;
+
+/**
  * A host → device copy engine: its own copy stream, staging slots from a
  * pool, and fill threads.
  */
@@ -237,6 +276,12 @@ typedef struct EpmKvPrefix EpmKvPrefix;
 typedef struct EpmKvSeq EpmKvSeq;
 
 /**
+ * A residency manager: a VRAM budget, its device arena, a staging pool and
+ * copy engine, and the registered weights. Keeps its device alive.
+ */
+typedef struct EpmResidency EpmResidency;
+
+/**
  * A bounded pool of pinned staging buffers. Engines made from it share it;
  * it lives until the last of them and its own handle are destroyed.
  */
@@ -246,6 +291,72 @@ typedef struct EpmStagingPool EpmStagingPool;
  * A stream: work queued on it runs in order. Keeps its device alive.
  */
 typedef struct EpmStream EpmStream;
+
+/**
+ * How an arena is shaped; versioned by `size`. Fill with
+ * `epm_arena_config_default`, then change what you need.
+ */
+typedef struct EpmArenaConfig {
+  /**
+   * `sizeof(EpmArenaConfig)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Most bytes the arena may commit. The device arena reserves this much
+   * virtual address space up front (cheap); beyond it an allocation is
+   * EPM_STATUS_OUT_OF_BUDGET. Required (no default).
+   */
+  uint64_t capacity_bytes;
+  /**
+   * Growth step: physical memory is committed (and kept) in chunks of this
+   * many bytes, rounded up to the device's granularity. 0: 16 granules
+   * (32 MiB on the H200).
+   */
+  uint64_t chunk_bytes;
+  /**
+   * Most live allocations (the sub-allocator's node table). 0: 65536.
+   */
+  uint32_t max_allocations;
+} EpmArenaConfig;
+
+/**
+ * Counters of an arena, filled by `epm_arena_get_stats`; versioned by `size`.
+ */
+typedef struct EpmArenaStats {
+  /**
+   * In: `sizeof(EpmArenaStats)`. Out: bytes filled.
+   */
+  size_t size;
+  /**
+   * Physical allocations (cuMemCreate / cuMemHostAlloc) made by the arena.
+   * Flat in steady state.
+   */
+  uint64_t driver_alloc_calls;
+  /**
+   * Physical frees made by the arena (only `epm_arena_trim` and destroy free).
+   */
+  uint64_t driver_free_calls;
+  /**
+   * Address space held (device: the VA reservation; pinned: the segments).
+   */
+  uint64_t reserved_bytes;
+  /**
+   * Physical bytes committed.
+   */
+  uint64_t committed_bytes;
+  /**
+   * Bytes held by live allocations (rounding and alignment padding included).
+   */
+  uint64_t in_use_bytes;
+  uint64_t peak_in_use_bytes;
+  uint64_t live_allocations;
+  uint64_t alloc_calls;
+  uint64_t free_calls;
+  /**
+   * 1 − largest free range / free bytes: 0 when free space is one range.
+   */
+  double fragmentation;
+} EpmArenaStats;
 
 /**
  * Static facts about a device, filled by `epm_device_get_info`.
@@ -471,6 +582,156 @@ typedef void (*EpmLogCallback)(void *user_data, enum EpmLogLevel level, const ch
 typedef uint64_t EpmDevicePtr;
 
 /**
+ * How a residency manager is set up; versioned by `size`. Fill with
+ * `epm_residency_config_default`, then set `budget_bytes`.
+ */
+typedef struct EpmResidencyConfig {
+  /**
+   * `sizeof(EpmResidencyConfig)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Most bytes of weights resident at once. Required (default 0).
+   */
+  uint64_t budget_bytes;
+  /**
+   * `EPM_POLICY_CYCLIC` (default) or `EPM_POLICY_LRU`.
+   */
+  uint32_t policy;
+  /**
+   * `EPM_REGISTER_WITHIN_MEMLOCK` (default), `EPM_REGISTER_NEVER` or `EPM_REGISTER_ALWAYS`.
+   */
+  uint32_t register_sources;
+  /**
+   * Most weights paged in ahead of use along the declared cycle (default 1).
+   * Each costs about one weight of budget in hits and lets one more
+   * page-in overlap compute.
+   */
+  uint32_t prefetch_depth;
+  /**
+   * Nonzero: the host waits for every page-in (the seed's synchronous
+   * design; for comparison). Default 0.
+   */
+  uint32_t sync_page_in;
+  /**
+   * Staging slots in flight (2..=4; 0: 3).
+   */
+  uint32_t staging_slots;
+  /**
+   * Threads filling staging buffers, counting the caller's (0: 8).
+   */
+  uint32_t fill_threads;
+  /**
+   * Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+   */
+  uint64_t staging_chunk_bytes;
+  /**
+   * Most bytes the staging pool retains (0: 512 MiB).
+   */
+  uint64_t staging_pool_bytes;
+} EpmResidencyConfig;
+
+/**
+ * A registered weight, unique within its `EpmResidency` and never reused.
+ */
+typedef uint32_t EpmWeightId;
+
+/**
+ * A host range registered with `epm_residency_register_host_range`.
+ */
+typedef uint32_t EpmHostRangeId;
+
+/**
+ * Counters of a residency manager, filled by `epm_residency_get_stats`;
+ * versioned by `size`. Times lag until their events complete: call
+ * `epm_residency_synchronize` first for final figures.
+ */
+typedef struct EpmResidencyStats {
+  /**
+   * In: `sizeof(EpmResidencyStats)`. Out: bytes filled.
+   */
+  size_t size;
+  uint64_t acquires;
+  /**
+   * Acquires whose data was resident from an earlier use (a weight paged
+   * in for this use, even by prefetch, is a miss), so `hit_rate` compares
+   * with Belady's optimum.
+   */
+  uint64_t hits;
+  double hit_rate;
+  /**
+   * Copies of a weight to the device (demand and prefetch).
+   */
+  uint64_t page_ins;
+  uint64_t prefetch_page_ins;
+  /**
+   * Prefetched weights not acquired yet.
+   */
+  uint64_t pending_prefetches;
+  /**
+   * Prefetched weights evicted before use.
+   */
+  uint64_t wasted_prefetches;
+  uint64_t evictions;
+  /**
+   * Evictions whose victim was still being read, so the host waited for
+   * its read fence.
+   */
+  uint64_t eviction_waits;
+  /**
+   * Page-ins copied straight from page-locked or registered memory.
+   */
+  uint64_t bypassed_page_ins;
+  /**
+   * Page-ins staged through pinned buffers.
+   */
+  uint64_t staged_page_ins;
+  uint64_t source_registrations;
+  uint64_t register_refusals;
+  uint64_t registered_bytes;
+  uint64_t htod_bytes;
+  /**
+   * Pinned allocations by the staging pool (flat in steady state), and reuses.
+   */
+  uint64_t pinned_alloc_calls;
+  uint64_t pinned_reuses;
+  /**
+   * Host time filling staging buffers.
+   */
+  double fill_ms;
+  /**
+   * Device time of page-in copies.
+   */
+  double htod_ms;
+  /**
+   * Time work waited on page-ins: device_stall_ms + host_stall_ms.
+   */
+  double stall_ms;
+  /**
+   * Time compute streams sat waiting for a page-in.
+   */
+  double device_stall_ms;
+  /**
+   * Time the host blocked (synchronous page-ins, eviction waits).
+   */
+  double host_stall_ms;
+  uint64_t resident_bytes;
+  uint64_t peak_resident_bytes;
+  uint64_t resident_weights;
+  uint64_t registered_weights;
+  uint64_t budget_bytes;
+  /**
+   * The device arena holding resident weights (see `EpmArenaStats`).
+   */
+  uint64_t arena_driver_alloc_calls;
+  uint64_t arena_driver_free_calls;
+  uint64_t arena_reserved_bytes;
+  uint64_t arena_committed_bytes;
+  uint64_t arena_in_use_bytes;
+  double arena_fragmentation;
+} EpmResidencyStats;
+
+/**
  * Counters of a copy engine and its pool (or of a pool alone: then the
  * engine fields are 0).
  *
@@ -577,6 +838,96 @@ typedef struct EpmCopyEngineConfig {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Fill `*out` with the defaults (capacity 0: the caller must set it).
+ *
+ * The caller sets `out->size = sizeof(EpmArenaConfig)` first. NULL: `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `size`. Threading:
+ * safe from any thread.
+ */
+enum EpmStatus epm_arena_config_default(struct EpmArenaConfig *out);
+
+/**
+ * Create a device arena on `dev`: reserves `cfg->capacity_bytes` of virtual
+ * address space; physical memory is committed chunk by chunk on first use
+ * and kept. Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by
+ * default.
+ *
+ * Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
+ * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
+ * capacity, bad `size`), device errors. Threading: safe from any thread; the
+ * arena itself is thread-safe.
+ */
+enum EpmStatus epm_arena_create_device(struct EpmDevice *dev,
+                                       const struct EpmArenaConfig *cfg,
+                                       struct EpmArena **out);
+
+/**
+ * Create a pinned-host arena on `dev`: page-locked host memory in segments
+ * of `cfg->chunk_bytes` (a larger request gets a segment of its own), up to
+ * `cfg->capacity_bytes` in all. Addresses it returns are host addresses
+ * (cast with `(void *)(uintptr_t)addr`).
+ *
+ * Ownership, NULL, errors, threading: as `epm_arena_create_device`.
+ */
+enum EpmStatus epm_arena_create_pinned(struct EpmDevice *dev,
+                                       const struct EpmArenaConfig *cfg,
+                                       struct EpmArena **out);
+
+/**
+ * Allocate `bytes` aligned to `align` (0: 256; a power of two up to the
+ * chunk size) and write the address to `*out_addr`.
+ *
+ * NULL: `arena` is INVALID_HANDLE, `out_addr` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT (0 bytes, bad alignment), OUT_OF_BUDGET (the capacity or
+ * the allocation count is exhausted), OUT_OF_DEVICE_MEMORY /
+ * OUT_OF_HOST_MEMORY when growing fails. `*out_addr` is written only on
+ * success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_alloc(struct EpmArena *arena,
+                               size_t bytes,
+                               size_t align,
+                               uint64_t *out_addr);
+
+/**
+ * Free an address from `epm_arena_alloc` on this arena. `addr == 0` is a
+ * no-op. The caller guarantees no queued work still uses it (record an
+ * event after the last use and wait on it, or synchronize).
+ *
+ * Errors: INVALID_ARGUMENT for an address this arena did not hand out or
+ * already freed. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_free(struct EpmArena *arena, uint64_t addr);
+
+/**
+ * Give back every chunk (segment) that no live allocation touches; writes
+ * the bytes given back to `*out_bytes` (which may be NULL). Nothing is ever
+ * given back implicitly.
+ *
+ * Errors: device errors. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_trim(struct EpmArena *arena, uint64_t *out_bytes);
+
+/**
+ * Fill `*out` with the arena's counters. The caller sets
+ * `out->size = sizeof(EpmArenaStats)` first; epmem fills at most that many
+ * bytes and writes back how many.
+ *
+ * NULL: `arena` is INVALID_HANDLE, `out` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for a too-small `size`. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_get_stats(struct EpmArena *arena, struct EpmArenaStats *out);
+
+/**
+ * Destroy an arena handle. Its memory is given back once no other holder
+ * (e.g. an ONNX Runtime allocator) uses the arena; every address it handed
+ * out becomes invalid then.
+ *
+ * NULL is a no-op. Errors: INVALID_HANDLE for a destroyed or wrong-typed
+ * handle. Threading: the handle must not be used after this call.
+ */
+enum EpmStatus epm_arena_destroy(struct EpmArena *arena);
 
 /**
  * Open device `ordinal` of the kind `EPM_DEVICE` names (auto|cuda|host;
@@ -1098,6 +1449,156 @@ enum EpmStatus epm_device_spin_async(struct EpmDevice *dev,
                                      struct EpmStream *stream);
 
 /**
+ * Fill `*out` with the defaults (budget 0: the caller must set it).
+ *
+ * The caller sets `out->size = sizeof(EpmResidencyConfig)` first. NULL:
+ * `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `size`.
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_config_default(struct EpmResidencyConfig *out);
+
+/**
+ * Create a residency manager on `dev` with `*cfg`.
+ *
+ * Ownership: destroy `*out` with `epm_residency_destroy`. NULL: `dev` is
+ * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT /
+ * INVALID_CONFIG for a bad field (budget 0, unknown policy, staging bounds),
+ * device errors. Threading: safe from any thread; the manager is thread-safe.
+ */
+enum EpmStatus epm_residency_create(struct EpmDevice *dev,
+                                    const struct EpmResidencyConfig *cfg,
+                                    struct EpmResidency **out);
+
+/**
+ * Destroy a residency manager: waits for its page-ins and read fences,
+ * frees its device memory and unregisters the sources it registered.
+ *
+ * NULL is a no-op. Errors: INVALID_HANDLE. Threading: the handle must not
+ * be used after this call (a call already running on another thread
+ * finishes first).
+ */
+enum EpmStatus epm_residency_destroy(struct EpmResidency *res);
+
+/**
+ * Register a weight: `bytes` at `host` (pageable or page-locked).
+ *
+ * Ownership: epmem reads `[host, host+bytes)` on page-ins until the weight
+ * is unregistered (or the manager destroyed); the caller keeps it allocated
+ * and unmodified until then. Weights that start on their own page can have
+ * their sources registered individually (see `register_sources`).
+ * NULL: `host`/`out_weight` NULL_POINTER. Errors: INVALID_ARGUMENT for 0
+ * bytes, OUT_OF_BUDGET for a weight larger than the budget. `*out_weight`
+ * is written only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_register_weight(struct EpmResidency *res,
+                                             const void *host,
+                                             size_t bytes,
+                                             EpmWeightId *out_weight);
+
+/**
+ * Unregister a weight. It must not be acquired; if resident, waits for its
+ * fences and frees its device memory. It leaves the declared cycle.
+ *
+ * Errors: INVALID_ARGUMENT for an unknown weight, INVALID_STATE while it is
+ * acquired. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_unregister_weight(struct EpmResidency *res, EpmWeightId weight);
+
+/**
+ * Register a whole host range once (page-lock it, read-only), so every
+ * weight inside it is copied directly with no staging. Registering costs
+ * ~40 ms per GiB on the H200, repaid within a few decode steps.
+ *
+ * Ownership: the range must stay allocated until
+ * `epm_residency_unregister_host_range` (or destroy). NULL: `host`/`out_range`
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for 0 bytes; the device's error when
+ * it refuses (overlap with page-locked memory, locked-memory limit).
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_register_host_range(struct EpmResidency *res,
+                                                 const void *host,
+                                                 size_t bytes,
+                                                 EpmHostRangeId *out_range);
+
+/**
+ * Unregister a host range (synchronizes the device first). Weights inside
+ * it stay registered and are staged from then on.
+ *
+ * Errors: INVALID_ARGUMENT for an unknown or already unregistered id.
+ */
+enum EpmStatus epm_residency_unregister_host_range(struct EpmResidency *res, EpmHostRangeId range);
+
+/**
+ * Declare the cyclic order of a decode step (`n` weights, each at most
+ * once). The cyclic policy evicts by it and `acquire` prefetches along it.
+ * Declaring again replaces it; `n == 0` clears it.
+ *
+ * NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
+ * an unknown or repeated weight. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_declare_cycle(struct EpmResidency *res,
+                                           const EpmWeightId *order,
+                                           size_t n);
+
+/**
+ * Page in `weights` (in order) ahead of use, as far as the budget allows
+ * without evicting anything needed sooner; never waits for a copy. Writes
+ * how many page-ins were issued to `*out_issued` (which may be NULL).
+ *
+ * Errors: INVALID_ARGUMENT for an unknown weight. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_prefetch(struct EpmResidency *res,
+                                      const EpmWeightId *weights,
+                                      size_t n,
+                                      size_t *out_issued);
+
+/**
+ * Make `weight` usable by work queued on `stream` from now on and write its
+ * device address to `*out_ptr`. On a miss the page-in is issued and
+ * `stream` waits for it on the device; on a hit the host never waits. The
+ * address stays valid until the matching `epm_residency_release` (and for
+ * the work queued on `stream` before it).
+ *
+ * NULL: `res`/`stream` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT (unknown weight, stream of another device), ALL_IN_USE
+ * when making room would evict a weight that is acquired and not released.
+ * `*out_ptr` is written only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_acquire(struct EpmResidency *res,
+                                     EpmWeightId weight,
+                                     struct EpmStream *stream,
+                                     EpmDevicePtr *out_ptr);
+
+/**
+ * End a use of `weight` on `stream`: records the read fence. The weight
+ * stays resident and is evicted only after the work queued on `stream` so
+ * far has completed.
+ *
+ * Errors: INVALID_ARGUMENT (unknown weight, other device), INVALID_STATE
+ * when released more often than acquired. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_release(struct EpmResidency *res,
+                                     EpmWeightId weight,
+                                     struct EpmStream *stream);
+
+/**
+ * Wait for every page-in and the whole device, so the stats are final.
+ *
+ * Errors: device errors. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_synchronize(struct EpmResidency *res);
+
+/**
+ * Fill `*out` with the counters. The caller sets
+ * `out->size = sizeof(EpmResidencyStats)` first; epmem fills at most that
+ * many bytes and writes back how many.
+ *
+ * NULL: `res` INVALID_HANDLE, `out` NULL_POINTER. Errors: INVALID_ARGUMENT
+ * for a too-small `size`. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_get_stats(struct EpmResidency *res, struct EpmResidencyStats *out);
+
+/**
  * Create a staging pool on `dev` that retains at most `max_buffers` buffers
  * and `max_bytes` bytes between uses (0 means the default: 8 buffers,
  * 512 MiB). A buffer whose return would breach a bound is freed.
@@ -1144,6 +1645,7 @@ enum EpmStatus epm_staging_pool_destroy(struct EpmStagingPool *pool);
  *
  * Set `out->size = sizeof(EpmCopyEngineConfig)` first. NULL: `out` is
  * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
+ * Threading: safe from any thread.
  */
 enum EpmStatus epm_copy_engine_config_default(struct EpmCopyEngineConfig *out);
 
