@@ -298,7 +298,11 @@ fn prepare_append_fences_queued_work_before_remapping() {
     let base = a.sequence_info(seq).unwrap().base;
     // Queue a read of the dummy tail behind ~100 ms of work. prepare_append
     // must not unmap the tail before that read has run.
-    let mut tail = vec![0xFFu8; g];
+    // The destination is pinned: a D2H copy into pageable memory makes the
+    // CUDA driver block the host until the copy is done (seen on the H200),
+    // which would hide whether prepare_append itself waited.
+    let mut tail = epmem::device::PinnedBuffer::new(&d, g).unwrap();
+    tail.fill(0xFF);
     d.spin_async(100_000, s.raw()).unwrap();
     // SAFETY: `tail` outlives the copy: the stream is synchronized below.
     unsafe { d.memcpy_dtoh_async(tail.as_mut_ptr(), base, g, s.raw()).unwrap() };
