@@ -16,11 +16,6 @@
 #include <stdint.h>
 
 /**
- * Most fill threads a pool may have (a guard against typos like 800).
- */
-#define MAX_FILL_THREADS 64
-
-/**
  * Length of `EpmDeviceInfo::name`, including the terminating NUL.
  */
 #define EPM_DEVICE_NAME_LEN 256
@@ -34,6 +29,51 @@
  * `epm_event_create` flag: the event can be used with `epm_event_elapsed_ms`.
  */
 #define EPM_EVENT_TIMING 1
+
+/**
+ * Promise a sequence's worst-case private granules at creation (refused
+ * with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
+ * for budget afterwards.
+ */
+#define EPM_KV_ADMIT_RESERVE 0
+
+/**
+ * Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
+ */
+#define EPM_KV_ADMIT_ON_DEMAND 1
+
+/**
+ * `EpmResidencyConfig::policy`: farthest next use under the declared cycle
+ * (Belady's choice for a decode step); weights outside the cycle go first,
+ * least recently used first. The default.
+ */
+#define EPM_POLICY_CYCLIC 0
+
+/**
+ * `EpmResidencyConfig::policy`: least recently used (hits ~0% on a cyclic
+ * scan larger than the budget; kept for comparison).
+ */
+#define EPM_POLICY_LRU 1
+
+/**
+ * `EpmResidencyConfig::register_sources`: register a pageable weight's
+ * source with the device on its first page-in while the registered bytes
+ * stay within RLIMIT_MEMLOCK, so later page-ins copy it directly at the
+ * pinned peak; stage it otherwise. The default.
+ */
+#define EPM_REGISTER_WITHIN_MEMLOCK 0
+
+/**
+ * `EpmResidencyConfig::register_sources`: never register; stage every
+ * pageable source through pinned buffers.
+ */
+#define EPM_REGISTER_NEVER 1
+
+/**
+ * `EpmResidencyConfig::register_sources`: register on first page-in
+ * whatever RLIMIT_MEMLOCK says (a refusal by the device still stages).
+ */
+#define EPM_REGISTER_ALWAYS 2
 
 /**
  * `EpmCopyEngineConfig::flags`: do not record timing events (`htod_ms`
@@ -184,6 +224,12 @@ typedef enum EpmLogLevel {
 } EpmLogLevel;
 
 /**
+ * A device arena or a pinned-host arena. Keeps its device alive; memory it
+ * handed out stays valid until freed or until the arena is destroyed.
+ */
+typedef struct EpmArena EpmArena;
+
+/**
  * A host → device copy engine: its own copy stream, staging slots from a
  * pool, and fill threads.
  */
@@ -215,6 +261,27 @@ typedef struct EpmFence EpmFence;
 typedef struct EpmHostRegistration EpmHostRegistration;
 
 /**
+ * A KV arena: granule pool, ledger (budget) and dummy granule.
+ */
+typedef struct EpmKvArena EpmKvArena;
+
+/**
+ * A pinned shared prefix.
+ */
+typedef struct EpmKvPrefix EpmKvPrefix;
+
+/**
+ * A sequence: one token-major VA reservation.
+ */
+typedef struct EpmKvSeq EpmKvSeq;
+
+/**
+ * A residency manager: a VRAM budget, its device arena, a staging pool and
+ * copy engine, and the registered weights. Keeps its device alive.
+ */
+typedef struct EpmResidency EpmResidency;
+
+/**
  * A bounded pool of pinned staging buffers. Engines made from it share it;
  * it lives until the last of them and its own handle are destroyed.
  */
@@ -226,9 +293,70 @@ typedef struct EpmStagingPool EpmStagingPool;
 typedef struct EpmStream EpmStream;
 
 /**
- * The kinds of device call a fault can target.
+ * How an arena is shaped; versioned by `size`. Fill with
+ * `epm_arena_config_default`, then change what you need.
  */
-typedef struct FaultKind FaultKind;
+typedef struct EpmArenaConfig {
+  /**
+   * `sizeof(EpmArenaConfig)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Most bytes the arena may commit. The device arena reserves this much
+   * virtual address space up front (cheap); beyond it an allocation is
+   * EPM_STATUS_OUT_OF_BUDGET. Required (no default).
+   */
+  uint64_t capacity_bytes;
+  /**
+   * Growth step: physical memory is committed (and kept) in chunks of this
+   * many bytes, rounded up to the device's granularity. 0: 16 granules
+   * (32 MiB on the H200).
+   */
+  uint64_t chunk_bytes;
+  /**
+   * Most live allocations (the sub-allocator's node table). 0: 65536.
+   */
+  uint32_t max_allocations;
+} EpmArenaConfig;
+
+/**
+ * Counters of an arena, filled by `epm_arena_get_stats`; versioned by `size`.
+ */
+typedef struct EpmArenaStats {
+  /**
+   * In: `sizeof(EpmArenaStats)`. Out: bytes filled.
+   */
+  size_t size;
+  /**
+   * Physical allocations (cuMemCreate / cuMemHostAlloc) made by the arena.
+   * Flat in steady state.
+   */
+  uint64_t driver_alloc_calls;
+  /**
+   * Physical frees made by the arena (only `epm_arena_trim` and destroy free).
+   */
+  uint64_t driver_free_calls;
+  /**
+   * Address space held (device: the VA reservation; pinned: the segments).
+   */
+  uint64_t reserved_bytes;
+  /**
+   * Physical bytes committed.
+   */
+  uint64_t committed_bytes;
+  /**
+   * Bytes held by live allocations (rounding and alignment padding included).
+   */
+  uint64_t in_use_bytes;
+  uint64_t peak_in_use_bytes;
+  uint64_t live_allocations;
+  uint64_t alloc_calls;
+  uint64_t free_calls;
+  /**
+   * 1 − largest free range / free bytes: 0 when free space is one range.
+   */
+  double fragmentation;
+} EpmArenaStats;
 
 /**
  * Static facts about a device, filled by `epm_device_get_info`.
@@ -278,6 +406,169 @@ typedef struct EpmDeviceInfo {
 } EpmDeviceInfo;
 
 /**
+ * Where K and V of (layer, token, head) live, relative to a sequence's
+ * base address: `token * token_stride + layer * layer_stride +
+ * kv * kv_stride + head * head_stride + i * elem_bytes` (kv = 0 for K, 1 for
+ * V; element i < head_dim). Token-major: a token's bytes of every layer lie
+ * within one `token_stride`, so a prefix of all layers is one range.
+ *
+ * Versioned by size: set `size = sizeof(EpmKvLayout)`. Fields are only ever
+ * added at the end.
+ */
+typedef struct EpmKvLayout {
+  size_t size;
+  uint32_t layers;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  /**
+   * Bytes per element (2 for fp16/bf16).
+   */
+  uint32_t elem_bytes;
+  /**
+   * Bytes per token in the reservation (layers × 2 × kv_heads × head_dim × elem_bytes when dense).
+   */
+  uint64_t token_stride;
+  uint64_t layer_stride;
+  /**
+   * Bytes from K to V of the same (layer, token, head).
+   */
+  uint64_t kv_stride;
+  uint64_t head_stride;
+} EpmKvLayout;
+
+/**
+ * Ledger and arena statistics, filled by `epm_kv_arena_get_stats`.
+ * Versioned by size: set `size = sizeof(EpmKvStats)`.
+ */
+typedef struct EpmKvStats {
+  size_t size;
+  /**
+   * The ledger's budget, owned bytes (physical, each granule once, the
+   * dummy included), bytes promised to admitted sequences, peak owned.
+   */
+  uint64_t budget_bytes;
+  uint64_t owned_bytes;
+  uint64_t promised_bytes;
+  uint64_t peak_owned_bytes;
+  uint64_t owned_granules;
+  /**
+   * Granule 0→1 (charge) and 1→0 (credit) transitions; admissions and
+   * appends refused with OUT_OF_BUDGET.
+   */
+  uint64_t charges;
+  uint64_t credits;
+  uint64_t refusals;
+  uint64_t granule_bytes;
+  /**
+   * Physical handles created / released to the driver, acquisitions served
+   * from a retained handle, handles retained now.
+   */
+  uint64_t pool_created;
+  uint64_t pool_released;
+  uint64_t pool_reused;
+  uint64_t pool_retained;
+  uint64_t sequences;
+  uint64_t prefixes;
+  uint64_t pinned_prefixes;
+  /**
+   * Granule bytes mapped into sequences (dummy excluded): what they would
+   * own without sharing. `mapped_bytes - owned_bytes` is roughly the saving.
+   */
+  uint64_t mapped_bytes;
+  uint64_t cow_granules;
+  uint64_t committed_granules;
+  /**
+   * Host waits on a caller's stream before a mapping change.
+   */
+  uint64_t fences;
+  /**
+   * Sequences that found a prefix by content hash.
+   */
+  uint64_t hash_hits;
+} EpmKvStats;
+
+/**
+ * A sequence's layout descriptor and state, filled by `epm_kv_seq_get_info`.
+ * Versioned by size: set `size = sizeof(EpmKvSeqInfo)`.
+ */
+typedef struct EpmKvSeqInfo {
+  size_t size;
+  struct EpmKvLayout layout;
+  /**
+   * Device address of token 0 (a `CUdeviceptr` on CUDA).
+   */
+  uint64_t base;
+  uint64_t max_tokens;
+  /**
+   * Tokens made writable so far (shared prefix tokens included).
+   */
+  uint64_t len_tokens;
+  /**
+   * VA reserved: max_tokens × token_stride rounded up to the granule.
+   */
+  uint64_t reserved_bytes;
+  uint64_t shared_granules;
+  uint64_t private_granules;
+  uint64_t promised_granules;
+} EpmKvSeqInfo;
+
+/**
+ * A prefix's state, filled by `epm_kv_prefix_get_info`. Versioned by size.
+ */
+typedef struct EpmKvPrefixInfo {
+  size_t size;
+  uint64_t n_tokens;
+  uint64_t granules;
+  /**
+   * Sequences mapping the prefix (its origin included while it has not diverged past it).
+   */
+  uint32_t sharers;
+  bool pinned;
+  /**
+   * A read-only view of the prefix (token 0 at this device address).
+   */
+  uint64_t view_base;
+} EpmKvPrefixInfo;
+
+/**
+ * Admissible concurrency, filled by `epm_kv_admissible`. Versioned by size.
+ */
+typedef struct EpmKvAdmission {
+  size_t size;
+  /**
+   * floor(B / (P + Q)): every request holds its own copy of the prefix.
+   */
+  uint64_t without_sharing;
+  /**
+   * floor((B − P) / Q): one physical prefix plus Q private bytes per request.
+   */
+  uint64_t with_sharing;
+  /**
+   * 1 + floor((B − P) / Q), as seed 003 wrote it: one more than fits.
+   */
+  uint64_t seed_formula;
+} EpmKvAdmission;
+
+/**
+ * Granule-rounded physical cost of a request, filled by `epm_kv_request_cost`.
+ */
+typedef struct EpmKvRequestCost {
+  size_t size;
+  /**
+   * Granule bytes of the shared prefix (full granules plus the boundary): P.
+   */
+  uint64_t prefix_bytes;
+  /**
+   * Granule bytes one sharer owns, its boundary copy included: Q.
+   */
+  uint64_t private_bytes;
+  /**
+   * Granule bytes of the same request without sharing.
+   */
+  uint64_t unshared_bytes;
+} EpmKvRequestCost;
+
+/**
  * A host log sink. `message` is a NUL-terminated UTF-8 string valid only
  * during the call. Called from any epmem thread (including stream worker
  * threads), possibly concurrently: it must be thread-safe, must return, and
@@ -289,6 +580,156 @@ typedef void (*EpmLogCallback)(void *user_data, enum EpmLogLevel level, const ch
  * A device virtual address (on the host device, a host address). 0 is "none".
  */
 typedef uint64_t EpmDevicePtr;
+
+/**
+ * How a residency manager is set up; versioned by `size`. Fill with
+ * `epm_residency_config_default`, then set `budget_bytes`.
+ */
+typedef struct EpmResidencyConfig {
+  /**
+   * `sizeof(EpmResidencyConfig)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Most bytes of weights resident at once. Required (default 0).
+   */
+  uint64_t budget_bytes;
+  /**
+   * `EPM_POLICY_CYCLIC` (default) or `EPM_POLICY_LRU`.
+   */
+  uint32_t policy;
+  /**
+   * `EPM_REGISTER_WITHIN_MEMLOCK` (default), `EPM_REGISTER_NEVER` or `EPM_REGISTER_ALWAYS`.
+   */
+  uint32_t register_sources;
+  /**
+   * Most weights paged in ahead of use along the declared cycle (default 1).
+   * Each costs about one weight of budget in hits and lets one more
+   * page-in overlap compute.
+   */
+  uint32_t prefetch_depth;
+  /**
+   * Nonzero: the host waits for every page-in (the seed's synchronous
+   * design; for comparison). Default 0.
+   */
+  uint32_t sync_page_in;
+  /**
+   * Staging slots in flight (2..=4; 0: 3).
+   */
+  uint32_t staging_slots;
+  /**
+   * Threads filling staging buffers, counting the caller's (0: 8).
+   */
+  uint32_t fill_threads;
+  /**
+   * Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+   */
+  uint64_t staging_chunk_bytes;
+  /**
+   * Most bytes the staging pool retains (0: 512 MiB).
+   */
+  uint64_t staging_pool_bytes;
+} EpmResidencyConfig;
+
+/**
+ * A registered weight, unique within its `EpmResidency` and never reused.
+ */
+typedef uint32_t EpmWeightId;
+
+/**
+ * A host range registered with `epm_residency_register_host_range`.
+ */
+typedef uint32_t EpmHostRangeId;
+
+/**
+ * Counters of a residency manager, filled by `epm_residency_get_stats`;
+ * versioned by `size`. Times lag until their events complete: call
+ * `epm_residency_synchronize` first for final figures.
+ */
+typedef struct EpmResidencyStats {
+  /**
+   * In: `sizeof(EpmResidencyStats)`. Out: bytes filled.
+   */
+  size_t size;
+  uint64_t acquires;
+  /**
+   * Acquires whose data was resident from an earlier use (a weight paged
+   * in for this use, even by prefetch, is a miss), so `hit_rate` compares
+   * with Belady's optimum.
+   */
+  uint64_t hits;
+  double hit_rate;
+  /**
+   * Copies of a weight to the device (demand and prefetch).
+   */
+  uint64_t page_ins;
+  uint64_t prefetch_page_ins;
+  /**
+   * Prefetched weights not acquired yet.
+   */
+  uint64_t pending_prefetches;
+  /**
+   * Prefetched weights evicted before use.
+   */
+  uint64_t wasted_prefetches;
+  uint64_t evictions;
+  /**
+   * Evictions whose victim was still being read, so the host waited for
+   * its read fence.
+   */
+  uint64_t eviction_waits;
+  /**
+   * Page-ins copied straight from page-locked or registered memory.
+   */
+  uint64_t bypassed_page_ins;
+  /**
+   * Page-ins staged through pinned buffers.
+   */
+  uint64_t staged_page_ins;
+  uint64_t source_registrations;
+  uint64_t register_refusals;
+  uint64_t registered_bytes;
+  uint64_t htod_bytes;
+  /**
+   * Pinned allocations by the staging pool (flat in steady state), and reuses.
+   */
+  uint64_t pinned_alloc_calls;
+  uint64_t pinned_reuses;
+  /**
+   * Host time filling staging buffers.
+   */
+  double fill_ms;
+  /**
+   * Device time of page-in copies.
+   */
+  double htod_ms;
+  /**
+   * Time work waited on page-ins: device_stall_ms + host_stall_ms.
+   */
+  double stall_ms;
+  /**
+   * Time compute streams sat waiting for a page-in.
+   */
+  double device_stall_ms;
+  /**
+   * Time the host blocked (synchronous page-ins, eviction waits).
+   */
+  double host_stall_ms;
+  uint64_t resident_bytes;
+  uint64_t peak_resident_bytes;
+  uint64_t resident_weights;
+  uint64_t registered_weights;
+  uint64_t budget_bytes;
+  /**
+   * The device arena holding resident weights (see `EpmArenaStats`).
+   */
+  uint64_t arena_driver_alloc_calls;
+  uint64_t arena_driver_free_calls;
+  uint64_t arena_reserved_bytes;
+  uint64_t arena_committed_bytes;
+  uint64_t arena_in_use_bytes;
+  double arena_fragmentation;
+} EpmResidencyStats;
 
 /**
  * Counters of a copy engine and its pool (or of a pool alone: then the
@@ -394,17 +835,99 @@ typedef struct EpmCopyEngineConfig {
   uint32_t target_chunks;
 } EpmCopyEngineConfig;
 
-/**
- * Sizes that catch off-by-ones and chunking bugs: a byte, one short of a
- * page, an odd size past 1 MiB, and a large copy.
- */
-#define COPY_SIZES { 1, 4095, ((1 << 20) + 3), (64 << 20), }
-
-
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Fill `*out` with the defaults (capacity 0: the caller must set it).
+ *
+ * The caller sets `out->size = sizeof(EpmArenaConfig)` first. NULL: `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `size`. Threading:
+ * safe from any thread.
+ */
+enum EpmStatus epm_arena_config_default(struct EpmArenaConfig *out);
+
+/**
+ * Create a device arena on `dev`: reserves `cfg->capacity_bytes` of virtual
+ * address space; physical memory is committed chunk by chunk on first use
+ * and kept. Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by
+ * default.
+ *
+ * Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
+ * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
+ * capacity, bad `size`), device errors. Threading: safe from any thread; the
+ * arena itself is thread-safe.
+ */
+enum EpmStatus epm_arena_create_device(struct EpmDevice *dev,
+                                       const struct EpmArenaConfig *cfg,
+                                       struct EpmArena **out);
+
+/**
+ * Create a pinned-host arena on `dev`: page-locked host memory in segments
+ * of `cfg->chunk_bytes` (a larger request gets a segment of its own), up to
+ * `cfg->capacity_bytes` in all. Addresses it returns are host addresses
+ * (cast with `(void *)(uintptr_t)addr`).
+ *
+ * Ownership, NULL, errors, threading: as `epm_arena_create_device`.
+ */
+enum EpmStatus epm_arena_create_pinned(struct EpmDevice *dev,
+                                       const struct EpmArenaConfig *cfg,
+                                       struct EpmArena **out);
+
+/**
+ * Allocate `bytes` aligned to `align` (0: 256; a power of two up to the
+ * chunk size) and write the address to `*out_addr`.
+ *
+ * NULL: `arena` is INVALID_HANDLE, `out_addr` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT (0 bytes, bad alignment), OUT_OF_BUDGET (the capacity or
+ * the allocation count is exhausted), OUT_OF_DEVICE_MEMORY /
+ * OUT_OF_HOST_MEMORY when growing fails. `*out_addr` is written only on
+ * success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_alloc(struct EpmArena *arena,
+                               size_t bytes,
+                               size_t align,
+                               uint64_t *out_addr);
+
+/**
+ * Free an address from `epm_arena_alloc` on this arena. `addr == 0` is a
+ * no-op. The caller guarantees no queued work still uses it (record an
+ * event after the last use and wait on it, or synchronize).
+ *
+ * Errors: INVALID_ARGUMENT for an address this arena did not hand out or
+ * already freed. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_free(struct EpmArena *arena, uint64_t addr);
+
+/**
+ * Give back every chunk (segment) that no live allocation touches; writes
+ * the bytes given back to `*out_bytes` (which may be NULL). Nothing is ever
+ * given back implicitly.
+ *
+ * Errors: device errors. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_trim(struct EpmArena *arena, uint64_t *out_bytes);
+
+/**
+ * Fill `*out` with the arena's counters. The caller sets
+ * `out->size = sizeof(EpmArenaStats)` first; epmem fills at most that many
+ * bytes and writes back how many.
+ *
+ * NULL: `arena` is INVALID_HANDLE, `out` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for a too-small `size`. Threading: safe from any thread.
+ */
+enum EpmStatus epm_arena_get_stats(struct EpmArena *arena, struct EpmArenaStats *out);
+
+/**
+ * Destroy an arena handle. Its memory is given back once no other holder
+ * (e.g. an ONNX Runtime allocator) uses the arena; every address it handed
+ * out becomes invalid then.
+ *
+ * NULL is a no-op. Errors: INVALID_HANDLE for a destroyed or wrong-typed
+ * handle. Threading: the handle must not be used after this call.
+ */
+enum EpmStatus epm_arena_destroy(struct EpmArena *arena);
 
 /**
  * Open device `ordinal` of the kind `EPM_DEVICE` names (auto|cuda|host;
@@ -527,6 +1050,229 @@ enum EpmStatus epm_event_elapsed_ms(struct EpmEvent *start, struct EpmEvent *end
  * must not be used after this call.
  */
 enum EpmStatus epm_event_destroy(struct EpmEvent *event);
+
+/**
+ * Fill `*out` with the dense token-major layout of a model:
+ * [token][layer][K,V][head][head_dim]. E.g. qwen14b (48, 8, 128, 2) has
+ * 196,608 bytes per token.
+ *
+ * NULL: `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a zero
+ * dimension or an overflow. `*out` is written only on success (all of it:
+ * `out->size` need not be set). Threading: pure.
+ */
+enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
+                                         uint32_t kv_heads,
+                                         uint32_t head_dim,
+                                         uint32_t elem_bytes,
+                                         struct EpmKvLayout *out);
+
+/**
+ * Create a KV arena on `dev` with a budget of `budget_bytes` physical bytes.
+ * The arena's dummy granule (one granule, zeroed) is charged to the budget,
+ * so it must hold at least one granule.
+ *
+ * Ownership: `*out` is a new handle; destroy it with `epm_kv_arena_destroy`.
+ * It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
+ * NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
+ * device errors.
+ */
+enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
+                                   uint64_t budget_bytes,
+                                   struct EpmKvArena **out);
+
+/**
+ * Release the arena handle. NULL is a no-op. Sequences and prefixes still
+ * held keep the arena alive; it is torn down (unmap → release → free VA)
+ * when the last of them is destroyed. The caller guarantees no queued
+ * kernel still touches its sequences by then.
+ */
+enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
+
+/**
+ * Fill `*out` with the arena's ledger and counters.
+ *
+ * Set `out->size = sizeof(EpmKvStats)` first; epmem writes at most that many
+ * bytes and sets `out->size` to the number written. NULL: `arena` is
+ * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
+ * below the first version's.
+ */
+enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStats *out);
+
+/**
+ * Create a sequence of up to `max_tokens` tokens of `layout`. Its whole
+ * reservation (max_tokens × token_stride, rounded up to the granule) maps
+ * the arena's zeroed dummy granule read-only until `prepare_append`.
+ *
+ * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+ * is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `arena` is
+ * INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
+ * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
+ * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ */
+enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
+                                 const struct EpmKvLayout *layout,
+                                 uint64_t max_tokens,
+                                 uint32_t admit,
+                                 struct EpmKvSeq **out);
+
+/**
+ * Create a sequence that declares its prompt `tokens[0..n_tokens)`. If a
+ * live prefix (pinned from a sequence that declared the same leading
+ * tokens, compared in whole blocks of 16 tokens and then token by token)
+ * exists, its longest match is shared read-only at offset 0, exactly as
+ * `epm_kv_commit_shared_prefix`, and `*shared_tokens` says how many tokens
+ * are already in the cache (skip their prefill). Otherwise it is a plain
+ * sequence and `*shared_tokens` is 0.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
+ * be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
+ * `n_tokens > max_tokens`. Out-params are written only on success.
+ */
+enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
+                                            const struct EpmKvLayout *layout,
+                                            uint64_t max_tokens,
+                                            const uint32_t *tokens,
+                                            size_t n_tokens,
+                                            uint32_t admit,
+                                            struct EpmKvSeq **out,
+                                            uint64_t *shared_tokens);
+
+/**
+ * Destroy a sequence: unmap its slots, drop its granule references (the
+ * ledger is credited for granules nobody else maps), return its unused
+ * promise, free its VA. NULL is a no-op; a destroyed handle is
+ * INVALID_HANDLE. The caller guarantees no queued kernel still touches the
+ * sequence (as with cuMemFree).
+ */
+enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
+
+/**
+ * Fill `*out` with the sequence's layout descriptor, base address and state.
+ *
+ * Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
+ * INVALID_HANDLE, `out` is NULL_POINTER.
+ */
+enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *out);
+
+/**
+ * Make the granules that tokens `[len, len + n_tokens)` fall in private and
+ * read-write, so the caller's next kernel on `stream` may write them, and
+ * advance `len`. Call it before launching the kernel that writes them.
+ *
+ * A granule that is already private costs nothing (no driver call, no
+ * wait). Otherwise the host waits for the work queued on `stream` so far
+ * (mappings are not stream-ordered: a kernel still reading the old mapping
+ * would fault), then maps a pooled granule read-write; a shared boundary
+ * granule is copied on write by a D2D copy queued on `stream`, which the
+ * caller's later kernels on `stream` are ordered after. Work on other
+ * streams that touches the sequence must be ordered before `stream`.
+ *
+ * NULL: `seq`, `stream` are INVALID_HANDLE. Errors: INVALID_ARGUMENT if
+ * `len + n_tokens > max_tokens` or the stream is on another device;
+ * OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
+ * sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
+ */
+enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
+                                         uint64_t n_tokens,
+                                         struct EpmStream *stream);
+
+/**
+ * Declare more of a sequence's token ids (appended to those declared at
+ * creation), so a prefix later pinned from it can be found by content.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
+ * INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
+ */
+enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
+                                         const uint32_t *tokens,
+                                         size_t n_tokens);
+
+/**
+ * Pin the first `n_tokens` tokens of `seq` (its full granules plus the
+ * partial boundary granule) as a shared prefix. They turn read-only in
+ * `seq` too, so its next append into the boundary granule copies it. The
+ * host waits for `stream` first (access changes are not stream-ordered).
+ *
+ * Ownership: `*out` is the pin; end it with `epm_kv_prefix_unpin`. A pinned
+ * prefix is never reclaimed; it is freed when the pin and its last sharer
+ * are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
+ * Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
+ * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+ * granule, and the ledger cannot promise that one more granule.
+ */
+enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
+                                 uint64_t n_tokens,
+                                 struct EpmStream *stream,
+                                 struct EpmKvPrefix **out);
+
+/**
+ * End a pin. The prefix is freed now if no sequence shares it, else with
+ * its last sharer; the handle is invalid from now on. NULL is a no-op; an
+ * unpinned handle is INVALID_HANDLE.
+ */
+enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
+
+/**
+ * Fill `*out` with the prefix's state. Set `out->size` first. NULL:
+ * `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
+ */
+enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPrefixInfo *out);
+
+/**
+ * Create a sequence of up to `max_tokens` tokens whose first `n_tokens`
+ * tokens map the prefix read-only at offset 0: no copy, and the ledger
+ * charges nothing (the Nth sharer costs 0 owned bytes). The rest maps the
+ * dummy. The sequence's `len` starts at `n_tokens`.
+ *
+ * Ownership: `*out` is a new sequence handle. NULL: `prefix` is
+ * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
+ * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
+ * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+ */
+enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
+                                           uint64_t n_tokens,
+                                           uint64_t max_tokens,
+                                           uint32_t admit,
+                                           struct EpmKvSeq **out);
+
+/**
+ * How many leading tokens of `tokens` a live prefix of `layout` already
+ * holds (whole 16-token blocks, confirmed token by token); 0 if none.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0; `out` is
+ * NULL_POINTER. Threading: safe from any thread.
+ */
+enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
+                                  const struct EpmKvLayout *layout,
+                                  const uint32_t *tokens,
+                                  size_t n_tokens,
+                                  uint64_t *out);
+
+/**
+ * Admissible concurrency for a budget `budget_bytes`, a shared prefix of
+ * `prefix_bytes` and `private_bytes` per request (pure arithmetic; use
+ * `epm_kv_request_cost` for granule-rounded P and Q of a layout).
+ *
+ * Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
+ * 0 saturates to UINT64_MAX.
+ */
+enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
+                                 uint64_t prefix_bytes,
+                                 uint64_t private_bytes,
+                                 struct EpmKvAdmission *out);
+
+/**
+ * The physical cost of a request of `max_tokens` tokens of `layout` whose
+ * first `prefix_tokens` are shared, on this arena's granule.
+ *
+ * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+ * are NULL_POINTER.
+ */
+enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
+                                   const struct EpmKvLayout *layout,
+                                   uint64_t prefix_tokens,
+                                   uint64_t max_tokens,
+                                   struct EpmKvRequestCost *out);
 
 /**
  * Route epmem's log records to `callback` (or, with NULL, back to stderr
@@ -673,6 +1419,156 @@ enum EpmStatus epm_device_spin_async(struct EpmDevice *dev,
                                      struct EpmStream *stream);
 
 /**
+ * Fill `*out` with the defaults (budget 0: the caller must set it).
+ *
+ * The caller sets `out->size = sizeof(EpmResidencyConfig)` first. NULL:
+ * `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `size`.
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_config_default(struct EpmResidencyConfig *out);
+
+/**
+ * Create a residency manager on `dev` with `*cfg`.
+ *
+ * Ownership: destroy `*out` with `epm_residency_destroy`. NULL: `dev` is
+ * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT /
+ * INVALID_CONFIG for a bad field (budget 0, unknown policy, staging bounds),
+ * device errors. Threading: safe from any thread; the manager is thread-safe.
+ */
+enum EpmStatus epm_residency_create(struct EpmDevice *dev,
+                                    const struct EpmResidencyConfig *cfg,
+                                    struct EpmResidency **out);
+
+/**
+ * Destroy a residency manager: waits for its page-ins and read fences,
+ * frees its device memory and unregisters the sources it registered.
+ *
+ * NULL is a no-op. Errors: INVALID_HANDLE. Threading: the handle must not
+ * be used after this call (a call already running on another thread
+ * finishes first).
+ */
+enum EpmStatus epm_residency_destroy(struct EpmResidency *res);
+
+/**
+ * Register a weight: `bytes` at `host` (pageable or page-locked).
+ *
+ * Ownership: epmem reads `[host, host+bytes)` on page-ins until the weight
+ * is unregistered (or the manager destroyed); the caller keeps it allocated
+ * and unmodified until then. Weights that start on their own page can have
+ * their sources registered individually (see `register_sources`).
+ * NULL: `host`/`out_weight` NULL_POINTER. Errors: INVALID_ARGUMENT for 0
+ * bytes, OUT_OF_BUDGET for a weight larger than the budget. `*out_weight`
+ * is written only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_register_weight(struct EpmResidency *res,
+                                             const void *host,
+                                             size_t bytes,
+                                             EpmWeightId *out_weight);
+
+/**
+ * Unregister a weight. It must not be acquired; if resident, waits for its
+ * fences and frees its device memory. It leaves the declared cycle.
+ *
+ * Errors: INVALID_ARGUMENT for an unknown weight, INVALID_STATE while it is
+ * acquired. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_unregister_weight(struct EpmResidency *res, EpmWeightId weight);
+
+/**
+ * Register a whole host range once (page-lock it, read-only), so every
+ * weight inside it is copied directly with no staging. Registering costs
+ * ~40 ms per GiB on the H200, repaid within a few decode steps.
+ *
+ * Ownership: the range must stay allocated until
+ * `epm_residency_unregister_host_range` (or destroy). NULL: `host`/`out_range`
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for 0 bytes; the device's error when
+ * it refuses (overlap with page-locked memory, locked-memory limit).
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_register_host_range(struct EpmResidency *res,
+                                                 const void *host,
+                                                 size_t bytes,
+                                                 EpmHostRangeId *out_range);
+
+/**
+ * Unregister a host range (synchronizes the device first). Weights inside
+ * it stay registered and are staged from then on.
+ *
+ * Errors: INVALID_ARGUMENT for an unknown or already unregistered id.
+ */
+enum EpmStatus epm_residency_unregister_host_range(struct EpmResidency *res, EpmHostRangeId range);
+
+/**
+ * Declare the cyclic order of a decode step (`n` weights, each at most
+ * once). The cyclic policy evicts by it and `acquire` prefetches along it.
+ * Declaring again replaces it; `n == 0` clears it.
+ *
+ * NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
+ * an unknown or repeated weight. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_declare_cycle(struct EpmResidency *res,
+                                           const EpmWeightId *order,
+                                           size_t n);
+
+/**
+ * Page in `weights` (in order) ahead of use, as far as the budget allows
+ * without evicting anything needed sooner; never waits for a copy. Writes
+ * how many page-ins were issued to `*out_issued` (which may be NULL).
+ *
+ * Errors: INVALID_ARGUMENT for an unknown weight. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_prefetch(struct EpmResidency *res,
+                                      const EpmWeightId *weights,
+                                      size_t n,
+                                      size_t *out_issued);
+
+/**
+ * Make `weight` usable by work queued on `stream` from now on and write its
+ * device address to `*out_ptr`. On a miss the page-in is issued and
+ * `stream` waits for it on the device; on a hit the host never waits. The
+ * address stays valid until the matching `epm_residency_release` (and for
+ * the work queued on `stream` before it).
+ *
+ * NULL: `res`/`stream` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT (unknown weight, stream of another device), ALL_IN_USE
+ * when making room would evict a weight that is acquired and not released.
+ * `*out_ptr` is written only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_acquire(struct EpmResidency *res,
+                                     EpmWeightId weight,
+                                     struct EpmStream *stream,
+                                     EpmDevicePtr *out_ptr);
+
+/**
+ * End a use of `weight` on `stream`: records the read fence. The weight
+ * stays resident and is evicted only after the work queued on `stream` so
+ * far has completed.
+ *
+ * Errors: INVALID_ARGUMENT (unknown weight, other device), INVALID_STATE
+ * when released more often than acquired. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_release(struct EpmResidency *res,
+                                     EpmWeightId weight,
+                                     struct EpmStream *stream);
+
+/**
+ * Wait for every page-in and the whole device, so the stats are final.
+ *
+ * Errors: device errors. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_synchronize(struct EpmResidency *res);
+
+/**
+ * Fill `*out` with the counters. The caller sets
+ * `out->size = sizeof(EpmResidencyStats)` first; epmem fills at most that
+ * many bytes and writes back how many.
+ *
+ * NULL: `res` INVALID_HANDLE, `out` NULL_POINTER. Errors: INVALID_ARGUMENT
+ * for a too-small `size`. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_get_stats(struct EpmResidency *res, struct EpmResidencyStats *out);
+
+/**
  * Create a staging pool on `dev` that retains at most `max_buffers` buffers
  * and `max_bytes` bytes between uses (0 means the default: 8 buffers,
  * 512 MiB). A buffer whose return would breach a bound is freed.
@@ -719,6 +1615,7 @@ enum EpmStatus epm_staging_pool_destroy(struct EpmStagingPool *pool);
  *
  * Set `out->size = sizeof(EpmCopyEngineConfig)` first. NULL: `out` is
  * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
+ * Threading: safe from any thread.
  */
 enum EpmStatus epm_copy_engine_config_default(struct EpmCopyEngineConfig *out);
 

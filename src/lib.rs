@@ -10,6 +10,8 @@
 // Modules that hold no C-visible types are hidden from cbindgen, so their
 // public Rust constants and enums never leak into include/epmem.h.
 /// cbindgen:ignore
+pub mod arena;
+/// cbindgen:ignore
 #[doc(hidden)]
 pub mod bench_support;
 /// cbindgen:ignore
@@ -17,7 +19,11 @@ pub mod device;
 pub mod error;
 pub mod ffi;
 /// cbindgen:ignore
+pub mod kv;
+/// cbindgen:ignore
 pub mod ort;
+/// cbindgen:ignore
+pub mod residency;
 pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};

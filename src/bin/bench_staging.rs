@@ -287,7 +287,15 @@ fn run(args: &BenchArgs) -> Res<()> {
         targets.push(format!("(d) ≥ 95% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vd / ve, verdict(vd >= 0.95 * ve)));
         sources.push((mib, src, dst));
     }
-    let sweep = sweep(&plan, &c.pool, &sources, &mut rep)?;
+    let (sweep, sweep_best) = sweep(&plan, &c.pool, &sources, &mut rep)?;
+    for &(mib, v, t, k) in &sweep_best {
+        let e = rep.get(&format!("e_peak/{mib}MiB")).unwrap_or(f64::NAN);
+        targets.push(format!(
+            "best of the sweep at {mib} MiB ({t} fill threads, {k} chunks): {v:.1} GB/s = {:.2}×(f), {:.0}% of (e)",
+            v / best.1,
+            100.0 * v / e
+        ));
+    }
     targets.insert(0, format!("acquire+release median ≤ 1 µs: {lat_us:.3} µs {}", verdict(lat_us <= 1.0)));
     targets.insert(1, format!("steady-state pinned_alloc_calls = 0: {steady_allocs} {}", verdict(steady_allocs == 0)));
     rep.push(Scenario::new("pool", "steady_state_pinned_allocs", "calls", false, vec![steady_allocs as f64]));
@@ -350,13 +358,14 @@ fn run(args: &BenchArgs) -> Res<()> {
 }
 
 /// (c) over fill threads × chunks per page-in (chunks up to 32 MiB): the
-/// figures that choose the engine's defaults. Returns a markdown table.
+/// figures that choose the engine's defaults. Returns a markdown table and,
+/// per size, the best (GB/s, fill threads, chunks).
 fn sweep(
     plan: &Plan,
     pool: &PinnedStagingPool,
     sources: &[(usize, HostRange, DeviceBuffer)],
     rep: &mut Report,
-) -> Res<String> {
+) -> Res<(String, Vec<(usize, f64, usize, usize)>)> {
     let sizes: Vec<_> = sources.iter().filter(|(mib, ..)| plan.sweep_mib.contains(mib)).collect();
     let mut md = String::from("| fill threads | chunks per page-in |");
     for (mib, ..) in &sizes {
@@ -365,22 +374,26 @@ fn sweep(
     md.push_str("\n|---|---|");
     md.push_str(&"---|".repeat(sizes.len()));
     md.push('\n');
+    let mut best: Vec<(usize, f64, usize, usize)> = sizes.iter().map(|(mib, ..)| (*mib, 0.0, 0, 0)).collect();
     for &t in plan.sweep_threads {
         for &k in plan.sweep_chunks {
             let cfg =
                 EngineConfig { fill_threads: t, target_chunks: k, chunk_bytes: 32 * MIB, ..EngineConfig::default() };
             let engine = CopyEngine::new(pool, cfg)?;
             let _ = write!(md, "| {t} | {k} |");
-            for (mib, src, dst) in &sizes {
+            for (i, (mib, src, dst)) in sizes.iter().enumerate() {
                 let samples = rate(plan, mib * MIB, || engine.htod(dst.ptr(), *src, None)?.wait())?;
                 let name = format!("c_threads{t}/k{k}");
                 let v = rep.push(Scenario::new(&format!("sweep_{mib}MiB"), &name, "GB/s", true, samples).at(k as f64));
                 let _ = write!(md, " {v:.1} |");
+                if v > best[i].1 {
+                    best[i] = (*mib, v, t, k);
+                }
             }
             md.push('\n');
         }
     }
-    Ok(md)
+    Ok((md, best))
 }
 
 fn verdict(ok: bool) -> &'static str {

@@ -46,12 +46,15 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod args;
+pub mod arena;
 pub mod device;
 pub mod event;
 pub mod handle;
+pub mod kv;
 pub mod log;
 pub mod memory;
 pub mod panic;
+pub mod residency;
 pub mod staging;
 pub mod status;
 pub mod stream;

@@ -260,6 +260,7 @@ pub extern "C" fn epm_staging_pool_destroy(pool: *mut EpmStagingPool) -> EpmStat
 ///
 /// Set `out->size = sizeof(EpmCopyEngineConfig)` first. NULL: `out` is
 /// NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
+/// Threading: safe from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_copy_engine_config_default(out: *mut EpmCopyEngineConfig) -> EpmStatus {
     ffi_boundary! {

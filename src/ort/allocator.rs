@@ -89,6 +89,7 @@ impl Allocator {
         kind: MemKind,
         opts: AllocatorOptions,
     ) -> Result<*mut OrtAllocator> {
+        // The limit is also the arena's capacity: its VA reservation on the device.
         let default_limit = match kind {
             MemKind::Device => dev.dev.info().total_mem,
             MemKind::Pinned => physical_ram(),
@@ -118,7 +119,7 @@ impl Allocator {
             info,
             device_label: dev.label(),
             kind,
-            source: source::open(&dev.dev, kind),
+            source: source::open(&dev.dev, kind, limit)?,
             book: Mutex::new(Book::new(limit)),
         });
         Ok(Box::into_raw(a) as *mut OrtAllocator)

@@ -102,17 +102,29 @@ static void test_shared_allocator_options_and_stats(void) {
   CHECK(p != NULL, "Alloc(4096) failed");
   CHECK(stat(a, "InUse") == 4096 && stat(a, "NumAllocs") == 1, "InUse=%lld NumAllocs=%lld", stat(a, "InUse"),
         stat(a, "NumAllocs"));
+  CHECK(stat(a, "epmem.committed_bytes") > 0, "nothing committed after an Alloc");
+  /* The arena commits a chunk once; later allocations make no driver call. */
+  CHECK(stat(a, "NumArenaExtensions") == 1, "extensions after the first Alloc: %lld", stat(a, "NumArenaExtensions"));
+  void* many[64];
+  for (int i = 0; i < 64; i++) many[i] = a->Alloc(a, 1024);
+  for (int i = 0; i < 64; i++) {
+    CHECK(many[i] != NULL, "small Alloc %d failed", i);
+    if (many[i]) a->Free(a, many[i]);
+  }
+  CHECK(stat(a, "NumArenaExtensions") == 1, "64 small allocations went to the driver: extensions=%lld",
+        stat(a, "NumArenaExtensions"));
   void* big = a->Alloc(a, 2 << 20);
   CHECK(big == NULL, "Alloc past the 1 MiB limit succeeded");
   CHECK(stat(a, "epmem.failed_allocs") == 1, "failed_allocs=%lld", stat(a, "epmem.failed_allocs"));
   a->Free(a, p);
-  CHECK(stat(a, "InUse") == 0 && stat(a, "MaxInUse") == 4096, "after Free: InUse=%lld MaxInUse=%lld",
+  CHECK(stat(a, "InUse") == 0 && stat(a, "MaxInUse") == 4096 + 64 * 1024, "after Free: InUse=%lld MaxInUse=%lld",
         stat(a, "InUse"), stat(a, "MaxInUse"));
   /* Shrink (ORT 1.25+ reads it when version >= 25) gives unused memory back. */
   if (a->version >= 25) {
     CHECK(a->Shrink && ok(a->Shrink(a)), "Shrink: %s", last_msg);
     CHECK(stat(a, "epmem.committed_bytes") == 0, "committed after Shrink with nothing live: %lld",
           stat(a, "epmem.committed_bytes"));
+    CHECK(stat(a, "NumArenaShrinkages") == 1, "shrinkages=%lld", stat(a, "NumArenaShrinkages"));
   }
   CHECK(ok(ORT_FN(api, ReleaseSharedAllocator)(env, d, OrtDeviceMemoryType_DEFAULT)), "ReleaseSharedAllocator: %s",
         last_msg);

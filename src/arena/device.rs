@@ -1,0 +1,183 @@
+//! The device arena: one VA reservation, committed chunk by chunk.
+
+use std::sync::{Arc, Mutex};
+
+use super::suballoc::SubAlloc;
+use super::{chunk_size, Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT};
+use crate::device::{Access, Device, PhysMem, VaRange};
+use crate::error::Result;
+
+#[derive(Debug)]
+struct Inner {
+    sub: SubAlloc,
+    /// Physical memory of each chunk, `None` while uncommitted. Declared
+    /// before `va` is irrelevant: teardown unmaps explicitly first.
+    chunks: Vec<Option<PhysMem>>,
+    /// Live allocations touching each chunk (trim gives back only zeros).
+    users: Vec<u32>,
+    va: VaRange,
+    stats: ArenaStats,
+}
+
+/// Device memory for resident weights and ONNX Runtime tensors. See [`super`].
+#[derive(Debug)]
+pub struct DeviceArena {
+    dev: Arc<dyn Device>,
+    chunk: usize,
+    inner: Mutex<Inner>,
+}
+
+impl DeviceArena {
+    /// Reserve `cfg.capacity` bytes of VA (rounded up to whole chunks).
+    /// Nothing is committed until the first allocation.
+    pub fn new(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Self> {
+        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity());
+        crate::ensure!(cfg.capacity > 0, InvalidArgument, "device arena capacity is 0");
+        let capacity = cfg.capacity.next_multiple_of(chunk);
+        let sub = SubAlloc::new(capacity, DEFAULT_UNIT, cfg.max_allocs)?;
+        let va = VaRange::reserve(dev, capacity)?;
+        let n = capacity / chunk;
+        let stats = ArenaStats { reserved_bytes: capacity as u64, ..Default::default() };
+        Ok(Self {
+            dev: dev.clone(),
+            chunk,
+            inner: Mutex::new(Inner { sub, chunks: (0..n).map(|_| None).collect(), users: vec![0; n], va, stats }),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+    /// The growth step in bytes.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk
+    }
+    pub fn capacity(&self) -> usize {
+        self.lock().sub.capacity()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves counters possibly stale but
+        // memory state consistent (every mutation is completed before the
+        // next fallible call), so keep going.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Chunk indices `[first, last]` covered by a byte span.
+    fn chunk_span(&self, start: usize, len: usize) -> std::ops::RangeInclusive<usize> {
+        start / self.chunk..=(start + len - 1) / self.chunk
+    }
+
+    fn commit(&self, g: &mut Inner, c: usize) -> Result<()> {
+        if g.chunks[c].is_some() {
+            return Ok(());
+        }
+        let phys = PhysMem::new(&self.dev, self.chunk)?;
+        g.stats.driver_alloc_calls += 1;
+        g.va.map(c * self.chunk, self.chunk, &phys, 0, Access::ReadWrite)?;
+        g.chunks[c] = Some(phys);
+        g.stats.committed_bytes += self.chunk as u64;
+        Ok(())
+    }
+
+    fn decommit(&self, g: &mut Inner, c: usize) -> Result<()> {
+        if g.chunks[c].is_none() {
+            return Ok(());
+        }
+        g.va.unmap(c * self.chunk, self.chunk)?;
+        drop(g.chunks[c].take());
+        g.stats.driver_free_calls += 1;
+        g.stats.committed_bytes -= self.chunk as u64;
+        Ok(())
+    }
+}
+
+impl Arena for DeviceArena {
+    fn alloc(&self, bytes: usize, align: usize) -> Result<u64> {
+        crate::ensure!(
+            align <= self.chunk,
+            InvalidArgument,
+            "alignment {align} exceeds the arena's chunk of {} bytes",
+            self.chunk
+        );
+        let mut g = self.lock();
+        let g = &mut *g;
+        let off = g.sub.alloc(bytes, align)?;
+        let (start, span) = g.sub.get(off).map(|l| l.span()).unwrap_or((off, bytes));
+        let chunks = self.chunk_span(start, span);
+        for c in chunks.clone() {
+            if let Err(e) = self.commit(g, c) {
+                // Leave chunks committed so far: they are reusable, and
+                // giving them back here would cost driver calls for nothing.
+                let _ = g.sub.free(off);
+                return Err(e.context(format!("growing the device arena for {bytes} bytes")));
+            }
+        }
+        for c in chunks {
+            g.users[c] += 1;
+        }
+        g.stats.alloc_calls += 1;
+        Ok(g.va.base() + off as u64)
+    }
+
+    fn free(&self, addr: u64) -> Result<()> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let base = g.va.base();
+        crate::ensure!(
+            addr >= base && addr < base + g.sub.capacity() as u64,
+            InvalidArgument,
+            "address {addr:#x} is not inside this device arena"
+        );
+        let live = g.sub.free((addr - base) as usize)?;
+        let (start, span) = live.span();
+        for c in self.chunk_span(start, span) {
+            g.users[c] -= 1;
+        }
+        g.stats.free_calls += 1;
+        Ok(())
+    }
+
+    fn size_of(&self, addr: u64) -> Option<usize> {
+        let g = self.lock();
+        let off = addr.checked_sub(g.va.base())? as usize;
+        g.sub.get(off).map(|l| l.requested)
+    }
+
+    fn trim(&self) -> Result<usize> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let mut given = 0;
+        for c in 0..g.chunks.len() {
+            if g.users[c] == 0 && g.chunks[c].is_some() {
+                self.decommit(g, c)?;
+                given += self.chunk;
+            }
+        }
+        Ok(given)
+    }
+
+    fn stats(&self) -> ArenaStats {
+        let g = self.lock();
+        ArenaStats {
+            in_use_bytes: g.sub.in_use() as u64,
+            peak_in_use_bytes: g.sub.peak_in_use() as u64,
+            live_allocations: g.sub.live_count() as u64,
+            fragmentation: g.sub.fragmentation(),
+            ..g.stats
+        }
+    }
+}
+
+impl Drop for DeviceArena {
+    fn drop(&mut self) {
+        // Teardown order: unmap → release handle → free VA (the VaRange drops last).
+        let mut g = self.lock();
+        let g = &mut *g;
+        for c in 0..g.chunks.len() {
+            if let Err(e) = self.decommit(g, c) {
+                log::warn!("epmem: device arena teardown: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Device and pinned-host arenas: O(1) sub-allocation with no driver call per
+//! allocation or free in steady state.
+//!
+//! - [`DeviceArena`]: one VA reservation of `capacity` bytes, backed in
+//!   chunks of whole granules of physical memory ([`crate::device::PhysMem`]:
+//!   CUDA VMM on a GPU, memfd on the host device) that are committed the first
+//!   time an allocation lands in them and then kept. cuMemCreate + map + set
+//!   access cost ~50 µs per 2 MiB granule on the H200 (DESIGN.md floors), so
+//!   the driver is paid once per chunk, never per allocation.
+//! - [`PinnedArena`]: the same interface over page-locked host memory, in
+//!   segments (pinned memory cannot be grown in place; cuMemHostAlloc of
+//!   32 MiB costs 12.6 ms, so segments are kept too).
+//!
+//! Both hand out addresses (`u64`): a device address for the device arena, a
+//! host address for the pinned arena. Both are used by the residency manager
+//! and by the ONNX Runtime allocators. [`Arena::trim`] gives unused chunks
+//! back explicitly; nothing is given back implicitly.
+
+mod device;
+mod pinned;
+mod suballoc;
+
+pub use device::DeviceArena;
+pub use pinned::PinnedArena;
+
+use crate::error::Result;
+
+/// Sub-allocation unit and default alignment: 256 bytes, cuMemAlloc's alignment.
+pub const DEFAULT_UNIT: usize = 256;
+
+/// How an arena is shaped. Sizes are rounded up to whole chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaConfig {
+    /// Most bytes the arena may ever commit (the device arena reserves this
+    /// much VA up front). Beyond it an allocation is [`crate::EpmStatus::OutOfBudget`].
+    pub capacity: usize,
+    /// Growth step in bytes; 0 = 16 granules (32 MiB on the H200). Rounded
+    /// up to the granularity.
+    pub chunk_bytes: usize,
+    /// Most live allocations (offset-allocator preallocates its node table).
+    pub max_allocs: u32,
+}
+
+impl ArenaConfig {
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self { capacity, chunk_bytes: 0, max_allocs: 64 * 1024 }
+    }
+}
+
+/// Counters of one arena. `driver_*_calls` count physical allocations and
+/// frees (cuMemCreate / cuMemHostAlloc and their releases) made by this arena;
+/// in steady state they do not move.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ArenaStats {
+    pub driver_alloc_calls: u64,
+    pub driver_free_calls: u64,
+    /// Address space held: the VA reservation (device), the segments (pinned).
+    pub reserved_bytes: u64,
+    /// Physical bytes committed.
+    pub committed_bytes: u64,
+    /// Bytes held by live allocations (unit rounding and padding included).
+    pub in_use_bytes: u64,
+    pub peak_in_use_bytes: u64,
+    pub live_allocations: u64,
+    pub alloc_calls: u64,
+    pub free_calls: u64,
+    /// 1 − largest free range / free bytes (0: free space is one range).
+    pub fragmentation: f64,
+}
+
+/// What both arenas offer. Thread-safe; every call takes an internal lock.
+pub trait Arena: Send + Sync + std::fmt::Debug {
+    /// `bytes > 0` aligned to `align` (0 = [`DEFAULT_UNIT`]; a power of two).
+    /// Commits a chunk if the range lands in uncommitted memory.
+    fn alloc(&self, bytes: usize, align: usize) -> Result<u64>;
+    /// Free an address returned by `alloc`. A foreign or already-freed
+    /// address is [`crate::EpmStatus::InvalidArgument`]. The caller
+    /// guarantees no queued work still uses it.
+    fn free(&self, addr: u64) -> Result<()>;
+    /// The size requested for a live allocation.
+    fn size_of(&self, addr: u64) -> Option<usize>;
+    /// Give back every chunk no live allocation touches; returns bytes given back.
+    fn trim(&self) -> Result<usize>;
+    fn stats(&self) -> ArenaStats;
+}
+
+/// Round `chunk` (0 = 16 granules) up to the granularity.
+fn chunk_size(chunk: usize, granularity: usize) -> usize {
+    let c = if chunk == 0 { 16 * granularity } else { chunk };
+    c.next_multiple_of(granularity)
+}

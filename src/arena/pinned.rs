@@ -1,0 +1,191 @@
+//! The pinned-host arena: page-locked segments, each sub-allocated.
+//!
+//! Pinned memory cannot be grown in place, so each growth is a new segment
+//! (one cuMemHostAlloc) with its own sub-allocator. A request larger than a
+//! segment gets a segment of its own size. Allocation tries the segment that
+//! served last, then the others (each check is O(1) against the allocator's
+//! largest free range), so the cost is O(segments) only when one fills up.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use super::suballoc::SubAlloc;
+use super::{chunk_size, Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT};
+use crate::device::{Device, PinnedBuffer};
+use crate::error::Result;
+
+#[derive(Debug)]
+struct Segment {
+    buf: PinnedBuffer,
+    sub: SubAlloc,
+}
+
+impl Segment {
+    fn base(&self) -> u64 {
+        self.buf.as_ptr() as u64
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// Segments by base address, so a free finds its segment in O(log n).
+    segs: BTreeMap<u64, Segment>,
+    last: Option<u64>,
+    committed: usize,
+    in_use: usize,
+    peak_in_use: usize,
+    stats: ArenaStats,
+}
+
+/// Page-locked host memory for staging and ONNX Runtime's host-accessible
+/// allocator. See [`super`].
+#[derive(Debug)]
+pub struct PinnedArena {
+    dev: Arc<dyn Device>,
+    chunk: usize,
+    capacity: usize,
+    max_allocs: u32,
+    inner: Mutex<Inner>,
+}
+
+impl PinnedArena {
+    /// Nothing is allocated until the first request.
+    pub fn new(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Self> {
+        crate::ensure!(cfg.capacity > 0, InvalidArgument, "pinned arena capacity is 0");
+        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity());
+        Ok(Self {
+            dev: dev.clone(),
+            chunk,
+            capacity: cfg.capacity,
+            max_allocs: cfg.max_allocs,
+            inner: Mutex::new(Inner {
+                segs: BTreeMap::new(),
+                last: None,
+                committed: 0,
+                in_use: 0,
+                peak_in_use: 0,
+                stats: ArenaStats::default(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn try_segment(seg: &mut Segment, bytes: usize, align: usize) -> Option<u64> {
+        let need = (bytes + align.saturating_sub(DEFAULT_UNIT)).next_multiple_of(DEFAULT_UNIT);
+        if seg.sub.free_report().1 < need {
+            return None;
+        }
+        seg.sub.alloc(bytes, align).ok().map(|off| seg.base() + off as u64)
+    }
+
+}
+
+impl Arena for PinnedArena {
+    fn alloc(&self, bytes: usize, align: usize) -> Result<u64> {
+        crate::ensure!(bytes > 0, InvalidArgument, "allocation of 0 bytes");
+        crate::ensure!(
+            align == 0 || (align.is_power_of_two() && align <= self.chunk),
+            InvalidArgument,
+            "alignment {align} is not a power of two up to the segment size {}",
+            self.chunk
+        );
+        let align = align.max(DEFAULT_UNIT);
+        let mut g = self.lock();
+        let g = &mut *g;
+        let mut found = None;
+        if let Some(seg) = g.last.and_then(|b| g.segs.get_mut(&b)) {
+            found = Self::try_segment(seg, bytes, align);
+        }
+        if found.is_none() {
+            found = g.segs.values_mut().find_map(|s| Self::try_segment(s, bytes, align));
+        }
+        let addr = match found {
+            Some(a) => a,
+            None => {
+                let size = (bytes + align - DEFAULT_UNIT).next_multiple_of(self.chunk).max(self.chunk);
+                crate::ensure!(
+                    g.committed + size <= self.capacity,
+                    OutOfBudget,
+                    "pinned arena: {bytes} bytes need a new segment of {size} bytes, but {} of {} bytes are committed",
+                    g.committed,
+                    self.capacity
+                );
+                let buf = PinnedBuffer::new(&self.dev, size)
+                    .map_err(|e| e.context(format!("growing the pinned arena by {size} bytes")))?;
+                g.stats.driver_alloc_calls += 1;
+                let mut seg = Segment { buf, sub: SubAlloc::new(size, DEFAULT_UNIT, self.max_allocs)? };
+                let a = Self::try_segment(&mut seg, bytes, align)
+                    .ok_or_else(|| crate::error::Error::internal("a fresh pinned segment refused its first allocation"))?;
+                g.committed += size;
+                g.segs.insert(seg.base(), seg);
+                a
+            }
+        };
+        g.last = g.segs.range(..=addr).next_back().map(|(b, _)| *b);
+        g.stats.alloc_calls += 1;
+        let span = g.segs.range(..=addr).next_back().and_then(|(b, s)| s.sub.get((addr - b) as usize)).map_or(0, |l| l.span().1);
+        g.in_use += span;
+        g.peak_in_use = g.peak_in_use.max(g.in_use);
+        Ok(addr)
+    }
+
+    fn free(&self, addr: u64) -> Result<()> {
+        let mut g = self.lock();
+        let seg = g
+            .segs
+            .range_mut(..=addr)
+            .next_back()
+            .map(|(_, s)| s)
+            .filter(|s| addr < s.base() + s.sub.capacity() as u64)
+            .ok_or_else(|| {
+                crate::error::Error::invalid_argument(format!("address {addr:#x} is not inside this pinned arena"))
+            })?;
+        let off = (addr - seg.base()) as usize;
+        let live = seg.sub.free(off)?;
+        g.in_use -= live.span().1;
+        g.stats.free_calls += 1;
+        Ok(())
+    }
+
+    fn size_of(&self, addr: u64) -> Option<usize> {
+        let g = self.lock();
+        let (base, seg) = g.segs.range(..=addr).next_back()?;
+        seg.sub.get((addr - base) as usize).map(|l| l.requested)
+    }
+
+    fn trim(&self) -> Result<usize> {
+        let mut g = self.lock();
+        let empty: Vec<u64> = g.segs.iter().filter(|(_, s)| s.sub.live_count() == 0).map(|(b, _)| *b).collect();
+        let mut given = 0;
+        for b in empty {
+            if let Some(seg) = g.segs.remove(&b) {
+                given += seg.sub.capacity();
+                drop(seg); // frees the pinned memory (one driver call)
+                g.stats.driver_free_calls += 1;
+            }
+        }
+        g.committed -= given;
+        if g.last.is_some_and(|b| !g.segs.contains_key(&b)) {
+            g.last = None;
+        }
+        Ok(given)
+    }
+
+    fn stats(&self) -> ArenaStats {
+        let g = self.lock();
+        let (free, largest) =
+            g.segs.values().map(|s| s.sub.free_report()).fold((0, 0), |(f, l), (sf, sl)| (f + sf, l.max(sl)));
+        ArenaStats {
+            reserved_bytes: g.committed as u64,
+            committed_bytes: g.committed as u64,
+            in_use_bytes: g.in_use as u64,
+            peak_in_use_bytes: g.peak_in_use as u64,
+            live_allocations: g.segs.values().map(|s| s.sub.live_count() as u64).sum(),
+            fragmentation: if free == 0 { 0.0 } else { 1.0 - largest as f64 / free as f64 },
+            ..g.stats
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! `EpmArena`: the device arena (VMM, grown in granule chunks) and the
+//! pinned-host arena, with O(1) sub-allocation and no driver call per
+//! allocation or free once warm.
+//!
+//! Also the helpers for versioned structs both this file and
+//! `residency.rs` use: a caller's struct is read or written up to the `size`
+//! it declares, never past it.
+
+use crate::arena::{Arena, ArenaConfig, ArenaStats, DeviceArena, PinnedArena};
+use crate::ffi::device::EpmDevice;
+use crate::ffi::prelude::*;
+
+/// A device arena or a pinned-host arena. Keeps its device alive; memory it
+/// handed out stays valid until freed or until the arena is destroyed.
+pub struct EpmArena {
+    _opaque: [u8; 0],
+}
+impl_handle!(EpmArena => dyn Arena, tag = 0x30);
+
+/// How an arena is shaped; versioned by `size`. Fill with
+/// `epm_arena_config_default`, then change what you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmArenaConfig {
+    /// `sizeof(EpmArenaConfig)` as the caller compiled it.
+    pub size: usize,
+    /// Most bytes the arena may commit. The device arena reserves this much
+    /// virtual address space up front (cheap); beyond it an allocation is
+    /// EPM_STATUS_OUT_OF_BUDGET. Required (no default).
+    pub capacity_bytes: u64,
+    /// Growth step: physical memory is committed (and kept) in chunks of this
+    /// many bytes, rounded up to the device's granularity. 0: 16 granules
+    /// (32 MiB on the H200).
+    pub chunk_bytes: u64,
+    /// Most live allocations (the sub-allocator's node table). 0: 65536.
+    pub max_allocations: u32,
+}
+
+/// Counters of an arena, filled by `epm_arena_get_stats`; versioned by `size`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpmArenaStats {
+    /// In: `sizeof(EpmArenaStats)`. Out: bytes filled.
+    pub size: usize,
+    /// Physical allocations (cuMemCreate / cuMemHostAlloc) made by the arena.
+    /// Flat in steady state.
+    pub driver_alloc_calls: u64,
+    /// Physical frees made by the arena (only `epm_arena_trim` and destroy free).
+    pub driver_free_calls: u64,
+    /// Address space held (device: the VA reservation; pinned: the segments).
+    pub reserved_bytes: u64,
+    /// Physical bytes committed.
+    pub committed_bytes: u64,
+    /// Bytes held by live allocations (rounding and alignment padding included).
+    pub in_use_bytes: u64,
+    pub peak_in_use_bytes: u64,
+    pub live_allocations: u64,
+    pub alloc_calls: u64,
+    pub free_calls: u64,
+    /// 1 − largest free range / free bytes: 0 when free space is one range.
+    pub fragmentation: f64,
+}
+
+impl From<ArenaStats> for EpmArenaStats {
+    fn from(s: ArenaStats) -> Self {
+        Self {
+            size: std::mem::size_of::<Self>(),
+            driver_alloc_calls: s.driver_alloc_calls,
+            driver_free_calls: s.driver_free_calls,
+            reserved_bytes: s.reserved_bytes,
+            committed_bytes: s.committed_bytes,
+            in_use_bytes: s.in_use_bytes,
+            peak_in_use_bytes: s.peak_in_use_bytes,
+            live_allocations: s.live_allocations,
+            alloc_calls: s.alloc_calls,
+            free_calls: s.free_calls,
+            fragmentation: s.fragmentation,
+        }
+    }
+}
+
+/// Read a caller's versioned input struct: the fields it declared (by its
+/// leading `size`) over `defaults` for the rest.
+///
+/// # Safety (of the C caller)
+/// `p` is non-NULL (checked) and points to at least `size` readable bytes.
+pub(crate) fn read_versioned<T: Copy>(p: *const T, defaults: T, min_size: usize, what: &str) -> Result<T> {
+    ensure!(!p.is_null(), NullPointer, "argument `{what}` is NULL");
+    // SAFETY: non-NULL; every versioned struct starts with `size_t size`,
+    // which the caller promises is readable.
+    let caller = unsafe { p.cast::<usize>().read_unaligned() };
+    ensure!(
+        caller >= min_size,
+        InvalidArgument,
+        "{what}->size is {caller}; set it to sizeof the struct (at least {min_size})"
+    );
+    let mut v = defaults;
+    let n = caller.min(std::mem::size_of::<T>());
+    // SAFETY: the caller's struct has `caller >= n` readable bytes; `v` is a
+    // local of at least `n` bytes; they do not overlap. Every field of these
+    // structs is an integer or float, so any bytes are a valid value.
+    unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), (&raw mut v).cast::<u8>(), n) };
+    // SAFETY: `v` starts with a usize `size` field (repr(C)).
+    unsafe { (&raw mut v).cast::<usize>().write_unaligned(n) };
+    Ok(v)
+}
+
+/// Write a versioned output struct: at most the caller's declared `size`
+/// bytes, with `size` set to the number written.
+pub(crate) fn write_versioned<T: Copy>(out: OutParam<'_, T>, value: T, min_size: usize, what: &str) -> Result<()> {
+    // SAFETY: `out` is non-NULL (OutParam) and the caller promises its
+    // leading `size` field is readable.
+    let caller = unsafe { out.as_ptr().cast::<usize>().read_unaligned() };
+    ensure!(
+        caller >= min_size,
+        InvalidArgument,
+        "{what}->size is {caller}; set it to sizeof the struct (at least {min_size})"
+    );
+    let n = caller.min(std::mem::size_of::<T>());
+    let mut v = value;
+    // SAFETY: `v` starts with a usize `size` field (repr(C)).
+    unsafe { (&raw mut v).cast::<usize>().write_unaligned(n) };
+    // SAFETY: the caller's struct has `caller >= n` writable bytes; `v` is a
+    // local of at least `n` bytes; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping((&raw const v).cast::<u8>(), out.as_ptr().cast::<u8>(), n) };
+    Ok(())
+}
+
+const CONFIG_MIN: usize = std::mem::size_of::<EpmArenaConfig>();
+const STATS_MIN: usize = std::mem::size_of::<EpmArenaStats>();
+
+fn default_config() -> EpmArenaConfig {
+    EpmArenaConfig { size: CONFIG_MIN, capacity_bytes: 0, chunk_bytes: 0, max_allocations: 0 }
+}
+
+fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
+    let c = read_versioned(cfg, default_config(), CONFIG_MIN, "cfg")?;
+    ensure!(c.capacity_bytes > 0, InvalidArgument, "cfg->capacity_bytes is 0");
+    let capacity = usize::try_from(c.capacity_bytes)
+        .map_err(|_| Error::invalid_argument(format!("cfg->capacity_bytes {} is too large", c.capacity_bytes)))?;
+    let chunk = usize::try_from(c.chunk_bytes)
+        .map_err(|_| Error::invalid_argument(format!("cfg->chunk_bytes {} is too large", c.chunk_bytes)))?;
+    let max_allocs = if c.max_allocations == 0 { 64 * 1024 } else { c.max_allocations };
+    Ok(ArenaConfig { capacity, chunk_bytes: chunk, max_allocs })
+}
+
+/// Fill `*out` with the defaults (capacity 0: the caller must set it).
+///
+/// The caller sets `out->size = sizeof(EpmArenaConfig)` first. NULL: `out` is
+/// NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `size`. Threading:
+/// safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_config_default(out: *mut EpmArenaConfig) -> EpmStatus {
+    ffi_boundary! {
+        let out = try_out!(out);
+        write_versioned(out, default_config(), CONFIG_MIN, "out")
+    }
+}
+
+/// Create a device arena on `dev`: reserves `cfg->capacity_bytes` of virtual
+/// address space; physical memory is committed chunk by chunk on first use
+/// and kept. Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by
+/// default.
+///
+/// Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
+/// INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
+/// capacity, bad `size`), device errors. Threading: safe from any thread; the
+/// arena itself is thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_create_device(dev: *mut EpmDevice, cfg: *const EpmArenaConfig, out: *mut *mut EpmArena) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let cfg = config_of(cfg)?;
+        let out = try_out!(out);
+        let arena: Arc<dyn Arena> = Arc::new(DeviceArena::new(&dev, cfg)?);
+        out.set(handle::register::<EpmArena>(arena)?);
+        Ok(())
+    }
+}
+
+/// Create a pinned-host arena on `dev`: page-locked host memory in segments
+/// of `cfg->chunk_bytes` (a larger request gets a segment of its own), up to
+/// `cfg->capacity_bytes` in all. Addresses it returns are host addresses
+/// (cast with `(void *)(uintptr_t)addr`).
+///
+/// Ownership, NULL, errors, threading: as `epm_arena_create_device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_create_pinned(dev: *mut EpmDevice, cfg: *const EpmArenaConfig, out: *mut *mut EpmArena) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let cfg = config_of(cfg)?;
+        let out = try_out!(out);
+        let arena: Arc<dyn Arena> = Arc::new(PinnedArena::new(&dev, cfg)?);
+        out.set(handle::register::<EpmArena>(arena)?);
+        Ok(())
+    }
+}
+
+/// Allocate `bytes` aligned to `align` (0: 256; a power of two up to the
+/// chunk size) and write the address to `*out_addr`.
+///
+/// NULL: `arena` is INVALID_HANDLE, `out_addr` NULL_POINTER. Errors:
+/// INVALID_ARGUMENT (0 bytes, bad alignment), OUT_OF_BUDGET (the capacity or
+/// the allocation count is exhausted), OUT_OF_DEVICE_MEMORY /
+/// OUT_OF_HOST_MEMORY when growing fails. `*out_addr` is written only on
+/// success. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_alloc(arena: *mut EpmArena, bytes: usize, align: usize, out_addr: *mut u64) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out_addr);
+        out.set(arena.alloc(bytes, align)?);
+        Ok(())
+    }
+}
+
+/// Free an address from `epm_arena_alloc` on this arena. `addr == 0` is a
+/// no-op. The caller guarantees no queued work still uses it (record an
+/// event after the last use and wait on it, or synchronize).
+///
+/// Errors: INVALID_ARGUMENT for an address this arena did not hand out or
+/// already freed. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_free(arena: *mut EpmArena, addr: u64) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        if addr == 0 {
+            return Ok(());
+        }
+        arena.free(addr)
+    }
+}
+
+/// Give back every chunk (segment) that no live allocation touches; writes
+/// the bytes given back to `*out_bytes` (which may be NULL). Nothing is ever
+/// given back implicitly.
+///
+/// Errors: device errors. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_trim(arena: *mut EpmArena, out_bytes: *mut u64) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let given = arena.trim()? as u64;
+        if !out_bytes.is_null() {
+            try_out!(out_bytes).set(given);
+        }
+        Ok(())
+    }
+}
+
+/// Fill `*out` with the arena's counters. The caller sets
+/// `out->size = sizeof(EpmArenaStats)` first; epmem fills at most that many
+/// bytes and writes back how many.
+///
+/// NULL: `arena` is INVALID_HANDLE, `out` NULL_POINTER. Errors:
+/// INVALID_ARGUMENT for a too-small `size`. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_get_stats(arena: *mut EpmArena, out: *mut EpmArenaStats) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out);
+        write_versioned(out, EpmArenaStats::from(arena.stats()), STATS_MIN, "out")
+    }
+}
+
+/// Destroy an arena handle. Its memory is given back once no other holder
+/// (e.g. an ONNX Runtime allocator) uses the arena; every address it handed
+/// out becomes invalid then.
+///
+/// NULL is a no-op. Errors: INVALID_HANDLE for a destroyed or wrong-typed
+/// handle. Threading: the handle must not be used after this call.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_arena_destroy(arena: *mut EpmArena) -> EpmStatus {
+    ffi_boundary! { handle::destroy(arena) }
+}

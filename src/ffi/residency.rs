@@ -1,0 +1,476 @@
+//! `EpmResidency`: weights that live in host memory, paged into a VRAM
+//! budget around each use.
+//!
+//! The loop a native inference stack runs around each layer:
+//! ```c
+//! epm_residency_acquire(res, w, stream, &dptr);   // stream waits for the page-in
+//! launch_my_kernel(stream, dptr, ...);
+//! epm_residency_release(res, w, stream);          // records the read fence
+//! ```
+
+use crate::ffi::arena::{read_versioned, write_versioned};
+use crate::ffi::device::EpmDevice;
+use crate::ffi::memory::EpmDevicePtr;
+use crate::ffi::prelude::*;
+use crate::ffi::stream::{EpmStream, same_device};
+use crate::device::HostRange;
+use crate::residency::{HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
+
+/// A residency manager: a VRAM budget, its device arena, a staging pool and
+/// copy engine, and the registered weights. Keeps its device alive.
+pub struct EpmResidency {
+    _opaque: [u8; 0],
+}
+impl_handle!(EpmResidency => ResidencyManager, tag = 0x20);
+
+/// A registered weight, unique within its `EpmResidency` and never reused.
+pub type EpmWeightId = u32;
+/// A host range registered with `epm_residency_register_host_range`.
+pub type EpmHostRangeId = u32;
+
+/// `EpmResidencyConfig::policy`: farthest next use under the declared cycle
+/// (Belady's choice for a decode step); weights outside the cycle go first,
+/// least recently used first. The default.
+pub const EPM_POLICY_CYCLIC: u32 = 0;
+/// `EpmResidencyConfig::policy`: least recently used (hits ~0% on a cyclic
+/// scan larger than the budget; kept for comparison).
+pub const EPM_POLICY_LRU: u32 = 1;
+
+/// `EpmResidencyConfig::register_sources`: register a pageable weight's
+/// source with the device on its first page-in while the registered bytes
+/// stay within RLIMIT_MEMLOCK, so later page-ins copy it directly at the
+/// pinned peak; stage it otherwise. The default.
+pub const EPM_REGISTER_WITHIN_MEMLOCK: u32 = 0;
+/// `EpmResidencyConfig::register_sources`: never register; stage every
+/// pageable source through pinned buffers.
+pub const EPM_REGISTER_NEVER: u32 = 1;
+/// `EpmResidencyConfig::register_sources`: register on first page-in
+/// whatever RLIMIT_MEMLOCK says (a refusal by the device still stages).
+pub const EPM_REGISTER_ALWAYS: u32 = 2;
+
+/// How a residency manager is set up; versioned by `size`. Fill with
+/// `epm_residency_config_default`, then set `budget_bytes`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmResidencyConfig {
+    /// `sizeof(EpmResidencyConfig)` as the caller compiled it.
+    pub size: usize,
+    /// Most bytes of weights resident at once. Required (default 0).
+    pub budget_bytes: u64,
+    /// `EPM_POLICY_CYCLIC` (default) or `EPM_POLICY_LRU`.
+    pub policy: u32,
+    /// `EPM_REGISTER_WITHIN_MEMLOCK` (default), `EPM_REGISTER_NEVER` or `EPM_REGISTER_ALWAYS`.
+    pub register_sources: u32,
+    /// Most weights paged in ahead of use along the declared cycle (default 1).
+    /// Each costs about one weight of budget in hits and lets one more
+    /// page-in overlap compute.
+    pub prefetch_depth: u32,
+    /// Nonzero: the host waits for every page-in (the seed's synchronous
+    /// design; for comparison). Default 0.
+    pub sync_page_in: u32,
+    /// Staging slots in flight (2..=4; 0: 3).
+    pub staging_slots: u32,
+    /// Threads filling staging buffers, counting the caller's (0: 8).
+    pub fill_threads: u32,
+    /// Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+    pub staging_chunk_bytes: u64,
+    /// Most bytes the staging pool retains (0: 512 MiB).
+    pub staging_pool_bytes: u64,
+}
+
+/// Counters of a residency manager, filled by `epm_residency_get_stats`;
+/// versioned by `size`. Times lag until their events complete: call
+/// `epm_residency_synchronize` first for final figures.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpmResidencyStats {
+    /// In: `sizeof(EpmResidencyStats)`. Out: bytes filled.
+    pub size: usize,
+    pub acquires: u64,
+    /// Acquires whose data was resident from an earlier use (a weight paged
+    /// in for this use, even by prefetch, is a miss), so `hit_rate` compares
+    /// with Belady's optimum.
+    pub hits: u64,
+    pub hit_rate: f64,
+    /// Copies of a weight to the device (demand and prefetch).
+    pub page_ins: u64,
+    pub prefetch_page_ins: u64,
+    /// Prefetched weights not acquired yet.
+    pub pending_prefetches: u64,
+    /// Prefetched weights evicted before use.
+    pub wasted_prefetches: u64,
+    pub evictions: u64,
+    /// Evictions whose victim was still being read, so the host waited for
+    /// its read fence.
+    pub eviction_waits: u64,
+    /// Page-ins copied straight from page-locked or registered memory.
+    pub bypassed_page_ins: u64,
+    /// Page-ins staged through pinned buffers.
+    pub staged_page_ins: u64,
+    pub source_registrations: u64,
+    pub register_refusals: u64,
+    pub registered_bytes: u64,
+    pub htod_bytes: u64,
+    /// Pinned allocations by the staging pool (flat in steady state), and reuses.
+    pub pinned_alloc_calls: u64,
+    pub pinned_reuses: u64,
+    /// Host time filling staging buffers.
+    pub fill_ms: f64,
+    /// Device time of page-in copies.
+    pub htod_ms: f64,
+    /// Time work waited on page-ins: device_stall_ms + host_stall_ms.
+    pub stall_ms: f64,
+    /// Time compute streams sat waiting for a page-in.
+    pub device_stall_ms: f64,
+    /// Time the host blocked (synchronous page-ins, eviction waits).
+    pub host_stall_ms: f64,
+    pub resident_bytes: u64,
+    pub peak_resident_bytes: u64,
+    pub resident_weights: u64,
+    pub registered_weights: u64,
+    pub budget_bytes: u64,
+    /// The device arena holding resident weights (see `EpmArenaStats`).
+    pub arena_driver_alloc_calls: u64,
+    pub arena_driver_free_calls: u64,
+    pub arena_reserved_bytes: u64,
+    pub arena_committed_bytes: u64,
+    pub arena_in_use_bytes: u64,
+    pub arena_fragmentation: f64,
+}
+
+const CONFIG_MIN: usize = std::mem::size_of::<EpmResidencyConfig>();
+const STATS_MIN: usize = std::mem::size_of::<EpmResidencyStats>();
+
+fn default_config() -> EpmResidencyConfig {
+    let d = ResidencyConfig::with_budget(0);
+    EpmResidencyConfig {
+        size: CONFIG_MIN,
+        budget_bytes: 0,
+        policy: EPM_POLICY_CYCLIC,
+        register_sources: EPM_REGISTER_WITHIN_MEMLOCK,
+        prefetch_depth: d.prefetch_depth as u32,
+        sync_page_in: 0,
+        staging_slots: 0,
+        fill_threads: 0,
+        staging_chunk_bytes: 0,
+        staging_pool_bytes: 0,
+    }
+}
+
+fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
+    let c = read_versioned(p, default_config(), CONFIG_MIN, "cfg")?;
+    ensure!(c.budget_bytes > 0, InvalidArgument, "cfg->budget_bytes is 0");
+    let mut r = ResidencyConfig::with_budget(usize::try_from(c.budget_bytes).map_err(|_| {
+        Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes))
+    })?);
+    r.policy = match c.policy {
+        EPM_POLICY_CYCLIC => PolicyKind::Cyclic,
+        EPM_POLICY_LRU => PolicyKind::Lru,
+        p => bail!(InvalidArgument, "cfg->policy {p} is not EPM_POLICY_CYCLIC (0) or EPM_POLICY_LRU (1)"),
+    };
+    r.register_sources = match c.register_sources {
+        EPM_REGISTER_WITHIN_MEMLOCK => RegisterSources::WithinMemlock,
+        EPM_REGISTER_NEVER => RegisterSources::Never,
+        EPM_REGISTER_ALWAYS => RegisterSources::Always,
+        v => bail!(InvalidArgument, "cfg->register_sources {v} is not one of EPM_REGISTER_* (0, 1, 2)"),
+    };
+    r.prefetch_depth = c.prefetch_depth as usize;
+    r.sync_page_in = c.sync_page_in != 0;
+    if c.staging_slots != 0 {
+        r.engine.slots = c.staging_slots as usize;
+    }
+    if c.fill_threads != 0 {
+        r.engine.fill_threads = c.fill_threads as usize;
+    }
+    if c.staging_chunk_bytes != 0 {
+        r.engine.chunk_bytes = usize::try_from(c.staging_chunk_bytes)
+            .map_err(|_| Error::invalid_argument("cfg->staging_chunk_bytes is too large"))?;
+    }
+    if c.staging_pool_bytes != 0 {
+        r.pool.max_bytes = usize::try_from(c.staging_pool_bytes)
+            .map_err(|_| Error::invalid_argument("cfg->staging_pool_bytes is too large"))?;
+    }
+    Ok(r)
+}
+
+/// Fill `*out` with the defaults (budget 0: the caller must set it).
+///
+/// The caller sets `out->size = sizeof(EpmResidencyConfig)` first. NULL:
+/// `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `size`.
+/// Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_config_default(out: *mut EpmResidencyConfig) -> EpmStatus {
+    ffi_boundary! {
+        let out = try_out!(out);
+        write_versioned(out, default_config(), CONFIG_MIN, "out")
+    }
+}
+
+/// Create a residency manager on `dev` with `*cfg`.
+///
+/// Ownership: destroy `*out` with `epm_residency_destroy`. NULL: `dev` is
+/// INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT /
+/// INVALID_CONFIG for a bad field (budget 0, unknown policy, staging bounds),
+/// device errors. Threading: safe from any thread; the manager is thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_create(
+    dev: *mut EpmDevice,
+    cfg: *const EpmResidencyConfig,
+    out: *mut *mut EpmResidency,
+) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let cfg = config_of(cfg)?;
+        let out = try_out!(out);
+        let m = ResidencyManager::new(&dev, cfg)?;
+        out.set(handle::register::<EpmResidency>(Arc::new(m))?);
+        Ok(())
+    }
+}
+
+/// Destroy a residency manager: waits for its page-ins and read fences,
+/// frees its device memory and unregisters the sources it registered.
+///
+/// NULL is a no-op. Errors: INVALID_HANDLE. Threading: the handle must not
+/// be used after this call (a call already running on another thread
+/// finishes first).
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_destroy(res: *mut EpmResidency) -> EpmStatus {
+    ffi_boundary! { handle::destroy(res) }
+}
+
+/// Register a weight: `bytes` at `host` (pageable or page-locked).
+///
+/// Ownership: epmem reads `[host, host+bytes)` on page-ins until the weight
+/// is unregistered (or the manager destroyed); the caller keeps it allocated
+/// and unmodified until then. Weights that start on their own page can have
+/// their sources registered individually (see `register_sources`).
+/// NULL: `host`/`out_weight` NULL_POINTER. Errors: INVALID_ARGUMENT for 0
+/// bytes, OUT_OF_BUDGET for a weight larger than the budget. `*out_weight`
+/// is written only on success. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_register_weight(
+    res: *mut EpmResidency,
+    host: *const c_void,
+    bytes: usize,
+    out_weight: *mut EpmWeightId,
+) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let (p, n) = try_host_range!(host, bytes);
+        let out = try_out!(out_weight);
+        // SAFETY: the C caller keeps the range readable and unmodified while
+        // it is registered (documented above).
+        let range = unsafe { HostRange::new(p, n) };
+        out.set(res.register(range)?.0);
+        Ok(())
+    }
+}
+
+/// Unregister a weight. It must not be acquired; if resident, waits for its
+/// fences and frees its device memory. It leaves the declared cycle.
+///
+/// Errors: INVALID_ARGUMENT for an unknown weight, INVALID_STATE while it is
+/// acquired. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_unregister_weight(res: *mut EpmResidency, weight: EpmWeightId) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        res.unregister(WeightId(weight))
+    }
+}
+
+/// Register a whole host range once (page-lock it, read-only), so every
+/// weight inside it is copied directly with no staging. Registering costs
+/// ~40 ms per GiB on the H200, repaid within a few decode steps.
+///
+/// Ownership: the range must stay allocated until
+/// `epm_residency_unregister_host_range` (or destroy). NULL: `host`/`out_range`
+/// NULL_POINTER. Errors: INVALID_ARGUMENT for 0 bytes; the device's error when
+/// it refuses (overlap with page-locked memory, locked-memory limit).
+/// Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_register_host_range(
+    res: *mut EpmResidency,
+    host: *const c_void,
+    bytes: usize,
+    out_range: *mut EpmHostRangeId,
+) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let (p, n) = try_host_range!(host, bytes);
+        let out = try_out!(out_range);
+        // SAFETY: the C caller keeps the range allocated while registered.
+        let range = unsafe { HostRange::new(p, n) };
+        out.set(res.register_host_range(range)?.0);
+        Ok(())
+    }
+}
+
+/// Unregister a host range (synchronizes the device first). Weights inside
+/// it stay registered and are staged from then on.
+///
+/// Errors: INVALID_ARGUMENT for an unknown or already unregistered id.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_unregister_host_range(res: *mut EpmResidency, range: EpmHostRangeId) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        res.unregister_host_range(HostRangeId(range))
+    }
+}
+
+/// Declare the cyclic order of a decode step (`n` weights, each at most
+/// once). The cyclic policy evicts by it and `acquire` prefetches along it.
+/// Declaring again replaces it; `n == 0` clears it.
+///
+/// NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
+/// an unknown or repeated weight. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_declare_cycle(res: *mut EpmResidency, order: *const EpmWeightId, n: usize) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let ids = weight_list(order, n)?;
+        res.declare_cycle(&ids)
+    }
+}
+
+/// Page in `weights` (in order) ahead of use, as far as the budget allows
+/// without evicting anything needed sooner; never waits for a copy. Writes
+/// how many page-ins were issued to `*out_issued` (which may be NULL).
+///
+/// Errors: INVALID_ARGUMENT for an unknown weight. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_prefetch(
+    res: *mut EpmResidency,
+    weights: *const EpmWeightId,
+    n: usize,
+    out_issued: *mut usize,
+) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let ids = weight_list(weights, n)?;
+        let issued = res.prefetch(&ids)?;
+        if !out_issued.is_null() {
+            try_out!(out_issued).set(issued);
+        }
+        Ok(())
+    }
+}
+
+/// Make `weight` usable by work queued on `stream` from now on and write its
+/// device address to `*out_ptr`. On a miss the page-in is issued and
+/// `stream` waits for it on the device; on a hit the host never waits. The
+/// address stays valid until the matching `epm_residency_release` (and for
+/// the work queued on `stream` before it).
+///
+/// NULL: `res`/`stream` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors:
+/// INVALID_ARGUMENT (unknown weight, stream of another device), ALL_IN_USE
+/// when making room would evict a weight that is acquired and not released.
+/// `*out_ptr` is written only on success. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_acquire(
+    res: *mut EpmResidency,
+    weight: EpmWeightId,
+    stream: *mut EpmStream,
+    out_ptr: *mut EpmDevicePtr,
+) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let stream = try_handle!(stream);
+        let out = try_out!(out_ptr);
+        same_device(res.device(), stream.device(), "the residency manager and the stream")?;
+        out.set(res.acquire(WeightId(weight), stream.raw())?);
+        Ok(())
+    }
+}
+
+/// End a use of `weight` on `stream`: records the read fence. The weight
+/// stays resident and is evicted only after the work queued on `stream` so
+/// far has completed.
+///
+/// Errors: INVALID_ARGUMENT (unknown weight, other device), INVALID_STATE
+/// when released more often than acquired. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_release(res: *mut EpmResidency, weight: EpmWeightId, stream: *mut EpmStream) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let stream = try_handle!(stream);
+        same_device(res.device(), stream.device(), "the residency manager and the stream")?;
+        res.release(WeightId(weight), stream.raw())
+    }
+}
+
+/// Wait for every page-in and the whole device, so the stats are final.
+///
+/// Errors: device errors. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_synchronize(res: *mut EpmResidency) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        res.synchronize()
+    }
+}
+
+/// Fill `*out` with the counters. The caller sets
+/// `out->size = sizeof(EpmResidencyStats)` first; epmem fills at most that
+/// many bytes and writes back how many.
+///
+/// NULL: `res` INVALID_HANDLE, `out` NULL_POINTER. Errors: INVALID_ARGUMENT
+/// for a too-small `size`. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmResidencyStats) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let out = try_out!(out);
+        let s = res.stats();
+        let v = EpmResidencyStats {
+            size: STATS_MIN,
+            acquires: s.acquires,
+            hits: s.hits,
+            hit_rate: s.hit_rate,
+            page_ins: s.page_ins,
+            prefetch_page_ins: s.prefetch_page_ins,
+            pending_prefetches: s.pending_prefetches,
+            wasted_prefetches: s.wasted_prefetches,
+            evictions: s.evictions,
+            eviction_waits: s.eviction_waits,
+            bypassed_page_ins: s.bypassed_page_ins,
+            staged_page_ins: s.staged_page_ins,
+            source_registrations: s.source_registrations,
+            register_refusals: s.register_refusals,
+            registered_bytes: s.registered_bytes,
+            htod_bytes: s.htod_bytes,
+            pinned_alloc_calls: s.pinned_alloc_calls,
+            pinned_reuses: s.pinned_reuses,
+            fill_ms: s.fill_ms,
+            htod_ms: s.htod_ms,
+            stall_ms: s.stall_ms,
+            device_stall_ms: s.device_stall_ms,
+            host_stall_ms: s.host_stall_ms,
+            resident_bytes: s.resident_bytes,
+            peak_resident_bytes: s.peak_resident_bytes,
+            resident_weights: s.resident_weights,
+            registered_weights: s.registered_weights,
+            budget_bytes: s.budget_bytes,
+            arena_driver_alloc_calls: s.arena.driver_alloc_calls,
+            arena_driver_free_calls: s.arena.driver_free_calls,
+            arena_reserved_bytes: s.arena.reserved_bytes,
+            arena_committed_bytes: s.arena.committed_bytes,
+            arena_in_use_bytes: s.arena.in_use_bytes,
+            arena_fragmentation: s.arena.fragmentation,
+        };
+        write_versioned(out, v, STATS_MIN, "out")
+    }
+}
+
+/// A C array of weight ids (NULL allowed only when empty).
+fn weight_list(p: *const EpmWeightId, n: usize) -> Result<Vec<WeightId>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    ensure!(!p.is_null(), NullPointer, "a list of {n} weights is NULL");
+    ensure!(n <= u32::MAX as usize, InvalidArgument, "a list of {n} weights is too long");
+    // SAFETY: non-NULL; the C caller promises `n` readable ids for the call.
+    let ids = unsafe { std::slice::from_raw_parts(p, n) };
+    Ok(ids.iter().map(|&w| WeightId(w)).collect())
+}

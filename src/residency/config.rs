@@ -1,0 +1,56 @@
+//! How a residency manager is set up.
+
+use super::registry::RegisterSources;
+use super::PolicyKind;
+use crate::staging::{EngineConfig, PoolConfig};
+
+/// Configuration of a [`super::ResidencyManager`].
+#[derive(Debug, Clone, Copy)]
+pub struct ResidencyConfig {
+    /// Most bytes of weights resident at once.
+    pub budget_bytes: usize,
+    /// Eviction policy (default: cyclic farthest-next-use).
+    pub policy: PolicyKind,
+    /// When pageable sources are registered with the device (default: on
+    /// first page-in within RLIMIT_MEMLOCK).
+    pub register_sources: RegisterSources,
+    /// Most weights paged in ahead of use (and not used yet) along the
+    /// declared cycle (default 1). Each costs about one weight of budget in
+    /// hits: the prefetched weight takes room that Belady's demand schedule
+    /// would still use for a weight needed sooner. One suffices when misses
+    /// are spread out; when they come in a run, a deeper window lets the
+    /// run's copies start during the preceding hits' compute.
+    pub prefetch_depth: usize,
+    /// The seed's design: the host waits for every page-in to complete
+    /// before `acquire` returns. For comparison only (default false).
+    pub sync_page_in: bool,
+    /// Growth step of the device arena in bytes (0: 16 granules).
+    pub arena_chunk_bytes: usize,
+    pub pool: PoolConfig,
+    pub engine: EngineConfig,
+}
+
+impl ResidencyConfig {
+    pub fn with_budget(budget_bytes: usize) -> Self {
+        Self {
+            budget_bytes,
+            policy: PolicyKind::Cyclic,
+            register_sources: RegisterSources::WithinMemlock,
+            prefetch_depth: 1,
+            sync_page_in: false,
+            arena_chunk_bytes: 0,
+            pool: PoolConfig::default(),
+            engine: EngineConfig::default(),
+        }
+    }
+    /// The seed's design: LRU, synchronous page-ins, staged (no registration), no prefetch.
+    pub fn seed_baseline(budget_bytes: usize) -> Self {
+        Self {
+            policy: PolicyKind::Lru,
+            register_sources: RegisterSources::Never,
+            prefetch_depth: 0,
+            sync_page_in: true,
+            ..Self::with_budget(budget_bytes)
+        }
+    }
+}

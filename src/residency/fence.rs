@@ -1,0 +1,220 @@
+//! The read fence and its witness: proof that no queued work still touches a
+//! resident weight's device memory before that memory is given back.
+//!
+//! A resident weight's memory is written by its page-in copy and read by
+//! every kernel launched between `acquire` and `release`. Each of those is
+//! ordered by an event: the page-in's completion [`Fence`], and one event per
+//! `release` recorded on the releasing stream. A [`Fenced`] block owns the
+//! memory together with those events; the only ways back to the bare
+//! [`DeviceBlock`] are [`Fenced::try_retire`] (never blocks) and
+//! [`Fenced::wait`], and both return it with a [`ReadsDone`] — a zero-sized,
+//! move-only token whose constructor is private to this module and is called
+//! only after every event was observed complete. Giving the memory back to
+//! the arena ([`DeviceBlock::free`]) consumes the token.
+//!
+//! A witness cannot be forged outside this module:
+//! ```compile_fail,E0451
+//! let w = epmem::residency::fence::ReadsDone { _sealed: () };
+//! ```
+//! …nor cloned or copied:
+//! ```compile_fail,E0599
+//! fn dup(w: epmem::residency::fence::ReadsDone) -> (epmem::residency::fence::ReadsDone, epmem::residency::fence::ReadsDone) {
+//!     (w.clone(), w)
+//! }
+//! ```
+//! …nor made from `Default`:
+//! ```compile_fail,E0277
+//! let w: epmem::residency::fence::ReadsDone = Default::default();
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::arena::{Arena, DeviceArena};
+use crate::device::Event;
+use crate::error::Result;
+use crate::staging::Fence;
+
+/// Proof that every event fencing one block was observed complete.
+#[must_use = "a ReadsDone proves a block may be given back: free the block with it"]
+pub struct ReadsDone {
+    _sealed: (),
+}
+
+impl ReadsDone {
+    fn mint() -> Self {
+        ReadsDone { _sealed: () }
+    }
+}
+
+impl fmt::Debug for ReadsDone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ReadsDone")
+    }
+}
+
+/// Device-arena memory holding one resident weight. Not `Clone`.
+///
+/// Dropping it gives the memory back: a bare block is either fresh (nothing
+/// queued on it yet) or came out of a [`Fenced`] with a witness.
+pub struct DeviceBlock {
+    arena: Arc<DeviceArena>,
+    addr: u64,
+    len: usize,
+}
+
+impl fmt::Debug for DeviceBlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceBlock[{:#x}, +{})", self.addr, self.len)
+    }
+}
+
+impl DeviceBlock {
+    /// Allocate `len` bytes from `arena`.
+    pub fn alloc(arena: &Arc<DeviceArena>, len: usize) -> Result<Self> {
+        Ok(Self { addr: arena.alloc(len, 0)?, arena: arena.clone(), len })
+    }
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Give the memory back to the arena (no driver call).
+    pub fn free(self, _done: ReadsDone) {
+        drop(self)
+    }
+}
+
+impl Drop for DeviceBlock {
+    fn drop(&mut self) {
+        crate::device::objects::log_drop_error("device arena free", self.arena.free(self.addr));
+    }
+}
+
+/// A block together with the events that fence work on it: the page-in
+/// copy's fence, then one event per release (the reads).
+#[derive(Debug)]
+pub struct Fenced {
+    block: Option<DeviceBlock>,
+    page_in: Option<Fence>,
+    events: Vec<Event>,
+}
+
+/// The result of [`Fenced::try_retire`].
+#[derive(Debug)]
+pub enum Retire {
+    /// Every event completed: the block, its witness, and the spent events (for reuse).
+    Done(DeviceBlock, ReadsDone, Vec<Event>),
+    /// Still running.
+    Pending(Fenced),
+}
+
+impl Fenced {
+    /// `block` with the fence of the page-in copy just queued into it.
+    pub fn new(block: DeviceBlock, page_in: Fence) -> Self {
+        Self { block: Some(block), page_in: Some(page_in), events: Vec::new() }
+    }
+    /// The page-in's fence, until it is observed complete.
+    pub fn page_in(&self) -> Option<&Fence> {
+        self.page_in.as_ref()
+    }
+    /// Whether the page-in copy has completed (never blocks; forgets the
+    /// fence once it has).
+    pub fn page_in_done(&mut self) -> Result<bool> {
+        if let Some(f) = &self.page_in {
+            if !f.query()? {
+                return Ok(false);
+            }
+            self.page_in = None;
+        }
+        Ok(true)
+    }
+    /// The device address (valid for work ordered after the fences' streams
+    /// as the manager arranges).
+    pub fn addr(&self) -> u64 {
+        self.block.as_ref().map_or(0, |b| b.addr)
+    }
+    pub fn len(&self) -> usize {
+        self.block.as_ref().map_or(0, |b| b.len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Fence one more use (an event already recorded after it).
+    pub fn push(&mut self, e: Event) {
+        self.events.push(e);
+    }
+    /// Release events not yet observed complete.
+    pub fn pending_reads(&self) -> usize {
+        self.events.len()
+    }
+    /// Drop events observed complete (returned for reuse), so a long-resident
+    /// weight does not accumulate one per release. Never blocks.
+    pub fn prune(&mut self) -> Result<Vec<Event>> {
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.events.len() {
+            if self.events[i].query()? {
+                done.push(self.events.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        Ok(done)
+    }
+    /// Never blocks: the block and its witness if every event completed.
+    pub fn try_retire(mut self) -> Result<Retire> {
+        let spent = self.prune()?;
+        if self.events.is_empty() && self.page_in_done()? {
+            let block = self.take();
+            Ok(Retire::Done(block, ReadsDone::mint(), spent))
+        } else {
+            // Completed events are spent either way; keep only the pending ones.
+            drop(spent);
+            Ok(Retire::Pending(self))
+        }
+    }
+    /// Block until every event completes; the block, its witness and the spent events.
+    pub fn wait(mut self) -> Result<(DeviceBlock, ReadsDone, Vec<Event>)> {
+        if let Some(f) = self.page_in.take() {
+            f.wait()?;
+        }
+        for e in &self.events {
+            e.synchronize()?;
+        }
+        let events = std::mem::take(&mut self.events);
+        Ok((self.take(), ReadsDone::mint(), events))
+    }
+    fn take(&mut self) -> DeviceBlock {
+        match self.block.take() {
+            Some(b) => b,
+            None => unreachable!("Fenced block taken twice"),
+        }
+    }
+}
+
+impl Drop for Fenced {
+    /// Waits for the fences, then frees; if a wait fails (lost context) the
+    /// memory is leaked rather than handed to a new weight a kernel may
+    /// still read, and dropping never panics.
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else { return };
+        if let Some(Err(err)) = self.page_in.as_ref().map(|f| f.wait()) {
+            log::error!("epmem: leaking {block:?}: its page-in could not be observed ({err})");
+            std::mem::forget(block);
+            return;
+        }
+        for e in &self.events {
+            if let Err(err) = e.synchronize() {
+                log::error!("epmem: leaking {block:?}: its read fence could not be observed ({err})");
+                std::mem::forget(block);
+                return;
+            }
+        }
+        drop(block);
+    }
+}

@@ -1,0 +1,27 @@
+//! Weight residency: weights live in host memory; a manager keeps a VRAM
+//! budget and pages them in on demand and ahead of demand.
+//!
+//! - [`manager`]: acquire/release, eviction, prefetch along a declared cycle;
+//! - [`registry`]: registered weights and host-range registrations;
+//! - [`policy`]: LRU and the cyclic farthest-next-use policy;
+//! - [`sim`]: trace replay and Belady's optimum, for tests and benchmarks;
+//! - [`fence`]: the read fence and its `ReadsDone` witness;
+//! - [`stats`]: the counters.
+
+pub mod config;
+pub mod fence;
+pub mod manager;
+pub mod policy;
+pub mod registry;
+pub mod sim;
+pub mod stats;
+
+/// A registered weight's identity (stable for the manager's lifetime, never reused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WeightId(pub u32);
+
+pub use config::ResidencyConfig;
+pub use manager::ResidencyManager;
+pub use policy::{new_policy, CyclicPolicy, LruPolicy, Policy, PolicyKind};
+pub use registry::{HostRangeId, RegisterSources};
+pub use stats::ResidencyStats;

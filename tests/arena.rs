@@ -1,0 +1,218 @@
+//! Device and pinned arenas on the device `EPM_DEVICE` names (host in CI,
+//! CUDA on the GPU machine with EPM_DEVICE=cuda).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
+use epmem::device::{self, Device, DeviceKind, Stream};
+use epmem::EpmStatus;
+
+fn dev() -> Arc<dyn Device> {
+    device::open_from_env(0).expect("open device (EPM_DEVICE)")
+}
+
+/// xorshift64*: deterministic, no dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn cfg(dev: &Arc<dyn Device>, chunks: usize, chunk_granules: usize) -> ArenaConfig {
+    let chunk = dev.vmm_granularity() * chunk_granules;
+    ArenaConfig { capacity: chunks * chunk, chunk_bytes: chunk, max_allocs: 4096 }
+}
+
+/// Random alloc/free against a model of the live set: no two live blocks
+/// overlap, every address is aligned, the counters match the model.
+fn random_pattern(arena: &dyn Arena, seed: u64, ops: usize, max_size: u64) -> (u64, u64) {
+    let mut rng = Rng(seed);
+    let mut live: BTreeMap<u64, usize> = BTreeMap::new();
+    let (mut allocs, mut frees) = (0u64, 0u64);
+    for _ in 0..ops {
+        if live.is_empty() || rng.below(100) < 55 {
+            let size = 1 + rng.below(max_size) as usize;
+            let align = [0usize, 256, 4096, 65536][rng.below(4) as usize];
+            match arena.alloc(size, align) {
+                Ok(a) => {
+                    assert_eq!(a % align.max(256) as u64, 0, "misaligned {a:#x} for align {align}");
+                    if let Some((&p, &l)) = live.range(..=a).next_back() {
+                        assert!(p + l as u64 <= a, "[{a:#x}, +{size}) overlaps [{p:#x}, +{l})");
+                    }
+                    if let Some((&n, _)) = live.range(a..).next() {
+                        assert!(a + size as u64 <= n, "[{a:#x}, +{size}) overlaps the block at {n:#x}");
+                    }
+                    assert_eq!(arena.size_of(a), Some(size));
+                    live.insert(a, size);
+                    allocs += 1;
+                }
+                Err(e) => assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}"),
+            }
+        } else {
+            let k = rng.below(live.len() as u64) as usize;
+            let a = *live.keys().nth(k).unwrap();
+            arena.free(a).unwrap();
+            live.remove(&a);
+            frees += 1;
+        }
+        let s = arena.stats();
+        assert_eq!(s.live_allocations, live.len() as u64);
+        let requested: u64 = live.values().map(|&l| l as u64).sum();
+        assert!(s.in_use_bytes >= requested && s.in_use_bytes <= s.committed_bytes, "{s:?} vs requested {requested}");
+    }
+    for (a, _) in std::mem::take(&mut live) {
+        arena.free(a).unwrap();
+        frees += 1;
+    }
+    let s = arena.stats();
+    assert_eq!((s.live_allocations, s.in_use_bytes), (0, 0), "{s:?}");
+    (allocs, frees)
+}
+
+#[test]
+fn device_arena_random_pattern_no_overlap_exact_counters_and_no_driver_calls_after_warmup() {
+    let d = dev();
+    let arena = DeviceArena::new(&d, cfg(&d, 8, 2)).unwrap();
+    let max = (arena.chunk_bytes() / 3) as u64;
+    let (a1, f1) = random_pattern(&arena, 7, 2000, max);
+    let warm = arena.stats();
+    let warm_driver = d.driver_counts();
+    assert!(warm.driver_alloc_calls > 0 && warm.committed_bytes > 0, "{warm:?}");
+    // The same pattern again lands on the same offsets (all frees coalesce
+    // back to one range): no chunk is committed, no driver call is made.
+    let (a2, f2) = random_pattern(&arena, 7, 2000, max);
+    let s = arena.stats();
+    assert_eq!(s.driver_alloc_calls, warm.driver_alloc_calls);
+    assert_eq!(s.committed_bytes, warm.committed_bytes);
+    assert_eq!(d.driver_counts(), warm_driver, "driver calls in steady state");
+    assert_eq!(s.alloc_calls, a1 + a2);
+    assert_eq!(s.free_calls, f1 + f2);
+    assert_eq!(s.fragmentation, 0.0, "everything freed must coalesce: {s:?}");
+}
+
+#[test]
+fn device_arena_blocks_are_real_disjoint_memory() {
+    let d = dev();
+    let arena = DeviceArena::new(&d, cfg(&d, 4, 1)).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let sizes = [1000usize, 65536, 3, 300_000, 4096, 777_777];
+    let blocks: Vec<u64> = sizes.iter().map(|&n| arena.alloc(n, 0).unwrap()).collect();
+    for (i, (&b, &n)) in blocks.iter().zip(&sizes).enumerate() {
+        d.memset_d8_async(b, i as u8 + 1, n, s.raw()).unwrap();
+    }
+    for (i, (&b, &n)) in blocks.iter().zip(&sizes).enumerate() {
+        let mut host = vec![0u8; n];
+        // SAFETY: `host` is a live, exclusively owned buffer of n bytes and we
+        // synchronize the stream before reading it.
+        unsafe { d.memcpy_dtoh_async(host.as_mut_ptr(), b, n, s.raw()).unwrap() };
+        s.synchronize().unwrap();
+        assert!(host.iter().all(|&x| x == i as u8 + 1), "block {i} was overwritten by a neighbour");
+    }
+    for b in blocks {
+        arena.free(b).unwrap();
+    }
+}
+
+#[test]
+fn device_arena_grows_by_chunks_reports_exhaustion_and_trims() {
+    let d = dev();
+    let c = cfg(&d, 4, 1);
+    let arena = DeviceArena::new(&d, c).unwrap();
+    let chunk = arena.chunk_bytes();
+    assert_eq!(arena.stats().committed_bytes, 0, "nothing committed before the first allocation");
+    let mut blocks = Vec::new();
+    for i in 1..=4u64 {
+        blocks.push(arena.alloc(chunk, 0).unwrap());
+        let s = arena.stats();
+        assert_eq!((s.committed_bytes, s.driver_alloc_calls), (i * chunk as u64, i), "{s:?}");
+    }
+    let e = arena.alloc(1, 0).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
+    let e = arena.alloc(5 * chunk, 0).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
+    assert_eq!(arena.free(blocks[0] + 256).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(arena.free(1).unwrap_err().status(), EpmStatus::InvalidArgument);
+    arena.free(blocks[1]).unwrap();
+    arena.free(blocks[3]).unwrap();
+    assert_eq!(arena.free(blocks[3]).unwrap_err().status(), EpmStatus::InvalidArgument, "double free");
+    assert_eq!(arena.trim().unwrap(), 2 * chunk);
+    let s = arena.stats();
+    assert_eq!((s.committed_bytes, s.driver_free_calls), (2 * chunk as u64, 2), "{s:?}");
+    // A block spanning two chunks commits both again.
+    let big = arena.alloc(chunk + 1, 0);
+    assert!(big.is_err() || arena.stats().committed_bytes == 4 * chunk as u64);
+    drop(arena);
+    let live = d.live_counts();
+    assert_eq!((live.mappings, live.va_reservations), (0, 0), "{live:?}");
+}
+
+#[test]
+fn device_arena_rejects_bad_arguments() {
+    let d = dev();
+    let arena = DeviceArena::new(&d, cfg(&d, 2, 1)).unwrap();
+    assert_eq!(arena.alloc(0, 0).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(arena.alloc(16, 3).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(arena.alloc(16, 4 * arena.chunk_bytes()).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert!(DeviceArena::new(&d, ArenaConfig { capacity: 0, ..cfg(&d, 1, 1) }).is_err());
+}
+
+#[test]
+fn device_arena_out_of_device_memory_on_cuda() {
+    let d = dev();
+    if d.info().kind != DeviceKind::Cuda {
+        eprintln!("skipped: the host device's memfd commits lazily, so it cannot run out here");
+        return;
+    }
+    let (_, total) = d.mem_get_info().unwrap();
+    let arena = DeviceArena::new(&d, ArenaConfig::with_capacity(2 * total as usize)).unwrap();
+    let e = arena.alloc(total as usize + arena.chunk_bytes(), 0).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfDeviceMemory, "{e}");
+    assert_eq!(arena.stats().live_allocations, 0);
+}
+
+#[test]
+fn pinned_arena_random_pattern_and_steady_state() {
+    let d = dev();
+    let arena = PinnedArena::new(&d, cfg(&d, 6, 1)).unwrap();
+    let max = (d.vmm_granularity() / 3) as u64;
+    random_pattern(&arena, 11, 1500, max);
+    let warm = arena.stats();
+    let warm_pinned = d.driver_counts().pinned_alloc_calls;
+    random_pattern(&arena, 11, 1500, max);
+    let s = arena.stats();
+    assert_eq!(s.driver_alloc_calls, warm.driver_alloc_calls, "{s:?}");
+    assert_eq!(d.driver_counts().pinned_alloc_calls, warm_pinned);
+    assert!(d.host_is_page_locked(arena.alloc(100, 0).unwrap() as *const u8, 100));
+}
+
+#[test]
+fn pinned_arena_big_requests_get_their_own_segment_and_budget_holds() {
+    let d = dev();
+    let g = d.vmm_granularity();
+    let arena = PinnedArena::new(&d, ArenaConfig { capacity: 4 * g, chunk_bytes: g, max_allocs: 64 }).unwrap();
+    let big = arena.alloc(2 * g + 1, 0).unwrap();
+    let s = arena.stats();
+    assert_eq!((s.committed_bytes, s.driver_alloc_calls), (3 * g as u64, 1), "{s:?}");
+    // A small request fits in the big segment's tail: no new segment.
+    let small = arena.alloc(100, 0).unwrap();
+    assert_eq!(arena.stats().committed_bytes, 3 * g as u64);
+    let third = arena.alloc(g, 0).unwrap();
+    assert_eq!(arena.stats().committed_bytes, 4 * g as u64);
+    let e = arena.alloc(g, 0).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
+    arena.free(big).unwrap();
+    arena.free(small).unwrap();
+    assert_eq!(arena.trim().unwrap(), 3 * g);
+    assert_eq!(arena.free(big).unwrap_err().status(), EpmStatus::InvalidArgument);
+    arena.free(third).unwrap();
+    let s = arena.stats();
+    assert_eq!((s.driver_free_calls, s.live_allocations), (1, 0), "{s:?}");
+}

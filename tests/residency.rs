@@ -1,0 +1,366 @@
+//! The residency manager on the device `EPM_DEVICE` names (host in CI, CUDA
+//! on the GPU machine with EPM_DEVICE=cuda).
+
+use std::sync::Arc;
+
+use epmem::device::{self, checksum_host, Device, DeviceBuffer, HostRange, Stream};
+use epmem::residency::sim::{belady, simulate};
+use epmem::residency::{
+    new_policy, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId,
+};
+use epmem::EpmStatus;
+
+fn dev() -> Arc<dyn Device> {
+    device::open_from_env(0).expect("open device (EPM_DEVICE)")
+}
+
+/// Page-aligned host weights of pseudo-random bytes (page alignment lets
+/// each weight's source be registered on its own).
+struct Weights {
+    buf: Vec<u8>,
+    spans: Vec<(usize, usize)>,
+}
+
+impl Weights {
+    fn new(sizes: &[usize], seed: u64) -> Self {
+        let page = 4096;
+        let total: usize = sizes.iter().map(|s| s.next_multiple_of(page)).sum::<usize>() + page;
+        let mut buf = vec![0u8; total];
+        let mut s = seed | 1;
+        for b in buf.chunks_mut(8) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let v = s.to_le_bytes();
+            b.copy_from_slice(&v[..b.len()]);
+        }
+        let mut off = buf.as_ptr().align_offset(page);
+        let mut spans = Vec::new();
+        for &n in sizes {
+            spans.push((off, n));
+            off += n.next_multiple_of(page);
+        }
+        Self { buf, spans }
+    }
+    fn range(&self, i: usize) -> HostRange {
+        let (o, n) = self.spans[i];
+        // SAFETY: the span lies inside `buf`, which outlives every manager in
+        // these tests and is never written after construction.
+        unsafe { HostRange::new(self.buf.as_ptr().add(o), n) }
+    }
+    fn checksum(&self, i: usize) -> u64 {
+        let (o, n) = self.spans[i];
+        checksum_host(&self.buf[o..o + n])
+    }
+    fn register_all(&self, m: &ResidencyManager) -> Vec<WeightId> {
+        (0..self.spans.len()).map(|i| m.register(self.range(i)).unwrap()).collect()
+    }
+}
+
+/// Device slots for checksums, read back after a synchronize.
+struct Slots {
+    buf: DeviceBuffer,
+    n: usize,
+}
+
+impl Slots {
+    fn new(d: &Arc<dyn Device>, n: usize) -> Self {
+        Self { buf: DeviceBuffer::new(d, 8 * n).unwrap(), n }
+    }
+    fn at(&self, i: usize) -> u64 {
+        self.buf.ptr() + 8 * i as u64
+    }
+    fn read(&self, d: &Arc<dyn Device>, s: &Stream) -> Vec<u64> {
+        let mut out = vec![0u64; self.n];
+        // SAFETY: `out` is an exclusively owned buffer of 8*n bytes, read only
+        // after the stream synchronizes.
+        unsafe { d.memcpy_dtoh_async(out.as_mut_ptr().cast(), self.buf.ptr(), 8 * self.n, s.raw()).unwrap() };
+        s.synchronize().unwrap();
+        out
+    }
+}
+
+fn small_cfg(budget: usize) -> ResidencyConfig {
+    let mut c = ResidencyConfig::with_budget(budget);
+    c.pool.max_bytes = 64 << 20;
+    c.engine.chunk_bytes = 1 << 20;
+    c.engine.fill_threads = 2;
+    c
+}
+
+/// Run `steps` decode steps: acquire, checksum on the device, release.
+/// Returns (every device checksum matched, per-step checksums read back).
+fn decode(d: &Arc<dyn Device>, m: &ResidencyManager, w: &Weights, ids: &[WeightId], steps: usize) {
+    let s = Stream::new(d).unwrap();
+    let slots = Slots::new(d, ids.len());
+    for step in 0..steps {
+        for (i, &id) in ids.iter().enumerate() {
+            let p = m.acquire(id, s.raw()).unwrap();
+            d.checksum_async(p, w.spans[i].1, slots.at(i), s.raw()).unwrap();
+            m.release(id, s.raw()).unwrap();
+        }
+        let got = slots.read(d, &s);
+        for (i, &g) in got.iter().enumerate() {
+            assert_eq!(g, w.checksum(i), "step {step}: weight {i} is not bit-exact on the device");
+        }
+    }
+}
+
+#[test]
+fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
+    let d = dev();
+    let sizes: Vec<usize> = (0..12).map(|i| (64 << 10) * (1 + i % 4)).collect();
+    let total: usize = sizes.iter().sum();
+    let budget = total / 2;
+    let w = Weights::new(&sizes, 42);
+    let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    decode(&d, &m, &w, &ids, 2);
+    let warm = m.stats();
+    let warm_driver = d.driver_counts();
+    decode(&d, &m, &w, &ids, 6);
+    m.synchronize().unwrap();
+    let s = m.stats();
+    assert_eq!(s.acquires, 8 * ids.len() as u64);
+    assert!(s.resident_bytes <= budget as u64 && s.peak_resident_bytes <= budget as u64, "{s:?}");
+    assert_eq!(s.pinned_alloc_calls, warm.pinned_alloc_calls, "pinned allocations in steady state");
+    assert_eq!(s.arena.driver_alloc_calls, warm.arena.driver_alloc_calls, "arena growth in steady state");
+    let now = d.driver_counts();
+    assert_eq!(
+        (now.pinned_alloc_calls, now.vmm_create_calls, now.device_alloc_calls),
+        (warm_driver.pinned_alloc_calls, warm_driver.vmm_create_calls, warm_driver.device_alloc_calls + 1),
+        "only the decode's own checksum slots may allocate"
+    );
+    // Hit rate against Belady on the same trace. Overlapping a page-in with
+    // the compute that still reads the previous weight needs room for the
+    // weights in flight, so the fair optimum is Belady with the budget less
+    // that window (prefetch_depth consecutive weights).
+    let trace: Vec<WeightId> = (0..8).flat_map(|_| ids.iter().copied()).collect();
+    let sz: Vec<u64> = sizes.iter().map(|&x| x as u64).collect();
+    let depth = m.config().prefetch_depth;
+    let window = (0..sz.len()).map(|i| (1..=depth).map(|k| sz[(i + k) % sz.len()]).sum::<u64>()).max().unwrap();
+    let opt = belady(&trace, &sz, budget as u64 - window);
+    eprintln!("hits {} Belady(budget) {} Belady(budget - window) {}", s.hits, belady(&trace, &sz, budget as u64).hits, opt.hits);
+    assert!(s.hits as f64 >= 0.99 * opt.hits as f64, "hits {} vs Belady {}", s.hits, opt.hits);
+    assert_eq!(
+        s.page_ins,
+        s.acquires - s.hits + s.pending_prefetches + s.wasted_prefetches,
+        "every miss is exactly one page-in (plus prefetches not used yet): {s:?}"
+    );
+    assert!(s.htod_bytes > 0 && s.evictions > 0);
+}
+
+#[test]
+fn lru_on_a_cycle_hits_nothing_and_cyclic_matches_the_simulator() {
+    let d = dev();
+    let sizes = vec![32 << 10; 10];
+    let w = Weights::new(&sizes, 7);
+    let budget = 6 * (32 << 10);
+    for (kind, depth) in [(PolicyKind::Lru, 0), (PolicyKind::Cyclic, 0)] {
+        let mut c = small_cfg(budget);
+        c.policy = kind;
+        c.prefetch_depth = depth;
+        let m = ResidencyManager::new(&d, c).unwrap();
+        let ids = w.register_all(&m);
+        m.declare_cycle(&ids).unwrap();
+        decode(&d, &m, &w, &ids, 5);
+        let s = m.stats();
+        let trace: Vec<WeightId> = (0..5).flat_map(|_| ids.iter().copied()).collect();
+        let mut p = new_policy(kind);
+        p.set_cycle(&ids).unwrap();
+        let sim = simulate(&trace, &[32 << 10; 10], budget as u64, p.as_mut());
+        assert_eq!(s.hits, sim.hits, "{kind:?}: the manager must decide exactly as its policy replays");
+        if kind == PolicyKind::Lru {
+            assert_eq!(s.hits, 0);
+        } else {
+            assert!(s.hits > 0);
+        }
+    }
+}
+
+#[test]
+fn eviction_waits_for_the_read_fence() {
+    let d = dev();
+    let n = 256 << 10;
+    let w = Weights::new(&[n, n], 99);
+    let mut c = small_cfg(n);
+    c.prefetch_depth = 0;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids = w.register_all(&m);
+    let (s1, s2) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
+    let slots = Slots::new(&d, 1);
+    let a = m.acquire(ids[0], s1.raw()).unwrap();
+    // A slow reader of A: the kernel after the spin must still see A.
+    d.spin_async(200_000, s1.raw()).unwrap();
+    d.checksum_async(a, n, slots.at(0), s1.raw()).unwrap();
+    m.release(ids[0], s1.raw()).unwrap();
+    // B needs A's room: evicting A must wait for the reader above.
+    m.acquire(ids[1], s2.raw()).unwrap();
+    m.release(ids[1], s2.raw()).unwrap();
+    assert_eq!(slots.read(&d, &s1)[0], w.checksum(0), "A was overwritten under its reader");
+    let s = m.stats();
+    assert_eq!((s.evictions, s.eviction_waits), (1, 1), "{s:?}");
+}
+
+#[test]
+fn all_in_use_and_out_of_budget_are_clear_errors() {
+    let d = dev();
+    let n = 64 << 10;
+    let w = Weights::new(&[n, n, n, 3 * n], 5);
+    let m = ResidencyManager::new(&d, small_cfg(2 * n)).unwrap();
+    let ids: Vec<WeightId> = (0..3).map(|i| m.register(w.range(i)).unwrap()).collect();
+    let e = m.register(w.range(3)).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
+    let s = Stream::new(&d).unwrap();
+    m.acquire(ids[0], s.raw()).unwrap();
+    m.acquire(ids[1], s.raw()).unwrap();
+    let e = m.acquire(ids[2], s.raw()).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::AllInUse, "{e}");
+    assert!(e.message().contains("release"), "{e}");
+    m.release(ids[1], s.raw()).unwrap();
+    m.acquire(ids[2], s.raw()).unwrap();
+    m.release(ids[2], s.raw()).unwrap();
+    m.release(ids[0], s.raw()).unwrap();
+    assert_eq!(m.release(ids[0], s.raw()).unwrap_err().status(), EpmStatus::InvalidState);
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let d = dev();
+    let w = Weights::new(&[4096, 4096], 1);
+    let m = ResidencyManager::new(&d, small_cfg(1 << 20)).unwrap();
+    let ids = w.register_all(&m);
+    let s = Stream::new(&d).unwrap();
+    assert_eq!(m.acquire(WeightId(77), s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(m.declare_cycle(&[ids[0], WeightId(9)]).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(m.declare_cycle(&[ids[0], ids[0]]).unwrap_err().status(), EpmStatus::InvalidArgument);
+    m.acquire(ids[1], s.raw()).unwrap();
+    assert_eq!(m.unregister(ids[1]).unwrap_err().status(), EpmStatus::InvalidState);
+    m.release(ids[1], s.raw()).unwrap();
+    m.unregister(ids[1]).unwrap();
+    assert_eq!(m.unregister(ids[1]).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(m.acquire(ids[1], s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert!(ResidencyManager::new(&d, small_cfg(0)).is_err());
+    // SAFETY: a zero-length range is never read.
+    let empty = unsafe { HostRange::new(w.buf.as_ptr(), 0) };
+    assert_eq!(m.register(empty).unwrap_err().status(), EpmStatus::InvalidArgument);
+}
+
+#[test]
+fn sources_are_registered_on_first_page_in_or_staged_when_told() {
+    let d = dev();
+    let n = 128 << 10;
+    let w = Weights::new(&[n; 6], 3);
+    let budget = 3 * n;
+    for reg in [RegisterSources::WithinMemlock, RegisterSources::Never] {
+        let mut c = small_cfg(budget);
+        c.register_sources = reg;
+        let m = ResidencyManager::new(&d, c).unwrap();
+        let ids = w.register_all(&m);
+        m.declare_cycle(&ids).unwrap();
+        decode(&d, &m, &w, &ids, 3);
+        let s = m.stats();
+        assert_eq!(s.bypassed_page_ins + s.staged_page_ins, s.page_ins, "{s:?}");
+        match reg {
+            RegisterSources::Never => {
+                assert_eq!((s.source_registrations, s.bypassed_page_ins), (0, 0), "{s:?}");
+            }
+            _ => {
+                assert_eq!(s.source_registrations + s.register_refusals, 6, "each source tried once: {s:?}");
+                // A source is registered before the copy that needed it, so
+                // every page-in of a registered weight bypasses staging; a
+                // refused one (locked-memory limit) stages every time.
+                if s.register_refusals == 0 {
+                    assert_eq!(s.bypassed_page_ins, s.page_ins, "{s:?}");
+                } else {
+                    assert!(s.staged_page_ins > 0, "{s:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_registered_host_range_bypasses_staging_from_the_first_page_in() {
+    let d = dev();
+    let n = 64 << 10;
+    let w = Weights::new(&[n; 4], 8);
+    let mut c = small_cfg(2 * n);
+    c.register_sources = RegisterSources::Never;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let (first, _) = w.spans[0];
+    let (last, len) = w.spans[3];
+    // SAFETY: the span lies inside `w.buf`, which outlives the manager.
+    let whole = unsafe { HostRange::new(w.buf.as_ptr().add(first), last + len - first) };
+    let r = m.register_host_range(whole).unwrap();
+    let ids = w.register_all(&m);
+    decode(&d, &m, &w, &ids, 2);
+    let s = m.stats();
+    assert_eq!((s.bypassed_page_ins, s.staged_page_ins), (s.page_ins, 0), "{s:?}");
+    assert_eq!(s.registered_bytes, whole.len() as u64);
+    m.unregister_host_range(r).unwrap();
+    assert_eq!(m.unregister_host_range(r).unwrap_err().status(), EpmStatus::InvalidArgument);
+}
+
+#[test]
+fn prefetch_hides_page_ins_behind_compute() {
+    let d = dev();
+    let n = 256 << 10;
+    let w = Weights::new(&[n; 8], 4);
+    let m = ResidencyManager::new(&d, small_cfg(4 * n)).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    assert_eq!(m.prefetch(&ids[..2]).unwrap(), 2);
+    let s = Stream::new(&d).unwrap();
+    for _ in 0..3 {
+        for &id in &ids {
+            m.acquire(id, s.raw()).unwrap();
+            d.spin_async(2000, s.raw()).unwrap();
+            m.release(id, s.raw()).unwrap();
+        }
+    }
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert!(st.prefetch_page_ins > 0 && st.prefetch_page_ins <= st.page_ins, "{st:?}");
+    // Every page-in was used, except the prefetch the last acquire issued.
+    assert_eq!((st.wasted_prefetches, st.pending_prefetches), (0, 1), "{st:?}");
+    assert_eq!(st.page_ins, st.acquires - st.hits + 1, "{st:?}");
+    assert!(st.device_stall_ms < st.htod_ms, "prefetched copies should barely stall the stream: {st:?}");
+}
+
+#[test]
+fn concurrent_decoders_on_two_streams_stay_bit_exact() {
+    let d = dev();
+    let sizes: Vec<usize> = (0..10).map(|i| (48 << 10) + 4096 * i).collect();
+    let w = Weights::new(&sizes, 21);
+    let budget = sizes.iter().sum::<usize>() / 2;
+    let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..2 {
+            let (d, m, w, ids) = (&d, &m, &w, &ids);
+            scope.spawn(move || {
+                let s = Stream::new(d).unwrap();
+                let slots = Slots::new(d, ids.len());
+                for _ in 0..4 {
+                    for k in 0..ids.len() {
+                        // The two threads walk the cycle from opposite ends.
+                        let i = if t == 0 { k } else { ids.len() - 1 - k };
+                        let p = m.acquire(ids[i], s.raw()).unwrap();
+                        d.checksum_async(p, w.spans[i].1, slots.at(i), s.raw()).unwrap();
+                        m.release(ids[i], s.raw()).unwrap();
+                    }
+                    let got = slots.read(d, &s);
+                    for (i, &g) in got.iter().enumerate() {
+                        assert_eq!(g, w.checksum(i), "thread {t}: weight {i} corrupted");
+                    }
+                }
+            });
+        }
+    });
+    let s = m.stats();
+    assert_eq!(s.acquires, 2 * 4 * ids.len() as u64);
+    assert!(s.resident_bytes <= budget as u64, "{s:?}");
+}
