@@ -2,12 +2,13 @@
  * libonnxruntime (no ORT headers: see ort_min.h).
  *
  * Build and run (scripts/ort-test.sh does this):
- *   gcc -std=c11 -Wall -Wextra -Werror tests/ort/ort_c_test.c -o ort_c_test \
+ *   gcc -std=c11 -pthread -Wall -Wextra -Werror tests/ort/ort_c_test.c -o ort_c_test \
  *       $ORT_CAPI/libonnxruntime.so.1.x.y -Wl,-rpath,$ORT_CAPI
  *   ./ort_c_test /abs/path/libepmem.so
  * Prints "ort-c: N passed, N failed"; the exit code is the failure count.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,6 +254,45 @@ cleanup:
   CHECK(stat(dev, "InUse") == 0, "device InUse=%lld after releasing every tensor", stat(dev, "InUse"));
 }
 
+/* Several threads allocating and freeing on one allocator at once. */
+enum { THREADS = 4, ROUNDS = 500 };
+static void* churn(void* arg) {
+  OrtAllocator* a = arg;
+  void* held[8] = {0};
+  unsigned seed = (unsigned)(size_t)&held;
+  for (int i = 0; i < ROUNDS; i++) {
+    int k = i % 8;
+    if (held[k]) a->Free(a, held[k]);
+    held[k] = a->Alloc(a, 64 + (size_t)(rand_r(&seed) % 65536));
+    if (!held[k]) return (void*)1;
+    memset(held[k], i & 0xff, 64); /* pinned memory: the host may touch it */
+  }
+  for (int k = 0; k < 8; k++) a->Free(a, held[k]);
+  return NULL;
+}
+
+static void test_concurrent_allocations(void) {
+  const OrtEpDevice* d = find_device("epmem_c");
+  OrtAllocator* a = NULL;
+  CHECK(d && ok(ORT_FN(api, CreateSharedAllocator)(env, d, OrtDeviceMemoryType_HOST_ACCESSIBLE, OrtDeviceAllocator, NULL, &a)) && a,
+        "pinned allocator: %s", last_msg);
+  if (!a) return;
+  long long before = stat(a, "NumAllocs");
+  pthread_t t[THREADS];
+  for (int i = 0; i < THREADS; i++) pthread_create(&t[i], NULL, churn, a);
+  int failures = 0;
+  for (int i = 0; i < THREADS; i++) {
+    void* r = NULL;
+    pthread_join(t[i], &r);
+    failures += r != NULL;
+  }
+  CHECK(failures == 0, "%d threads saw an Alloc fail", failures);
+  CHECK(stat(a, "InUse") == 0, "InUse=%lld after every thread freed everything", stat(a, "InUse"));
+  CHECK(stat(a, "NumAllocs") - before == THREADS * ROUNDS, "NumAllocs grew by %lld, not %d", stat(a, "NumAllocs") - before,
+        THREADS * ROUNDS);
+  CHECK(stat(a, "epmem.live_allocations") == 0, "live=%lld", stat(a, "epmem.live_allocations"));
+}
+
 static void test_double_registration(void) {
   /* Same name twice: refused, and the first registration is unharmed. */
   CHECK(!ok(ORT_FN(api, RegisterExecutionProviderLibrary)(env, "epmem_c", lib)), "second epmem_c was accepted");
@@ -330,6 +370,7 @@ int main(int argc, char** argv) {
   test_shared_allocator_options_and_stats();
   test_bad_options_are_rejected();
   test_copy_tensors();
+  test_concurrent_allocations();
   test_double_registration();
   test_teardown_order();
   ORT_FN(api, ReleaseEnv)(env);
