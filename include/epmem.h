@@ -1076,7 +1076,7 @@ enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
  * NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
  * device errors.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
                                    uint64_t budget_bytes,
@@ -1088,7 +1088,7 @@ enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
  * when the last of them is destroyed. The caller guarantees no queued
  * kernel still touches its sequences by then.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
 
@@ -1100,7 +1100,7 @@ enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
  * below the first version's.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStats *out);
 
@@ -1115,7 +1115,7 @@ enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStat
  * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
  * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
                                  const struct EpmKvLayout *layout,
@@ -1136,7 +1136,7 @@ enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
  * be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
  * `n_tokens > max_tokens`. Out-params are written only on success.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
                                             const struct EpmKvLayout *layout,
@@ -1154,7 +1154,7 @@ enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
  * INVALID_HANDLE. The caller guarantees no queued kernel still touches the
  * sequence (as with cuMemFree).
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
 
@@ -1164,7 +1164,7 @@ enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
  * Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
  * INVALID_HANDLE, `out` is NULL_POINTER.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *out);
 
@@ -1186,7 +1186,7 @@ enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *ou
  * OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
  * sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
                                          uint64_t n_tokens,
@@ -1199,7 +1199,7 @@ enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
  * NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
  * INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
                                          const uint32_t *tokens,
@@ -1218,7 +1218,7 @@ enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
  * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
  * granule, and the ledger cannot promise that one more granule.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
                                  uint64_t n_tokens,
@@ -1230,7 +1230,7 @@ enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
  * its last sharer; the handle is invalid from now on. NULL is a no-op; an
  * unpinned handle is INVALID_HANDLE.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
 
@@ -1238,7 +1238,7 @@ enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
  * Fill `*out` with the prefix's state. Set `out->size` first. NULL:
  * `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPrefixInfo *out);
 
@@ -1253,7 +1253,7 @@ enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPr
  * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
  * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
                                            uint64_t n_tokens,
@@ -1282,7 +1282,7 @@ enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
  * Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
  * 0 saturates to UINT64_MAX.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
                                  uint64_t prefix_bytes,
@@ -1296,7 +1296,7 @@ enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
  * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
  * are NULL_POINTER.
  *
- * Threading: any thread; calls on one arena are serialized by its lock.
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
                                    const struct EpmKvLayout *layout,

@@ -7,7 +7,7 @@
 # Environment:
 #   ORT_VERSIONS  versions to test, "latest" = newest on PyPI (default: "latest 1.23.2")
 #   EPM_DEVICE    the device epmem reports (auto|cuda|host; default auto)
-#   EPMEM_LIB     the library to load (default: .carry/lib, else target/release,
+#   EPMEM_LIB     the library to load (default: target/release, else .carry/lib,
 #                 else target/debug libepmem.so, built with cargo if missing)
 #   PYTHON        interpreter for venvs / --no-install (default python3)
 #   ORT_VENV_DIR  where the per-version venvs live (default .venv/, reused across runs)
@@ -33,7 +33,7 @@ done
 
 lib=${EPMEM_LIB:-}
 if [ -z "$lib" ]; then
-  for c in .carry/lib/libepmem.so target/release/libepmem.so target/debug/libepmem.so; do
+  for c in target/release/libepmem.so .carry/lib/libepmem.so target/debug/libepmem.so; do
     [ -f "$c" ] && { lib=$c; break; }
   done
 fi

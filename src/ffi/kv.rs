@@ -228,7 +228,7 @@ pub extern "C" fn epm_kv_layout_token_major(
 /// NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
 /// device errors.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_arena_create(dev: *mut EpmDevice, budget_bytes: u64, out: *mut *mut EpmKvArena) -> EpmStatus {
     ffi_boundary! {
@@ -245,7 +245,7 @@ pub extern "C" fn epm_kv_arena_create(dev: *mut EpmDevice, budget_bytes: u64, ou
 /// when the last of them is destroyed. The caller guarantees no queued
 /// kernel still touches its sequences by then.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_arena_destroy(arena: *mut EpmKvArena) -> EpmStatus {
     ffi_boundary! {
@@ -299,7 +299,7 @@ pub struct EpmKvStats {
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
 /// below the first version's.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKvStats) -> EpmStatus {
     ffi_boundary! {
@@ -344,7 +344,7 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
 /// (max_tokens 0 or overflowing, a layout that is not token-major, a bad
 /// admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_create(
     arena: *mut EpmKvArena,
@@ -375,7 +375,7 @@ pub extern "C" fn epm_kv_seq_create(
 /// be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
 /// `n_tokens > max_tokens`. Out-params are written only on success.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_create_for_tokens(
     arena: *mut EpmKvArena,
@@ -409,7 +409,7 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
 /// INVALID_HANDLE. The caller guarantees no queued kernel still touches the
 /// sequence (as with cuMemFree).
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_destroy(seq: *mut EpmKvSeq) -> EpmStatus {
     ffi_boundary! {
@@ -448,7 +448,7 @@ pub struct EpmKvSeqInfo {
 /// Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
 /// INVALID_HANDLE, `out` is NULL_POINTER.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo) -> EpmStatus {
     ffi_boundary! {
@@ -487,7 +487,7 @@ pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo
 /// OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
 /// sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, stream: *mut EpmStream) -> EpmStatus {
     ffi_boundary! {
@@ -504,7 +504,7 @@ pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, s
 /// NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
 /// INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u32, n_tokens: usize) -> EpmStatus {
     ffi_boundary! {
@@ -526,7 +526,7 @@ pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u
 /// OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
 /// granule, and the ledger cannot promise that one more granule.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_pin(
     seq: *mut EpmKvSeq,
@@ -550,7 +550,7 @@ pub extern "C" fn epm_kv_prefix_pin(
 /// its last sharer; the handle is invalid from now on. NULL is a no-op; an
 /// unpinned handle is INVALID_HANDLE.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_unpin(prefix: *mut EpmKvPrefix) -> EpmStatus {
     ffi_boundary! {
@@ -582,7 +582,7 @@ pub struct EpmKvPrefixInfo {
 /// Fill `*out` with the prefix's state. Set `out->size` first. NULL:
 /// `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut EpmKvPrefixInfo) -> EpmStatus {
     ffi_boundary! {
@@ -611,7 +611,7 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
 /// `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
 /// OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_commit_shared_prefix(
     prefix: *mut EpmKvPrefix,
@@ -673,7 +673,7 @@ pub struct EpmKvAdmission {
 /// Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
 /// 0 saturates to UINT64_MAX.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, private_bytes: u64, out: *mut EpmKvAdmission) -> EpmStatus {
     ffi_boundary! {
@@ -703,7 +703,7 @@ pub struct EpmKvRequestCost {
 /// Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
 /// are NULL_POINTER.
 ///
-/// Threading: any thread; calls on one arena are serialized by its lock.
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_request_cost(
     arena: *mut EpmKvArena,
