@@ -120,6 +120,12 @@ static void test_shared_allocator_options_and_stats(void) {
   a->Free(a, p);
   CHECK(stat(a, "InUse") == 0 && stat(a, "MaxInUse") == 4096 + 64 * 1024, "after Free: InUse=%lld MaxInUse=%lld",
         stat(a, "InUse"), stat(a, "MaxInUse"));
+  /* A second Free of the same pointer, or a pointer it never made, is ignored. */
+  long long frees = stat(a, "epmem.frees");
+  a->Free(a, p);
+  a->Free(a, (void*)&frees);
+  CHECK(stat(a, "epmem.frees") == frees && stat(a, "InUse") == 0, "bad Free changed the books: frees %lld -> %lld",
+        frees, stat(a, "epmem.frees"));
   /* Shrink (ORT 1.25+ reads it when version >= 25) gives unused memory back. */
   if (a->version >= 25) {
     CHECK(a->Shrink && ok(a->Shrink(a)), "Shrink: %s", last_msg);
