@@ -216,6 +216,7 @@ int main(int argc, char **argv) {
          ", hit_rate %.3f, evictions %" PRIu64 " (waited %" PRIu64 ")\n",
          stats.page_ins, stats.prefetch_page_ins, stats.bypassed_page_ins, stats.staged_page_ins, stats.hits,
          stats.hit_rate, stats.evictions, stats.eviction_waits);
+  printf("coalesced weights %" PRIu64 "\n", stats.coalesced_weights);
   printf("sources registered %" PRIu64 " (refused %" PRIu64 ", %.1f MiB), pinned_alloc_calls %" PRIu64
          ", pinned_reuses %" PRIu64 "\n",
          stats.source_registrations, stats.register_refusals, stats.registered_bytes / 1048576.0,

@@ -404,6 +404,16 @@ typedef struct EpmResidencyConfig {
    * Most bytes the staging pool retains (0: 512 MiB).
    */
   uint64_t staging_pool_bytes;
+  /**
+   * Weights smaller than this, adjacent both in host memory and in the
+   * declared cycle, are coalesced into one page-in (copies of a few
+   * hundred KiB never reach the PCIe peak). Default 1 MiB; 0 disables.
+   */
+  uint64_t coalesce_below_bytes;
+  /**
+   * Largest coalesced unit (default 8 MiB; never above budget / 8).
+   */
+  uint64_t coalesce_max_bytes;
 } EpmResidencyConfig;
 
 /**
@@ -453,6 +463,11 @@ typedef struct EpmResidencyStats {
    * its read fence.
    */
   uint64_t eviction_waits;
+  /**
+   * Weights coalesced into multi-weight units. A member acquired after its
+   * unit was paged in for another member counts as a hit.
+   */
+  uint64_t coalesced_weights;
   /**
    * Page-ins copied straight from page-locked or registered memory.
    */

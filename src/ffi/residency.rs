@@ -76,6 +76,12 @@ pub struct EpmResidencyConfig {
     pub staging_chunk_bytes: u64,
     /// Most bytes the staging pool retains (0: 512 MiB).
     pub staging_pool_bytes: u64,
+    /// Weights smaller than this, adjacent both in host memory and in the
+    /// declared cycle, are coalesced into one page-in (copies of a few
+    /// hundred KiB never reach the PCIe peak). Default 1 MiB; 0 disables.
+    pub coalesce_below_bytes: u64,
+    /// Largest coalesced unit (default 8 MiB; never above budget / 8).
+    pub coalesce_max_bytes: u64,
 }
 
 /// Counters of a residency manager, filled by `epm_residency_get_stats`;
@@ -103,6 +109,9 @@ pub struct EpmResidencyStats {
     /// Evictions whose victim was still being read, so the host waited for
     /// its read fence.
     pub eviction_waits: u64,
+    /// Weights coalesced into multi-weight units. A member acquired after its
+    /// unit was paged in for another member counts as a hit.
+    pub coalesced_weights: u64,
     /// Page-ins copied straight from page-locked or registered memory.
     pub bypassed_page_ins: u64,
     /// Page-ins staged through pinned buffers.
@@ -154,6 +163,8 @@ fn default_config() -> EpmResidencyConfig {
         fill_threads: 0,
         staging_chunk_bytes: 0,
         staging_pool_bytes: 0,
+        coalesce_below_bytes: d.coalesce_below_bytes as u64,
+        coalesce_max_bytes: d.coalesce_max_bytes as u64,
     }
 }
 
@@ -190,6 +201,10 @@ fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
         r.pool.max_bytes = usize::try_from(c.staging_pool_bytes)
             .map_err(|_| Error::invalid_argument("cfg->staging_pool_bytes is too large"))?;
     }
+    r.coalesce_below_bytes = usize::try_from(c.coalesce_below_bytes)
+        .map_err(|_| Error::invalid_argument("cfg->coalesce_below_bytes is too large"))?;
+    r.coalesce_max_bytes = usize::try_from(c.coalesce_max_bytes)
+        .map_err(|_| Error::invalid_argument("cfg->coalesce_max_bytes is too large"))?;
     Ok(r)
 }
 
@@ -434,6 +449,7 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             wasted_prefetches: s.wasted_prefetches,
             evictions: s.evictions,
             eviction_waits: s.eviction_waits,
+            coalesced_weights: s.coalesced_weights,
             bypassed_page_ins: s.bypassed_page_ins,
             staged_page_ins: s.staged_page_ins,
             source_registrations: s.source_registrations,

@@ -12,6 +12,13 @@
 //! only after every event was observed complete. Giving the memory back to
 //! the arena ([`DeviceBlock::free`]) consumes the token.
 //!
+//! Holding and moving one compiles (the twin of the blocks below, which each
+//! change one thing):
+//! ```
+//! fn pass(w: epmem::residency::fence::ReadsDone) -> epmem::residency::fence::ReadsDone {
+//!     w
+//! }
+//! ```
 //! A witness cannot be forged outside this module:
 //! ```compile_fail,E0451
 //! let w = epmem::residency::fence::ReadsDone { _sealed: () };

@@ -113,15 +113,15 @@ impl ResidencyManager {
     /// its fences and frees its device memory. It leaves the declared cycle.
     pub fn unregister(&self, w: WeightId) -> Result<()> {
         let mut st = self.lock();
-        let e = st.reg.get(w)?;
+        let u = st.reg.leader(w)?;
+        let e = st.reg.get(u)?;
         crate::ensure!(e.users == 0, InvalidState, "weight {} is acquired {} time(s): release it first", w.0, e.users);
-        if e.block.is_some() {
+        self.ungroup(&mut st, u)?;
+        if st.reg.get(w)?.block.is_some() {
             self.evict(&mut st, w)?;
         }
         let e = st.reg.remove(w)?;
-        if e.reg.is_some() {
-            st.c.registered_bytes -= e.range.len() as u64;
-        }
+        st.c.registered_bytes -= e.reg_bytes as u64;
         if st.cycle_pos.contains_key(&w) {
             let order: Vec<WeightId> = st.cycle.iter().copied().filter(|&x| x != w).collect();
             Self::set_cycle(&mut st, order)?;
@@ -158,25 +158,121 @@ impl ResidencyManager {
         Ok(self.lock().reg.get(w)?.range.len())
     }
     pub fn is_resident(&self, w: WeightId) -> Result<bool> {
-        Ok(self.lock().reg.get(w)?.block.is_some())
+        let st = self.lock();
+        Ok(st.reg.get(st.reg.leader(w)?)?.block.is_some())
     }
 
     // ---- the cycle and prefetch -----------------------------------------
 
     /// Declare the cyclic order of a decode step. The policy evicts by it
     /// and `acquire` prefetches `prefetch_depth` weights ahead along it.
+    ///
+    /// Small weights adjacent in host memory and in `order` are coalesced
+    /// into one unit (see [`ResidencyConfig::coalesce_below_bytes`]); a
+    /// previous grouping is undone first, evicting coalesced units, so no
+    /// weight may be acquired during the call.
     pub fn declare_cycle(&self, order: &[WeightId]) -> Result<()> {
         let mut st = self.lock();
+        let mut seen = std::collections::HashSet::with_capacity(order.len());
         for &w in order {
             st.reg.get(w)?;
+            crate::ensure!(seen.insert(w), InvalidArgument, "weight {} appears twice in the cyclic order", w.0);
         }
+        let leaders: Vec<WeightId> = st.reg.ids().filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty())).collect();
+        for u in leaders {
+            self.ungroup(&mut st, u)?;
+        }
+        self.group(&mut st, order)?;
         Self::set_cycle(&mut st, order.to_vec())
     }
 
+    /// Set the policy's cycle over the units of `order` (weights, as declared).
     fn set_cycle(st: &mut State, order: Vec<WeightId>) -> Result<()> {
-        st.policy.set_cycle(&order)?;
-        st.cycle_pos = order.iter().enumerate().map(|(i, &w)| (w, i)).collect();
-        st.cycle = order;
+        let mut units = Vec::with_capacity(order.len());
+        for &w in &order {
+            let u = st.reg.leader(w)?;
+            if units.last() != Some(&u) {
+                units.push(u);
+            }
+        }
+        st.policy.set_cycle(&units)?;
+        st.cycle_pos = units.iter().enumerate().map(|(i, &w)| (w, i)).collect();
+        st.cycle = units;
+        let _ = order;
+        Ok(())
+    }
+
+    /// Coalesce runs of small weights adjacent in `order` and in host memory.
+    fn group(&self, st: &mut State, order: &[WeightId]) -> Result<()> {
+        // A unit is evicted whole: keep it a small share of the budget so
+        // the policy still chooses at a fine grain.
+        let (below, max) = (self.cfg.coalesce_below_bytes, self.cfg.coalesce_max_bytes.min(self.cfg.budget_bytes / 8));
+        if below == 0 {
+            return Ok(());
+        }
+        let mut run: Vec<WeightId> = Vec::new();
+        let mut unit: Option<crate::device::HostRange> = None;
+        for &w in order.iter().chain(std::iter::once(&WeightId(u32::MAX))) {
+            // (the sentinel id closes the last run)
+            let range = st.reg.get(w).ok().filter(|e| {
+                e.range.len() < below && e.block.is_none() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
+            });
+            let range = range.map(|e| e.range);
+            let joined = match (range, unit) {
+                (Some(r), Some(u)) if u.len() + r.len() <= max => u.join(&r).ok(),
+                _ => None,
+            };
+            if let Some(j) = joined {
+                run.push(w);
+                unit = Some(j);
+                continue;
+            }
+            if let (true, Some(u)) = (run.len() > 1, unit) {
+                self.make_group(st, &run, u)?;
+            }
+            run.clear();
+            unit = range;
+            if range.is_some() {
+                run.push(w);
+            }
+        }
+        Ok(())
+    }
+
+    fn make_group(&self, st: &mut State, run: &[WeightId], unit: crate::device::HostRange) -> Result<()> {
+        let leader = run[0];
+        let base = unit.ptr() as usize;
+        for &m in &run[1..] {
+            let e = st.reg.get_mut(m)?;
+            e.leader = leader;
+            e.offset = e.range.ptr() as usize - base;
+        }
+        let e = st.reg.get_mut(leader)?;
+        e.unit = unit;
+        e.members = run[1..].to_vec();
+        st.c.coalesced_weights += run.len() as u64;
+        Ok(())
+    }
+
+    /// Undo a coalesced unit (evicting it if resident).
+    fn ungroup(&self, st: &mut State, u: WeightId) -> Result<()> {
+        let e = st.reg.get(u)?;
+        if e.members.is_empty() {
+            return Ok(());
+        }
+        crate::ensure!(e.users == 0, InvalidState, "weight {} (coalesced) is acquired: release it first", u.0);
+        if e.block.is_some() {
+            self.evict(st, u)?;
+        }
+        let e = st.reg.get_mut(u)?;
+        let members = std::mem::take(&mut e.members);
+        e.unit = e.range;
+        st.c.coalesced_weights -= members.len() as u64 + 1;
+        for m in members {
+            let e = st.reg.get_mut(m)?;
+            e.leader = m;
+            e.offset = 0;
+        }
         Ok(())
     }
 
@@ -187,6 +283,7 @@ impl ResidencyManager {
         let mut st = self.lock();
         let mut n = 0;
         for &w in weights {
+            let w = st.reg.leader(w)?;
             if st.reg.get(w)?.block.is_none() {
                 if !self.page_in(&mut st, w, false)? {
                     break;
@@ -210,6 +307,8 @@ impl ResidencyManager {
         let mut st = self.lock();
         let st = &mut *st;
         self.harvest(st)?;
+        let offset = st.reg.get(w)?.offset as u64;
+        let w = st.reg.leader(w)?;
         let e = st.reg.get_mut(w)?;
         let hit = e.block.is_some() && !e.prefetched;
         if std::mem::take(&mut e.prefetched) {
@@ -224,7 +323,7 @@ impl ResidencyManager {
         let e = st.reg.get_mut(w)?;
         e.users += 1;
         let block = e.block.as_mut().ok_or_else(|| Error::internal("acquired weight has no block"))?;
-        let addr = block.addr();
+        let addr = block.addr() + offset;
         if !block.page_in_done()? {
             if let Some(f) = block.page_in() {
                 if self.cfg.sync_page_in {
@@ -246,6 +345,7 @@ impl ResidencyManager {
     pub fn release(&self, w: WeightId, stream: RawStream) -> Result<()> {
         let mut st = self.lock();
         let st = &mut *st;
+        let w = st.reg.leader(w)?;
         let e = st.reg.get(w)?;
         crate::ensure!(e.users > 0, InvalidState, "weight {} released more often than acquired", w.0);
         let ev = match st.spare.pop() {
@@ -269,7 +369,7 @@ impl ResidencyManager {
     /// otherwise a prefetch, which gives up (Ok(false)) rather than evict a
     /// weight needed sooner.
     fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
-        let len = st.reg.get(w)?.range.len();
+        let len = st.reg.get(w)?.unit.len();
         if !self.make_room(st, w, len, demand)? {
             return Ok(false);
         }
@@ -286,7 +386,7 @@ impl ResidencyManager {
             }
         };
         self.maybe_register(st, w)?;
-        let range = st.reg.get(w)?.range;
+        let range = st.reg.get(w)?.unit;
         let fence = self.engine.htod(block.addr(), range, None)?;
         if self.cfg.sync_page_in {
             let t = Instant::now();
@@ -378,7 +478,7 @@ impl ResidencyManager {
     fn maybe_register(&self, st: &mut State, w: WeightId) -> Result<()> {
         let (range, state) = {
             let e = st.reg.get(w)?;
-            (e.range, e.reg_state)
+            (e.unit, e.reg_state)
         };
         if state != RegState::Untried
             || self.cfg.register_sources == RegisterSources::Never
@@ -395,6 +495,7 @@ impl ResidencyManager {
         match result {
             Some(Ok(r)) => {
                 e.reg = Some(r);
+                e.reg_bytes = range.len();
                 e.reg_state = RegState::Registered;
                 st.c.source_registrations += 1;
                 st.c.registered_bytes += range.len() as u64;
@@ -421,6 +522,7 @@ impl ResidencyManager {
         let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
         let n = st.cycle.len();
         let mut ahead = 0;
+        // Positions hold units (leaders), so `x` below is a leader.
         for k in 1..n {
             if ahead >= self.cfg.prefetch_depth {
                 break;
@@ -470,6 +572,7 @@ impl ResidencyManager {
             wasted_prefetches: c.wasted_prefetches,
             evictions: c.evictions,
             eviction_waits: c.eviction_waits,
+            coalesced_weights: c.coalesced_weights,
             bypassed_page_ins: s.bypassed,
             staged_page_ins: s.copies - s.bypassed,
             source_registrations: c.source_registrations,

@@ -41,9 +41,24 @@ pub(crate) enum RegState {
     Refused,
 }
 
+/// A weight. Small weights adjacent in host memory and in the declared
+/// cycle are coalesced into one *unit*, paged in by one copy into one block:
+/// the unit's state (block, users, registration, prefetch) lives on its
+/// leader, the first member; other members point at it.
 #[derive(Debug)]
 pub(crate) struct Entry {
+    /// The weight's own bytes.
     pub range: HostRange,
+    /// The unit this weight belongs to (itself when not coalesced).
+    pub leader: WeightId,
+    /// Byte offset of this weight in its unit.
+    pub offset: usize,
+    /// On a leader: what a page-in copies (its own range, or the group's).
+    pub unit: HostRange,
+    /// On a leader of a group: the other members, in order.
+    pub members: Vec<WeightId>,
+    /// Bytes `reg` registered.
+    pub reg_bytes: usize,
     /// The device copy, while resident (or being paged in).
     pub block: Option<Fenced>,
     /// Acquires not yet released.
@@ -75,6 +90,11 @@ impl Registry {
         let id = WeightId(self.weights.len() as u32);
         self.weights.push(Some(Entry {
             range,
+            leader: id,
+            offset: 0,
+            unit: range,
+            members: Vec::new(),
+            reg_bytes: 0,
             block: None,
             users: 0,
             reg: None,
@@ -89,6 +109,10 @@ impl Registry {
     }
     pub fn get_mut(&mut self, w: WeightId) -> Result<&mut Entry> {
         self.weights.get_mut(w.0 as usize).and_then(Option::as_mut).ok_or_else(|| unknown(w))
+    }
+    /// The leader of `w`'s unit (`w` itself when not coalesced).
+    pub fn leader(&self, w: WeightId) -> Result<WeightId> {
+        Ok(self.get(w)?.leader)
     }
     pub fn remove(&mut self, w: WeightId) -> Result<Entry> {
         let e = self.weights.get_mut(w.0 as usize).and_then(Option::take).ok_or_else(|| unknown(w))?;
