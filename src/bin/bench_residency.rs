@@ -25,6 +25,7 @@ use std::time::Instant;
 use epmem::bench_support::{gbps, median, Report, Scenario};
 use epmem::device::{self, fence, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream};
 use epmem::residency::sim::belady;
+use epmem::residency::registry::memlock_limit;
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId};
 use epmem::Result;
 
@@ -251,13 +252,21 @@ fn bench(a: &Args) -> Result<()> {
     // Spinning fill threads beyond the cores only steal time from the copy.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     ours.engine.fill_threads = ours.engine.fill_threads.min(cores);
-    let cases = [
+    let mut cases = vec![
         ("b_seed_sync_lru", ResidencyConfig { engine: ours.engine, ..ResidencyConfig::seed_baseline(budget) }),
         ("c_ours_registered", ours),
         ("c_ours_unregistered", ResidencyConfig { register_sources: RegisterSources::Never, ..ours }),
     ];
+    // The default registers sources only within RLIMIT_MEMLOCK; when that is
+    // below the model, also show registration regardless of the limit (a
+    // device that enforces it refuses, and those page-ins stage).
+    let memlock = memlock_limit();
+    if memlock.is_some_and(|l| l < m.total() as u64) {
+        cases.push(("c_ours_register_always", ResidencyConfig { register_sources: RegisterSources::Always, ..ours }));
+    }
+    eprintln!("RLIMIT_MEMLOCK: {}", memlock.map_or("unlimited".to_string(), |l| format!("{} MiB", l >> 20)));
     let mut runs = Vec::new();
-    for (name, cfg) in cases {
+    for &(name, cfg) in &cases {
         let r = run(&dev, &m, a, cfg, 0)?;
         rep.push(Scenario::new("bandwidth", name, "GB/s", true, per_step_gbps(&r)));
         rep.push(Scenario::new("step", &format!("{name}/step"), "ms", false, r.step_ms.clone()));

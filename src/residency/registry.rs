@@ -143,7 +143,7 @@ fn unknown(w: WeightId) -> crate::error::Error {
 
 /// The soft RLIMIT_MEMLOCK in bytes, `None` when unlimited or unreadable.
 /// Read from /proc so the core stays free of `unsafe`.
-pub(crate) fn memlock_limit() -> Option<u64> {
+pub fn memlock_limit() -> Option<u64> {
     parse_memlock(&std::fs::read_to_string("/proc/self/limits").ok()?)
 }
 
