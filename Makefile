@@ -15,7 +15,7 @@ CARGO    ?= cargo
 VERSION  := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 
 WARN      := -Wall -Wextra -Werror
-TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer
+TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer -pthread
 LIB_DIR   := target/release
 TEST_DIR  := target/ffi-tests
 TEST_SRCS := $(wildcard ffi-tests/test_*.c)
@@ -25,6 +25,8 @@ TEST_BINS := $(patsubst ffi-tests/%.c,$(TEST_DIR)/%,$(TEST_SRCS))
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
 SAN_BINS  := $(patsubst ffi-tests/%.c,$(TEST_DIR)/san/%,$(TEST_SRCS))
 EXAMPLES  := $(wildcard examples-c/*.c)
+# What an example may use besides epmem: threads and libm.
+EX_LIBS   := -pthread -lm
 # The demo is examples-c/offload_decode.c once it exists; until then the
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
@@ -65,10 +67,25 @@ ffi-tests: build $(TEST_BINS)
 test-rust:
 	$(CARGO) test
 
-test-c: ffi-tests $(SAN_BINS)
+# The C tests run three ways: plain and sanitized on the host device, then
+# plain with EPM_DEVICE=cuda against the fake libcuda the CUDA device's own
+# tests use (src/device/cuda/fake_libcuda.c), so the CUDA code path behind
+# every epm_* function is exercised without a GPU.
+FAKE_CUDA_SRC := $(wildcard src/device/cuda/fake_libcuda.c)
+FAKE_CUDA_DIR := target/fake-cuda
+
+$(FAKE_CUDA_DIR)/libcuda.so: $(FAKE_CUDA_SRC)
+	@mkdir -p $(FAKE_CUDA_DIR)
+	$(CC) -shared -fPIC -O1 -o $@ $<
+
+test-c: ffi-tests $(SAN_BINS) $(if $(FAKE_CUDA_SRC),$(FAKE_CUDA_DIR)/libcuda.so)
 	@fail=0; for t in $(TEST_BINS) $(SAN_BINS); do \
 	  echo "== $$t"; $$t || { echo "FAILED: $$t (exit $$?)"; fail=1; }; \
-	done; exit $$fail
+	done; \
+	if [ -n "$(FAKE_CUDA_SRC)" ]; then for t in $(TEST_BINS); do \
+	  echo "== $$t (EPM_DEVICE=cuda, fake libcuda)"; \
+	  LD_LIBRARY_PATH=$(FAKE_CUDA_DIR) EPM_DEVICE=cuda $$t || { echo "FAILED: $$t on fake cuda (exit $$?)"; fail=1; }; \
+	done; fi; exit $$fail
 
 # Install into a throw-away prefix and build every example the way a user
 # would: through pkg-config, nothing from this tree.
@@ -78,9 +95,17 @@ test-examples: build
 	for ex in $(EXAMPLES); do \
 	  name=$$(basename $$ex .c); echo "== example $$name"; \
 	  PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -o $$prefix/$$name $$ex \
-	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
+	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
 	  $$prefix/$$name; \
-	done
+	done; \
+	echo "== example device_info, linked statically (libepmem.a + Libs.private)"; \
+	$(CC) -std=c11 $(WARN) -o $$prefix/device_info_static examples-c/device_info.c \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags epmem) \
+	  -L$$prefix/lib -Wl,-Bstatic -lepmem -Wl,-Bdynamic \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --static --libs-only-l epmem | sed 's/-lepmem//'); \
+	if ldd $$prefix/device_info_static | grep -q libepmem; then \
+	  echo "device_info_static links libepmem.so: the static library was not used"; exit 1; fi; \
+	$$prefix/device_info_static >/dev/null
 
 test:
 	$(MAKE) test-rust
@@ -96,7 +121,7 @@ demo: build
 	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
 	$(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
 	PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -O2 -o $$prefix/$(DEMO) examples-c/$(DEMO).c \
-	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) -Wl,-rpath,$$prefix/lib; \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
 	$$prefix/$(DEMO)
 
 clean-c:

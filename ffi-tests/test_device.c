@@ -115,6 +115,26 @@ static void test_unknown_epm_device_is_invalid_config(void) {
   epm_device_destroy(dev);
 }
 
+/* Asking for CUDA on a machine without a driver or GPU is a status with a
+ * message, never a crash; with one, it really is a CUDA device. */
+static void test_cuda_is_a_device_or_a_status(void) {
+  EpmDevice *dev = NULL;
+  EpmDeviceInfo info;
+  EpmStatus st = epm_device_open_select("cuda", 0, &dev);
+
+  if (st == EPM_STATUS_OK) {
+    info.size = sizeof info;
+    REQUIRE_OK(epm_device_get_info(dev, &info));
+    CHECK(info.kind == EPM_DEVICE_KIND_CUDA);
+  } else {
+    CHECK_STATUS(st, EPM_STATUS_DEVICE_UNAVAILABLE);
+    CHECK(dev == NULL);
+  }
+
+cleanup:
+  epm_device_destroy(dev);
+}
+
 static void test_status_names(void) {
   CHECK(strcmp(epm_status_name(EPM_STATUS_OK), "EPM_STATUS_OK") == 0);
   CHECK(strcmp(epm_status_name(EPM_STATUS_INVALID_HANDLE), "EPM_STATUS_INVALID_HANDLE") == 0);
@@ -128,6 +148,7 @@ int main(void) {
   RUN(test_info_size_is_checked);
   RUN(test_open_select);
   RUN(test_unknown_epm_device_is_invalid_config);
+  RUN(test_cuda_is_a_device_or_a_status);
   RUN(test_status_names);
   TEST_SUMMARY();
 }

@@ -54,7 +54,11 @@ declare -A SEEN_TEST
 for t in .carry/tests/device_conformance .carry/tests/*; do
   [ -x "$t" ] || continue
   n=$(basename "$t")
-  case "$n" in header) continue ;; esac
+  case "$n" in
+    header) continue ;;
+    # The lib's unit tests: only the CUDA-specific ones, which are #[ignore]d without a GPU.
+    epmem_lib) step rust-lib-cuda '^test result' "$t" device::cuda --include-ignored --skip fake_driver --test-threads=1; continue ;;
+  esac
   [ "${SEEN_TEST[$n]:-}" ] && continue
   SEEN_TEST[$n]=1
   step "rust-$n" '^test result' "$t" --test-threads=1
@@ -62,18 +66,18 @@ done
 
 # 2. C tests, compiled here against the header and the carried library.
 CFLAGS="-std=c11 -O2 -g -Wall -Wextra -Werror -Iinclude"
-mkdir -p "$OUT/cbin"
+CBIN=/tmp/epmem-cbin; mkdir -p "$CBIN"
 for c in ffi-tests/*.c; do
   [ -f "$c" ] || continue
   n=$(basename "$c" .c)
-  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$OUT/cbin/$n' -L.carry/lib -lepmem -lpthread && '$OUT/cbin/$n'"
+  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib -lepmem -lpthread && '$CBIN/$n'"
 done
 
 # 3. Examples (the offload demo runs on the GPU by default when there is one).
 for c in examples-c/*.c; do
   [ -f "$c" ] || continue
   n=$(basename "$c" .c)
-  step "example-$n" 'tok|GB/s|name|device' sh -c "gcc $CFLAGS '$c' -o '$OUT/cbin/$n' -L.carry/lib -lepmem -lpthread -lm && '$OUT/cbin/$n'"
+  step "example-$n" 'tok|GB/s|name|device' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib -lepmem -lpthread -lm && '$CBIN/$n'"
 done
 
 # 4. The Q1–Q5 probes (one question per binary: a poisoned context stays in its process).

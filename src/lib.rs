@@ -19,6 +19,9 @@ pub mod device;
 pub mod error;
 pub mod ffi;
 /// cbindgen:ignore
+pub mod kv;
+/// cbindgen:ignore
 pub mod residency;
+pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};

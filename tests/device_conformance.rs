@@ -36,6 +36,7 @@ checks!(
     event_query_synchronize_elapsed,
     spin_delays_a_later_event,
     stream_destroy_lets_queued_work_finish,
+    adopted_native_streams_are_forgotten_not_destroyed,
     granule_aliased_at_two_addresses,
     readonly_write_is_refused_and_non_sticky,
     readonly_postures_in_one_reservation,

@@ -22,7 +22,10 @@ use crate::error::{EpmStatus, Error, Result};
 pub mod conformance;
 pub mod cuda;
 pub mod fault;
+pub mod fence;
+pub mod fill;
 pub mod host;
+pub mod hostreg;
 pub mod objects;
 
 pub use objects::*;
@@ -275,12 +278,25 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn vmm_free_va(&self, va: DevicePtr, bytes: usize) -> Result<()>;
     /// Map `bytes` of physical handle `h` starting at `offset` to `va`
     /// (inside a reservation, not yet mapped). Access starts as none: call
-    /// [`Device::vmm_set_access`].
+    /// [`Device::vmm_set_access`]. `offset` must be 0: the H200's driver
+    /// answers CUDA_ERROR_NOT_SUPPORTED to any other (measured 2026-11-30), so
+    /// both devices refuse it with [`EpmStatus::Unsupported`]; to place
+    /// granules independently, make one handle per granule.
     fn vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()>;
     /// Unmap `[va, va+bytes)`. The caller guarantees no in-flight work touches it.
     fn vmm_unmap(&self, va: DevicePtr, bytes: usize) -> Result<()>;
     /// Set the access of a mapped range.
     fn vmm_set_access(&self, va: DevicePtr, bytes: usize, access: Access) -> Result<()>;
+}
+
+/// The one rule about `vmm_map` offsets both devices share (see [`Device::vmm_map`]).
+pub(crate) fn check_map_offset(offset: usize) -> Result<()> {
+    crate::ensure!(
+        offset == 0,
+        Unsupported,
+        "vmm_map at handle offset {offset}: only offset 0 is supported (CUDA refuses others); use one handle per granule"
+    );
+    Ok(())
 }
 
 /// The checksum [`Device::checksum_async`] computes, on the host.

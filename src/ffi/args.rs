@@ -59,19 +59,20 @@ pub(crate) use check_not_null;
 
 /// Borrow a C string argument as `&str`.
 ///
-/// # Safety (of the C caller)
-/// A non-NULL pointer is a NUL-terminated string that outlives the call.
-pub fn c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<&'a str> {
+/// # Safety
+/// A non-NULL `p` is a NUL-terminated string that outlives `'a`.
+pub unsafe fn c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<&'a str> {
     crate::ensure!(!p.is_null(), NullPointer, "argument `{what}` is NULL");
-    // SAFETY: non-NULL; the C caller promises a NUL-terminated string that
-    // lives for the duration of the call (documented on each function).
+    // SAFETY: non-NULL, and NUL-terminated and alive per this fn's contract.
     let s = unsafe { std::ffi::CStr::from_ptr(p) };
     s.to_str().map_err(|e| crate::error::Error::invalid_argument(format!("argument `{what}` is not UTF-8: {e}")))
 }
 
 macro_rules! try_str {
     ($p:ident) => {
-        $crate::ffi::args::c_str($p, stringify!($p))?
+        // SAFETY: every exported function taking a string documents that it
+        // must be NUL-terminated and live for the duration of the call.
+        unsafe { $crate::ffi::args::c_str($p, stringify!($p))? }
     };
 }
 pub(crate) use try_str;
@@ -140,9 +141,12 @@ mod tests {
 
     #[test]
     fn c_str_checks_null_and_utf8() {
-        assert_eq!(c_str(c"host".as_ptr(), "s").unwrap(), "host");
-        assert_eq!(c_str(std::ptr::null(), "s").unwrap_err().status(), EpmStatus::NullPointer);
-        let bad = [0xffu8 as std::ffi::c_char, 0];
-        assert_eq!(c_str(bad.as_ptr(), "s").unwrap_err().status(), EpmStatus::InvalidArgument);
+        // SAFETY: static or local NUL-terminated strings, or NULL.
+        unsafe {
+            assert_eq!(c_str(c"host".as_ptr(), "s").unwrap(), "host");
+            assert_eq!(c_str(std::ptr::null(), "s").unwrap_err().status(), EpmStatus::NullPointer);
+            let bad = [0xffu8 as std::ffi::c_char, 0];
+            assert_eq!(c_str(bad.as_ptr(), "s").unwrap_err().status(), EpmStatus::InvalidArgument);
+        }
     }
 }

@@ -197,7 +197,7 @@ pub extern "C" fn epm_device_checksum_async(
         let stream = try_handle!(stream);
         same_device(&dev, stream.device(), "dev and stream")?;
         device_range(ptr, bytes, "ptr")?;
-        ensure!(bytes % 4 == 0, InvalidArgument, "checksum of {bytes} bytes: not a multiple of 4");
+        ensure!(bytes.is_multiple_of(4), InvalidArgument, "checksum of {bytes} bytes: not a multiple of 4");
         device_range(out_dev_ptr, 8, "out_dev_ptr")?;
         dev.checksum_async(ptr, bytes, out_dev_ptr, stream.raw())
     }

@@ -141,7 +141,7 @@ pub fn bad_device_addresses_are_errors(dev: &Arc<dyn Device>) -> Result<()> {
         let mut r = VaRange::reserve(dev, 2 * g)?;
         assert_status(dev, "vmm_map outside any reservation", dev.vmm_map(NOWHERE, g, phys.raw(), 0), ia);
         assert_status(dev, "vmm_map at an unaligned VA", dev.vmm_map(r.base() + 4096, g, phys.raw(), 0), ia);
-        assert_status(dev, "vmm_map past the handle's end", dev.vmm_map(r.base(), g, phys.raw(), g), ia);
+        assert_status(dev, "vmm_map past the handle's end", dev.vmm_map(r.base(), 2 * g, phys.raw(), 0), ia);
         assert_status(dev, "vmm_unmap of an unmapped range", dev.vmm_unmap(r.base(), g), ia);
         assert_status(
             dev,

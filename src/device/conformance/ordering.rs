@@ -10,9 +10,9 @@ use crate::error::{EpmStatus, Result};
 
 /// A spin long enough that "still pending right after enqueue" is certain
 /// even on a loaded machine, short enough to keep the suite quick.
-const LONG_SPIN_US: u32 = 200_000;
+const LONG_SPIN_US: u32 = 300_000;
 /// A host call that does not wait returns far sooner than this.
-const NON_BLOCKING_BOUND: Duration = Duration::from_millis(100);
+const NON_BLOCKING_BOUND: Duration = Duration::from_millis(150);
 
 /// Stream A spins, then copies 64 MiB and records an event; stream B waits
 /// on the event and reads A's destination. B must see A's data (it would see
@@ -134,6 +134,35 @@ pub fn stream_destroy_lets_queued_work_finish(dev: &Arc<dyn Device>) -> Result<(
         let t = Instant::now();
         drop(Stream::new(dev)?);
         assert!(t.elapsed() < Duration::from_secs(5), "destroying an idle stream took {:?}", t.elapsed());
+        Ok(())
+    })
+}
+
+/// A native stream adopted with `stream_wrap_native` orders work like any
+/// stream, and destroying the adopted handle only forgets it: the native
+/// stream (here, one of ours) keeps working. The host device has no native
+/// streams and says so.
+pub fn adopted_native_streams_are_forgotten_not_destroyed(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "adopted_native_streams_are_forgotten_not_destroyed", || {
+        let owner = Stream::new(dev)?;
+        let native = dev.stream_native(owner.raw())?;
+        if dev.info().kind == crate::device::DeviceKind::Host {
+            let e = dev.stream_wrap_native(native).expect_err("the host device has no native streams");
+            assert_eq!(e.status(), EpmStatus::Unsupported, "{e}");
+            return Ok(());
+        }
+        let adopted = dev.stream_wrap_native(native)?;
+        assert_eq!(dev.stream_native(adopted)?, native, "an adopted stream reports its native handle");
+        let n = 1 << 20;
+        let buf = DeviceBuffer::new(dev, n)?;
+        let data = random_bytes(0xAD0, n);
+        // SAFETY: `data` outlives the copy (the adopted stream is synchronized next).
+        let r = unsafe { dev.memcpy_htod_async(buf.ptr(), data.as_ptr(), n, adopted) };
+        let sync = dev.stream_synchronize(adopted);
+        dev.stream_destroy(adopted)?;
+        r.and(sync)?;
+        assert!(dev.stream_synchronize(adopted).is_err(), "a forgotten adopted stream is still usable");
+        assert_same("a copy on an adopted stream", &download(dev, &owner, buf.ptr(), n)?, &data);
         Ok(())
     })
 }

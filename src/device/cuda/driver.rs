@@ -115,7 +115,6 @@ pub(super) fn has_symbol(name: &str) -> bool {
     unsafe { sys::culib().get::<*const ()>(name.as_bytes()) }.is_ok()
 }
 
-
 /// Turn a `CUresult` into `Ok(())` or an [`Error`] naming `call` and the result.
 pub(crate) fn check(call: &str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -301,7 +300,10 @@ mod tests {
     #[test]
     fn pci_bus_ids_are_normalized() {
         assert_eq!(normalize_pci_bus_id("0000:19:00.0").as_deref(), Some("0000:19:00.0"));
-        assert_eq!(normalize_pci_bus_id("00000000:9A:00.0\n").as_deref(), Some("0000:9a:00.0"));
+        assert_eq!(
+            normalize_pci_bus_id("00000000:9A:00.0\n").as_deref(),
+            Some("0000:9a:00.0")
+        );
         assert_eq!(normalize_pci_bus_id("0001:0B:1F.7").as_deref(), Some("0001:0b:1f.7"));
         assert_eq!(normalize_pci_bus_id("garbage"), None);
         assert_eq!(normalize_pci_bus_id("0000:zz:00.0"), None);

@@ -55,7 +55,13 @@ impl CudaDevice {
         // SAFETY: PTX is NUL-terminated; the option arrays have two entries
         // each and the log buffer holds JIT_LOG_BYTES bytes while the call runs.
         let r = unsafe {
-            cu!(cuModuleLoadDataEx(&mut module, PTX.as_ptr().cast(), opts.len() as c_uint, opts.as_mut_ptr(), vals.as_mut_ptr()))
+            cu!(cuModuleLoadDataEx(
+                &mut module,
+                PTX.as_ptr().cast(),
+                opts.len() as c_uint,
+                opts.as_mut_ptr(),
+                vals.as_mut_ptr()
+            ))
         };
         if let Err(e) = r {
             let text = String::from_utf8_lossy(&log[..log.iter().position(|&b| b == 0).unwrap_or(0)]).into_owned();
@@ -68,7 +74,11 @@ impl CudaDevice {
             Ok(Handle(f))
         };
         let k = match (function(CHECKSUM), function(SPIN)) {
-            (Ok(checksum), Ok(spin)) => Kernels { module: Handle(module), checksum, spin },
+            (Ok(checksum), Ok(spin)) => Kernels {
+                module: Handle(module),
+                checksum,
+                spin,
+            },
             (Err(e), _) | (_, Err(e)) => {
                 // SAFETY: the module loaded above; nothing else holds it.
                 if let Err(u) = unsafe { cu!(cuModuleUnload(module)) } {
@@ -82,9 +92,21 @@ impl CudaDevice {
     }
 
     pub(super) fn cu_checksum(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
-        crate::ensure!(n.is_multiple_of(4), InvalidArgument, "checksum length {n} is not a multiple of 4");
-        crate::ensure!(p.is_multiple_of(4), InvalidArgument, "checksum input {p:#x} is not 4-byte aligned");
-        crate::ensure!(out.is_multiple_of(8), InvalidArgument, "checksum output {out:#x} is not 8-byte aligned");
+        crate::ensure!(
+            n.is_multiple_of(4),
+            InvalidArgument,
+            "checksum length {n} is not a multiple of 4"
+        );
+        crate::ensure!(
+            p.is_multiple_of(4),
+            InvalidArgument,
+            "checksum input {p:#x} is not 4-byte aligned"
+        );
+        crate::ensure!(
+            out.is_multiple_of(8),
+            InvalidArgument,
+            "checksum output {out:#x} is not 8-byte aligned"
+        );
         let stream = self.stream(s)?;
         let _g = self.enter()?;
         self.check_device_range("checksum output", out, 8, true)?;
@@ -96,13 +118,24 @@ impl CudaDevice {
         }
         let k = self.kernels()?;
         let (mut ptr, mut words, mut dst) = (p, (n / 4) as u64, out);
-        let mut params: [*mut c_void; 3] =
-            [(&raw mut ptr).cast(), (&raw mut words).cast(), (&raw mut dst).cast()];
+        let mut params: [*mut c_void; 3] = [(&raw mut ptr).cast(), (&raw mut words).cast(), (&raw mut dst).cast()];
         let grid = checksum_grid(words, self.sm_count);
         // SAFETY: three parameters matching epm_checksum(.u64, .u64, .u64),
         // read by the driver during the call; ranges and alignment checked above.
         unsafe {
-            cu!(cuLaunchKernel(k.checksum.0, grid, 1, 1, CHECKSUM_BLOCK, 1, 1, 0, stream.0, params.as_mut_ptr(), std::ptr::null_mut()))
+            cu!(cuLaunchKernel(
+                k.checksum.0,
+                grid,
+                1,
+                1,
+                CHECKSUM_BLOCK,
+                1,
+                1,
+                0,
+                stream.0,
+                params.as_mut_ptr(),
+                std::ptr::null_mut()
+            ))
         }
     }
 
@@ -113,7 +146,21 @@ impl CudaDevice {
         let mut nanos = micros as u64 * 1000;
         let mut params: [*mut c_void; 1] = [(&raw mut nanos).cast()];
         // SAFETY: one parameter matching epm_spin(.u64), read during the call.
-        unsafe { cu!(cuLaunchKernel(k.spin.0, 1, 1, 1, 1, 1, 1, 0, stream.0, params.as_mut_ptr(), std::ptr::null_mut())) }
+        unsafe {
+            cu!(cuLaunchKernel(
+                k.spin.0,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream.0,
+                params.as_mut_ptr(),
+                std::ptr::null_mut()
+            ))
+        }
     }
 }
 
@@ -137,11 +184,18 @@ mod tests {
         let params = |entry: &str| -> Vec<String> {
             let start = PTX.find(&format!(".entry {entry}(")).unwrap();
             let body = &PTX[start..start + PTX[start..].find(')').unwrap()];
-            body.lines().filter(|l| l.contains(".param")).map(|l| l.trim().trim_end_matches(',').to_string()).collect()
+            body.lines()
+                .filter(|l| l.contains(".param"))
+                .map(|l| l.trim().trim_end_matches(',').to_string())
+                .collect()
         };
         assert_eq!(
             params("epm_checksum"),
-            [".param .u64 epm_checksum_p", ".param .u64 epm_checksum_words", ".param .u64 epm_checksum_out"]
+            [
+                ".param .u64 epm_checksum_p",
+                ".param .u64 epm_checksum_words",
+                ".param .u64 epm_checksum_out"
+            ]
         );
         assert_eq!(params("epm_spin"), [".param .u64 epm_spin_nanos"]);
         assert_eq!(CHECKSUM_BLOCK % 32, 0);

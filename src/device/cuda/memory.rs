@@ -12,7 +12,7 @@ use crate::device::{DevicePtr, LiveCounts, RawStream};
 use crate::error::{EpmStatus, Error, Result};
 
 /// Page-locked host ranges we own: start address → length (and, for
-/// registrations, whether read-only was granted).
+/// registrations, whether the caller declared the device only reads it).
 #[derive(Debug, Default)]
 pub(super) struct HostTables {
     pub(super) pinned: BTreeMap<usize, usize>,
@@ -29,7 +29,9 @@ fn containing<V>(map: &BTreeMap<usize, V>, p: usize, len: usize, size: impl Fn(&
 /// Whether `[p, p+len)` overlaps any range in `map`.
 fn overlaps<V>(map: &BTreeMap<usize, V>, p: usize, len: usize, size: impl Fn(&V) -> usize) -> bool {
     let end = p.saturating_add(len);
-    map.range(..end).next_back().is_some_and(|(&s, v)| s.saturating_add(size(v)) > p)
+    map.range(..end)
+        .next_back()
+        .is_some_and(|(&s, v)| s.saturating_add(size(v)) > p)
 }
 
 impl HostTables {
@@ -40,6 +42,17 @@ impl HostTables {
     }
     fn overlaps_any(&self, p: usize, len: usize) -> bool {
         overlaps(&self.pinned, p, len, |&l| l) || overlaps(&self.registered, p, len, |&(l, _)| l)
+    }
+    /// Whether `[p, p+len)` overlaps a range registered read-only.
+    fn overlaps_read_only(&self, p: usize, len: usize) -> bool {
+        let end = p.saturating_add(len);
+        // Registrations never overlap, so walking back from `end` can stop at
+        // the first one that ends at or before `p`.
+        self.registered
+            .range(..end)
+            .rev()
+            .take_while(|(s, v)| **s + v.0 > p)
+            .any(|(_, v)| v.1)
     }
 }
 
@@ -98,23 +111,32 @@ impl CudaDevice {
         // Two racing overlapping registrations are still refused, by the driver.
         let _g = self.enter()?;
         let want_ro = read_only && self.read_only_register;
-        let flags = if want_ro { sys::CU_MEMHOSTREGISTER_READ_ONLY as c_uint } else { 0 };
+        let flags = if want_ro {
+            sys::CU_MEMHOSTREGISTER_READ_ONLY as c_uint
+        } else {
+            0
+        };
         bump(&self.counts.host_register);
         // SAFETY: the caller guarantees `[p, p+len)` is mapped host memory for
         // as long as it stays registered.
         let mut r = unsafe { sys::cuMemHostRegister_v2(p.cast(), len, flags) };
-        let mut granted_ro = want_ro;
         if want_ro
-            && matches!(r, sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE)
+            && matches!(
+                r,
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE
+            )
         {
-            log::info!("epmem: cuMemHostRegister refused READ_ONLY for [{p:?}, +{len}) ({r:?}); registering read-write");
+            log::info!(
+                "epmem: cuMemHostRegister refused READ_ONLY for [{p:?}, +{len}) ({r:?}); registering read-write"
+            );
             bump(&self.counts.host_register);
             // SAFETY: as above.
             r = unsafe { sys::cuMemHostRegister_v2(p.cast(), len, 0) };
-            granted_ro = false;
         }
         super::driver::check("cuMemHostRegister_v2", r).map_err(host_oom)?;
-        lock(&self.host).registered.insert(p as usize, (len, granted_ro));
+        // Remember what the caller declared, not what the driver granted: a
+        // D2H into it breaks the declaration either way and is refused.
+        lock(&self.host).registered.insert(p as usize, (len, read_only));
         Ok(())
     }
 
@@ -160,6 +182,27 @@ impl CudaDevice {
         r
     }
 
+    /// Check the host side of a copy: a D2H destination registered read-only
+    /// is refused (the caller declared the device only reads it), and a
+    /// "host" pointer that is really one of our device addresses (UVA makes
+    /// them look alike) is checked like the device range it is.
+    fn check_host_side(&self, what: &str, p: usize, n: usize, write: bool) -> Result<()> {
+        crate::ensure!(
+            !(write && lock(&self.host).overlaps_read_only(p, n)),
+            AccessDenied,
+            "{what} [{p:#x}, +{n}) is host memory registered read-only"
+        );
+        let end = p.saturating_add(n) as u64;
+        let in_alloc = lock(&self.device_mem)
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &l)| s + l as u64 > p as u64);
+        if in_alloc || self.vmm_touches(p as u64, n) {
+            self.check_device_range(what, p as u64, n, write)?;
+        }
+        Ok(())
+    }
+
     /// Refuse a device range that is not usable memory, before the driver
     /// sees it: a copy engine or kernel (memset, D2D and the checksum may run
     /// as kernels) touching a bad address can fault, and GPU faults are
@@ -173,9 +216,16 @@ impl CudaDevice {
         let Some(end) = p.checked_add(n as u64) else {
             return Err(bad_range(what, p, n));
         };
-        let ours = lock(&self.device_mem).range(..=p).next_back().map(|(&s, &l)| (s, s + l as u64));
+        let ours = lock(&self.device_mem)
+            .range(..=p)
+            .next_back()
+            .map(|(&s, &l)| (s, s + l as u64));
         if let Some((_, alloc_end)) = ours.filter(|&(_, e)| p < e) {
-            return if end <= alloc_end { Ok(()) } else { Err(bad_range(what, p, n)) };
+            return if end <= alloc_end {
+                Ok(())
+            } else {
+                Err(bad_range(what, p, n))
+            };
         }
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: valid out-pointers; the driver only looks the address up.
@@ -194,8 +244,13 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        crate::ensure!(!src.is_null(), NullPointer, "host → device copy from a NULL host pointer");
+        crate::ensure!(
+            !src.is_null(),
+            NullPointer,
+            "host → device copy from a NULL host pointer"
+        );
         let _g = self.enter()?;
+        self.check_host_side("copy source", src as usize, n, false)?;
         self.check_device_range("copy destination", dst, n, true)?;
         // SAFETY: the caller keeps `[src, src+n)` readable until the copy
         // completes; the device range was checked above.
@@ -209,8 +264,13 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        crate::ensure!(!dst.is_null(), NullPointer, "device → host copy into a NULL host pointer");
+        crate::ensure!(
+            !dst.is_null(),
+            NullPointer,
+            "device → host copy into a NULL host pointer"
+        );
         let _g = self.enter()?;
+        self.check_host_side("copy destination", dst as usize, n, true)?;
         self.check_device_range("copy source", src, n, false)?;
         // SAFETY: the caller keeps `[dst, dst+n)` writable and untouched until
         // the copy completes; the device range was checked above.
@@ -243,7 +303,10 @@ impl CudaDevice {
 
 /// Status for a device range we know is not usable (kept here so messages agree).
 pub(super) fn bad_range(what: &str, p: DevicePtr, n: usize) -> Error {
-    Error::new(EpmStatus::InvalidArgument, format!("{what} [{p:#x}, +{n}) is not device memory this device can use"))
+    Error::new(
+        EpmStatus::InvalidArgument,
+        format!("{what} [{p:#x}, +{n}) is not device memory this device can use"),
+    )
 }
 
 #[cfg(test)]
@@ -269,6 +332,11 @@ mod tests {
     fn overlap_detects_every_touching_case() {
         let mut t = HostTables::default();
         t.registered.insert(0x8000, (0x1000, false));
+        t.registered.insert(0x20000, (0x1000, true));
+        assert!(!t.overlaps_read_only(0x8000, 0x1000));
+        assert!(t.overlaps_read_only(0x1ffff, 2));
+        assert!(t.overlaps_read_only(0x8000, 0x20000));
+        assert!(!t.overlaps_read_only(0x21000, 0x10));
         assert!(t.overlaps_any(0x7fff, 2));
         assert!(t.overlaps_any(0x8fff, 10));
         assert!(t.overlaps_any(0x7000, 0x3000));

@@ -63,7 +63,6 @@ pub struct CudaDevice {
     read_only_register: bool,
     /// Multiprocessor count, sizes the checksum grid.
     sm_count: u32,
-    next_id: AtomicU64,
     counts: Counters,
     streams: Mutex<HashMap<u64, streams::StreamEntry>>,
     events: Mutex<HashMap<u64, streams::EventEntry>>,
@@ -75,7 +74,9 @@ pub struct CudaDevice {
 
 impl fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaDevice").field("info", &self.info).finish_non_exhaustive()
+        f.debug_struct("CudaDevice")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
     }
 }
 
@@ -172,7 +173,6 @@ impl CudaDevice {
             ctx: Handle(ctx),
             read_only_register,
             sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
-            next_id: AtomicU64::new(1),
             counts: Counters::default(),
             streams: Mutex::default(),
             events: Mutex::default(),
@@ -188,9 +188,12 @@ impl CudaDevice {
         CtxGuard::enter(self.ctx.0)
     }
 
-    /// A fresh id for a table entry (never 0, never reused).
+    /// A fresh id for a table entry: never 0, never reused, and unique across
+    /// every CudaDevice in the process, so a handle of one device (or one
+    /// kind) passed to another is InvalidHandle, never a different object.
     fn new_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        NEXT_ID.fetch_add(1, Ordering::Relaxed)
     }
 }
 
@@ -344,6 +347,7 @@ impl Device for CudaDevice {
         self.cu_vmm_free_va(va, bytes)
     }
     fn vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()> {
+        crate::device::check_map_offset(offset)?;
         self.cu_vmm_map(va, bytes, h, offset)
     }
     fn vmm_unmap(&self, va: DevicePtr, bytes: usize) -> Result<()> {

@@ -11,11 +11,15 @@ use super::{CudaDevice, lock};
 use crate::device::{Device, LiveCounts};
 
 impl CudaDevice {
-    fn free_leftovers(&self) {
-        // SAFETY: no arguments; our context is current (caller holds the guard).
-        // Waiting first means no queued copy still uses what is freed below.
-        if let Err(e) = unsafe { cu!(cuCtxSynchronize()) } {
-            log::warn!("epmem: synchronizing cuda:{} at teardown: {e}", self.info.ordinal);
+    fn free_leftovers(&self, live: &LiveCounts) {
+        // Waiting first means no queued copy or kernel still uses what is
+        // freed below. It also waits for the host's own work in the shared
+        // primary context, so it is skipped when there is nothing to free.
+        if *live != LiveCounts::default() || lock(&self.kernels).is_some() {
+            // SAFETY: no arguments; our context is current (caller holds the guard).
+            if let Err(e) = unsafe { cu!(cuCtxSynchronize()) } {
+                log::warn!("epmem: synchronizing cuda:{} at teardown: {e}", self.info.ordinal);
+            }
         }
         if let Some(k) = lock(&self.kernels).take() {
             // SAFETY: our module; no launch can be pending after the synchronize.
@@ -56,14 +60,22 @@ impl Drop for CudaDevice {
     fn drop(&mut self) {
         let live = self.live_counts();
         if live != LiveCounts::default() {
-            log::warn!("epmem: cuda:{} dropped with live resources, freeing them: {live:?}", self.info.ordinal);
+            log::warn!(
+                "epmem: cuda:{} dropped with live resources, freeing them: {live:?}",
+                self.info.ordinal
+            );
         }
         match self.enter() {
-            Ok(_guard) => self.free_leftovers(),
-            Err(e) => log::warn!("epmem: cuda:{} teardown cannot make its context current: {e}", self.info.ordinal),
+            Ok(_guard) => self.free_leftovers(&live),
+            Err(e) => log::warn!(
+                "epmem: cuda:{} teardown cannot make its context current: {e}",
+                self.info.ordinal
+            ),
         }
         // SAFETY: balances the cuDevicePrimaryCtxRetain in `new`; the guard
         // above has restored the caller's context.
-        log_err("cuDevicePrimaryCtxRelease", unsafe { cu!(cuDevicePrimaryCtxRelease_v2(self.dev)) });
+        log_err("cuDevicePrimaryCtxRelease", unsafe {
+            cu!(cuDevicePrimaryCtxRelease_v2(self.dev))
+        });
     }
 }

@@ -6,9 +6,10 @@
 //! - "Device memory" is host memory; every device range is in one table
 //!   ([`space`]) and every copy is checked against it, so a bad address or a
 //!   write into a read-only mapping is an error, never a SIGSEGV.
-//! - Streams are worker threads, events sequence numbers ([`stream`]).
+//! - Streams are worker threads ([`stream`]), events sequence numbers ([`event`]).
 //! - Pinned memory is mmap + best-effort mlock ([`pinned`]).
 
+mod event;
 mod pinned;
 mod space;
 mod stream;
@@ -23,9 +24,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
+use self::event::EventShared;
 use self::pinned::HostMem;
 use self::space::{AddrSpace, Need};
-use self::stream::{EventShared, HostStream, MemOp, Op, StreamShared, lock};
+use self::stream::{HostStream, MemOp, Op, StreamShared, lock};
 use self::vmm::Phys;
 use super::*;
 
@@ -385,6 +387,7 @@ impl Device for HostDevice {
         self.write().free_va(va, bytes)
     }
     fn vmm_map(&self, va: DevicePtr, bytes: usize, h: RawPhys, offset: usize) -> Result<()> {
+        super::check_map_offset(offset)?;
         // Lock order everywhere: phys table, then address space.
         let phys = lock(&self.phys);
         let p = phys

@@ -13,6 +13,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::event::EventShared;
+
 use super::space::{AddrSpace, Need};
 use crate::device::{DevicePtr, checksum_host};
 use crate::error::{Error, Result};
@@ -175,10 +177,7 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
             Ok(())
         }
         Op::Mark { ev, generation } => {
-            let mut st = lock(&ev.state);
-            if st.generation == generation {
-                st.at = Some(Instant::now());
-            }
+            ev.stamp(generation);
             Ok(())
         }
         Op::Wait { on, seq } => {
@@ -228,65 +227,5 @@ fn spin(d: Duration) {
     }
     while Instant::now() < until {
         std::hint::spin_loop();
-    }
-}
-
-#[derive(Debug, Default)]
-struct EventState {
-    /// The stream and sequence captured by the last record.
-    rec: Option<(Arc<StreamShared>, u64)>,
-    /// Bumped by every record, so a stale marker does not stamp a newer record.
-    generation: u64,
-    /// When the marker of the current record ran (timing events).
-    at: Option<Instant>,
-}
-
-#[derive(Debug, Default)]
-pub(super) struct EventShared {
-    pub timing: bool,
-    state: Mutex<EventState>,
-}
-
-impl EventShared {
-    pub fn new(timing: bool) -> Self {
-        Self { timing, state: Mutex::default() }
-    }
-
-    pub fn record(self: &Arc<Self>, s: &Arc<StreamShared>) -> Result<()> {
-        // The event lock is held across the push so the marker cannot stamp
-        // before `rec` names it; the worker never holds its queue lock while
-        // taking an event lock, so this order cannot deadlock.
-        let mut st = lock(&self.state);
-        let generation = st.generation + 1;
-        let seq = s.push(Op::Mark { ev: self.clone(), generation })?;
-        st.generation = generation;
-        st.at = None;
-        st.rec = Some((s.clone(), seq));
-        Ok(())
-    }
-
-    /// (stream, sequence) still pending, or None when complete.
-    pub fn pending(&self) -> Option<(Arc<StreamShared>, u64)> {
-        let st = lock(&self.state);
-        st.rec.as_ref().filter(|(s, seq)| !s.is_done(*seq)).map(|(s, seq)| (s.clone(), *seq))
-    }
-
-    pub fn synchronize(&self) {
-        if let Some((s, seq)) = self.pending() {
-            s.wait_for(seq);
-        }
-    }
-
-    /// The completion instant, or NotReady / InvalidState. Never blocks.
-    pub fn completed_at(&self) -> Result<Instant> {
-        crate::ensure!(self.timing, InvalidArgument, "event was created without timing");
-        let st = lock(&self.state);
-        let Some((s, seq)) = &st.rec else {
-            crate::bail!(InvalidState, "event was never recorded");
-        };
-        if !s.is_done(*seq) {
-            return Err(Error::not_ready("event has not completed yet"));
-        }
-        st.at.ok_or_else(|| Error::internal("completed timing event has no timestamp"))
     }
 }

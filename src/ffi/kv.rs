@@ -1,0 +1,693 @@
+//! `EpmKvArena`, `EpmKvSeq`, `EpmKvPrefix`: the KV arena with prefix sharing.
+//!
+//! An arena owns a granule pool, a ledger with a budget and one read-only
+//! dummy granule. A sequence is one token-major VA reservation; a prefix is a
+//! pin on a sequence's first tokens, mapped read-only into new sequences at
+//! offset 0 (the Nth sharer costs 0 owned bytes). docs/KV.md has the model.
+//!
+//! Lifetimes: a sequence or prefix handle keeps its arena alive, so C may
+//! destroy handles in any order. Destroying a sequence handle destroys the
+//! sequence; unpinning a prefix handle ends the handle (the prefix itself
+//! lives on while sequences still share it). Any later use of either handle
+//! is `EPM_STATUS_INVALID_HANDLE`.
+//!
+//! Threading: every function is safe from any thread; the calls on one arena
+//! are serialized by a lock (prepare_append may hold it while the host waits
+//! for the caller's stream, see `epm_kv_seq_prepare_append`).
+
+use std::sync::{Mutex, MutexGuard};
+
+use crate::device::{Device, RawStream, Stream};
+use crate::ffi::device::EpmDevice;
+use crate::ffi::prelude::*;
+use crate::ffi::stream::{EpmStream, same_device};
+use crate::kv::{self, AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+
+/// A KV arena: granule pool, ledger (budget) and dummy granule.
+pub struct EpmKvArena {
+    _opaque: [u8; 0],
+}
+/// A sequence: one token-major VA reservation.
+pub struct EpmKvSeq {
+    _opaque: [u8; 0],
+}
+/// A pinned shared prefix.
+pub struct EpmKvPrefix {
+    _opaque: [u8; 0],
+}
+
+/// What the arena handle holds.
+pub struct ArenaObj {
+    dev: Arc<dyn Device>,
+    arena: Mutex<KvArena>,
+}
+impl ArenaObj {
+    fn lock(&self) -> MutexGuard<'_, KvArena> {
+        // A panic inside an arena call is caught at the boundary; the arena's
+        // books are updated step by step, so keep serving rather than abort.
+        self.arena.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What a sequence handle holds: its arena and its id there.
+pub struct SeqObj {
+    arena: Arc<ArenaObj>,
+    id: u64,
+}
+impl Drop for SeqObj {
+    fn drop(&mut self) {
+        // Reached only if the handle was never destroyed explicitly (the
+        // explicit path destroys first and this finds the id gone).
+        let _ = self.arena.lock().destroy_sequence(self.id);
+    }
+}
+
+/// What a prefix handle holds: its arena and its id there.
+pub struct PrefixObj {
+    arena: Arc<ArenaObj>,
+    id: u64,
+}
+impl Drop for PrefixObj {
+    fn drop(&mut self) {
+        let _ = self.arena.lock().unpin_prefix(self.id);
+    }
+}
+
+impl_handle!(EpmKvArena => ArenaObj, tag = 0x40);
+impl_handle!(EpmKvSeq => SeqObj, tag = 0x41);
+impl_handle!(EpmKvPrefix => PrefixObj, tag = 0x42);
+
+/// Promise a sequence's worst-case private granules at creation (refused
+/// with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
+/// for budget afterwards.
+pub const EPM_KV_ADMIT_RESERVE: u32 = 0;
+/// Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
+pub const EPM_KV_ADMIT_ON_DEMAND: u32 = 1;
+
+fn admit_mode(v: u32) -> Result<AdmitMode> {
+    match v {
+        EPM_KV_ADMIT_RESERVE => Ok(AdmitMode::Reserve),
+        EPM_KV_ADMIT_ON_DEMAND => Ok(AdmitMode::OnDemand),
+        other => bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_RESERVE (0) or EPM_KV_ADMIT_ON_DEMAND (1)"),
+    }
+}
+
+/// Where K and V of (layer, token, head) live, relative to a sequence's
+/// base address: `token * token_stride + layer * layer_stride +
+/// kv * kv_stride + head * head_stride + i * elem_bytes` (kv = 0 for K, 1 for
+/// V; element i < head_dim). Token-major: a token's bytes of every layer lie
+/// within one `token_stride`, so a prefix of all layers is one range.
+///
+/// Versioned by size: set `size = sizeof(EpmKvLayout)`. Fields are only ever
+/// added at the end.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmKvLayout {
+    pub size: usize,
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// Bytes per element (2 for fp16/bf16).
+    pub elem_bytes: u32,
+    /// Bytes per token in the reservation (layers × 2 × kv_heads × head_dim × elem_bytes when dense).
+    pub token_stride: u64,
+    pub layer_stride: u64,
+    /// Bytes from K to V of the same (layer, token, head).
+    pub kv_stride: u64,
+    pub head_stride: u64,
+}
+
+fn layout_to_c(l: &KvLayout) -> EpmKvLayout {
+    EpmKvLayout {
+        size: std::mem::size_of::<EpmKvLayout>(),
+        layers: l.shape.layers,
+        kv_heads: l.shape.kv_heads,
+        head_dim: l.shape.head_dim,
+        elem_bytes: l.shape.elem_bytes,
+        token_stride: l.token_stride,
+        layer_stride: l.layer_stride,
+        kv_stride: l.kv_stride,
+        head_stride: l.head_stride,
+    }
+}
+
+/// Read and validate a caller's layout.
+fn layout_from_c(p: *const EpmKvLayout) -> Result<KvLayout> {
+    ensure!(!p.is_null(), NullPointer, "argument `layout` is NULL");
+    // SAFETY: non-NULL; the caller promises a readable EpmKvLayout of at
+    // least the first version's size (checked through its size field next).
+    let size = unsafe { std::ptr::addr_of!((*p).size).read_unaligned() };
+    ensure!(
+        size >= std::mem::size_of::<EpmKvLayout>(),
+        InvalidArgument,
+        "layout->size is {size}; set it to sizeof(EpmKvLayout) ({})",
+        std::mem::size_of::<EpmKvLayout>()
+    );
+    // SAFETY: as above, and `size` covers the whole struct.
+    let c = unsafe { p.read_unaligned() };
+    let l = KvLayout {
+        shape: KvShape { layers: c.layers, kv_heads: c.kv_heads, head_dim: c.head_dim, elem_bytes: c.elem_bytes },
+        token_stride: c.token_stride,
+        layer_stride: c.layer_stride,
+        kv_stride: c.kv_stride,
+        head_stride: c.head_stride,
+    };
+    l.validate()?;
+    Ok(l)
+}
+
+/// Write a versioned (size-first) struct: at most `out->size` bytes, and
+/// `out->size` set to the number written. `min` is the first version's size.
+fn write_sized<T: Copy>(out: OutParam<'_, T>, mut value: T, min: usize, name: &str) -> Result<()> {
+    // SAFETY: `out` is non-NULL and points to a caller struct whose first
+    // field is its `size` (usize), readable per the documented contract.
+    let caller = unsafe { out.as_ptr().cast::<usize>().read_unaligned() };
+    ensure!(caller >= min, InvalidArgument, "out->size is {caller}; set it to sizeof({name}) (at least {min})");
+    let n = caller.min(std::mem::size_of::<T>());
+    // SAFETY: every versioned struct here starts with `size: usize`.
+    unsafe { (&raw mut value).cast::<usize>().write(n) };
+    // SAFETY: the caller's struct has at least `caller >= n` writable bytes;
+    // `value` is a local of at least `n` bytes; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping((&raw const value).cast::<u8>(), out.as_ptr().cast::<u8>(), n) };
+    Ok(())
+}
+
+/// Token ids from C: NULL is allowed only with `n == 0`.
+fn tokens<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    ensure!(!p.is_null(), NullPointer, "argument `tokens` is NULL with n_tokens = {n}");
+    ensure!(n <= isize::MAX as usize / 4, InvalidArgument, "n_tokens {n} is too large");
+    // SAFETY: non-NULL; the caller promises `n` readable u32s for the call.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+fn stream_of(arena: &ArenaObj, stream: Arc<Stream>) -> Result<RawStream> {
+    same_device(&arena.dev, stream.device(), "the arena and the stream")?;
+    Ok(stream.raw())
+}
+
+/// Register a sequence the arena just made. If that fails, dropping `obj`
+/// destroys the sequence again, so nothing leaks.
+fn new_seq(arena: &Arc<ArenaObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+    let obj = Arc::new(SeqObj { arena: arena.clone(), id });
+    out.set(handle::register::<EpmKvSeq>(obj)?);
+    Ok(())
+}
+
+/// Fill `*out` with the dense token-major layout of a model:
+/// [token][layer][K,V][head][head_dim]. E.g. qwen14b (48, 8, 128, 2) has
+/// 196,608 bytes per token.
+///
+/// NULL: `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a zero
+/// dimension or an overflow. `*out` is written only on success (all of it:
+/// `out->size` need not be set). Threading: pure.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_layout_token_major(
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    elem_bytes: u32,
+    out: *mut EpmKvLayout,
+) -> EpmStatus {
+    ffi_boundary! {
+        let out = try_out!(out);
+        let l = KvLayout::token_major(KvShape { layers, kv_heads, head_dim, elem_bytes })?;
+        out.set(layout_to_c(&l));
+        Ok(())
+    }
+}
+
+/// Create a KV arena on `dev` with a budget of `budget_bytes` physical bytes.
+/// The arena's dummy granule (one granule, zeroed) is charged to the budget,
+/// so it must hold at least one granule.
+///
+/// Ownership: `*out` is a new handle; destroy it with `epm_kv_arena_destroy`.
+/// It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
+/// NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
+/// device errors.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_arena_create(dev: *mut EpmDevice, budget_bytes: u64, out: *mut *mut EpmKvArena) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let out = try_out!(out);
+        let arena = KvArena::new(&dev, KvConfig::new(budget_bytes))?;
+        out.set(handle::register::<EpmKvArena>(Arc::new(ArenaObj { dev, arena: Mutex::new(arena) }))?);
+        Ok(())
+    }
+}
+
+/// Release the arena handle. NULL is a no-op. Sequences and prefixes still
+/// held keep the arena alive; it is torn down (unmap → release → free VA)
+/// when the last of them is destroyed. The caller guarantees no queued
+/// kernel still touches its sequences by then.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_arena_destroy(arena: *mut EpmKvArena) -> EpmStatus {
+    ffi_boundary! {
+        handle::destroy(arena)
+    }
+}
+
+/// Ledger and arena statistics, filled by `epm_kv_arena_get_stats`.
+/// Versioned by size: set `size = sizeof(EpmKvStats)`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpmKvStats {
+    pub size: usize,
+    /// The ledger's budget, owned bytes (physical, each granule once, the
+    /// dummy included), bytes promised to admitted sequences, peak owned.
+    pub budget_bytes: u64,
+    pub owned_bytes: u64,
+    pub promised_bytes: u64,
+    pub peak_owned_bytes: u64,
+    pub owned_granules: u64,
+    /// Granule 0→1 (charge) and 1→0 (credit) transitions; admissions and
+    /// appends refused with OUT_OF_BUDGET.
+    pub charges: u64,
+    pub credits: u64,
+    pub refusals: u64,
+    pub granule_bytes: u64,
+    /// Physical handles created / released to the driver, acquisitions served
+    /// from a retained handle, handles retained now.
+    pub pool_created: u64,
+    pub pool_released: u64,
+    pub pool_reused: u64,
+    pub pool_retained: u64,
+    pub sequences: u64,
+    pub prefixes: u64,
+    pub pinned_prefixes: u64,
+    /// Granule bytes mapped into sequences (dummy excluded): what they would
+    /// own without sharing. `mapped_bytes - owned_bytes` is roughly the saving.
+    pub mapped_bytes: u64,
+    pub cow_granules: u64,
+    pub committed_granules: u64,
+    /// Host waits on a caller's stream before a mapping change.
+    pub fences: u64,
+    /// Sequences that found a prefix by content hash.
+    pub hash_hits: u64,
+}
+
+/// Fill `*out` with the arena's ledger and counters.
+///
+/// Set `out->size = sizeof(EpmKvStats)` first; epmem writes at most that many
+/// bytes and sets `out->size` to the number written. NULL: `arena` is
+/// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
+/// below the first version's.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKvStats) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out);
+        let s = arena.lock().stats();
+        let v = EpmKvStats {
+            size: 0,
+            budget_bytes: s.ledger.budget_bytes,
+            owned_bytes: s.ledger.owned_bytes,
+            promised_bytes: s.ledger.promised_bytes,
+            peak_owned_bytes: s.ledger.peak_owned_bytes,
+            owned_granules: s.ledger.owned_granules,
+            charges: s.ledger.charges,
+            credits: s.ledger.credits,
+            refusals: s.ledger.refusals,
+            granule_bytes: s.granule_bytes,
+            pool_created: s.pool.created,
+            pool_released: s.pool.released,
+            pool_reused: s.pool.reused,
+            pool_retained: s.pool.retained,
+            sequences: s.sequences,
+            prefixes: s.prefixes,
+            pinned_prefixes: s.pinned_prefixes,
+            mapped_bytes: s.mapped_bytes,
+            cow_granules: s.counters.cow_granules,
+            committed_granules: s.counters.committed_granules,
+            fences: s.counters.fences,
+            hash_hits: s.counters.hash_hits,
+        };
+        write_sized(out, v, std::mem::size_of::<EpmKvStats>(), "EpmKvStats")
+    }
+}
+
+/// Create a sequence of up to `max_tokens` tokens of `layout`. Its whole
+/// reservation (max_tokens × token_stride, rounded up to the granule) maps
+/// the arena's zeroed dummy granule read-only until `prepare_append`.
+///
+/// `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+/// is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `arena` is
+/// INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
+/// (max_tokens 0 or overflowing, a layout that is not token-major, a bad
+/// admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_create(
+    arena: *mut EpmKvArena,
+    layout: *const EpmKvLayout,
+    max_tokens: u64,
+    admit: u32,
+    out: *mut *mut EpmKvSeq,
+) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out);
+        let l = layout_from_c(layout)?;
+        let mode = admit_mode(admit)?;
+        let id = arena.lock().create_sequence(&l, max_tokens, mode)?;
+        new_seq(&arena, id, out)
+    }
+}
+
+/// Create a sequence that declares its prompt `tokens[0..n_tokens)`. If a
+/// live prefix (pinned from a sequence that declared the same leading
+/// tokens, compared in whole blocks of 16 tokens and then token by token)
+/// exists, its longest match is shared read-only at offset 0, exactly as
+/// `epm_kv_commit_shared_prefix`, and `*shared_tokens` says how many tokens
+/// are already in the cache (skip their prefill). Otherwise it is a plain
+/// sequence and `*shared_tokens` is 0.
+///
+/// NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
+/// be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
+/// `n_tokens > max_tokens`. Out-params are written only on success.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_create_for_tokens(
+    arena: *mut EpmKvArena,
+    layout: *const EpmKvLayout,
+    max_tokens: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    admit: u32,
+    out: *mut *mut EpmKvSeq,
+    shared_tokens: *mut u64,
+) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out);
+        let l = layout_from_c(layout)?;
+        let mode = admit_mode(admit)?;
+        let toks = self::tokens(tokens, n_tokens)?;
+        let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
+        let (id, shared) = arena.lock().create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
+        new_seq(&arena, id, out)?;
+        if let Some(o) = shared_out {
+            o.set(shared);
+        }
+        Ok(())
+    }
+}
+
+/// Destroy a sequence: unmap its slots, drop its granule references (the
+/// ledger is credited for granules nobody else maps), return its unused
+/// promise, free its VA. NULL is a no-op; a destroyed handle is
+/// INVALID_HANDLE. The caller guarantees no queued kernel still touches the
+/// sequence (as with cuMemFree).
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_destroy(seq: *mut EpmKvSeq) -> EpmStatus {
+    ffi_boundary! {
+        match handle::remove(seq)? {
+            Some(obj) => {
+                let r = obj.arena.lock().destroy_sequence(obj.id);
+                drop(obj); // after the lock: its Drop finds the id gone
+                r
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// A sequence's layout descriptor and state, filled by `epm_kv_seq_get_info`.
+/// Versioned by size: set `size = sizeof(EpmKvSeqInfo)`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmKvSeqInfo {
+    pub size: usize,
+    pub layout: EpmKvLayout,
+    /// Device address of token 0 (a `CUdeviceptr` on CUDA).
+    pub base: u64,
+    pub max_tokens: u64,
+    /// Tokens made writable so far (shared prefix tokens included).
+    pub len_tokens: u64,
+    /// VA reserved: max_tokens × token_stride rounded up to the granule.
+    pub reserved_bytes: u64,
+    pub shared_granules: u64,
+    pub private_granules: u64,
+    pub promised_granules: u64,
+}
+
+/// Fill `*out` with the sequence's layout descriptor, base address and state.
+///
+/// Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
+/// INVALID_HANDLE, `out` is NULL_POINTER.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo) -> EpmStatus {
+    ffi_boundary! {
+        let seq = try_handle!(seq);
+        let out = try_out!(out);
+        let i = seq.arena.lock().sequence_info(seq.id)?;
+        let v = EpmKvSeqInfo {
+            size: 0,
+            layout: layout_to_c(&i.layout),
+            base: i.base,
+            max_tokens: i.max_tokens,
+            len_tokens: i.len_tokens,
+            reserved_bytes: i.reserved_bytes,
+            shared_granules: i.shared_granules,
+            private_granules: i.private_granules,
+            promised_granules: i.promised_granules,
+        };
+        write_sized(out, v, std::mem::size_of::<EpmKvSeqInfo>(), "EpmKvSeqInfo")
+    }
+}
+
+/// Make the granules that tokens `[len, len + n_tokens)` fall in private and
+/// read-write, so the caller's next kernel on `stream` may write them, and
+/// advance `len`. Call it before launching the kernel that writes them.
+///
+/// A granule that is already private costs nothing (no driver call, no
+/// wait). Otherwise the host waits for the work queued on `stream` so far
+/// (mappings are not stream-ordered: a kernel still reading the old mapping
+/// would fault), then maps a pooled granule read-write; a shared boundary
+/// granule is copied on write by a D2D copy queued on `stream`, which the
+/// caller's later kernels on `stream` are ordered after. Work on other
+/// streams that touches the sequence must be ordered before `stream`.
+///
+/// NULL: `seq`, `stream` are INVALID_HANDLE. Errors: INVALID_ARGUMENT if
+/// `len + n_tokens > max_tokens` or the stream is on another device;
+/// OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
+/// sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, stream: *mut EpmStream) -> EpmStatus {
+    ffi_boundary! {
+        let seq = try_handle!(seq);
+        let stream = try_handle!(stream);
+        let raw = stream_of(&seq.arena, stream)?;
+        seq.arena.lock().prepare_append(seq.id, n_tokens, raw)
+    }
+}
+
+/// Declare more of a sequence's token ids (appended to those declared at
+/// creation), so a prefix later pinned from it can be found by content.
+///
+/// NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
+/// INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u32, n_tokens: usize) -> EpmStatus {
+    ffi_boundary! {
+        let seq = try_handle!(seq);
+        let toks = self::tokens(tokens, n_tokens)?;
+        seq.arena.lock().declare_tokens(seq.id, toks)
+    }
+}
+
+/// Pin the first `n_tokens` tokens of `seq` (its full granules plus the
+/// partial boundary granule) as a shared prefix. They turn read-only in
+/// `seq` too, so its next append into the boundary granule copies it. The
+/// host waits for `stream` first (access changes are not stream-ordered).
+///
+/// Ownership: `*out` is the pin; end it with `epm_kv_prefix_unpin`. A pinned
+/// prefix is never reclaimed; it is freed when the pin and its last sharer
+/// are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
+/// Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
+/// OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+/// granule, and the ledger cannot promise that one more granule.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_prefix_pin(
+    seq: *mut EpmKvSeq,
+    n_tokens: u64,
+    stream: *mut EpmStream,
+    out: *mut *mut EpmKvPrefix,
+) -> EpmStatus {
+    ffi_boundary! {
+        let seq = try_handle!(seq);
+        let stream = try_handle!(stream);
+        let out = try_out!(out);
+        let raw = stream_of(&seq.arena, stream)?;
+        let id = seq.arena.lock().pin_prefix(seq.id, n_tokens, raw)?;
+        let obj = Arc::new(PrefixObj { arena: seq.arena.clone(), id });
+        out.set(handle::register::<EpmKvPrefix>(obj)?);
+        Ok(())
+    }
+}
+
+/// End a pin. The prefix is freed now if no sequence shares it, else with
+/// its last sharer; the handle is invalid from now on. NULL is a no-op; an
+/// unpinned handle is INVALID_HANDLE.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_prefix_unpin(prefix: *mut EpmKvPrefix) -> EpmStatus {
+    ffi_boundary! {
+        match handle::remove(prefix)? {
+            Some(obj) => {
+                let r = obj.arena.lock().unpin_prefix(obj.id);
+                drop(obj); // after the lock: its Drop finds the id gone
+                r
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// A prefix's state, filled by `epm_kv_prefix_get_info`. Versioned by size.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmKvPrefixInfo {
+    pub size: usize,
+    pub n_tokens: u64,
+    pub granules: u64,
+    /// Sequences mapping the prefix (its origin included while it has not diverged past it).
+    pub sharers: u32,
+    pub pinned: bool,
+    /// A read-only view of the prefix (token 0 at this device address).
+    pub view_base: u64,
+}
+
+/// Fill `*out` with the prefix's state. Set `out->size` first. NULL:
+/// `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut EpmKvPrefixInfo) -> EpmStatus {
+    ffi_boundary! {
+        let prefix = try_handle!(prefix);
+        let out = try_out!(out);
+        let i = prefix.arena.lock().prefix_info(prefix.id)?;
+        let v = EpmKvPrefixInfo {
+            size: 0,
+            n_tokens: i.n_tokens,
+            granules: i.granules,
+            sharers: i.sharers,
+            pinned: i.pinned,
+            view_base: i.view_base,
+        };
+        write_sized(out, v, std::mem::size_of::<EpmKvPrefixInfo>(), "EpmKvPrefixInfo")
+    }
+}
+
+/// Create a sequence of up to `max_tokens` tokens whose first `n_tokens`
+/// tokens map the prefix read-only at offset 0: no copy, and the ledger
+/// charges nothing (the Nth sharer costs 0 owned bytes). The rest maps the
+/// dummy. The sequence's `len` starts at `n_tokens`.
+///
+/// Ownership: `*out` is a new sequence handle. NULL: `prefix` is
+/// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
+/// `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
+/// OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_commit_shared_prefix(
+    prefix: *mut EpmKvPrefix,
+    n_tokens: u64,
+    max_tokens: u64,
+    admit: u32,
+    out: *mut *mut EpmKvSeq,
+) -> EpmStatus {
+    ffi_boundary! {
+        let prefix = try_handle!(prefix);
+        let out = try_out!(out);
+        let mode = admit_mode(admit)?;
+        let id = prefix.arena.lock().commit_shared_prefix(prefix.id, n_tokens, max_tokens, mode)?;
+        new_seq(&prefix.arena, id, out)
+    }
+}
+
+/// How many leading tokens of `tokens` a live prefix of `layout` already
+/// holds (whole 16-token blocks, confirmed token by token); 0 if none.
+///
+/// NULL: `tokens` may be NULL only when `n_tokens` is 0; `out` is
+/// NULL_POINTER. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_find_prefix(
+    arena: *mut EpmKvArena,
+    layout: *const EpmKvLayout,
+    tokens: *const u32,
+    n_tokens: usize,
+    out: *mut u64,
+) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out);
+        let l = layout_from_c(layout)?;
+        let toks = self::tokens(tokens, n_tokens)?;
+        let found = arena.lock().find_prefix(&l, toks).map_or(0, |(_, m)| m);
+        out.set(found);
+        Ok(())
+    }
+}
+
+/// Admissible concurrency, filled by `epm_kv_admissible`. Versioned by size.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmKvAdmission {
+    pub size: usize,
+    /// floor(B / (P + Q)): every request holds its own copy of the prefix.
+    pub without_sharing: u64,
+    /// floor((B − P) / Q): one physical prefix plus Q private bytes per request.
+    pub with_sharing: u64,
+    /// 1 + floor((B − P) / Q), as seed 003 wrote it: one more than fits.
+    pub seed_formula: u64,
+}
+
+/// Admissible concurrency for a budget `budget_bytes`, a shared prefix of
+/// `prefix_bytes` and `private_bytes` per request (pure arithmetic; use
+/// `epm_kv_request_cost` for granule-rounded P and Q of a layout).
+///
+/// Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
+/// 0 saturates to UINT64_MAX.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, private_bytes: u64, out: *mut EpmKvAdmission) -> EpmStatus {
+    ffi_boundary! {
+        let out = try_out!(out);
+        let a = kv::admissible(budget_bytes, prefix_bytes, private_bytes);
+        let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.seed_formula };
+        write_sized(out, v, std::mem::size_of::<EpmKvAdmission>(), "EpmKvAdmission")
+    }
+}
+
+/// Granule-rounded physical cost of a request, filled by `epm_kv_request_cost`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmKvRequestCost {
+    pub size: usize,
+    /// Granule bytes of the shared prefix (full granules plus the boundary): P.
+    pub prefix_bytes: u64,
+    /// Granule bytes one sharer owns, its boundary copy included: Q.
+    pub private_bytes: u64,
+    /// Granule bytes of the same request without sharing.
+    pub unshared_bytes: u64,
+}
+
+/// The physical cost of a request of `max_tokens` tokens of `layout` whose
+/// first `prefix_tokens` are shared, on this arena's granule.
+///
+/// Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+/// are NULL_POINTER.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_request_cost(
+    arena: *mut EpmKvArena,
+    layout: *const EpmKvLayout,
+    prefix_tokens: u64,
+    max_tokens: u64,
+    out: *mut EpmKvRequestCost,
+) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let out = try_out!(out);
+        let l = layout_from_c(layout)?;
+        let c = kv::request_cost(&l, arena.dev.vmm_granularity() as u64, prefix_tokens, max_tokens);
+        let v = EpmKvRequestCost { size: 0, prefix_bytes: c.prefix_bytes, private_bytes: c.private_bytes, unshared_bytes: c.unshared_bytes };
+        write_sized(out, v, std::mem::size_of::<EpmKvRequestCost>(), "EpmKvRequestCost")
+    }
+}

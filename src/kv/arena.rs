@@ -1,0 +1,205 @@
+//! The KV arena: one granule pool, one ledger, one dummy granule, and the
+//! sequences and prefixes built from them.
+//!
+//! Sequence operations are in [`super::sequence`], prefix operations in
+//! [`super::prefix`]. The arena is single-owner (`&mut self`); the C layer
+//! puts it behind a mutex.
+
+use std::sync::Arc;
+
+use super::granule::{GranuleId, GranulePool, PoolStats};
+use super::hash::PrefixIndex;
+use super::ledger::LedgerStats;
+use super::prefix::Prefix;
+use super::sequence::Sequence;
+use super::slab::Slab;
+use crate::device::{Access, Device, Event, RawStream, Stream, VaRange};
+use crate::error::Result;
+
+/// Arena configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvConfig {
+    /// Physical bytes the arena may own (dummy granule included).
+    pub budget_bytes: u64,
+    /// Tokens per hashed block for content-hash prefix detection.
+    pub hash_block_tokens: u32,
+}
+
+impl KvConfig {
+    pub fn new(budget_bytes: u64) -> Self {
+        Self { budget_bytes, hash_block_tokens: 16 }
+    }
+}
+
+/// How a new sequence is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmitMode {
+    /// Promise the sequence's worst-case private granules up front (refused
+    /// with OutOfBudget if the ledger cannot hold them); `prepare_append`
+    /// then never fails for budget.
+    Reserve,
+    /// Promise nothing: granules are charged as `prepare_append` commits
+    /// them, and that may fail with OutOfBudget.
+    OnDemand,
+}
+
+/// Counters of the arena's own work.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvCounters {
+    /// Boundary granules copied on write.
+    pub cow_granules: u64,
+    /// Fresh granules committed by prepare_append (excluding COW).
+    pub committed_granules: u64,
+    /// Host waits on a caller's stream before a mapping change.
+    pub fences: u64,
+    /// Sequences created with a prefix found by content hash.
+    pub hash_hits: u64,
+}
+
+/// Everything the arena can report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStats {
+    pub ledger: LedgerStats,
+    pub pool: PoolStats,
+    pub counters: KvCounters,
+    pub granule_bytes: u64,
+    pub sequences: u64,
+    pub prefixes: u64,
+    pub pinned_prefixes: u64,
+    /// Granule bytes mapped read-write or read-only into sequences (the dummy
+    /// excluded): what the sequences would own without sharing.
+    pub mapped_bytes: u64,
+}
+
+#[derive(Debug)]
+pub struct KvArena {
+    pub(crate) dev: Arc<dyn Device>,
+    pub(crate) config: KvConfig,
+    pub(crate) pool: GranulePool,
+    pub(crate) dummy: GranuleId,
+    pub(crate) seqs: Slab<Sequence>,
+    pub(crate) prefixes: Slab<Prefix>,
+    pub(crate) index: PrefixIndex<u64>,
+    pub(crate) fence_event: Event,
+    pub(crate) counters: KvCounters,
+}
+
+impl KvArena {
+    /// A new arena. Charges the dummy granule (one granule, physical bytes)
+    /// to the budget, so the budget must hold at least one granule.
+    pub fn new(dev: &Arc<dyn Device>, config: KvConfig) -> Result<Self> {
+        crate::ensure!(config.hash_block_tokens > 0, InvalidArgument, "KV arena: hash_block_tokens is 0");
+        let mut pool = GranulePool::new(dev, config.budget_bytes);
+        let dummy = pool.acquire(false).map_err(|e| e.context("KV arena: the dummy granule"))?;
+        let arena = Self {
+            dev: dev.clone(),
+            config,
+            pool,
+            dummy,
+            seqs: Slab::new("KV sequence"),
+            prefixes: Slab::new("KV prefix"),
+            index: PrefixIndex::new(),
+            fence_event: Event::new(dev, false)?,
+            counters: KvCounters::default(),
+        };
+        arena.zero_dummy()?;
+        Ok(arena)
+    }
+
+    /// A reader of the unused tail sees zeros, not whatever the granule held
+    /// before (it may be a recycled handle on the driver's side).
+    fn zero_dummy(&self) -> Result<()> {
+        let g = self.granule();
+        let mut va = VaRange::reserve(&self.dev, g)?;
+        va.map(0, g, self.pool.phys(self.dummy)?, 0, Access::ReadWrite)?;
+        let s = Stream::new(&self.dev)?;
+        self.dev.memset_d8_async(va.base(), 0, g, s.raw())?;
+        s.synchronize()?;
+        va.unmap(0, g)
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+
+    pub fn config(&self) -> KvConfig {
+        self.config
+    }
+
+    /// The VMM granularity (queried from the device, never assumed).
+    pub fn granule(&self) -> usize {
+        self.pool.granule()
+    }
+
+    /// Wait until the work queued on `stream` so far has completed.
+    ///
+    /// The host must wait here: map, unmap and set-access are not
+    /// stream-ordered — the driver applies them immediately — so the only way
+    /// to know that no kernel (or captured-graph replay) queued on the
+    /// caller's stream still reads the old mapping is to see that work
+    /// complete. On the H200 a kernel touching an unmapped or read-only page
+    /// is error 700 and kills the context; on the host device it is SIGSEGV.
+    pub(crate) fn fence(&mut self, stream: RawStream) -> Result<()> {
+        self.fence_event.record_raw(stream)?;
+        self.fence_event.synchronize()?;
+        self.counters.fences += 1;
+        Ok(())
+    }
+
+    pub fn stats(&self) -> KvStats {
+        let g = self.granule() as u64;
+        let mut mapped = 0;
+        for id in self.seqs.ids() {
+            if let Ok(s) = self.seqs.get(id) {
+                mapped += s.committed_slots() as u64 * g;
+            }
+        }
+        let pinned = self
+            .prefixes
+            .ids()
+            .into_iter()
+            .filter(|&p| self.prefixes.get(p).is_ok_and(|p| p.pinned))
+            .count();
+        KvStats {
+            ledger: self.pool.ledger_stats(),
+            pool: self.pool.stats(),
+            counters: self.counters,
+            granule_bytes: g,
+            sequences: self.seqs.len() as u64,
+            prefixes: self.prefixes.len() as u64,
+            pinned_prefixes: pinned as u64,
+            mapped_bytes: mapped,
+        }
+    }
+
+    /// Release every retained (unreferenced) granule handle to the driver.
+    pub fn trim(&mut self) -> u64 {
+        self.pool.trim()
+    }
+
+    /// Destroy everything in the arena, returning the first error. The caller
+    /// guarantees that no work in flight touches any sequence.
+    pub fn clear(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for id in self.seqs.ids() {
+            let r = self.destroy_sequence(id);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        for id in self.prefixes.ids() {
+            let r = self.destroy_prefix(id);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+impl Drop for KvArena {
+    fn drop(&mut self) {
+        crate::device::objects::log_drop_error("KV arena teardown", self.clear());
+        crate::device::objects::log_drop_error("KV arena: release dummy", self.pool.release(self.dummy));
+    }
+}

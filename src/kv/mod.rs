@@ -1,0 +1,33 @@
+//! KV-cache arena with page-level prefix sharing (seed 003).
+//!
+//! Per-sequence, token-major VA reservations backed by a pool of physical
+//! granules (2 MiB on the H200). One granule can be mapped read-only into N
+//! sequences, is charged once in the ledger, and is copied on write at the
+//! divergence boundary. See docs/KV.md for the model and the C API.
+//!
+//! - [`granule`]: the pool of physical granules, refcounted, retained for reuse;
+//! - [`ledger`]: the budget over physical bytes (owned and promised);
+//! - [`layout`]: the stride descriptor kernels address K and V with;
+//! - [`sequence`]: reservations, `prepare_append`, copy-on-write, the dummy tail;
+//! - [`prefix`]: pinned prefixes, `commit_shared_prefix`, content-hash detection;
+//! - [`hash`]: the block-chain hash and its index;
+//! - [`admission`]: admissible-concurrency arithmetic;
+//! - [`arena`]: the object that ties them together.
+
+pub mod admission;
+pub mod arena;
+pub mod granule;
+pub mod hash;
+pub mod layout;
+pub mod ledger;
+pub mod prefix;
+pub mod sequence;
+mod slab;
+
+pub use admission::{Admission, RequestCost, admissible, request_cost};
+pub use arena::{AdmitMode, KvArena, KvConfig, KvCounters, KvStats};
+pub use granule::PoolStats;
+pub use layout::{Kv, KvLayout, KvShape};
+pub use ledger::LedgerStats;
+pub use prefix::PrefixInfo;
+pub use sequence::SeqInfo;

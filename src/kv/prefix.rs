@@ -1,0 +1,250 @@
+//! Shared prefixes: pin, commit into new sequences, find by content hash.
+//!
+//! A prefix is the granules covering a sequence's first `n_tokens` tokens —
+//! its full granules plus the partial boundary granule. Pinning maps them
+//! read-only into the prefix's own *view* reservation (the source of every
+//! sharer's copy-on-write, which outlives the sequence it was pinned from)
+//! and turns them read-only in the origin sequence too, so nobody can write
+//! shared bytes. `commit_shared_prefix` maps them read-only at offset 0 of a
+//! new sequence: each granule gains a reference, the ledger gains nothing —
+//! the Nth sharer costs 0 owned bytes.
+//!
+//! Lifetime: a prefix lives while it is pinned or while any sequence still
+//! maps one of its granules through it (its sharers). A pinned prefix is
+//! never reclaimed; unpinning it with no sharers frees it at once, otherwise
+//! it goes with its last sharer. Each granule goes back to the pool when its
+//! last mapping (view or sequence) is gone.
+
+use super::arena::{AdmitMode, KvArena};
+use super::granule::GranuleId;
+use super::hash::block_chain;
+use super::layout::KvLayout;
+use super::sequence::Slot;
+use crate::device::{Access, DevicePtr, RawStream, VaRange};
+use crate::error::Result;
+
+#[derive(Debug)]
+pub(crate) struct Prefix {
+    pub layout: KvLayout,
+    pub n_tokens: u64,
+    pub granules: Vec<GranuleId>,
+    /// Every granule mapped read-only, in order.
+    pub view: VaRange,
+    pub pinned: bool,
+    /// Sequences linked to this prefix (they map its granules).
+    pub sharers: u32,
+    /// Token ids, when the origin declared them (content-hash detection).
+    pub tokens: Vec<u32>,
+    /// The indexed block chain (to unindex on destroy).
+    pub chain: Vec<u64>,
+}
+
+/// What a host can ask about a prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixInfo {
+    pub n_tokens: u64,
+    pub granules: u64,
+    pub pinned: bool,
+    pub sharers: u32,
+    /// Read-only view of the prefix's bytes (token 0 at this address).
+    pub view_base: DevicePtr,
+}
+
+impl KvArena {
+    /// Pin the first `n_tokens` tokens of a sequence as a shared prefix.
+    ///
+    /// Fences `stream` first (the origin's granules turn read-only, and a
+    /// kernel still writing into the boundary granule would fault). If the
+    /// origin was admitted with a promise and will next write into the now
+    /// shared boundary granule, one more granule is promised for its
+    /// copy-on-write (OutOfBudget if the ledger cannot hold it).
+    pub fn pin_prefix(&mut self, seq_id: u64, n_tokens: u64, stream: RawStream) -> Result<u64> {
+        let g = self.granule() as u64;
+        let block = self.config.hash_block_tokens as usize;
+        let seq = self.seqs.get(seq_id)?;
+        crate::ensure!(
+            n_tokens > 0 && n_tokens <= seq.len,
+            InvalidArgument,
+            "KV pin: {n_tokens} tokens outside 1..={} (tokens written to sequence {seq_id:#x})",
+            seq.len
+        );
+        let bpt = seq.layout.bytes_per_token();
+        let k = (n_tokens * bpt).div_ceil(g) as usize;
+        let next_slot = (seq.len * bpt / g) as usize;
+        let cow_promise = u64::from(seq.promise > 0 && seq.len < seq.max_tokens && next_slot < k);
+        let granules: Vec<GranuleId> = seq.slots[..k]
+            .iter()
+            .map(|s| match *s {
+                Slot::Shared(gid) | Slot::Private(gid) => Ok(gid),
+                Slot::Dummy => crate::bail!(Internal, "KV pin: written slot maps the dummy"),
+            })
+            .collect::<Result<_>>()?;
+        self.pool.ledger_mut().promise(cow_promise * g)?;
+        self.fence(stream)?;
+
+        let view = match self.map_view(&granules) {
+            Ok(v) => v,
+            Err(e) => {
+                self.pool.ledger_mut().unpromise(cow_promise * g)?;
+                return Err(e);
+            }
+        };
+        let seq = self.seqs.get_mut(seq_id)?;
+        for i in 0..k {
+            if let Slot::Private(gid) = seq.slots[i] {
+                seq.va.set_access(i * g as usize, g as usize, Access::ReadOnly)?;
+                seq.slots[i] = Slot::Shared(gid);
+            }
+        }
+        seq.promise += cow_promise;
+        let tokens = if seq.tokens.len() as u64 >= n_tokens { seq.tokens[..n_tokens as usize].to_vec() } else { Vec::new() };
+        let chain = block_chain(&seq.layout, &tokens, block);
+        let layout = seq.layout;
+        // Link the origin to the prefix that covers all of its shared slots.
+        let old_cover = match seq.prefix {
+            Some(pid) => self.prefixes.get(pid)?.granules.len(),
+            None => 0,
+        };
+        let relink = k >= old_cover;
+        let pid = self.prefixes.insert(Prefix {
+            layout,
+            n_tokens,
+            granules,
+            view,
+            pinned: true,
+            sharers: 0,
+            tokens,
+            chain,
+        });
+        if relink {
+            self.unlink(seq_id)?;
+            self.seqs.get_mut(seq_id)?.prefix = Some(pid);
+            self.prefixes.get_mut(pid)?.sharers = 1;
+        }
+        let p = self.prefixes.get(pid)?;
+        self.index.insert(&p.chain, block, pid);
+        Ok(pid)
+    }
+
+    /// Drop the pin. The prefix is freed now if no sequence shares it, else
+    /// with its last sharer. Unpinning twice is InvalidState.
+    pub fn unpin_prefix(&mut self, pid: u64) -> Result<()> {
+        let p = self.prefixes.get_mut(pid)?;
+        crate::ensure!(p.pinned, InvalidState, "KV prefix {pid:#x} is not pinned");
+        p.pinned = false;
+        if p.sharers == 0 {
+            self.destroy_prefix(pid)?;
+        }
+        Ok(())
+    }
+
+    /// A new sequence of up to `max_tokens` tokens whose first `n_tokens`
+    /// tokens map the prefix read-only at offset 0 (no copy, no charge).
+    pub fn commit_shared_prefix(&mut self, pid: u64, n_tokens: u64, max_tokens: u64, mode: AdmitMode) -> Result<u64> {
+        let p = self.prefixes.get(pid)?;
+        let (layout, tokens) = (p.layout, p.tokens.get(..n_tokens as usize).map(<[u32]>::to_vec));
+        let seq = self.build_sequence(&layout, max_tokens, Some((pid, n_tokens)), mode)?;
+        if let Some(t) = tokens {
+            self.seqs.get_mut(seq)?.tokens = t;
+        }
+        Ok(seq)
+    }
+
+    /// The longest live prefix whose declared tokens begin `tokens` (whole
+    /// hash blocks only), as (prefix, shared tokens).
+    pub fn find_prefix(&self, layout: &KvLayout, tokens: &[u32]) -> Option<(u64, u64)> {
+        let chain = block_chain(layout, tokens, self.config.hash_block_tokens as usize);
+        self.index.candidates(&chain).find(|&(pid, m)| {
+            self.prefixes.get(pid).is_ok_and(|p| {
+                p.layout == *layout && m <= p.n_tokens && p.tokens.get(..m as usize) == tokens.get(..m as usize)
+            })
+        })
+    }
+
+    /// A new sequence that declares `tokens` (its prompt): if a live prefix
+    /// begins with the same tokens, its longest match is shared (as
+    /// [`KvArena::commit_shared_prefix`]) and the caller skips prefill for
+    /// them. Returns (sequence, tokens already in the cache).
+    pub fn create_sequence_for_tokens(
+        &mut self,
+        layout: &KvLayout,
+        max_tokens: u64,
+        tokens: &[u32],
+        mode: AdmitMode,
+    ) -> Result<(u64, u64)> {
+        crate::ensure!(
+            tokens.len() as u64 <= max_tokens,
+            InvalidArgument,
+            "KV sequence: {} declared tokens exceed max_tokens {max_tokens}",
+            tokens.len()
+        );
+        let (seq, shared) = match self.find_prefix(layout, tokens) {
+            Some((pid, m)) => {
+                let s = self.commit_shared_prefix(pid, m, max_tokens, mode)?;
+                self.counters.hash_hits += 1;
+                (s, m)
+            }
+            None => (self.create_sequence(layout, max_tokens, mode)?, 0),
+        };
+        self.seqs.get_mut(seq)?.tokens = tokens.to_vec();
+        Ok((seq, shared))
+    }
+
+    /// Declare more token ids of a sequence (appended to those declared), so
+    /// a prefix pinned from it can be found by content.
+    pub fn declare_tokens(&mut self, seq_id: u64, tokens: &[u32]) -> Result<()> {
+        let seq = self.seqs.get_mut(seq_id)?;
+        crate::ensure!(
+            (seq.tokens.len() + tokens.len()) as u64 <= seq.max_tokens,
+            InvalidArgument,
+            "KV sequence {seq_id:#x}: {} declared tokens would exceed max_tokens {}",
+            seq.tokens.len() + tokens.len(),
+            seq.max_tokens
+        );
+        seq.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    pub fn prefix_info(&self, pid: u64) -> Result<PrefixInfo> {
+        let p = self.prefixes.get(pid)?;
+        Ok(PrefixInfo {
+            n_tokens: p.n_tokens,
+            granules: p.granules.len() as u64,
+            pinned: p.pinned,
+            sharers: p.sharers,
+            view_base: p.view.base(),
+        })
+    }
+
+    /// A read-only view of `granules`, each gaining a reference; all or nothing.
+    fn map_view(&mut self, granules: &[GranuleId]) -> Result<VaRange> {
+        let g = self.granule();
+        let mut view = VaRange::reserve(&self.dev, granules.len() * g)?;
+        for (i, &gid) in granules.iter().enumerate() {
+            let r = self.pool.phys(gid).and_then(|p| view.map(i * g, g, p, 0, Access::ReadOnly));
+            if let Err(e) = r.and_then(|()| self.pool.add_ref(gid)) {
+                for (j, &done) in granules[..i].iter().enumerate() {
+                    let _ = view.unmap(j * g, g);
+                    let _ = self.pool.release(done);
+                }
+                return Err(e);
+            }
+        }
+        Ok(view)
+    }
+
+    /// Unmap the view, drop its granule references, unindex it.
+    pub(crate) fn destroy_prefix(&mut self, pid: u64) -> Result<()> {
+        let mut p = self.prefixes.remove(pid)?;
+        self.index.remove(&p.chain, pid);
+        let g = self.granule();
+        let mut first = Ok(());
+        for (i, &gid) in p.granules.iter().enumerate() {
+            let r = p.view.unmap(i * g, g).and_then(|()| self.pool.release(gid));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}

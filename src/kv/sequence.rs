@@ -1,0 +1,368 @@
+//! Sequence reservations: one contiguous, token-major VA range per sequence.
+//!
+//! Every granule-sized slot of a live reservation is always mapped to one of:
+//! - the arena's dummy granule, read-only (the unused tail: a captured graph
+//!   that reads the whole range never touches unmapped memory);
+//! - a shared prefix granule, read-only;
+//! - a private granule, read-write.
+//!
+//! `prepare_append` turns the slots the next tokens will be written to into
+//! private ones *before* any kernel writes them, because a kernel store into a
+//! read-only mapping is error 700 and poisons the whole CUDA context
+//! (measured on the H200). A shared boundary granule is copied on write.
+
+use super::arena::{AdmitMode, KvArena};
+use super::granule::{GranuleId, GranulePool};
+use super::layout::{KvLayout, round_up};
+use crate::device::{Access, DevicePtr, Event, RawStream, VaRange};
+use crate::error::Result;
+
+/// What a slot of a reservation maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    Dummy,
+    Shared(GranuleId),
+    Private(GranuleId),
+}
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub layout: KvLayout,
+    pub max_tokens: u64,
+    /// Tokens made writable so far (prefix tokens included).
+    pub len: u64,
+    pub va: VaRange,
+    pub slots: Vec<Slot>,
+    /// The prefix whose view backs this sequence's shared slots (the source
+    /// of their copy-on-write), if any.
+    pub prefix: Option<u64>,
+    /// Declared token ids (content-hash detection).
+    pub tokens: Vec<u32>,
+    /// Granules promised to this sequence and not yet committed.
+    pub promise: u64,
+    /// Recorded after the last COW copy: the copy reads a prefix's view, so
+    /// the view must not go away before it completes.
+    pub cow_done: Option<Event>,
+}
+
+/// A sequence's layout descriptor and state, for the host's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqInfo {
+    pub layout: KvLayout,
+    /// Device address of token 0; K/V offsets from [`KvLayout::offset`].
+    pub base: DevicePtr,
+    pub max_tokens: u64,
+    pub len_tokens: u64,
+    /// Bytes of VA reserved (max_tokens × bytes per token, rounded up to the granule).
+    pub reserved_bytes: u64,
+    pub shared_granules: u64,
+    pub private_granules: u64,
+    pub promised_granules: u64,
+}
+
+impl Sequence {
+    pub fn committed_slots(&self) -> usize {
+        self.slots.iter().filter(|s| !matches!(s, Slot::Dummy)).count()
+    }
+
+    pub fn shared_slots(&self) -> usize {
+        self.slots.iter().filter(|s| matches!(s, Slot::Shared(_))).count()
+    }
+
+    /// Slots covering tokens `[from, to)`.
+    pub fn slot_range(&self, from: u64, to: u64, granule: u64) -> std::ops::Range<usize> {
+        let bpt = self.layout.bytes_per_token();
+        let first = (from * bpt / granule) as usize;
+        let end = (to * bpt).div_ceil(granule) as usize;
+        first..end.max(first)
+    }
+
+    /// Wait for the last COW copy (before a prefix view it read may go away).
+    pub fn wait_cow(&mut self) -> Result<()> {
+        match self.cow_done.take() {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        }
+    }
+
+    /// Map `gid` at slot `i` with `access`, counting the mapping as a reference.
+    pub fn map_slot(&mut self, pool: &mut GranulePool, i: usize, gid: GranuleId, access: Access, own_ref: bool) -> Result<()> {
+        let g = pool.granule();
+        self.va.map(i * g, g, pool.phys(gid)?, 0, access)?;
+        if own_ref {
+            pool.add_ref(gid)?;
+        }
+        Ok(())
+    }
+}
+
+/// Slots of `max_tokens` tokens of `layout` at granule `g`, or an error naming the overflow.
+pub(crate) fn reservation_bytes(layout: &KvLayout, max_tokens: u64, g: u64) -> Result<u64> {
+    crate::ensure!(max_tokens > 0, InvalidArgument, "KV sequence: max_tokens is 0");
+    max_tokens
+        .checked_mul(layout.bytes_per_token())
+        .and_then(|b| round_up(b, g))
+        .filter(|&b| b <= isize::MAX as u64)
+        .ok_or_else(|| {
+            crate::Error::invalid_argument(format!(
+                "KV sequence: {max_tokens} tokens × {} bytes overflows",
+                layout.bytes_per_token()
+            ))
+        })
+}
+
+impl KvArena {
+    /// Reserve a sequence of up to `max_tokens` tokens of `layout`. Every slot
+    /// maps the dummy granule read-only; nothing is charged to the ledger but
+    /// the promise of [`AdmitMode::Reserve`].
+    pub fn create_sequence(&mut self, layout: &KvLayout, max_tokens: u64, mode: AdmitMode) -> Result<u64> {
+        self.build_sequence(layout, max_tokens, None, mode)
+    }
+
+    /// Build a sequence whose first `shared.1` tokens map prefix `shared.0`.
+    pub(crate) fn build_sequence(
+        &mut self,
+        layout: &KvLayout,
+        max_tokens: u64,
+        shared: Option<(u64, u64)>,
+        mode: AdmitMode,
+    ) -> Result<u64> {
+        layout.validate()?;
+        let g = self.granule() as u64;
+        let bytes = reservation_bytes(layout, max_tokens, g)?;
+        let total = (bytes / g) as usize;
+        let (shared_granules, n_tokens) = match shared {
+            Some((pid, n)) => {
+                let p = self.prefixes.get(pid)?;
+                crate::ensure!(
+                    p.layout == *layout,
+                    InvalidArgument,
+                    "KV prefix {pid:#x} has a different layout than the new sequence"
+                );
+                crate::ensure!(
+                    n > 0 && n <= p.n_tokens && n <= max_tokens,
+                    InvalidArgument,
+                    "KV prefix: {n} shared tokens outside 1..={} (prefix) and max_tokens {max_tokens}",
+                    p.n_tokens
+                );
+                let k = (n * layout.bytes_per_token()).div_ceil(g) as usize;
+                (p.granules[..k].to_vec(), n)
+            }
+            None => (Vec::new(), 0),
+        };
+        // Worst-case private need: every slot past the prefix's full granules
+        // (the boundary is copied on write), or nothing if it cannot append.
+        let full = (n_tokens * layout.bytes_per_token() / g) as usize;
+        let need = match mode {
+            AdmitMode::OnDemand => 0,
+            AdmitMode::Reserve if max_tokens == n_tokens => total - shared_granules.len(),
+            AdmitMode::Reserve => total - full,
+        } as u64;
+        self.pool.ledger_mut().promise(need * g)?;
+        self.pool.trim_to_budget();
+        let mut seq = Sequence {
+            layout: *layout,
+            max_tokens,
+            len: n_tokens,
+            va: match VaRange::reserve(&self.dev, bytes as usize) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.pool.ledger_mut().unpromise(need * g)?;
+                    return Err(e);
+                }
+            },
+            slots: Vec::with_capacity(total),
+            prefix: shared.map(|(pid, _)| pid),
+            tokens: Vec::new(),
+            promise: need,
+            cow_done: None,
+        };
+        let mapped = (|| {
+            for i in 0..total {
+                match shared_granules.get(i) {
+                    Some(&gid) => {
+                        seq.map_slot(&mut self.pool, i, gid, Access::ReadOnly, true)?;
+                        seq.slots.push(Slot::Shared(gid));
+                    }
+                    None => {
+                        seq.map_slot(&mut self.pool, i, self.dummy, Access::ReadOnly, false)?;
+                        seq.slots.push(Slot::Dummy);
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = mapped {
+            seq.prefix = None;
+            let _ = self.teardown(seq);
+            return Err(e);
+        }
+        if let Some((pid, _)) = shared {
+            self.prefixes.get_mut(pid)?.sharers += 1;
+        }
+        Ok(self.seqs.insert(seq))
+    }
+
+    /// Make the slots that tokens `[len, len + n_tokens)` fall in private and
+    /// read-write, so the caller's next kernel on `stream` can write them.
+    ///
+    /// Only a slot that is not yet private costs anything: the call fences
+    /// `stream` (the host waits for its queued work) and then, per slot,
+    /// unmaps the dummy or shared granule, maps a pooled granule read-write,
+    /// and for a shared boundary granule enqueues a 1-granule D2D copy on
+    /// `stream` (copy-on-write). The copy needs no host wait: the caller's
+    /// kernels on `stream` are ordered after it. Appending inside a granule
+    /// that is already private is bookkeeping only — no driver call.
+    ///
+    /// Errors: `n_tokens` past `max_tokens` is InvalidArgument; a ledger that
+    /// cannot hold the new granules is OutOfBudget, checked before any
+    /// mapping changes.
+    pub fn prepare_append(&mut self, seq_id: u64, n_tokens: u64, stream: RawStream) -> Result<()> {
+        let g = self.granule() as u64;
+        let seq = self.seqs.get(seq_id)?;
+        crate::ensure!(
+            n_tokens <= seq.max_tokens - seq.len,
+            InvalidArgument,
+            "KV sequence {seq_id:#x}: appending {n_tokens} tokens to {} of at most {}",
+            seq.len,
+            seq.max_tokens
+        );
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let work: Vec<usize> = seq
+            .slot_range(seq.len, seq.len + n_tokens, g)
+            .filter(|&i| !matches!(seq.slots[i], Slot::Private(_)))
+            .collect();
+        if work.is_empty() {
+            self.seqs.get_mut(seq_id)?.len += n_tokens;
+            return Ok(());
+        }
+        let fresh = work.len() as u64;
+        let from_promise = fresh.min(seq.promise);
+        let prefix = seq.prefix;
+        if !self.pool.ledger().can_charge(fresh * g, from_promise * g) {
+            return Err(self.pool.ledger_mut().refuse("a KV append", fresh * g));
+        }
+        self.fence(stream)?;
+        let view_base = match prefix {
+            Some(pid) => Some(self.prefixes.get(pid)?.view.base()),
+            None => None,
+        };
+        let seq = self.seqs.get_mut(seq_id)?;
+        let mut copied = false;
+        for i in work {
+            let old = seq.slots[i];
+            let off = i * g as usize;
+            let gid = self.pool.acquire(seq.promise > 0)?;
+            if seq.promise > 0 {
+                seq.promise -= 1;
+            }
+            if let Err(e) = seq.va.unmap(off, g as usize) {
+                self.pool.release(gid)?;
+                return Err(e);
+            }
+            if let Err(e) = seq.map_slot(&mut self.pool, i, gid, Access::ReadWrite, false) {
+                // Put the old mapping back so the slot is never left unmapped.
+                let back = match old {
+                    Slot::Shared(o) => o,
+                    _ => self.dummy,
+                };
+                seq.map_slot(&mut self.pool, i, back, Access::ReadOnly, false)?;
+                self.pool.release(gid)?;
+                return Err(e);
+            }
+            seq.slots[i] = Slot::Private(gid);
+            match old {
+                Slot::Shared(o) => {
+                    let Some(src) = view_base else {
+                        crate::bail!(Internal, "KV sequence {seq_id:#x}: shared slot without a prefix view");
+                    };
+                    // The prefix view keeps `o` mapped and referenced while this
+                    // sequence stays linked, so the copy's source stays valid.
+                    self.dev.memcpy_dtod_async(seq.va.base() + off as u64, src + off as u64, g as usize, stream)?;
+                    self.pool.release(o)?;
+                    self.counters.cow_granules += 1;
+                    copied = true;
+                }
+                Slot::Dummy => self.counters.committed_granules += 1,
+                Slot::Private(_) => crate::bail!(Internal, "KV sequence: private slot in the work list"),
+            }
+        }
+        if copied {
+            let e = match seq.cow_done.take() {
+                Some(e) => e,
+                None => Event::new(&self.dev, false)?,
+            };
+            e.record_raw(stream)?;
+            seq.cow_done = Some(e);
+        }
+        seq.len += n_tokens;
+        if seq.prefix.is_some() && seq.shared_slots() == 0 {
+            self.unlink(seq_id)?;
+        }
+        Ok(())
+    }
+
+    /// Destroy a sequence: unmap every slot, drop its granule references
+    /// (crediting the ledger on 1→0), return its unused promise, free its VA.
+    /// The caller guarantees no queued kernel still touches it (like cuMemFree).
+    pub fn destroy_sequence(&mut self, seq_id: u64) -> Result<()> {
+        self.unlink(seq_id)?;
+        let seq = self.seqs.remove(seq_id)?;
+        self.teardown(seq)
+    }
+
+    /// Unmap → release → free VA, then return the promise. Best effort: every
+    /// step runs, the first error is returned.
+    fn teardown(&mut self, mut seq: Sequence) -> Result<()> {
+        let g = self.granule();
+        let mut first = seq.wait_cow();
+        let mut keep = |r: Result<()>| {
+            if first.is_ok() {
+                first = r;
+            }
+        };
+        for (i, slot) in seq.slots.iter().enumerate() {
+            keep(seq.va.unmap(i * g, g));
+            if let Slot::Shared(gid) | Slot::Private(gid) = *slot {
+                keep(self.pool.release(gid));
+            }
+        }
+        keep(self.pool.ledger_mut().unpromise(seq.promise * g as u64));
+        drop(seq.va);
+        first
+    }
+
+    /// Detach a sequence from its prefix; the prefix dies if that was its
+    /// last sharer and it is not pinned.
+    pub(crate) fn unlink(&mut self, seq_id: u64) -> Result<()> {
+        let seq = self.seqs.get_mut(seq_id)?;
+        let Some(pid) = seq.prefix else { return Ok(()) };
+        seq.wait_cow()?;
+        seq.prefix = None;
+        let p = self.prefixes.get_mut(pid)?;
+        crate::ensure!(p.sharers > 0, Internal, "KV prefix {pid:#x}: sharer count underflow");
+        p.sharers -= 1;
+        if p.sharers == 0 && !p.pinned {
+            self.destroy_prefix(pid)?;
+        }
+        Ok(())
+    }
+
+    /// The layout descriptor and state of a sequence.
+    pub fn sequence_info(&self, seq_id: u64) -> Result<SeqInfo> {
+        let s = self.seqs.get(seq_id)?;
+        let shared = s.shared_slots() as u64;
+        Ok(SeqInfo {
+            layout: s.layout,
+            base: s.va.base(),
+            max_tokens: s.max_tokens,
+            len_tokens: s.len,
+            reserved_bytes: s.va.len() as u64,
+            shared_granules: shared,
+            private_granules: s.committed_slots() as u64 - shared,
+            promised_granules: s.promise,
+        })
+    }
+}

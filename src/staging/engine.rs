@@ -1,0 +1,405 @@
+//! The copy engine: host → device page-ins that overlap the host fill with
+//! the DMA, ordered for the consumer by an event, never by a host wait.
+//!
+//! A copy from pageable memory is cut into chunks. Each chunk is filled into
+//! a pooled pinned staging buffer by the fill threads (the caller's thread is
+//! one of them), then enqueued on the engine's copy stream; the next chunk is
+//! filled while that one is in DMA, and the calling thread enqueues a chunk's
+//! copy while the other fill threads are already filling the next one. N slots bound how many chunks are in
+//! flight: the (N+1)th chunk waits for the oldest copy — proven complete by
+//! its witness — and reuses its buffer through the pool.
+//!
+//! `htod` returns once the last chunk is *enqueued*: the fill (host work) is
+//! done, the tail of the DMA is not. The returned [`Fence`] is already
+//! recorded, so a compute stream can wait on it at once.
+//!
+//! A copy whose source is page-locked (pinned, or registered once with
+//! [`HostRegistration`]) takes the direct path: one enqueue, no staging, no
+//! fill, and `htod` returns without any host work.
+//!
+//! Chunk size. With fill rate f (27–37 GB/s on the H200 host while a DMA
+//! runs) and PCIe rate p (~54 GB/s), a page-in cut into n chunks takes about
+//! S/f + S/(n·p): the fill of everything plus the DMA of the last chunk. To
+//! stay within 5% of the fill ceiling f needs n ≥ 20·f/p ≈ 10–14 chunks; a
+//! chunk also must not shrink to where per-chunk costs (waking the fill
+//! threads, one enqueue, one event: a few µs) matter against its fill time
+//! (~30 µs per MiB). So a page-in is cut into about `target_chunks` (16)
+//! chunks of at least 1 MiB, and never more than `chunk_bytes` (the slot
+//! size, default 8 MiB: copies of 8 MiB and up already reach the 53–54 GB/s
+//! PCIe peak). `bench_staging` sweeps both on the GPU machine.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::pool::{PinnedStagingPool, PooledStaging};
+use super::stats::{self, EngineCounters, StagingStats};
+use crate::device::fence::{self, CopyTiming, InFlight, TryComplete};
+use crate::device::fill::{FillThreads, MAX_FILL_THREADS};
+use crate::device::{Device, DevicePtr, Event, HostRange, RawStream, Stream};
+use crate::error::Result;
+
+pub use crate::device::hostreg::HostRegistration;
+
+/// Smallest chunk: below ~1 MiB a DMA stays far from the PCIe peak.
+const MIN_CHUNK: usize = 1 << 20;
+/// Most timing pairs awaiting completion; past it, new copies go untimed
+/// rather than block or grow without bound (direct-path copies are enqueued
+/// faster than they complete).
+const MAX_PENDING_TIMINGS: usize = 256;
+
+/// How the engine stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Staging slots in flight at once, 2..=4 (default 3).
+    pub slots: usize,
+    /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 8 MiB).
+    pub chunk_bytes: usize,
+    /// Cut a page-in into about this many chunks, 1..=256 (default 16; see
+    /// the module docs), within [1 MiB, `chunk_bytes`].
+    pub target_chunks: usize,
+    /// Threads that fill a chunk, counting the caller's, 1..=64 (default 8,
+    /// or the number of CPUs if fewer: oversubscribed fill threads spin
+    /// against each other).
+    pub fill_threads: usize,
+    /// Record timing events around each copy for `htod_ms` (default true).
+    pub timing: bool,
+    /// Copy page-locked sources directly, without staging (default true).
+    pub direct: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            slots: 3,
+            chunk_bytes: 8 << 20,
+            target_chunks: 16,
+            fill_threads: cpus.min(8),
+            timing: true,
+            direct: true,
+        }
+    }
+}
+
+/// The completion of one `htod`: an event on the engine's copy stream,
+/// recorded after the copy's last chunk.
+#[derive(Debug)]
+pub struct Fence {
+    dev: Arc<dyn Device>,
+    event: Event,
+    bytes: usize,
+    bypassed: bool,
+}
+
+impl Fence {
+    /// Non-blocking: has the copy completed?
+    pub fn query(&self) -> Result<bool> {
+        self.event.query()
+    }
+    /// Block the host until the copy completes (prefer [`Fence::make_wait`]).
+    pub fn wait(&self) -> Result<()> {
+        self.event.synchronize()
+    }
+    /// Make work queued on `s` after this call wait for the copy. The host
+    /// does not wait.
+    pub fn make_wait(&self, s: RawStream) -> Result<()> {
+        self.dev.stream_wait_event(s, self.event.raw())
+    }
+    /// The completion event (for callers that order work themselves).
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+    /// Bytes copied.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Whether the copy took the direct path (no staging).
+    pub fn bypassed(&self) -> bool {
+        self.bypassed
+    }
+}
+
+/// A filled staging chunk waiting to be enqueued.
+struct Chunk {
+    buf: PooledStaging,
+    off: usize,
+    len: usize,
+}
+
+struct State {
+    stream: Stream,
+    /// Chunk copies still owning their staging buffers, oldest first.
+    ring: VecDeque<InFlight<PooledStaging>>,
+    /// Records the caller's stream so the copy stream can wait on it.
+    order: Event,
+    /// Timing pairs of copies not yet read, oldest first.
+    timings: VecDeque<CopyTiming>,
+    /// Read pairs, reused so timing costs no event creation in steady state.
+    spare_timings: Vec<CopyTiming>,
+}
+
+/// A host → device copy engine with its own copy stream, staging slots and
+/// fill threads. Thread-safe: concurrent `htod` calls are serialized.
+pub struct CopyEngine {
+    dev: Arc<dyn Device>,
+    pool: PinnedStagingPool,
+    cfg: EngineConfig,
+    fill: FillThreads,
+    state: Mutex<State>,
+    counters: EngineCounters,
+}
+
+impl std::fmt::Debug for CopyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyEngine").field("cfg", &self.cfg).finish()
+    }
+}
+
+impl CopyEngine {
+    /// An engine staging through `pool`. The pool must be able to retain
+    /// every slot (`slots` buffers of `chunk_bytes`), or steady-state copies
+    /// would allocate: that is an [`InvalidConfig`](crate::EpmStatus::InvalidConfig).
+    pub fn new(pool: &PinnedStagingPool, cfg: EngineConfig) -> Result<Self> {
+        crate::ensure!((2..=4).contains(&cfg.slots), InvalidConfig, "staging slots {} not in 2..=4", cfg.slots);
+        crate::ensure!(
+            cfg.chunk_bytes >= MIN_CHUNK,
+            InvalidConfig,
+            "chunk of {} bytes is below the 1 MiB minimum",
+            cfg.chunk_bytes
+        );
+        crate::ensure!(
+            (1..=256).contains(&cfg.target_chunks),
+            InvalidConfig,
+            "target chunks {} not in 1..=256",
+            cfg.target_chunks
+        );
+        crate::ensure!(
+            (1..=MAX_FILL_THREADS).contains(&cfg.fill_threads),
+            InvalidConfig,
+            "fill threads {} not in 1..={MAX_FILL_THREADS}",
+            cfg.fill_threads
+        );
+        let pc = pool.config();
+        crate::ensure!(
+            cfg.slots <= pc.max_buffers && cfg.slots.saturating_mul(cfg.chunk_bytes) <= pc.max_bytes,
+            InvalidConfig,
+            "{} slots of {} bytes exceed the staging pool's bounds ({} buffers, {} bytes)",
+            cfg.slots,
+            cfg.chunk_bytes,
+            pc.max_buffers,
+            pc.max_bytes
+        );
+        let dev = pool.device().clone();
+        let state = State {
+            stream: Stream::new(&dev)?,
+            ring: VecDeque::with_capacity(cfg.slots),
+            order: Event::new(&dev, false)?,
+            timings: VecDeque::new(),
+            spare_timings: Vec::new(),
+        };
+        Ok(Self {
+            fill: FillThreads::new(cfg.fill_threads)?,
+            dev,
+            pool: pool.clone(),
+            cfg,
+            state: Mutex::new(state),
+            counters: EngineCounters::default(),
+        })
+    }
+
+    pub fn config(&self) -> EngineConfig {
+        self.cfg
+    }
+    pub fn pool(&self) -> &PinnedStagingPool {
+        &self.pool
+    }
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+
+    /// Register `src` read-only once so later copies from it take the direct
+    /// path. Fails when the device refuses (e.g. the locked-memory limit);
+    /// copies then keep staging.
+    pub fn register(&self, src: HostRange) -> Result<HostRegistration> {
+        HostRegistration::new(&self.dev, src)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic inside `htod` leaves at worst chunks in the ring, which the
+        // next call reaps; the state stays consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Copy `src` to `[dst, dst + src.len())` on the device.
+    ///
+    /// With `stream`, the copy is ordered after the work already queued on
+    /// it, and work queued on it afterwards waits for the copy — the
+    /// semantics of an async memcpy on `stream` — with no host wait. Without
+    /// it, order the consumer with [`Fence::make_wait`].
+    ///
+    /// The host waits only for back-pressure: a staged copy of more than
+    /// `slots` chunks reuses a slot only once that slot's previous copy has
+    /// completed, so behind a stalled copy stream it waits. A direct copy, or
+    /// a staged one within the free slots, returns without waiting.
+    ///
+    /// `src` must stay readable and unmodified until the fence completes.
+    pub fn htod(&self, dst: DevicePtr, src: HostRange, stream: Option<RawStream>) -> Result<Fence> {
+        let mut st = self.lock();
+        self.reap(&mut st)?;
+        if let Some(s) = stream {
+            st.order.record_raw(s)?;
+            self.dev.stream_wait_event(st.stream.raw(), st.order.raw())?;
+        }
+        let bypassed = self.cfg.direct && !src.is_empty() && self.dev.host_is_page_locked(src.ptr(), src.len());
+        let timing = if self.cfg.timing && !src.is_empty() { self.take_timing(&mut st)? } else { None };
+        if bypassed {
+            if let Some(t) = &timing {
+                t.record_start(&st.stream)?;
+            }
+            fence::enqueue_htod_from_range(&st.stream, dst, src, None)?;
+        } else {
+            self.stage(&mut st, dst, src, timing.as_ref())?;
+        }
+        if let Some(t) = timing {
+            t.record_end(&st.stream)?;
+            st.timings.push_back(t);
+        }
+        let event = Event::new(&self.dev, false)?;
+        event.record(&st.stream)?;
+        if let Some(s) = stream {
+            self.dev.stream_wait_event(s, event.raw())?;
+        }
+        if !src.is_empty() {
+            stats::add(&self.counters.copies, 1);
+            stats::add(&self.counters.htod_bytes, src.len() as u64);
+            stats::add(&self.counters.bypassed, bypassed as u64);
+        }
+        Ok(Fence { dev: self.dev.clone(), event, bytes: src.len(), bypassed })
+    }
+
+    /// The chunk length for a copy of `len` bytes (see the module docs).
+    pub fn chunk_len(&self, len: usize) -> usize {
+        len.div_ceil(self.cfg.target_chunks).next_multiple_of(64 << 10).clamp(MIN_CHUNK, self.cfg.chunk_bytes)
+    }
+
+    fn stage(&self, st: &mut State, dst: DevicePtr, src: HostRange, timing: Option<&CopyTiming>) -> Result<()> {
+        let chunk = self.chunk_len(src.len());
+        let bytes = src.as_slice();
+        // The chunk filled last, not yet enqueued: its copy is enqueued by the
+        // calling thread while the fill threads fill the next chunk, so the
+        // driver calls (copy, event: ~10 µs) cost no fill time.
+        let mut filled: Option<Chunk> = None;
+        let mut off = 0;
+        while off < bytes.len() {
+            let n = chunk.min(bytes.len() - off);
+            let mut buf = self.slot(st, filled.is_some())?;
+            let prev = filled.take();
+            let t0 = Instant::now();
+            let enqueued = self.fill.copy_with(&mut buf[..n], &bytes[off..off + n], || match prev {
+                Some(c) => self.enqueue(st, dst, c, timing),
+                None => Ok(()),
+            })?;
+            stats::add_time(&self.counters.fill_ns, t0.elapsed());
+            enqueued?;
+            filled = Some(Chunk { buf, off, len: n });
+            off += n;
+        }
+        match filled {
+            Some(c) => self.enqueue(st, dst, c, timing),
+            None => Ok(()),
+        }
+    }
+
+    fn enqueue(&self, st: &mut State, dst: DevicePtr, c: Chunk, timing: Option<&CopyTiming>) -> Result<()> {
+        // Start the clock at the first DMA, not before the first fill.
+        if let (0, Some(t)) = (c.off, timing) {
+            t.record_start(&st.stream)?;
+        }
+        st.ring.push_back(fence::enqueue_htod(&st.stream, dst + c.off as u64, c.buf, c.len, None)?);
+        stats::add(&self.counters.chunks, 1);
+        Ok(())
+    }
+
+    /// A staging buffer for the next chunk. The engine holds at most `slots`
+    /// buffers: those in flight, the one filled but not yet enqueued
+    /// (`holding`), and this one. When that would be exceeded, wait for the
+    /// oldest copy (back-pressure: the DMA is behind the fill) and retire its
+    /// buffer with the witness the wait hands back.
+    fn slot(&self, st: &mut State, holding: bool) -> Result<PooledStaging> {
+        while st.ring.len() + usize::from(holding) + 1 > self.cfg.slots {
+            let Some(oldest) = st.ring.pop_front() else { break };
+            let t0 = Instant::now();
+            let (buf, done) = oldest.wait()?;
+            stats::add_time(&self.counters.slot_wait_ns, t0.elapsed());
+            buf.retire(done);
+        }
+        self.pool.acquire(self.cfg.chunk_bytes)
+    }
+
+    /// Without blocking: retire the buffers of completed chunk copies and
+    /// read the timings of completed copies.
+    fn reap(&self, st: &mut State) -> Result<()> {
+        while let Some(f) = st.ring.pop_front() {
+            match f.try_complete()? {
+                TryComplete::Done(buf, done) => buf.retire(done),
+                TryComplete::Pending(f) => {
+                    st.ring.push_front(f);
+                    break;
+                }
+            }
+        }
+        while let Some(t) = st.timings.front() {
+            let Some(ms) = t.elapsed_ms()? else { break };
+            stats::add(&self.counters.htod_ns, (f64::from(ms) * 1e6) as u64);
+            stats::add(&self.counters.timed_copies, 1);
+            if let Some(t) = st.timings.pop_front() {
+                st.spare_timings.push(t);
+            }
+        }
+        Ok(())
+    }
+
+    fn take_timing(&self, st: &mut State) -> Result<Option<CopyTiming>> {
+        if st.timings.len() >= MAX_PENDING_TIMINGS {
+            return Ok(None);
+        }
+        match st.spare_timings.pop() {
+            Some(t) => Ok(Some(t)),
+            None => CopyTiming::new(&self.dev).map(Some),
+        }
+    }
+
+    /// Block until every copy enqueued so far has completed, then retire all
+    /// staging buffers and read all timings.
+    pub fn synchronize(&self) -> Result<()> {
+        let mut st = self.lock();
+        st.stream.synchronize()?;
+        self.reap(&mut st)
+    }
+
+    /// Counters of this engine and its pool. Reads completed timings first
+    /// when no copy is being issued (never blocks on the device).
+    pub fn stats(&self) -> StagingStats {
+        if let Ok(mut st) = self.state.try_lock()
+            && let Err(e) = self.reap(&mut st)
+        {
+            log::warn!("epmem: copy engine stats: reaping completed copies failed: {e}");
+        }
+        self.counters.snapshot(self.pool.stats())
+    }
+}
+
+impl Drop for CopyEngine {
+    /// Wait for the copies still in flight and give their buffers back to the
+    /// pool (an un-retired buffer would be freed, costing a re-allocation).
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        while let Some(f) = st.ring.pop_front() {
+            match f.wait() {
+                Ok((buf, done)) => buf.retire(done),
+                Err(e) => log::error!("epmem: copy engine teardown: a staging copy failed: {e}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,22 @@
+//! Staging: getting weights from host memory to the device fast, without
+//! ever reusing a pinned buffer a DMA still reads.
+//!
+//! - [`pool`]: the bounded pool of pinned staging buffers; a buffer returns
+//!   to it only with a [`CopyCompleted`](crate::device::fence::CopyCompleted)
+//!   witness.
+//! - [`engine`]: the copy engine — chunked, multi-threaded fill overlapped
+//!   with the DMA through N slots; direct copies from page-locked sources;
+//!   completion as a [`Fence`] (an event) that streams wait on.
+//! - [`stats`]: the counters both report.
+//!
+//! The witness itself and the in-flight ownership live in
+//! [`crate::device::fence`]: only the device layer can observe that a copy
+//! completed, so only it mints the proof.
+
+pub mod engine;
+pub mod pool;
+pub mod stats;
+
+pub use engine::{CopyEngine, EngineConfig, Fence, HostRegistration};
+pub use pool::{PinnedStagingPool, PoolConfig, PoolStats, PooledStaging};
+pub use stats::StagingStats;
