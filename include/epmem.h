@@ -1510,6 +1510,8 @@ enum EpmStatus epm_residency_register_host_range(struct EpmResidency *res,
  * it stay registered and are staged from then on.
  *
  * Errors: INVALID_ARGUMENT for an unknown or already unregistered id.
+ *
+ * Threading: safe from any thread; the manager is thread-safe.
  */
 enum EpmStatus epm_residency_unregister_host_range(struct EpmResidency *res, EpmHostRangeId range);
 

@@ -326,6 +326,8 @@ pub extern "C" fn epm_residency_register_host_range(
 /// it stay registered and are staged from then on.
 ///
 /// Errors: INVALID_ARGUMENT for an unknown or already unregistered id.
+///
+/// Threading: safe from any thread; the manager is thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_residency_unregister_host_range(res: *mut EpmResidency, range: EpmHostRangeId) -> EpmStatus {
     ffi_boundary! {
