@@ -684,15 +684,10 @@ typedef struct EpmResidencyStats {
   uint64_t wasted_prefetches;
   uint64_t evictions;
   /**
-   * Evictions whose victim was still being read, so the host waited for
-   * its read fence.
+   * Evictions whose victim was still being read and whose block could not
+   * be handed on (see `ordered_reuses`), so the host waited for its read fence.
    */
   uint64_t eviction_waits;
-  /**
-   * Weights coalesced into multi-weight units. A member acquired after its
-   * unit was paged in for another member counts as a hit.
-   */
-  uint64_t coalesced_weights;
   /**
    * Page-ins copied straight from page-locked or registered memory.
    */
@@ -744,6 +739,16 @@ typedef struct EpmResidencyStats {
   uint64_t arena_committed_bytes;
   uint64_t arena_in_use_bytes;
   double arena_fragmentation;
+  /**
+   * Weights coalesced into multi-weight units. A member acquired after its
+   * unit was paged in for another member counts as a hit.
+   */
+  uint64_t coalesced_weights;
+  /**
+   * Evictions whose block went straight to the next page-in, the copy
+   * ordered on the device behind the victim's readers (no host wait).
+   */
+  uint64_t ordered_reuses;
 } EpmResidencyStats;
 
 /**

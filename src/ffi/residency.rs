@@ -106,12 +106,9 @@ pub struct EpmResidencyStats {
     /// Prefetched weights evicted before use.
     pub wasted_prefetches: u64,
     pub evictions: u64,
-    /// Evictions whose victim was still being read, so the host waited for
-    /// its read fence.
+    /// Evictions whose victim was still being read and whose block could not
+    /// be handed on (see `ordered_reuses`), so the host waited for its read fence.
     pub eviction_waits: u64,
-    /// Weights coalesced into multi-weight units. A member acquired after its
-    /// unit was paged in for another member counts as a hit.
-    pub coalesced_weights: u64,
     /// Page-ins copied straight from page-locked or registered memory.
     pub bypassed_page_ins: u64,
     /// Page-ins staged through pinned buffers.
@@ -145,6 +142,12 @@ pub struct EpmResidencyStats {
     pub arena_committed_bytes: u64,
     pub arena_in_use_bytes: u64,
     pub arena_fragmentation: f64,
+    /// Weights coalesced into multi-weight units. A member acquired after its
+    /// unit was paged in for another member counts as a hit.
+    pub coalesced_weights: u64,
+    /// Evictions whose block went straight to the next page-in, the copy
+    /// ordered on the device behind the victim's readers (no host wait).
+    pub ordered_reuses: u64,
 }
 
 const CONFIG_MIN: usize = std::mem::size_of::<EpmResidencyConfig>();
@@ -451,7 +454,6 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             wasted_prefetches: s.wasted_prefetches,
             evictions: s.evictions,
             eviction_waits: s.eviction_waits,
-            coalesced_weights: s.coalesced_weights,
             bypassed_page_ins: s.bypassed_page_ins,
             staged_page_ins: s.staged_page_ins,
             source_registrations: s.source_registrations,
@@ -476,6 +478,8 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             arena_committed_bytes: s.arena.committed_bytes,
             arena_in_use_bytes: s.arena.in_use_bytes,
             arena_fragmentation: s.arena.fragmentation,
+            coalesced_weights: s.coalesced_weights,
+            ordered_reuses: s.ordered_reuses,
         };
         write_versioned(out, v, STATS_MIN, "out")
     }

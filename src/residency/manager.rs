@@ -6,14 +6,24 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
-use super::fence::{DeviceBlock, Fenced, Retire};
+use super::fence::{DeviceBlock, Fenced, Retire, Reused};
 use super::registry::{memlock_limit, Entry, HostRangeId, RegState, RegisterSources, Registry};
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{new_policy, Policy, WeightId};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
-use crate::device::{Device, Event, HostRange, RawStream};
+use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{EpmStatus, Error, Result};
 use crate::staging::{CopyEngine, PinnedStagingPool};
+
+/// What making room for a page-in produced.
+enum Room {
+    /// The budget has room: allocate from the arena.
+    Fits,
+    /// A victim's block, handed on behind its readers.
+    Reuse(Reused),
+    /// A prefetch that would have to evict something needed sooner.
+    No,
+}
 
 #[derive(Debug)]
 struct State {
@@ -30,6 +40,9 @@ struct State {
     /// Spent release events, reused so a release creates none in steady state.
     spare: Vec<Event>,
     memlock: Option<u64>,
+    /// Gates page-ins into reused blocks behind their readers (see
+    /// [`Fenced::reuse_after`]).
+    order: Stream,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -73,6 +86,7 @@ impl ResidencyManager {
                 stalls: StallTimer::default(),
                 spare: Vec::new(),
                 memlock: memlock_limit(),
+                order: Stream::new(dev)?,
             }),
         })
     }
@@ -370,31 +384,31 @@ impl ResidencyManager {
     /// weight needed sooner.
     fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
         let len = st.reg.get(w)?.unit.len();
-        if !self.make_room(st, w, len, demand)? {
-            return Ok(false);
-        }
-        let block = loop {
-            match DeviceBlock::alloc(&self.arena, len) {
-                Ok(b) => break b,
-                // The arena has the bytes but not in one range: evict more.
-                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
-                    Some(v) => self.evict(st, v)?,
-                    None if demand => return Err(self.all_in_use(st, w, len)),
-                    None => return Ok(false),
-                },
-                Err(e) => return Err(e),
-            }
+        let reused = match self.make_room(st, w, len, demand)? {
+            Room::No => return Ok(false),
+            Room::Reuse(r) => Some(r),
+            Room::Fits => None,
         };
         self.maybe_register(st, w)?;
         let range = st.reg.get(w)?.unit;
-        let fence = self.engine.htod(block.addr(), range, None)?;
+        let fenced = match reused {
+            Some(r) => r.fill(&self.engine, range, &st.order)?,
+            None => {
+                let block = self.alloc_block(st, w, len, demand)?;
+                let Some(block) = block else { return Ok(false) };
+                let fence = self.engine.htod(block.addr(), range, None)?;
+                Fenced::new(block, fence)
+            }
+        };
         if self.cfg.sync_page_in {
-            let t = Instant::now();
-            fence.wait()?;
-            st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+            if let Some(f) = fenced.page_in() {
+                let t = Instant::now();
+                f.wait()?;
+                st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+            }
         }
         let e = st.reg.get_mut(w)?;
-        e.block = Some(Fenced::new(block, fence));
+        e.block = Some(fenced);
         e.prefetched = !demand;
         st.resident_bytes += len;
         st.resident_weights += 1;
@@ -406,16 +420,52 @@ impl ResidencyManager {
         Ok(true)
     }
 
-    /// Evict until `len` more bytes fit the budget.
-    fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<bool> {
-        while st.resident_bytes + len > self.cfg.budget_bytes {
-            match self.victim(st, w, demand) {
-                Some(v) => self.evict(st, v)?,
-                None if demand => return Err(self.all_in_use(st, w, len)),
-                None => return Ok(false),
+    /// A fresh arena block of `len` bytes, evicting more while the arena has
+    /// the bytes but not in one range. `None`: a prefetch that gives up.
+    fn alloc_block(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Option<DeviceBlock>> {
+        Ok(Some(loop {
+            match DeviceBlock::alloc(&self.arena, len) {
+                Ok(b) => break b,
+                // The arena has the bytes but not in one range: evict more.
+                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
+                    Some(v) => self.evict(st, v)?,
+                    None if demand => return Err(self.all_in_use(st, w, len)),
+                    None => return Ok(None),
+                },
+                Err(e) => return Err(e),
             }
+        }))
+    }
+
+    /// Evict until `len` more bytes fit the budget. When the last victim
+    /// needed is still being read and its block fits `len` (without wasting
+    /// more than a quarter of it), hand its block to this page-in, ordered
+    /// on the device behind the readers, instead of waiting on the host.
+    fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Room> {
+        while st.resident_bytes + len > self.cfg.budget_bytes {
+            let Some(v) = self.victim(st, w, demand) else {
+                return if demand { Err(self.all_in_use(st, w, len)) } else { Ok(Room::No) };
+            };
+            let e = st.reg.get(v)?;
+            let vlen = e.unit.len();
+            let reusable = e.block.as_ref().is_some_and(|b| {
+                (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true)
+            });
+            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.cfg.budget_bytes {
+                let e = st.reg.get_mut(v)?;
+                let Some(fenced) = e.block.take() else { continue };
+                if std::mem::take(&mut e.prefetched) {
+                    st.c.pending_prefetches -= 1;
+                    st.c.wasted_prefetches += 1;
+                }
+                let reused = fenced.reuse_after(&st.order)?;
+                self.forget(st, v, vlen);
+                st.c.ordered_reuses += 1;
+                return Ok(Room::Reuse(reused));
+            }
+            self.evict(st, v)?;
         }
-        Ok(true)
+        Ok(Room::Fits)
     }
 
     /// The policy's best victim that is not acquired and is not `target`;
@@ -456,11 +506,16 @@ impl ResidencyManager {
         };
         block.free(done);
         st.spare.extend(spent);
+        self.forget(st, v, len);
+        Ok(())
+    }
+
+    /// Account `v` (`len` bytes) as no longer resident.
+    fn forget(&self, st: &mut State, v: WeightId, len: usize) {
         st.resident_bytes -= len;
         st.resident_weights -= 1;
         st.policy.removed(v);
         st.c.evictions += 1;
-        Ok(())
     }
 
     fn all_in_use(&self, st: &State, w: WeightId, len: usize) -> Error {
@@ -572,6 +627,7 @@ impl ResidencyManager {
             wasted_prefetches: c.wasted_prefetches,
             evictions: c.evictions,
             eviction_waits: c.eviction_waits,
+            ordered_reuses: c.ordered_reuses,
             coalesced_weights: c.coalesced_weights,
             bypassed_page_ins: s.bypassed,
             staged_page_ins: s.copies - s.bypassed,

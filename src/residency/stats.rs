@@ -31,6 +31,9 @@ pub struct ResidencyStats {
     pub evictions: u64,
     /// Evictions that had to wait on the host for the victim's read fence.
     pub eviction_waits: u64,
+    /// Evictions whose block went straight to the next page-in, its copy
+    /// ordered on the device behind the victim's readers (no host wait).
+    pub ordered_reuses: u64,
     /// Weights coalesced into multi-weight units (one page-in each unit). A
     /// member acquired after its unit was paged in for another member
     /// counts as a hit.
@@ -78,6 +81,7 @@ pub(crate) struct Counters {
     pub wasted_prefetches: u64,
     pub evictions: u64,
     pub eviction_waits: u64,
+    pub ordered_reuses: u64,
     pub coalesced_weights: u64,
     pub source_registrations: u64,
     pub register_refusals: u64,
