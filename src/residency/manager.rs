@@ -43,6 +43,8 @@ struct State {
     /// Gates page-ins into reused blocks behind their readers (see
     /// [`Fenced::reuse_after`]).
     order: Stream,
+    /// A weight prefetch may not evict: the one just released (see `release`).
+    shield: Option<WeightId>,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -87,6 +89,7 @@ impl ResidencyManager {
                 spare: Vec::new(),
                 memlock: memlock_limit(),
                 order: Stream::new(dev)?,
+                shield: None,
             }),
         })
     }
@@ -313,7 +316,8 @@ impl ResidencyManager {
     /// Make weight `w` usable by work queued on `stream` from now on, and
     /// return its device address. On a miss the page-in is issued and
     /// `stream` is made to wait on its fence; on a hit (or a completed
-    /// prefetch) the host never waits. Pair with [`Self::release`].
+    /// prefetch) the host never waits. Pair with [`Self::release`], which
+    /// also prefetches the next weights of the declared cycle.
     ///
     /// Errors: an unknown weight is `InvalidArgument`; when making room would
     /// mean evicting a weight that is acquired and not released, `AllInUse`.
@@ -349,7 +353,6 @@ impl ResidencyManager {
                 }
             }
         }
-        self.prefetch_ahead(st, w)?;
         Ok(addr)
     }
 
@@ -374,7 +377,15 @@ impl ResidencyManager {
             b.push(ev);
             st.spare.extend(spent);
         }
-        Ok(())
+        // Prefetch here, not in acquire: the caller's kernel for `w` is queued
+        // by now, so whatever the host spends on the next page-ins (a staged
+        // fill, a slot wait) overlaps that kernel instead of delaying its
+        // launch. `w` itself is shielded: it was in use when acquire would
+        // have prefetched, so the choices are the same as there.
+        st.shield = Some(w);
+        let r = self.prefetch_ahead(st, w);
+        st.shield = None;
+        r
     }
 
     // ---- internals ------------------------------------------------------
@@ -474,6 +485,7 @@ impl ResidencyManager {
         let limit = if demand { None } else { st.policy.distance(target) };
         st.policy.candidates().find(|&v| {
             v != target
+                && Some(v) != st.shield
                 && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
                 && match (limit, st.policy.distance(v)) {
                     (Some(t), Some(d)) => d > t,
