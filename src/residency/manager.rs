@@ -6,17 +6,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
-use super::fence::{DeviceBlock, Fenced, Retire, Reused};
-use super::registry::{memlock_limit, Entry, HostRangeId, RegState, RegisterSources, Registry};
+use super::fence::Reused;
+use super::registry::{memlock_limit, Entry, HostRangeId, Registry};
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{new_policy, Policy, WeightId};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
-use crate::error::{EpmStatus, Error, Result};
+use crate::error::{Error, Result};
 use crate::staging::{CopyEngine, PinnedStagingPool};
 
 /// What making room for a page-in produced.
-enum Room {
+pub(super) enum Room {
     /// The budget has room: allocate from the arena.
     Fits,
     /// A victim's block, handed on behind its readers.
@@ -26,36 +26,36 @@ enum Room {
 }
 
 #[derive(Debug)]
-struct State {
-    reg: Registry,
-    policy: Box<dyn Policy>,
+pub(super) struct State {
+    pub(super) reg: Registry,
+    pub(super) policy: Box<dyn Policy>,
     /// The declared cycle and each weight's position in it.
-    cycle: Vec<WeightId>,
-    cycle_pos: HashMap<WeightId, usize>,
-    resident_bytes: usize,
-    peak_resident_bytes: usize,
-    resident_weights: usize,
-    c: Counters,
-    stalls: StallTimer,
+    pub(super) cycle: Vec<WeightId>,
+    pub(super) cycle_pos: HashMap<WeightId, usize>,
+    pub(super) resident_bytes: usize,
+    pub(super) peak_resident_bytes: usize,
+    pub(super) resident_weights: usize,
+    pub(super) c: Counters,
+    pub(super) stalls: StallTimer,
     /// Spent release events, reused so a release creates none in steady state.
-    spare: Vec<Event>,
-    memlock: Option<u64>,
+    pub(super) spare: Vec<Event>,
+    pub(super) memlock: Option<u64>,
     /// Gates page-ins into reused blocks behind their readers (see
     /// [`Fenced::reuse_after`]).
-    order: Stream,
+    pub(super) order: Stream,
     /// A weight prefetch may not evict: the one just released (see `release`).
-    shield: Option<WeightId>,
+    pub(super) shield: Option<WeightId>,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
 /// Thread-safe: every call takes one internal lock.
 #[derive(Debug)]
 pub struct ResidencyManager {
-    dev: Arc<dyn Device>,
-    cfg: ResidencyConfig,
-    arena: Arc<DeviceArena>,
-    engine: CopyEngine,
-    state: Mutex<State>,
+    pub(super) dev: Arc<dyn Device>,
+    pub(super) cfg: ResidencyConfig,
+    pub(super) arena: Arc<DeviceArena>,
+    pub(super) engine: CopyEngine,
+    pub(super) state: Mutex<State>,
 }
 
 impl ResidencyManager {
@@ -105,7 +105,7 @@ impl ResidencyManager {
         &self.arena
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         // Every mutation completes before the next fallible call, so a
         // poisoned lock still guards consistent state.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -201,96 +201,6 @@ impl ResidencyManager {
         }
         self.group(&mut st, order)?;
         Self::set_cycle(&mut st, order.to_vec())
-    }
-
-    /// Set the policy's cycle over the units of `order` (weights, as declared).
-    fn set_cycle(st: &mut State, order: Vec<WeightId>) -> Result<()> {
-        let mut units = Vec::with_capacity(order.len());
-        for &w in &order {
-            let u = st.reg.leader(w)?;
-            if units.last() != Some(&u) {
-                units.push(u);
-            }
-        }
-        st.policy.set_cycle(&units)?;
-        st.cycle_pos = units.iter().enumerate().map(|(i, &w)| (w, i)).collect();
-        st.cycle = units;
-        let _ = order;
-        Ok(())
-    }
-
-    /// Coalesce runs of small weights adjacent in `order` and in host memory.
-    fn group(&self, st: &mut State, order: &[WeightId]) -> Result<()> {
-        // A unit is evicted whole: keep it a small share of the budget so
-        // the policy still chooses at a fine grain.
-        let (below, max) = (self.cfg.coalesce_below_bytes, self.cfg.coalesce_max_bytes.min(self.cfg.budget_bytes / 8));
-        if below == 0 {
-            return Ok(());
-        }
-        let mut run: Vec<WeightId> = Vec::new();
-        let mut unit: Option<crate::device::HostRange> = None;
-        for &w in order.iter().chain(std::iter::once(&WeightId(u32::MAX))) {
-            // (the sentinel id closes the last run)
-            let range = st.reg.get(w).ok().filter(|e| {
-                e.range.len() < below && e.block.is_none() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
-            });
-            let range = range.map(|e| e.range);
-            let joined = match (range, unit) {
-                (Some(r), Some(u)) if u.len() + r.len() <= max => u.join(&r).ok(),
-                _ => None,
-            };
-            if let Some(j) = joined {
-                run.push(w);
-                unit = Some(j);
-                continue;
-            }
-            if let (true, Some(u)) = (run.len() > 1, unit) {
-                self.make_group(st, &run, u)?;
-            }
-            run.clear();
-            unit = range;
-            if range.is_some() {
-                run.push(w);
-            }
-        }
-        Ok(())
-    }
-
-    fn make_group(&self, st: &mut State, run: &[WeightId], unit: crate::device::HostRange) -> Result<()> {
-        let leader = run[0];
-        let base = unit.ptr() as usize;
-        for &m in &run[1..] {
-            let e = st.reg.get_mut(m)?;
-            e.leader = leader;
-            e.offset = e.range.ptr() as usize - base;
-        }
-        let e = st.reg.get_mut(leader)?;
-        e.unit = unit;
-        e.members = run[1..].to_vec();
-        st.c.coalesced_weights += run.len() as u64;
-        Ok(())
-    }
-
-    /// Undo a coalesced unit (evicting it if resident).
-    fn ungroup(&self, st: &mut State, u: WeightId) -> Result<()> {
-        let e = st.reg.get(u)?;
-        if e.members.is_empty() {
-            return Ok(());
-        }
-        crate::ensure!(e.users == 0, InvalidState, "weight {} (coalesced) is acquired: release it first", u.0);
-        if e.block.is_some() {
-            self.evict(st, u)?;
-        }
-        let e = st.reg.get_mut(u)?;
-        let members = std::mem::take(&mut e.members);
-        e.unit = e.range;
-        st.c.coalesced_weights -= members.len() as u64 + 1;
-        for m in members {
-            let e = st.reg.get_mut(m)?;
-            e.leader = m;
-            e.offset = 0;
-        }
-        Ok(())
     }
 
     /// Page in `weights` ahead of use, in order, as far as the budget allows
@@ -389,224 +299,6 @@ impl ResidencyManager {
     }
 
     // ---- internals ------------------------------------------------------
-
-    /// Page `w` in. `demand`: an acquire needs it now (errors if no room);
-    /// otherwise a prefetch, which gives up (Ok(false)) rather than evict a
-    /// weight needed sooner.
-    fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
-        let len = st.reg.get(w)?.unit.len();
-        let reused = match self.make_room(st, w, len, demand)? {
-            Room::No => return Ok(false),
-            Room::Reuse(r) => Some(r),
-            Room::Fits => None,
-        };
-        self.maybe_register(st, w)?;
-        let range = st.reg.get(w)?.unit;
-        let fenced = match reused {
-            Some(r) => r.fill(&self.engine, range, &st.order)?,
-            None => {
-                let block = self.alloc_block(st, w, len, demand)?;
-                let Some(block) = block else { return Ok(false) };
-                let fence = self.engine.htod(block.addr(), range, None)?;
-                Fenced::new(block, fence)
-            }
-        };
-        if self.cfg.sync_page_in {
-            if let Some(f) = fenced.page_in() {
-                let t = Instant::now();
-                f.wait()?;
-                st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
-            }
-        }
-        let e = st.reg.get_mut(w)?;
-        e.block = Some(fenced);
-        e.prefetched = !demand;
-        st.resident_bytes += len;
-        st.resident_weights += 1;
-        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
-        st.policy.inserted(w);
-        st.c.page_ins += 1;
-        st.c.prefetch_page_ins += !demand as u64;
-        st.c.pending_prefetches += !demand as u64;
-        Ok(true)
-    }
-
-    /// A fresh arena block of `len` bytes, evicting more while the arena has
-    /// the bytes but not in one range. `None`: a prefetch that gives up.
-    fn alloc_block(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Option<DeviceBlock>> {
-        Ok(Some(loop {
-            match DeviceBlock::alloc(&self.arena, len) {
-                Ok(b) => break b,
-                // The arena has the bytes but not in one range: evict more.
-                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
-                    Some(v) => self.evict(st, v)?,
-                    None if demand => return Err(self.all_in_use(st, w, len)),
-                    None => return Ok(None),
-                },
-                Err(e) => return Err(e),
-            }
-        }))
-    }
-
-    /// Evict until `len` more bytes fit the budget. When the last victim
-    /// needed is still being read and its block fits `len` (without wasting
-    /// more than a quarter of it), hand its block to this page-in, ordered
-    /// on the device behind the readers, instead of waiting on the host.
-    fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Room> {
-        while st.resident_bytes + len > self.cfg.budget_bytes {
-            let Some(v) = self.victim(st, w, demand) else {
-                return if demand { Err(self.all_in_use(st, w, len)) } else { Ok(Room::No) };
-            };
-            let e = st.reg.get(v)?;
-            let vlen = e.unit.len();
-            let reusable = e.block.as_ref().is_some_and(|b| {
-                (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true)
-            });
-            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.cfg.budget_bytes {
-                let e = st.reg.get_mut(v)?;
-                let Some(fenced) = e.block.take() else { continue };
-                if std::mem::take(&mut e.prefetched) {
-                    st.c.pending_prefetches -= 1;
-                    st.c.wasted_prefetches += 1;
-                }
-                let reused = fenced.reuse_after(&st.order)?;
-                self.forget(st, v, vlen);
-                st.c.ordered_reuses += 1;
-                return Ok(Room::Reuse(reused));
-            }
-            self.evict(st, v)?;
-        }
-        Ok(Room::Fits)
-    }
-
-    /// The policy's best victim that is not acquired and is not `target`;
-    /// for a prefetch, only one needed later than `target`.
-    fn victim(&self, st: &State, target: WeightId, demand: bool) -> Option<WeightId> {
-        let limit = if demand { None } else { st.policy.distance(target) };
-        st.policy.candidates().find(|&v| {
-            v != target
-                && Some(v) != st.shield
-                && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
-                && match (limit, st.policy.distance(v)) {
-                    (Some(t), Some(d)) => d > t,
-                    _ => true,
-                }
-        })
-    }
-
-    /// Evict `v`: its memory goes back to the arena only with a [`ReadsDone`]
-    /// witness, waiting on the host if its readers are still running.
-    ///
-    /// [`ReadsDone`]: super::fence::ReadsDone
-    fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
-        let e = st.reg.get_mut(v)?;
-        let Some(fenced) = e.block.take() else { return Ok(()) };
-        if std::mem::take(&mut e.prefetched) {
-            st.c.pending_prefetches -= 1;
-            st.c.wasted_prefetches += 1;
-        }
-        let len = fenced.len();
-        let (block, done, spent) = match fenced.try_retire()? {
-            Retire::Done(b, d, s) => (b, d, s),
-            Retire::Pending(f) => {
-                st.c.eviction_waits += 1;
-                let t = Instant::now();
-                let r = f.wait()?;
-                st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
-                r
-            }
-        };
-        block.free(done);
-        st.spare.extend(spent);
-        self.forget(st, v, len);
-        Ok(())
-    }
-
-    /// Account `v` (`len` bytes) as no longer resident.
-    fn forget(&self, st: &mut State, v: WeightId, len: usize) {
-        st.resident_bytes -= len;
-        st.resident_weights -= 1;
-        st.policy.removed(v);
-        st.c.evictions += 1;
-    }
-
-    fn all_in_use(&self, st: &State, w: WeightId, len: usize) -> Error {
-        Error::new(
-            EpmStatus::AllInUse,
-            format!(
-                "weight {} ({len} bytes) does not fit: {} of {} budget bytes are held by weights that are \
-                 acquired and not released ({} resident weights); release weights or raise the budget",
-                w.0, st.resident_bytes, self.cfg.budget_bytes, st.resident_weights
-            ),
-        )
-    }
-
-    /// Register `w`'s pageable source on its first page-in, per the config.
-    fn maybe_register(&self, st: &mut State, w: WeightId) -> Result<()> {
-        let (range, state) = {
-            let e = st.reg.get(w)?;
-            (e.unit, e.reg_state)
-        };
-        if state != RegState::Untried
-            || self.cfg.register_sources == RegisterSources::Never
-            || self.dev.host_is_page_locked(range.ptr(), range.len())
-        {
-            return Ok(());
-        }
-        let within = match (self.cfg.register_sources, st.memlock) {
-            (RegisterSources::WithinMemlock, Some(limit)) => st.c.registered_bytes + range.len() as u64 <= limit,
-            _ => true,
-        };
-        let result = if within { Some(self.engine.register(range)) } else { None };
-        let e = st.reg.get_mut(w)?;
-        match result {
-            Some(Ok(r)) => {
-                e.reg = Some(r);
-                e.reg_bytes = range.len();
-                e.reg_state = RegState::Registered;
-                st.c.source_registrations += 1;
-                st.c.registered_bytes += range.len() as u64;
-            }
-            Some(Err(err)) => {
-                log::info!("epmem: staging weight {} (registering its source failed: {err})", w.0);
-                e.reg_state = RegState::Refused;
-                st.c.register_refusals += 1;
-            }
-            None => {
-                e.reg_state = RegState::Refused;
-                st.c.register_refusals += 1;
-            }
-        }
-        Ok(())
-    }
-
-    /// Keep up to `prefetch_depth` weights ahead of `w` in the cycle paged in
-    /// and not yet used: walk forward past resident weights to the next
-    /// missing ones. Skipping resident weights matters: Belady's resident
-    /// set is a run of the cycle, so misses come in runs, and the copies of
-    /// the next run must start while the hit run computes.
-    fn prefetch_ahead(&self, st: &mut State, w: WeightId) -> Result<()> {
-        let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
-        let n = st.cycle.len();
-        let mut ahead = 0;
-        // Positions hold units (leaders), so `x` below is a leader.
-        for k in 1..n {
-            if ahead >= self.cfg.prefetch_depth {
-                break;
-            }
-            let x = st.cycle[(p + k) % n];
-            let e = st.reg.get(x)?;
-            if e.block.is_none() {
-                if !self.page_in(st, x, false)? {
-                    break;
-                }
-                ahead += 1;
-            } else if e.prefetched {
-                ahead += 1;
-            }
-        }
-        Ok(())
-    }
 
     fn harvest(&self, st: &mut State) -> Result<()> {
         st.c.device_stall_ms += st.stalls.harvest()?;

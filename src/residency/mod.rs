@@ -8,9 +8,12 @@
 //! - [`fence`]: the read fence and its `ReadsDone` witness;
 //! - [`stats`]: the counters.
 
+mod coalesce;
 pub mod config;
+mod evict;
 pub mod fence;
 pub mod manager;
+mod page_in;
 pub mod policy;
 pub mod registry;
 pub mod sim;
