@@ -216,3 +216,51 @@ fn pinned_arena_big_requests_get_their_own_segment_and_budget_holds() {
     let s = arena.stats();
     assert_eq!((s.driver_free_calls, s.live_allocations), (1, 0), "{s:?}");
 }
+
+/// 8 threads allocate and free on one arena at once: no two live blocks ever
+/// overlap, nothing is lost, and the counters add up at the end.
+fn concurrent(arena: &dyn Arena) {
+    let live: std::sync::Mutex<BTreeMap<u64, usize>> = std::sync::Mutex::new(BTreeMap::new());
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let live = &live;
+            s.spawn(move || {
+                let mut rng = Rng(0x9e37 + t);
+                let mut mine = Vec::new();
+                for _ in 0..400 {
+                    if mine.is_empty() || rng.below(100) < 55 {
+                        let size = 1 + rng.below(64 << 10) as usize;
+                        let Ok(a) = arena.alloc(size, 0) else { continue };
+                        let mut l = live.lock().unwrap();
+                        if let Some((&p, &n)) = l.range(..=a).next_back() {
+                            assert!(p + n as u64 <= a, "thread {t}: [{a:#x}, +{size}) overlaps [{p:#x}, +{n})");
+                        }
+                        if let Some((&n, _)) = l.range(a..).next() {
+                            assert!(a + size as u64 <= n, "thread {t}: [{a:#x}, +{size}) overlaps {n:#x}");
+                        }
+                        l.insert(a, size);
+                        mine.push(a);
+                    } else {
+                        let a = mine.swap_remove(rng.below(mine.len() as u64) as usize);
+                        live.lock().unwrap().remove(&a);
+                        arena.free(a).unwrap();
+                    }
+                }
+                for a in mine {
+                    live.lock().unwrap().remove(&a);
+                    arena.free(a).unwrap();
+                }
+            });
+        }
+    });
+    let s = arena.stats();
+    assert_eq!((s.live_allocations, s.in_use_bytes), (0, 0), "{s:?}");
+    assert_eq!(s.alloc_calls, s.free_calls, "{s:?}");
+}
+
+#[test]
+fn arenas_are_thread_safe() {
+    let d = dev();
+    concurrent(&DeviceArena::new(&d, cfg(&d, 16, 2)).unwrap());
+    concurrent(&PinnedArena::new(&d, cfg(&d, 16, 2)).unwrap());
+}
