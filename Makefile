@@ -31,7 +31,7 @@ EX_LIBS   := -pthread -lm
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
 
-.PHONY: build install uninstall test test-rust test-c test-examples ffi-tests demo clean-c
+.PHONY: build install uninstall test test-rust test-c test-examples test-ort ffi-tests demo clean-c
 
 build:
 	$(CARGO) build --release
@@ -111,9 +111,14 @@ test:
 	$(MAKE) test-rust
 	$(MAKE) test-c
 	$(MAKE) test-examples
-	@# Later suites plug in here, one line each, e.g.:
-	@#   $(MAKE) test-ort      (the Python / ONNX Runtime plugin tests)
+	$(MAKE) test-ort
 	@echo "make test: all suites passed"
+
+# The ONNX Runtime plugin EP against real onnxruntime wheels from PyPI (a venv
+# per version under .venv/); the GPU machine runs the same tests with
+# scripts/ort-test.sh --no-install.
+test-ort: build
+	scripts/ort-test.sh
 
 # ---- demo --------------------------------------------------------------------
 

@@ -1095,6 +1095,8 @@ enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
  * It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
  * NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
  * device errors.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
                                    uint64_t budget_bytes,
@@ -1105,6 +1107,8 @@ enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
  * held keep the arena alive; it is torn down (unmap → release → free VA)
  * when the last of them is destroyed. The caller guarantees no queued
  * kernel still touches its sequences by then.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
 
@@ -1115,6 +1119,8 @@ enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
  * bytes and sets `out->size` to the number written. NULL: `arena` is
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
  * below the first version's.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStats *out);
 
@@ -1128,6 +1134,8 @@ enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStat
  * INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
  * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
  * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
                                  const struct EpmKvLayout *layout,
@@ -1147,6 +1155,8 @@ enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
  * NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
  * be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
  * `n_tokens > max_tokens`. Out-params are written only on success.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
                                             const struct EpmKvLayout *layout,
@@ -1163,6 +1173,8 @@ enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
  * promise, free its VA. NULL is a no-op; a destroyed handle is
  * INVALID_HANDLE. The caller guarantees no queued kernel still touches the
  * sequence (as with cuMemFree).
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
 
@@ -1171,6 +1183,8 @@ enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
  *
  * Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
  * INVALID_HANDLE, `out` is NULL_POINTER.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *out);
 
@@ -1191,6 +1205,8 @@ enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *ou
  * `len + n_tokens > max_tokens` or the stream is on another device;
  * OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
  * sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
                                          uint64_t n_tokens,
@@ -1202,6 +1218,8 @@ enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
  *
  * NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
  * INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
                                          const uint32_t *tokens,
@@ -1219,6 +1237,8 @@ enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
  * Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
  * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
  * granule, and the ledger cannot promise that one more granule.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
                                  uint64_t n_tokens,
@@ -1229,12 +1249,16 @@ enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
  * End a pin. The prefix is freed now if no sequence shares it, else with
  * its last sharer; the handle is invalid from now on. NULL is a no-op; an
  * unpinned handle is INVALID_HANDLE.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
 
 /**
  * Fill `*out` with the prefix's state. Set `out->size` first. NULL:
  * `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPrefixInfo *out);
 
@@ -1248,6 +1272,8 @@ enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPr
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
  * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
  * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
                                            uint64_t n_tokens,
@@ -1275,6 +1301,8 @@ enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
  *
  * Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
  * 0 saturates to UINT64_MAX.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
                                  uint64_t prefix_bytes,
@@ -1287,6 +1315,8 @@ enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
  *
  * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
  * are NULL_POINTER.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
  */
 enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
                                    const struct EpmKvLayout *layout,

@@ -21,6 +21,8 @@ pub mod ffi;
 /// cbindgen:ignore
 pub mod kv;
 /// cbindgen:ignore
+pub mod ort;
+/// cbindgen:ignore
 pub mod residency;
 pub mod staging;
 

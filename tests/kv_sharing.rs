@@ -287,3 +287,26 @@ fn declared_tokens_find_an_existing_prefix_by_content() {
     a.unpin_prefix(p).unwrap();
     assert_eq!(a.find_prefix(&l, &prompt), None);
 }
+
+#[test]
+fn prepare_append_fences_queued_work_before_remapping() {
+    let d = dev();
+    let s = Stream::new(&d).unwrap();
+    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let g = a.granule();
+    let seq = a.create_sequence(&qwen14b(), 64, AdmitMode::OnDemand).unwrap();
+    let base = a.sequence_info(seq).unwrap().base;
+    // Queue a read of the dummy tail behind ~100 ms of work. prepare_append
+    // must not unmap the tail before that read has run.
+    let mut tail = vec![0xFFu8; g];
+    d.spin_async(100_000, s.raw()).unwrap();
+    // SAFETY: `tail` outlives the copy: the stream is synchronized below.
+    unsafe { d.memcpy_dtoh_async(tail.as_mut_ptr(), base, g, s.raw()).unwrap() };
+    let t0 = std::time::Instant::now();
+    a.prepare_append(seq, 64, s.raw()).unwrap();
+    let waited = t0.elapsed();
+    s.synchronize().expect("the queued read ran against the old mapping");
+    assert!(waited >= std::time::Duration::from_millis(50), "prepare_append returned after {waited:?}");
+    assert!(tail.iter().all(|&b| b == 0), "the read saw the zeroed dummy");
+    assert_eq!(a.stats().counters.fences, 1);
+}

@@ -227,6 +227,8 @@ pub extern "C" fn epm_kv_layout_token_major(
 /// It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
 /// NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
 /// device errors.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_arena_create(dev: *mut EpmDevice, budget_bytes: u64, out: *mut *mut EpmKvArena) -> EpmStatus {
     ffi_boundary! {
@@ -242,6 +244,8 @@ pub extern "C" fn epm_kv_arena_create(dev: *mut EpmDevice, budget_bytes: u64, ou
 /// held keep the arena alive; it is torn down (unmap → release → free VA)
 /// when the last of them is destroyed. The caller guarantees no queued
 /// kernel still touches its sequences by then.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_arena_destroy(arena: *mut EpmKvArena) -> EpmStatus {
     ffi_boundary! {
@@ -294,6 +298,8 @@ pub struct EpmKvStats {
 /// bytes and sets `out->size` to the number written. NULL: `arena` is
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
 /// below the first version's.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKvStats) -> EpmStatus {
     ffi_boundary! {
@@ -337,6 +343,8 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
 /// INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
 /// (max_tokens 0 or overflowing, a layout that is not token-major, a bad
 /// admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_create(
     arena: *mut EpmKvArena,
@@ -366,6 +374,8 @@ pub extern "C" fn epm_kv_seq_create(
 /// NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
 /// be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
 /// `n_tokens > max_tokens`. Out-params are written only on success.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_create_for_tokens(
     arena: *mut EpmKvArena,
@@ -398,6 +408,8 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
 /// promise, free its VA. NULL is a no-op; a destroyed handle is
 /// INVALID_HANDLE. The caller guarantees no queued kernel still touches the
 /// sequence (as with cuMemFree).
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_destroy(seq: *mut EpmKvSeq) -> EpmStatus {
     ffi_boundary! {
@@ -435,6 +447,8 @@ pub struct EpmKvSeqInfo {
 ///
 /// Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
 /// INVALID_HANDLE, `out` is NULL_POINTER.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo) -> EpmStatus {
     ffi_boundary! {
@@ -472,6 +486,8 @@ pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo
 /// `len + n_tokens > max_tokens` or the stream is on another device;
 /// OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
 /// sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, stream: *mut EpmStream) -> EpmStatus {
     ffi_boundary! {
@@ -487,6 +503,8 @@ pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, s
 ///
 /// NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
 /// INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u32, n_tokens: usize) -> EpmStatus {
     ffi_boundary! {
@@ -507,6 +525,8 @@ pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u
 /// Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
 /// OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
 /// granule, and the ledger cannot promise that one more granule.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_pin(
     seq: *mut EpmKvSeq,
@@ -529,6 +549,8 @@ pub extern "C" fn epm_kv_prefix_pin(
 /// End a pin. The prefix is freed now if no sequence shares it, else with
 /// its last sharer; the handle is invalid from now on. NULL is a no-op; an
 /// unpinned handle is INVALID_HANDLE.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_unpin(prefix: *mut EpmKvPrefix) -> EpmStatus {
     ffi_boundary! {
@@ -559,6 +581,8 @@ pub struct EpmKvPrefixInfo {
 
 /// Fill `*out` with the prefix's state. Set `out->size` first. NULL:
 /// `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut EpmKvPrefixInfo) -> EpmStatus {
     ffi_boundary! {
@@ -586,6 +610,8 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
 /// `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
 /// OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_commit_shared_prefix(
     prefix: *mut EpmKvPrefix,
@@ -646,6 +672,8 @@ pub struct EpmKvAdmission {
 ///
 /// Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
 /// 0 saturates to UINT64_MAX.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, private_bytes: u64, out: *mut EpmKvAdmission) -> EpmStatus {
     ffi_boundary! {
@@ -674,6 +702,8 @@ pub struct EpmKvRequestCost {
 ///
 /// Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
 /// are NULL_POINTER.
+///
+/// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_request_cost(
     arena: *mut EpmKvArena,

@@ -80,6 +80,7 @@ impl KvArena {
             })
             .collect::<Result<_>>()?;
         self.pool.ledger_mut().promise(cow_promise * g)?;
+        self.pool.trim_to_budget();
         self.fence(stream)?;
 
         let view = match self.map_view(&granules) {

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Test epmem as an ONNX Runtime plugin EP against real onnxruntime wheels.
+#
+#   scripts/ort-test.sh               # CI: a venv per version from PyPI, then the tests
+#   scripts/ort-test.sh --no-install  # GPU machine: the onnxruntime already in python3
+#
+# Environment:
+#   ORT_VERSIONS  versions to test, "latest" = newest on PyPI (default: "latest 1.23.2")
+#   EPM_DEVICE    the device epmem reports (auto|cuda|host; default auto)
+#   EPMEM_LIB     the library to load (default: target/release, else .carry/lib,
+#                 else target/debug libepmem.so, built with cargo if missing)
+#   PYTHON        interpreter for venvs / --no-install (default python3)
+#   ORT_VENV_DIR  where the per-version venvs live (default .venv/, reused across runs)
+#   ORT_FAKE_CUDA 1 (default without --no-install): also run every version with
+#                 EPM_DEVICE=cuda against src/device/cuda/fake_libcuda.c, so the
+#                 GPU labelling (GPU memory infos, created or CPU-bound hardware
+#                 devices) is exercised with no GPU. Skipped where a real libcuda is.
+#
+# For each version it runs tests/ort/test_ort_plugin.py (Python) and
+# tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime),
+# then prints one closing line "ort: N passed, N failed".
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+INSTALL=1
+for a in "$@"; do
+  case "$a" in
+    --no-install) INSTALL=0 ;;
+    *) echo "unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+
+lib=${EPMEM_LIB:-}
+if [ -z "$lib" ]; then
+  for c in target/release/libepmem.so .carry/lib/libepmem.so target/debug/libepmem.so; do
+    [ -f "$c" ] && { lib=$c; break; }
+  done
+fi
+if [ -z "$lib" ]; then
+  command -v cargo >/dev/null || { echo "no libepmem.so and no cargo to build it" >&2; exit 2; }
+  cargo build --lib >&2 || exit 2
+  lib=target/debug/libepmem.so
+fi
+case "$lib" in /*) ;; *) lib=$ROOT/$lib ;; esac
+export EPMEM_LIB=$lib
+CC=${CC:-$(command -v gcc || command -v cc)}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/epmem-ort.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+PASSED=0
+FAILED=0
+# tally LOG: add the "N passed, N failed" of a suite's log to the totals.
+tally() {
+  local line p f
+  line=$(grep -Eo '[0-9]+ passed, [0-9]+ failed' "$1" | tail -1)
+  if [ -z "$line" ]; then FAILED=$((FAILED + 1)); echo "  (no result line: counted as a failure)"; return; fi
+  p=${line%% passed*}; f=${line#*passed, }; f=${f%% failed*}
+  PASSED=$((PASSED + p)); FAILED=$((FAILED + f))
+}
+
+# run_suites PYTHON LABEL: the Python and C tests against PYTHON's onnxruntime.
+run_suites() {
+  local py=$1 label=$2 capi so out
+  echo "== onnxruntime $label ($py), EPM_DEVICE=${EPM_DEVICE:-auto}${FAKE:+ (fake libcuda)}, $EPMEM_LIB"
+  # The committed model must be what the generator makes (when onnx is there).
+  if "$py" -c 'import onnx' 2>/dev/null; then
+    "$py" tests/ort/make_model.py "$WORK/model.onnx" && cmp -s "$WORK/model.onnx" tests/ort/tiny_matmul_add.onnx ||
+      echo "  note: tests/ort/tiny_matmul_add.onnx differs from what make_model.py writes with this onnx"
+  fi
+  out=$WORK/py-$label.log
+  LD_LIBRARY_PATH="${FAKE:+$FAKE:}${LD_LIBRARY_PATH:-}" "$py" tests/ort/test_ort_plugin.py >"$out" 2>&1
+  cat "$out"; tally "$out"
+
+  capi=$("$py" -c 'import onnxruntime, os; print(os.path.join(os.path.dirname(onnxruntime.__file__), "capi"))')
+  so=$(ls "$capi"/libonnxruntime.so.1.* 2>/dev/null | head -1)
+  out=$WORK/c-$label.log
+  if [ -z "$so" ] || [ -z "$CC" ]; then
+    echo "no libonnxruntime.so.1.* in $capi or no C compiler" | tee "$out"; FAILED=$((FAILED + 1)); return
+  fi
+  # The wheel has only libonnxruntime.so.1.x.y; the soname is libonnxruntime.so.1.
+  mkdir -p "$WORK/lib-$label" && ln -sf "$so" "$WORK/lib-$label/libonnxruntime.so.1"
+  if "$CC" -std=c11 -O1 -g -Wall -Wextra -Werror tests/ort/ort_c_test.c -o "$WORK/ort_c_test-$label" "$so" \
+      -Wl,-rpath,"$WORK/lib-$label" >"$out" 2>&1; then
+    # ORT 1.23 dlopens libonnxruntime_providers_shared.so from the library path.
+    LD_LIBRARY_PATH="${FAKE:+$FAKE:}$capi:${LD_LIBRARY_PATH:-}" "$WORK/ort_c_test-$label" "$EPMEM_LIB" >>"$out" 2>&1
+  fi
+  cat "$out"; tally "$out"
+}
+
+# A fake libcuda (device memory is host memory) for the GPU-labelled pass.
+FAKE=
+fake_ok=0
+if [ $INSTALL = 1 ] && [ "${ORT_FAKE_CUDA:-1}" = 1 ] && [ -f src/device/cuda/fake_libcuda.c ] &&
+    ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
+  mkdir -p "$WORK/fakecuda" &&
+    "$CC" -shared -fPIC -O1 -o "$WORK/fakecuda/libcuda.so" src/device/cuda/fake_libcuda.c && fake_ok=1
+fi
+
+if [ $INSTALL = 0 ]; then
+  v=$("$PY" -c 'import onnxruntime; print(onnxruntime.__version__)') || { echo "$PY has no onnxruntime" >&2; exit 2; }
+  run_suites "$PY" "$v"
+else
+  for want in ${ORT_VERSIONS:-latest 1.23.2}; do
+    venv=${ORT_VENV_DIR:-$ROOT/.venv}/ort-$want
+    if [ ! -x "$venv/bin/python" ]; then
+      "$PY" -m venv "$venv" || { echo "cannot make a venv at $venv" >&2; FAILED=$((FAILED + 1)); continue; }
+    fi
+    spec=onnxruntime
+    [ "$want" = latest ] && pip_flags=(--upgrade) || { spec="onnxruntime==$want"; pip_flags=(); }
+    if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pip_flags[@]}" "$spec" numpy onnx >"$WORK/pip.log" 2>&1; then
+      cat "$WORK/pip.log"; echo "pip could not install $spec" >&2; FAILED=$((FAILED + 1)); continue
+    fi
+    v=$("$venv/bin/python" -c 'import onnxruntime; print(onnxruntime.__version__)')
+    run_suites "$venv/bin/python" "$v"
+    if [ $fake_ok = 1 ]; then
+      FAKE=$WORK/fakecuda EPM_DEVICE=cuda run_suites "$venv/bin/python" "$v-fakecuda"
+      FAKE=
+    fi
+  done
+fi
+echo "ort: $PASSED passed, $FAILED failed"
+[ "$FAILED" -eq 0 ] && [ "$PASSED" -gt 0 ]

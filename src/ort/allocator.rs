@@ -1,0 +1,356 @@
+//! `OrtAllocator` over a [`MemorySource`]: accounting, the byte limit, and
+//! `GetStats` with ORT's keys plus epmem's.
+//!
+//! ORT creates several allocators at once (a shared one per memory type at
+//! registration, then one per session), from any thread; each is
+//! independent, and each keeps its factory alive so it may
+//! be released after the library is unregistered.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex};
+
+use super::abi::*;
+use super::factory::{EpmDevice, Factory};
+use super::options::AllocatorOptions;
+use super::source::{self, MemKind, MemorySource};
+use crate::error::Result;
+
+/// Accounting for one allocator (safe Rust, unit-tested below).
+#[derive(Debug, Default)]
+pub(crate) struct Book {
+    pub limit: u64,
+    live: HashMap<u64, usize>,
+    pub in_use: u64,
+    pub max_in_use: u64,
+    pub total_allocated: u64,
+    pub num_allocs: u64,
+    pub num_reserves: u64,
+    pub max_alloc_size: u64,
+    pub failed_allocs: u64,
+    pub frees: u64,
+}
+
+impl Book {
+    pub fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            ..Self::default()
+        }
+    }
+    /// Would `bytes` more stay within the limit?
+    pub fn admits(&self, bytes: usize) -> bool {
+        self.in_use.checked_add(bytes as u64).is_some_and(|n| n <= self.limit)
+    }
+    pub fn record(&mut self, addr: u64, bytes: usize, reserve: bool) {
+        self.live.insert(addr, bytes);
+        let b = bytes as u64;
+        self.in_use += b;
+        self.max_in_use = self.max_in_use.max(self.in_use);
+        self.total_allocated += b;
+        self.max_alloc_size = self.max_alloc_size.max(b);
+        if reserve {
+            self.num_reserves += 1;
+        } else {
+            self.num_allocs += 1;
+        }
+    }
+    /// Forget `addr`; None if it is not ours (or already freed).
+    pub fn release(&mut self, addr: u64) -> Option<usize> {
+        let bytes = self.live.remove(&addr)?;
+        self.in_use -= bytes as u64;
+        self.frees += 1;
+        Some(bytes)
+    }
+    pub fn live_addrs(&self) -> Vec<u64> {
+        self.live.keys().copied().collect()
+    }
+}
+
+/// An epmem allocator as ORT sees it. `base` first: ORT's `OrtAllocator*`
+/// is a pointer to this struct.
+#[repr(C)]
+pub(crate) struct Allocator {
+    base: OrtAllocator,
+    factory: Arc<Factory>,
+    info: *const OrtMemoryInfo,
+    device_label: String,
+    kind: MemKind,
+    source: Box<dyn MemorySource>,
+    book: Mutex<Book>,
+}
+
+impl Allocator {
+    /// A new allocator for `kind` memory of `dev`, boxed for ORT.
+    pub fn create(
+        factory: Arc<Factory>,
+        dev: &EpmDevice,
+        kind: MemKind,
+        opts: AllocatorOptions,
+    ) -> Result<*mut OrtAllocator> {
+        let default_limit = match kind {
+            MemKind::Device => dev.dev.info().total_mem,
+            MemKind::Pinned => physical_ram(),
+        };
+        let limit = opts.arena_bytes.unwrap_or(default_limit);
+        let info = match kind {
+            MemKind::Device => dev.default_info.as_ptr(),
+            MemKind::Pinned => dev.pinned_info.as_ptr(),
+        };
+        let a = Box::new(Allocator {
+            base: OrtAllocator {
+                // Say 25 only to an ORT that knows Shrink; 23 otherwise.
+                version: if factory.api.version >= ORT_ALLOCATOR_SHRINK_VERSION {
+                    ORT_ALLOCATOR_SHRINK_VERSION
+                } else {
+                    ORT_VERSION_SUPPORTED
+                },
+                Alloc: Some(alloc),
+                Free: Some(free),
+                Info: Some(info_fn),
+                Reserve: Some(reserve),
+                GetStats: Some(get_stats),
+                AllocOnStream: Some(alloc_on_stream),
+                Shrink: Some(shrink),
+            },
+            factory,
+            info,
+            device_label: dev.label(),
+            kind,
+            source: source::open(&dev.dev, kind),
+            book: Mutex::new(Book::new(limit)),
+        });
+        Ok(Box::into_raw(a) as *mut OrtAllocator)
+    }
+
+    /// Take back ownership of an allocator made by [`Allocator::create`].
+    ///
+    /// # Safety
+    /// `p` came from `create` and is not used afterwards.
+    pub unsafe fn destroy(p: *mut OrtAllocator) {
+        // SAFETY: per the caller, p is a Box<Allocator> we leaked.
+        drop(unsafe { Box::from_raw(p as *mut Allocator) });
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn allocate(&self, size: usize, reserve: bool) -> *mut c_void {
+        // ORT may ask for 0 bytes; a distinct non-NULL pointer is what it expects.
+        let bytes = size.max(1);
+        let mut book = self.book();
+        if !book.admits(bytes) {
+            book.failed_allocs += 1;
+            log::warn!(
+                "epmem: {} {:?} allocator: {bytes} bytes would exceed its limit of {} ({} in use)",
+                self.device_label,
+                self.kind,
+                book.limit,
+                book.in_use
+            );
+            return std::ptr::null_mut();
+        }
+        match self.source.alloc(bytes) {
+            Ok(addr) => {
+                book.record(addr, bytes, reserve);
+                addr as *mut c_void
+            }
+            Err(e) => {
+                book.failed_allocs += 1;
+                log::warn!(
+                    "epmem: {} {:?} allocation of {bytes} bytes failed: {e}",
+                    self.device_label,
+                    self.kind
+                );
+                std::ptr::null_mut()
+            }
+        }
+    }
+
+    fn deallocate(&self, p: *mut c_void) {
+        if p.is_null() {
+            return;
+        }
+        let addr = p as u64;
+        let mut book = self.book();
+        if book.release(addr).is_none() {
+            log::warn!(
+                "epmem: {} {:?} allocator: Free of {addr:#x}, which it did not allocate; ignored",
+                self.device_label,
+                self.kind
+            );
+            return;
+        }
+        if let Err(e) = self.source.free(addr) {
+            log::warn!("epmem: freeing {addr:#x} failed: {e}");
+        }
+    }
+
+    fn stats(&self) -> Vec<(&'static str, String)> {
+        let b = self.book();
+        let s = self.source.stats();
+        let mut v = vec![
+            ("Limit", b.limit.to_string()),
+            ("InUse", b.in_use.to_string()),
+            ("TotalAllocated", b.total_allocated.to_string()),
+            ("MaxInUse", b.max_in_use.to_string()),
+            ("NumAllocs", b.num_allocs.to_string()),
+            ("NumReserves", b.num_reserves.to_string()),
+            ("NumArenaExtensions", s.extensions.to_string()),
+            ("NumArenaShrinkages", s.shrinks.to_string()),
+            ("MaxAllocSize", b.max_alloc_size.to_string()),
+            ("epmem.device", self.device_label.clone()),
+            (
+                "epmem.memory",
+                match self.kind {
+                    MemKind::Device => "device",
+                    MemKind::Pinned => "pinned",
+                }
+                .to_string(),
+            ),
+            ("epmem.source", self.source.name().to_string()),
+            ("epmem.committed_bytes", s.committed_bytes.to_string()),
+            ("epmem.reserved_bytes", s.reserved_bytes.to_string()),
+            ("epmem.fragmentation", format!("{:.4}", s.fragmentation)),
+            (
+                "epmem.live_allocations",
+                (b.num_allocs + b.num_reserves - b.frees).to_string(),
+            ),
+            ("epmem.frees", b.frees.to_string()),
+            ("epmem.failed_allocs", b.failed_allocs.to_string()),
+        ];
+        v.extend(self.factory.copies.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
+        v.extend(self.factory.engines.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
+        v
+    }
+}
+
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        let live = self.book().live_addrs();
+        if !live.is_empty() {
+            log::warn!(
+                "epmem: {} {:?} allocator released with {} allocations still live; freeing them",
+                self.device_label,
+                self.kind,
+                live.len()
+            );
+        }
+        for addr in live {
+            self.book().release(addr);
+            if let Err(e) = self.source.free(addr) {
+                log::warn!("epmem: freeing {addr:#x} at allocator release failed: {e}");
+            }
+        }
+    }
+}
+
+/// Physical RAM in bytes: the default limit of pinned memory.
+fn physical_ram() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        u64::MAX
+    }
+}
+
+/// # Safety
+/// `this` is an `OrtAllocator*` made by [`Allocator::create`].
+unsafe fn me<'a>(this: *const OrtAllocator) -> &'a Allocator {
+    // SAFETY: per the caller; `base` is the first field of a repr(C) struct.
+    unsafe { &*(this as *const Allocator) }
+}
+
+unsafe extern "C" fn alloc(this: *mut OrtAllocator, size: usize) -> *mut c_void {
+    // SAFETY: ORT passes the allocator it got from us.
+    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, false))).unwrap_or(std::ptr::null_mut())
+}
+
+unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_void {
+    // SAFETY: as in `alloc`.
+    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, true))).unwrap_or(std::ptr::null_mut())
+}
+
+unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, _stream: *mut OrtSyncStream) -> *mut c_void {
+    // Not stream aware: memory is usable on any stream once Alloc returns.
+    // SAFETY: as in `alloc`.
+    unsafe { alloc(this, size) }
+}
+
+unsafe extern "C" fn free(this: *mut OrtAllocator, p: *mut c_void) {
+    // SAFETY: as in `alloc`.
+    let _ = catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.deallocate(p)));
+}
+
+unsafe extern "C" fn info_fn(this: *const OrtAllocator) -> *const OrtMemoryInfo {
+    // SAFETY: as in `alloc`; reading a field cannot panic.
+    unsafe { me(this) }.info
+}
+
+unsafe extern "C" fn get_stats(this: *const OrtAllocator, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus {
+    // SAFETY: as in `alloc`.
+    let a = unsafe { me(this) };
+    super::status_boundary(&a.factory.api, "OrtAllocator::GetStats", || {
+        crate::ensure!(!out.is_null(), NullPointer, "GetStats: out is NULL");
+        let kv = a.factory.api.kvp_new(&[]);
+        for (k, v) in a.stats() {
+            kv.add(k, &v);
+        }
+        // SAFETY: out is non-NULL; ORT takes ownership of the pairs.
+        unsafe { *out = kv.into_raw() };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn shrink(this: *mut OrtAllocator) -> *mut OrtStatus {
+    // SAFETY: as in `alloc`.
+    let a = unsafe { me(this) };
+    super::status_boundary(&a.factory.api, "OrtAllocator::Shrink", || {
+        let given = a.source.trim()?;
+        log::debug!(
+            "epmem: {} {:?} allocator gave back {given} bytes",
+            a.device_label,
+            a.kind
+        );
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn book_tracks_ort_counters_and_the_limit() {
+        let mut b = Book::new(1000);
+        assert!(b.admits(1000));
+        assert!(!b.admits(1001));
+        b.record(0x10, 600, false);
+        b.record(0x20, 300, true);
+        assert!(!b.admits(101));
+        assert!(b.admits(100));
+        assert_eq!(
+            (b.in_use, b.num_allocs, b.num_reserves, b.max_alloc_size),
+            (900, 1, 1, 600)
+        );
+        assert_eq!(b.release(0x10), Some(600));
+        assert_eq!(b.release(0x10), None, "double free is detected");
+        assert_eq!(b.release(0x99), None, "foreign pointer is detected");
+        b.record(0x30, 50, false);
+        assert_eq!((b.in_use, b.max_in_use, b.total_allocated, b.frees), (350, 900, 950, 1));
+        let mut live = b.live_addrs();
+        live.sort();
+        assert_eq!(live, vec![0x20, 0x30]);
+    }
+
+    #[test]
+    fn book_limit_never_overflows() {
+        let mut b = Book::new(u64::MAX);
+        b.record(1, usize::MAX, false);
+        assert!(!b.admits(usize::MAX), "u64 overflow must read as over the limit");
+    }
+}

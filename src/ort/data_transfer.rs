@@ -1,0 +1,337 @@
+//! `OrtDataTransferImpl`: copies between plain CPU memory and epmem's device
+//! and pinned memory, in every direction ORT asks for.
+//!
+//! Host → device goes through the staging pool and copy engine (one engine
+//! per device, shared by the registration): a pageable source is filled into
+//! pinned slots while earlier chunks are in DMA, a page-locked one (epmem's
+//! pinned memory) is copied directly. Device → host, device → device and
+//! host ↔ host are single copies.
+//!
+//! epmem's EP is not stream aware, so ORT passes no streams and every copy
+//! is complete when `CopyTensors` returns: copies are queued on one stream
+//! per device (the engine's copies ordered into it by events), all of a
+//! batch before the first wait, then each used stream is synchronized once.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::abi::*;
+use super::api::MemoryDeviceDesc;
+use super::factory::Factory;
+use super::status_boundary;
+use crate::device::{Device, HostRange, Stream};
+use crate::error::Result;
+use crate::staging::{CopyEngine, EngineConfig, Fence, PinnedStagingPool, PoolConfig};
+
+/// Where one side of a copy lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// ORT's own CPU memory (not epmem's): a host pointer.
+    Cpu,
+    /// epmem pinned memory of device `i`: a host pointer.
+    Pinned(usize),
+    /// epmem device memory of device `i`: a device address.
+    Device(usize),
+}
+
+impl Side {
+    fn is_host(self) -> bool {
+        matches!(self, Side::Cpu | Side::Pinned(_))
+    }
+}
+
+/// Which side `desc` is, or None if it is memory epmem cannot address
+/// (another vendor's device, a GPU ordinal we did not open).
+pub(crate) fn classify(factory: &Factory, desc: &MemoryDeviceDesc) -> Option<Side> {
+    match factory.device_for(&desc.kind) {
+        Some(i) => match desc.mem_type {
+            DEVICE_MEMORY_DEFAULT => Some(Side::Device(i)),
+            DEVICE_MEMORY_HOST_ACCESSIBLE => Some(Side::Pinned(i)),
+            _ => None,
+        },
+        None if desc.kind.device_type == MEMORY_INFO_DEVICE_CPU => Some(Side::Cpu),
+        None => None,
+    }
+}
+
+/// Whether we copy between `a` and `b`: both addressable, and at least one
+/// of them epmem's (CPU↔CPU is ORT's own business).
+pub(crate) fn can_copy(a: Option<Side>, b: Option<Side>) -> bool {
+    matches!((a, b), (Some(x), Some(y)) if !(x == Side::Cpu && y == Side::Cpu))
+}
+
+/// What the data transfers did, reported in every allocator's stats (the
+/// only statistics channel ORT has).
+#[derive(Default)]
+pub(crate) struct CopyCounters {
+    pub htod: AtomicU64,
+    pub dtoh: AtomicU64,
+    pub dtod: AtomicU64,
+    pub host: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+impl CopyCounters {
+    pub fn snapshot(&self) -> [(&'static str, u64); 5] {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("epmem.copies_htod", r(&self.htod)),
+            ("epmem.copies_dtoh", r(&self.dtoh)),
+            ("epmem.copies_dtod", r(&self.dtod)),
+            ("epmem.copies_host", r(&self.host)),
+            ("epmem.copied_bytes", r(&self.bytes)),
+        ]
+    }
+}
+
+/// One staging copy engine per device, shared by every data transfer of a
+/// registration and made on the first host → device copy (it owns fill
+/// threads and a few MiB of pinned slots, so sessions that never upload
+/// pay nothing).
+pub(crate) struct Engines(Vec<Mutex<Option<Arc<CopyEngine>>>>);
+
+impl Engines {
+    pub fn new(devices: usize) -> Self {
+        Self((0..devices).map(|_| Mutex::new(None)).collect())
+    }
+
+    fn get(&self, i: usize, dev: &Arc<dyn Device>) -> Result<Arc<CopyEngine>> {
+        let mut slot = self.0[i].lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = &*slot {
+            return Ok(e.clone());
+        }
+        let pool = PinnedStagingPool::new(dev, PoolConfig::default())?;
+        let e = Arc::new(CopyEngine::new(&pool, EngineConfig::default())?);
+        *slot = Some(e.clone());
+        Ok(e)
+    }
+
+    /// Staging counters summed over the devices, for allocator stats.
+    pub fn snapshot(&self) -> [(&'static str, u64); 4] {
+        let (mut staged, mut direct, mut allocs, mut reuses) = (0, 0, 0, 0);
+        for e in self
+            .0
+            .iter()
+            .filter_map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        {
+            let s = e.stats();
+            staged += s.copies - s.bypassed;
+            direct += s.bypassed;
+            allocs += s.pinned_alloc_calls;
+            reuses += s.pinned_reuses;
+        }
+        [
+            ("epmem.htod_staged", staged),
+            ("epmem.htod_direct", direct),
+            ("epmem.staging_pinned_allocs", allocs),
+            ("epmem.staging_reuses", reuses),
+        ]
+    }
+}
+
+#[repr(C)]
+pub(crate) struct DataTransfer {
+    base: OrtDataTransferImpl,
+    factory: Arc<Factory>,
+    /// One stream per device, made on first use; the lock also serializes
+    /// concurrent CopyTensors calls on this object.
+    streams: Mutex<Vec<Option<Stream>>>,
+}
+
+impl DataTransfer {
+    pub fn create(factory: Arc<Factory>) -> *mut OrtDataTransferImpl {
+        let t = Box::new(DataTransfer {
+            base: OrtDataTransferImpl {
+                ort_version_supported: ORT_VERSION_SUPPORTED,
+                Release: Some(release),
+                CanCopy: Some(can_copy_fn),
+                CopyTensors: Some(copy_tensors),
+            },
+            streams: Mutex::new((0..factory.devices.len()).map(|_| None).collect()),
+            factory,
+        });
+        Box::into_raw(t) as *mut OrtDataTransferImpl
+    }
+
+    /// Copy `n` bytes from `src` to `dst`, queueing device copies on
+    /// `streams` (synchronized by the caller).
+    ///
+    /// # Safety
+    /// Host addresses are valid for `n` bytes (read for `src`, write for
+    /// `dst`) until the streams are synchronized.
+    unsafe fn copy(
+        &self,
+        streams: &mut [Option<Stream>],
+        fences: &mut Vec<Fence>,
+        (src_side, src): (Side, u64),
+        (dst_side, dst): (Side, u64),
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let devs = &self.factory.devices;
+        let c = &self.factory.copies;
+        c.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        let mut stream = |i: usize| -> Result<crate::device::RawStream> {
+            if streams[i].is_none() {
+                streams[i] = Some(Stream::new(&devs[i].dev)?);
+            }
+            Ok(streams[i].as_ref().map(Stream::raw).expect("created above"))
+        };
+        match (src_side, dst_side) {
+            // SAFETY (whole match): the caller vouches for host ranges; device
+            // addresses are validated by the device layer.
+            (s, d) if s.is_host() && d.is_host() => {
+                c.host.fetch_add(1, Ordering::Relaxed);
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) }
+            }
+            (s, Side::Device(j)) if s.is_host() => {
+                // Through the staging pool and copy engine: pageable sources
+                // are filled into pinned slots, page-locked ones (our pinned
+                // memory) go direct. The engine orders the copy after `stream`
+                // and makes `stream` wait for it, so synchronizing `stream`
+                // completes it.
+                c.htod.fetch_add(1, Ordering::Relaxed);
+                let engine = self.factory.engines.get(j, &devs[j].dev)?;
+                let range = unsafe { HostRange::new(src as *const u8, n) };
+                fences.push(engine.htod(dst, range, Some(stream(j)?))?);
+            }
+            (Side::Device(i), d) if d.is_host() => {
+                c.dtoh.fetch_add(1, Ordering::Relaxed);
+                unsafe { devs[i].dev.memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)? }
+            }
+            (Side::Device(i), Side::Device(j)) if i == j => {
+                c.dtod.fetch_add(1, Ordering::Relaxed);
+                devs[i].dev.memcpy_dtod_async(dst, src, n, stream(i)?)?
+            }
+            (Side::Device(i), Side::Device(j)) => {
+                c.dtod.fetch_add(1, Ordering::Relaxed);
+                // Different devices: bounce through host memory (no peer copy
+                // in the device layer); rare, so simplicity wins.
+                let mut bounce = vec![0u8; n];
+                let (si, sj) = (stream(i)?, stream(j)?);
+                unsafe { devs[i].dev.memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)? };
+                devs[i].dev.stream_synchronize(si)?;
+                unsafe { devs[j].dev.memcpy_htod_async(dst, bounce.as_ptr(), n, sj)? };
+                devs[j].dev.stream_synchronize(sj)?;
+            }
+            _ => unreachable!("every host/device pair is covered above"),
+        }
+        Ok(())
+    }
+}
+
+/// # Safety
+/// `this` is a transfer made by [`DataTransfer::create`].
+unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
+    // SAFETY: per the caller; `base` is the first field of a repr(C) struct.
+    unsafe { &*(this as *const DataTransfer) }
+}
+
+unsafe extern "C" fn release(this: *mut OrtDataTransferImpl) {
+    if !this.is_null() {
+        // SAFETY: ORT releases the transfer we gave it, once.
+        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
+    }
+}
+
+unsafe extern "C" fn can_copy_fn(
+    this: *const OrtDataTransferImpl,
+    src: *const OrtMemoryDevice,
+    dst: *const OrtMemoryDevice,
+) -> bool {
+    std::panic::catch_unwind(|| {
+        if src.is_null() || dst.is_null() {
+            return false;
+        }
+        // SAFETY: ORT passes our transfer and two live memory devices.
+        let (t, s, d) = unsafe {
+            let t = me(this);
+            (t, t.factory.api.memory_device(src), t.factory.api.memory_device(dst))
+        };
+        can_copy(classify(&t.factory, &s), classify(&t.factory, &d))
+    })
+    .unwrap_or(false)
+}
+
+unsafe extern "C" fn copy_tensors(
+    this: *mut OrtDataTransferImpl,
+    src: *const *const OrtValue,
+    dst: *mut *mut OrtValue,
+    _streams: *mut *mut OrtSyncStream,
+    n: usize,
+) -> *mut OrtStatus {
+    // SAFETY: ORT passes our transfer.
+    let t = unsafe { me(this) };
+    let api = t.factory.api;
+    status_boundary(&api, "CopyTensors", || {
+        crate::ensure!(
+            n == 0 || (!src.is_null() && !dst.is_null()),
+            NullPointer,
+            "tensor arrays are NULL"
+        );
+        let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
+        // Kept until the streams are synchronized (their events order the copies).
+        let mut fences = Vec::new();
+        let mut result = Ok(());
+        for i in 0..n {
+            // SAFETY: ORT passes n live source and destination values.
+            let (s, d) = unsafe { (api.tensor(*src.add(i), false), api.tensor(*dst.add(i), true)) };
+            let step = s.and_then(|s| Ok((s, d?))).and_then(|(s, d)| {
+                crate::ensure!(
+                    s.bytes == d.bytes,
+                    InvalidArgument,
+                    "tensor {i}: source has {} bytes, destination {}",
+                    s.bytes,
+                    d.bytes
+                );
+                let side = |v: &super::api::TensorView| {
+                    classify(&t.factory, &v.desc).ok_or_else(|| {
+                        crate::error::Error::unsupported(format!(
+                            "tensor {i}: epmem cannot address memory {:?}",
+                            v.desc
+                        ))
+                    })
+                };
+                let (ss, ds) = (side(&s)?, side(&d)?);
+                // SAFETY: ORT's tensors own their buffers for the whole call,
+                // and we synchronize before returning.
+                unsafe { t.copy(&mut streams, &mut fences, (ss, s.ptr), (ds, d.ptr), s.bytes) }
+            });
+            if let Err(e) = step {
+                result = Err(e);
+                break;
+            }
+        }
+        // Always drain what was queued, even after an error: ORT may free
+        // the buffers as soon as we return.
+        for (i, s) in streams.iter().enumerate() {
+            if let Some(Err(e)) = s.as_ref().map(Stream::synchronize) {
+                let label = t.factory.devices[i].label();
+                result = result.and(Err(e.context(format!("synchronizing {label}"))));
+            }
+        }
+        result
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_need_an_epmem_side_and_an_addressable_other_side() {
+        let (c, p, d0, d1) = (
+            Some(Side::Cpu),
+            Some(Side::Pinned(0)),
+            Some(Side::Device(0)),
+            Some(Side::Device(1)),
+        );
+        for (a, b) in [(c, d0), (d0, c), (d0, d0), (d0, d1), (p, d0), (d0, p), (c, p), (p, c)] {
+            assert!(can_copy(a, b), "{a:?} -> {b:?}");
+        }
+        assert!(!can_copy(c, c), "CPU to CPU is ORT's own copy");
+        assert!(!can_copy(None, d0) && !can_copy(d0, None), "foreign memory is refused");
+    }
+}
