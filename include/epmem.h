@@ -1552,7 +1552,10 @@ enum EpmStatus epm_residency_unregister_host_range(struct EpmResidency *res, Epm
 
 /**
  * Declare the cyclic order of a decode step (`n` weights, each at most
- * once). The cyclic policy evicts by it and `acquire` prefetches along it.
+ * once). The cyclic policy evicts by it and `release` prefetches along it.
+ * Small weights adjacent in host memory and in `order` are coalesced into
+ * one page-in (see `coalesce_below_bytes`); no weight may be acquired
+ * during the call (INVALID_STATE).
  * Declaring again replaces it; `n == 0` clears it.
  *
  * NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for

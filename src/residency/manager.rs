@@ -182,7 +182,7 @@ impl ResidencyManager {
     // ---- the cycle and prefetch -----------------------------------------
 
     /// Declare the cyclic order of a decode step. The policy evicts by it
-    /// and `acquire` prefetches `prefetch_depth` weights ahead along it.
+    /// and `release` prefetches up to `prefetch_depth` weights ahead along it.
     ///
     /// Small weights adjacent in host memory and in `order` are coalesced
     /// into one unit (see [`ResidencyConfig::coalesce_below_bytes`]); a
