@@ -461,3 +461,14 @@ fn small_adjacent_weights_are_coalesced_into_one_page_in() {
     assert!(coalesced >= 12, "most of 24 adjacent small weights coalesce: {coalesced}");
     assert!(merged.page_ins < plain.page_ins, "coalescing must save copies: {} vs {}", merged.page_ins, plain.page_ins);
 }
+
+#[test]
+fn host_ranges_join_only_when_adjacent() {
+    static BYTES: [u8; 64] = [1; 64];
+    let all = HostRange::from_static(&BYTES);
+    let (a, b, c) = (all.slice(0, 16).unwrap(), all.slice(16, 16).unwrap(), all.slice(40, 8).unwrap());
+    let ab = a.join(&b).unwrap();
+    assert_eq!((ab.ptr(), ab.len()), (a.ptr(), 32));
+    assert_eq!(b.join(&c).unwrap_err().status(), EpmStatus::InvalidArgument, "a gap");
+    assert_eq!(b.join(&a).unwrap_err().status(), EpmStatus::InvalidArgument, "wrong order");
+}
