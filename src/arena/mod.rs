@@ -43,7 +43,11 @@ pub struct ArenaConfig {
 
 impl ArenaConfig {
     pub fn with_capacity(capacity: usize) -> Self {
-        Self { capacity, chunk_bytes: 0, max_allocs: 64 * 1024 }
+        Self {
+            capacity,
+            chunk_bytes: 0,
+            max_allocs: 64 * 1024,
+        }
     }
 }
 

@@ -8,12 +8,12 @@
 //! epm_residency_release(res, w, stream);          // records the read fence
 //! ```
 
+use crate::device::HostRange;
 use crate::ffi::arena::{read_versioned, write_versioned};
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::device::HostRange;
 use crate::residency::{HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
 
 /// A residency manager: a VRAM budget, its device arena, a staging pool and
@@ -174,19 +174,26 @@ fn default_config() -> EpmResidencyConfig {
 fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
     let c = read_versioned(p, default_config(), CONFIG_MIN, "cfg")?;
     ensure!(c.budget_bytes > 0, InvalidArgument, "cfg->budget_bytes is 0");
-    let mut r = ResidencyConfig::with_budget(usize::try_from(c.budget_bytes).map_err(|_| {
-        Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes))
-    })?);
+    let mut r = ResidencyConfig::with_budget(
+        usize::try_from(c.budget_bytes)
+            .map_err(|_| Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes)))?,
+    );
     r.policy = match c.policy {
         EPM_POLICY_CYCLIC => PolicyKind::Cyclic,
         EPM_POLICY_LRU => PolicyKind::Lru,
-        p => bail!(InvalidArgument, "cfg->policy {p} is not EPM_POLICY_CYCLIC (0) or EPM_POLICY_LRU (1)"),
+        p => bail!(
+            InvalidArgument,
+            "cfg->policy {p} is not EPM_POLICY_CYCLIC (0) or EPM_POLICY_LRU (1)"
+        ),
     };
     r.register_sources = match c.register_sources {
         EPM_REGISTER_WITHIN_MEMLOCK => RegisterSources::WithinMemlock,
         EPM_REGISTER_NEVER => RegisterSources::Never,
         EPM_REGISTER_ALWAYS => RegisterSources::Always,
-        v => bail!(InvalidArgument, "cfg->register_sources {v} is not one of EPM_REGISTER_* (0, 1, 2)"),
+        v => bail!(
+            InvalidArgument,
+            "cfg->register_sources {v} is not one of EPM_REGISTER_* (0, 1, 2)"
+        ),
     };
     r.prefetch_depth = c.prefetch_depth as usize;
     r.sync_page_in = c.sync_page_in != 0;
@@ -349,7 +356,11 @@ pub extern "C" fn epm_residency_unregister_host_range(res: *mut EpmResidency, ra
 /// NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
 /// an unknown or repeated weight. Threading: safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_residency_declare_cycle(res: *mut EpmResidency, order: *const EpmWeightId, n: usize) -> EpmStatus {
+pub extern "C" fn epm_residency_declare_cycle(
+    res: *mut EpmResidency,
+    order: *const EpmWeightId,
+    n: usize,
+) -> EpmStatus {
     ffi_boundary! {
         let res = try_handle!(res);
         let ids = weight_list(order, n)?;
@@ -414,7 +425,11 @@ pub extern "C" fn epm_residency_acquire(
 /// Errors: INVALID_ARGUMENT (unknown weight, other device), INVALID_STATE
 /// when released more often than acquired. Threading: safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_residency_release(res: *mut EpmResidency, weight: EpmWeightId, stream: *mut EpmStream) -> EpmStatus {
+pub extern "C" fn epm_residency_release(
+    res: *mut EpmResidency,
+    weight: EpmWeightId,
+    stream: *mut EpmStream,
+) -> EpmStatus {
     ffi_boundary! {
         let res = try_handle!(res);
         let stream = try_handle!(stream);
@@ -494,7 +509,11 @@ fn weight_list(p: *const EpmWeightId, n: usize) -> Result<Vec<WeightId>> {
         return Ok(Vec::new());
     }
     ensure!(!p.is_null(), NullPointer, "a list of {n} weights is NULL");
-    ensure!(n <= u32::MAX as usize, InvalidArgument, "a list of {n} weights is too long");
+    ensure!(
+        n <= u32::MAX as usize,
+        InvalidArgument,
+        "a list of {n} weights is too long"
+    );
     // SAFETY: non-NULL; the C caller promises `n` readable ids for the call.
     let ids = unsafe { std::slice::from_raw_parts(p, n) };
     Ok(ids.iter().map(|&w| WeightId(w)).collect())

@@ -3,8 +3,8 @@
 //! Copies of a few hundred KiB never reach the PCIe peak (2 MiB: 49 GB/s on
 //! the H200, 8 MiB and up: 53–54).
 
-use super::manager::State;
 use super::WeightId;
+use super::manager::State;
 use crate::error::Result;
 use crate::residency::ResidencyManager;
 
@@ -29,7 +29,10 @@ impl ResidencyManager {
     pub(super) fn group(&self, st: &mut State, order: &[WeightId]) -> Result<()> {
         // A unit is evicted whole: keep it a small share of the budget so
         // the policy still chooses at a fine grain.
-        let (below, max) = (self.cfg.coalesce_below_bytes, self.cfg.coalesce_max_bytes.min(self.cfg.budget_bytes / 8));
+        let (below, max) = (
+            self.cfg.coalesce_below_bytes,
+            self.cfg.coalesce_max_bytes.min(self.cfg.budget_bytes / 8),
+        );
         if below == 0 {
             return Ok(());
         }
@@ -83,7 +86,12 @@ impl ResidencyManager {
         if e.members.is_empty() {
             return Ok(());
         }
-        crate::ensure!(e.users == 0, InvalidState, "weight {} (coalesced) is acquired: release it first", u.0);
+        crate::ensure!(
+            e.users == 0,
+            InvalidState,
+            "weight {} (coalesced) is acquired: release it first",
+            u.0
+        );
         if e.block.is_some() {
             self.evict(st, u)?;
         }

@@ -1,7 +1,7 @@
 //! How a residency manager is set up.
 
-use super::registry::RegisterSources;
 use super::PolicyKind;
+use super::registry::RegisterSources;
 use crate::staging::{EngineConfig, PoolConfig};
 
 /// Configuration of a [`super::ResidencyManager`].

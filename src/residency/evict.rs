@@ -4,16 +4,22 @@
 
 use std::time::Instant;
 
+use super::WeightId;
 use super::fence::{DeviceBlock, Retire};
 use super::manager::{Room, State};
-use super::WeightId;
 use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
 
 impl ResidencyManager {
     /// A fresh arena block of `len` bytes, evicting more while the arena has
     /// the bytes but not in one range. `None`: a prefetch that gives up.
-    pub(super) fn alloc_block(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Option<DeviceBlock>> {
+    pub(super) fn alloc_block(
+        &self,
+        st: &mut State,
+        w: WeightId,
+        len: usize,
+        demand: bool,
+    ) -> Result<Option<DeviceBlock>> {
         Ok(Some(loop {
             match DeviceBlock::alloc(&self.arena, len) {
                 Ok(b) => break b,
@@ -35,13 +41,18 @@ impl ResidencyManager {
     pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Room> {
         while st.resident_bytes + len > self.cfg.budget_bytes {
             let Some(v) = self.victim(st, w, demand) else {
-                return if demand { Err(self.all_in_use(st, w, len)) } else { Ok(Room::No) };
+                return if demand {
+                    Err(self.all_in_use(st, w, len))
+                } else {
+                    Ok(Room::No)
+                };
             };
             let e = st.reg.get(v)?;
             let vlen = e.unit.len();
-            let reusable = e.block.as_ref().is_some_and(|b| {
-                (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true)
-            });
+            let reusable = e
+                .block
+                .as_ref()
+                .is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
             if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.cfg.budget_bytes {
                 let e = st.reg.get_mut(v)?;
                 let Some(fenced) = e.block.take() else { continue };

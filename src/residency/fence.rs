@@ -87,7 +87,11 @@ impl fmt::Debug for DeviceBlock {
 impl DeviceBlock {
     /// Allocate `len` bytes from `arena`.
     pub fn alloc(arena: &Arc<DeviceArena>, len: usize) -> Result<Self> {
-        Ok(Self { addr: arena.alloc(len, 0)?, arena: arena.clone(), len })
+        Ok(Self {
+            addr: arena.alloc(len, 0)?,
+            arena: arena.clone(),
+            len,
+        })
     }
     pub fn addr(&self) -> u64 {
         self.addr
@@ -131,7 +135,11 @@ pub enum Retire {
 impl Fenced {
     /// `block` with the fence of the page-in copy just queued into it.
     pub fn new(block: DeviceBlock, page_in: Fence) -> Self {
-        Self { block: Some(block), page_in: Some(page_in), events: Vec::new() }
+        Self {
+            block: Some(block),
+            page_in: Some(page_in),
+            events: Vec::new(),
+        }
     }
     /// The page-in's fence, until it is observed complete.
     pub fn page_in(&self) -> Option<&Fence> {
@@ -240,7 +248,11 @@ impl Fenced {
             order.wait_event(e)?;
         }
         let (page_in, events) = (self.page_in.take(), std::mem::take(&mut self.events));
-        Ok(Reused { block: Some(self.take()), page_in, events })
+        Ok(Reused {
+            block: Some(self.take()),
+            page_in,
+            events,
+        })
     }
 }
 
@@ -281,7 +293,11 @@ impl Reused {
             Err(e) => {
                 // Nothing was queued into the block: it goes back through
                 // the usual waits (Fenced's drop) with the readers' fences.
-                drop(Fenced { block: Some(block), page_in: self.page_in.take(), events: std::mem::take(&mut self.events) });
+                drop(Fenced {
+                    block: Some(block),
+                    page_in: self.page_in.take(),
+                    events: std::mem::take(&mut self.events),
+                });
                 Err(e)
             }
         }
@@ -292,7 +308,11 @@ impl Drop for Reused {
     /// Unfilled: wait for the readers before the memory goes back, as Fenced does.
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            drop(Fenced { block: Some(block), page_in: self.page_in.take(), events: std::mem::take(&mut self.events) });
+            drop(Fenced {
+                block: Some(block),
+                page_in: self.page_in.take(),
+                events: std::mem::take(&mut self.events),
+            });
         }
     }
 }

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use super::config::ResidencyConfig;
 use super::fence::Reused;
-use super::registry::{memlock_limit, Entry, HostRangeId, Registry};
+use super::registry::{Entry, HostRangeId, Registry, memlock_limit};
 use super::stats::{Counters, ResidencyStats, StallTimer};
-use super::{new_policy, Policy, WeightId};
+use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
@@ -67,7 +67,11 @@ impl ResidencyManager {
         let capacity = cfg.budget_bytes + cfg.budget_bytes / 8 + 2 * dev.vmm_granularity();
         let arena = Arc::new(DeviceArena::new(
             dev,
-            ArenaConfig { capacity, chunk_bytes: cfg.arena_chunk_bytes, max_allocs: 64 * 1024 },
+            ArenaConfig {
+                capacity,
+                chunk_bytes: cfg.arena_chunk_bytes,
+                max_allocs: 64 * 1024,
+            },
         )?);
         let pool = PinnedStagingPool::new(dev, cfg.pool)?;
         let engine = CopyEngine::new(&pool, cfg.engine)?;
@@ -132,7 +136,13 @@ impl ResidencyManager {
         let mut st = self.lock();
         let u = st.reg.leader(w)?;
         let e = st.reg.get(u)?;
-        crate::ensure!(e.users == 0, InvalidState, "weight {} is acquired {} time(s): release it first", w.0, e.users);
+        crate::ensure!(
+            e.users == 0,
+            InvalidState,
+            "weight {} is acquired {} time(s): release it first",
+            w.0,
+            e.users
+        );
         self.ungroup(&mut st, u)?;
         if st.reg.get(w)?.block.is_some() {
             self.evict(&mut st, w)?;
@@ -193,9 +203,18 @@ impl ResidencyManager {
         let mut seen = std::collections::HashSet::with_capacity(order.len());
         for &w in order {
             st.reg.get(w)?;
-            crate::ensure!(seen.insert(w), InvalidArgument, "weight {} appears twice in the cyclic order", w.0);
+            crate::ensure!(
+                seen.insert(w),
+                InvalidArgument,
+                "weight {} appears twice in the cyclic order",
+                w.0
+            );
         }
-        let leaders: Vec<WeightId> = st.reg.ids().filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty())).collect();
+        let leaders: Vec<WeightId> = st
+            .reg
+            .ids()
+            .filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty()))
+            .collect();
         for u in leaders {
             self.ungroup(&mut st, u)?;
         }
@@ -250,7 +269,10 @@ impl ResidencyManager {
         st.policy.accessed(w);
         let e = st.reg.get_mut(w)?;
         e.users += 1;
-        let block = e.block.as_mut().ok_or_else(|| Error::internal("acquired weight has no block"))?;
+        let block = e
+            .block
+            .as_mut()
+            .ok_or_else(|| Error::internal("acquired weight has no block"))?;
         let addr = block.addr() + offset;
         if !block.page_in_done()? {
             if let Some(f) = block.page_in() {
@@ -274,7 +296,12 @@ impl ResidencyManager {
         let st = &mut *st;
         let w = st.reg.leader(w)?;
         let e = st.reg.get(w)?;
-        crate::ensure!(e.users > 0, InvalidState, "weight {} released more often than acquired", w.0);
+        crate::ensure!(
+            e.users > 0,
+            InvalidState,
+            "weight {} released more often than acquired",
+            w.0
+        );
         let ev = match st.spare.pop() {
             Some(ev) => ev,
             None => Event::new(&self.dev, false)?,
@@ -324,7 +351,11 @@ impl ResidencyManager {
         ResidencyStats {
             acquires: c.acquires,
             hits: c.hits,
-            hit_rate: if c.acquires == 0 { 0.0 } else { c.hits as f64 / c.acquires as f64 },
+            hit_rate: if c.acquires == 0 {
+                0.0
+            } else {
+                c.hits as f64 / c.acquires as f64
+            },
             page_ins: c.page_ins,
             prefetch_page_ins: c.prefetch_page_ins,
             pending_prefetches: c.pending_prefetches,

@@ -25,6 +25,6 @@ pub struct WeightId(pub u32);
 
 pub use config::ResidencyConfig;
 pub use manager::ResidencyManager;
-pub use policy::{new_policy, CyclicPolicy, LruPolicy, Policy, PolicyKind};
+pub use policy::{CyclicPolicy, LruPolicy, Policy, PolicyKind, new_policy};
 pub use registry::{HostRangeId, RegisterSources};
 pub use stats::ResidencyStats;

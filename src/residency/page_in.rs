@@ -4,10 +4,10 @@
 
 use std::time::Instant;
 
+use super::WeightId;
 use super::fence::Fenced;
 use super::manager::{Room, State};
 use super::registry::{RegState, RegisterSources};
-use super::WeightId;
 use crate::error::Result;
 use crate::residency::ResidencyManager;
 
@@ -69,7 +69,11 @@ impl ResidencyManager {
             (RegisterSources::WithinMemlock, Some(limit)) => st.c.registered_bytes + range.len() as u64 <= limit,
             _ => true,
         };
-        let result = if within { Some(self.engine.register(range)) } else { None };
+        let result = if within {
+            Some(self.engine.register(range))
+        } else {
+            None
+        };
         let e = st.reg.get_mut(w)?;
         match result {
             Some(Ok(r)) => {

@@ -7,8 +7,8 @@
 //! default — each pageable weight's own range on its first page-in, while the
 //! locked-memory limit allows.
 
-use super::fence::Fenced;
 use super::WeightId;
+use super::fence::Fenced;
 use crate::device::HostRange;
 use crate::error::Result;
 use crate::staging::HostRegistration;
@@ -86,7 +86,11 @@ impl Registry {
             range.ptr(),
             range.len()
         );
-        crate::ensure!(self.weights.len() < u32::MAX as usize, OutOfBudget, "too many weights registered");
+        crate::ensure!(
+            self.weights.len() < u32::MAX as usize,
+            OutOfBudget,
+            "too many weights registered"
+        );
         let id = WeightId(self.weights.len() as u32);
         self.weights.push(Some(Entry {
             range,
@@ -105,17 +109,27 @@ impl Registry {
         Ok(id)
     }
     pub fn get(&self, w: WeightId) -> Result<&Entry> {
-        self.weights.get(w.0 as usize).and_then(Option::as_ref).ok_or_else(|| unknown(w))
+        self.weights
+            .get(w.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| unknown(w))
     }
     pub fn get_mut(&mut self, w: WeightId) -> Result<&mut Entry> {
-        self.weights.get_mut(w.0 as usize).and_then(Option::as_mut).ok_or_else(|| unknown(w))
+        self.weights
+            .get_mut(w.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| unknown(w))
     }
     /// The leader of `w`'s unit (`w` itself when not coalesced).
     pub fn leader(&self, w: WeightId) -> Result<WeightId> {
         Ok(self.get(w)?.leader)
     }
     pub fn remove(&mut self, w: WeightId) -> Result<Entry> {
-        let e = self.weights.get_mut(w.0 as usize).and_then(Option::take).ok_or_else(|| unknown(w))?;
+        let e = self
+            .weights
+            .get_mut(w.0 as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| unknown(w))?;
         self.live -= 1;
         Ok(e)
     }
@@ -124,16 +138,21 @@ impl Registry {
         self.live
     }
     pub fn ids(&self) -> impl Iterator<Item = WeightId> + '_ {
-        self.weights.iter().enumerate().filter(|(_, e)| e.is_some()).map(|(i, _)| WeightId(i as u32))
+        self.weights
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_some())
+            .map(|(i, _)| WeightId(i as u32))
     }
     pub fn add_range(&mut self, reg: HostRegistration) -> HostRangeId {
         self.ranges.push(Some(reg));
         HostRangeId(self.ranges.len() as u32 - 1)
     }
     pub fn remove_range(&mut self, id: HostRangeId) -> Result<HostRegistration> {
-        self.ranges.get_mut(id.0 as usize).and_then(Option::take).ok_or_else(|| {
-            crate::error::Error::invalid_argument(format!("host range {} is not registered", id.0))
-        })
+        self.ranges
+            .get_mut(id.0 as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| crate::error::Error::invalid_argument(format!("host range {} is not registered", id.0)))
     }
 }
 
