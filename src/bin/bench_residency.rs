@@ -281,9 +281,11 @@ fn bench(a: &Args) -> Result<()> {
     let mut cases = vec![
         (
             "b_seed_sync_lru",
-            ResidencyConfig {
-                engine: ours.engine,
-                ..ResidencyConfig::seed_baseline(budget)
+            {
+                // The seed filled one buffer on one thread; same chunking as ours.
+                let mut seed = ResidencyConfig::seed_baseline(budget);
+                seed.engine.chunk_bytes = ours.engine.chunk_bytes;
+                seed
             },
         ),
         ("c_ours_registered", ours),

@@ -53,14 +53,18 @@ impl ResidencyConfig {
             engine: EngineConfig::default(),
         }
     }
-    /// The seed's design: LRU, synchronous page-ins, staged (no registration), no prefetch.
+    /// The seed's design: LRU, synchronous page-ins, staged through the pool
+    /// (no registration, no coalescing), one fill thread, no prefetch.
     pub fn seed_baseline(budget_bytes: usize) -> Self {
-        Self {
+        let mut c = Self {
             policy: PolicyKind::Lru,
             register_sources: RegisterSources::Never,
             prefetch_depth: 0,
             sync_page_in: true,
+            coalesce_below_bytes: 0,
             ..Self::with_budget(budget_bytes)
-        }
+        };
+        c.engine.fill_threads = 1;
+        c
     }
 }
