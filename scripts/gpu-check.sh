@@ -103,7 +103,8 @@ if [ $BENCH = 1 ]; then
   done
 fi
 
-tar -C "$OUT" -czf "$OUT/logs.tgz" logs 2>/dev/null
+# One archive of the logs: only a few files come back from a GPU machine.
+tar -C "$OUT" -czf "$OUT/logs.tgz" logs 2>/dev/null && rm -rf "$LOGS"
 {
   echo
   echo "| result | step | time | last summary line |"
