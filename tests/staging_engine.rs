@@ -62,7 +62,8 @@ fn chunking_cuts_big_copies_into_many_slot_sized_pieces() {
     let e = engine(&d, EngineConfig::default());
     let c = e.config().chunk_bytes;
     assert_eq!(e.chunk_len(1), MIB, "never below 1 MiB");
-    assert_eq!(e.chunk_len(32 * MIB), 2 * MIB, "32 MiB: 16 chunks");
+    assert_eq!(e.chunk_len(32 * MIB), 4 * MIB, "32 MiB: 8 chunks");
+    assert_eq!(e.chunk_len(128 * MIB), 16 * MIB, "128 MiB: 8 chunks of the 16 MiB slot");
     assert_eq!(e.chunk_len(1 << 30), c, "never above the slot size");
     let e4 = engine(&d, EngineConfig { target_chunks: 4, chunk_bytes: 32 * MIB, ..EngineConfig::default() });
     assert_eq!(e4.chunk_len(32 * MIB), 8 * MIB, "32 MiB in 4 chunks");

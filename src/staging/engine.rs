@@ -17,17 +17,32 @@
 //! [`HostRegistration`]) takes the direct path: one enqueue, no staging, no
 //! fill, and `htod` returns without any host work.
 //!
-//! Chunk size. With fill rate f (27–37 GB/s on the H200 host while a DMA
-//! runs) and PCIe rate p (~54 GB/s), a page-in cut into n chunks takes about
-//! S/f + S/(n·p): the fill of everything plus the DMA of the last chunk. To
-//! stay within 5% of the fill ceiling f needs n ≥ 20·f/p ≈ 10–14 chunks; a
-//! chunk also must not shrink to where per-chunk costs (waking the fill
-//! threads, one enqueue, one event: a few µs) matter against its fill time
-//! (~30 µs per MiB). So a page-in is cut into about `target_chunks` (16)
-//! chunks of at least 1 MiB, and never more than `chunk_bytes` (the slot
-//! size, default 8 MiB: copies of 8 MiB and up already reach the 53–54 GB/s
-//! PCIe peak). `bench_staging` sweeps both on the GPU machine.
-
+//! Chunk size. With fill rate f and PCIe rate p (~54 GB/s), a page-in cut
+//! into n chunks takes about S/f + S/(n·p): the fill of everything plus the
+//! DMA of the last chunk, so more chunks hide more of the DMA. But every chunk
+//! also costs a hand-out to the fill threads, one enqueue and one event on the
+//! caller's thread (~10–20 µs), which small chunks cannot hide. The H200 run
+//! (bench_staging, docs/BENCHMARKS.md; 3 slots, median of 9) measured (c) by
+//! fill threads × chunks per page-in, chunks ≤ 32 MiB:
+//!
+//! | threads × chunks | 4     | 8         | 16   | 32   |
+//! |------------------|-------|-----------|------|------|
+//! | 4,  32 MiB       | 29.2  | 30.4      | 30.3 | 18.4 |
+//! | 8,  32 MiB       | 28.9  | **34.0**  | 23.5 | 19.6 |
+//! | 16, 32 MiB       | 27.6  | 25.2      | 24.7 | 19.9 |
+//! | 4,  128 MiB      | 20.7  | 26.0      | 28.9 | 16.9 |
+//! | 8,  128 MiB      | 33.7  | **46.5**  | 32.9 | 41.1 |
+//! | 16, 128 MiB      | 40.7  | 44.3      | 44.2 | 28.2 |
+//!
+//! 8 threads × 8 chunks won at both sizes: 34.0 GB/s at 32 MiB (1.01× the
+//! fill ceiling under DMA, 33.5 GB/s with 16 threads) and 46.5 GB/s at
+//! 128 MiB (85% of the pinned peak), against 26.0 and 38.6 GB/s for the old
+//! defaults (16 chunks of ≤ 8 MiB). So the defaults are 8 chunks
+//! (`target_chunks`) of 1 MiB to 16 MiB (`chunk_bytes`: the winner's chunk at
+//! 128 MiB; larger page-ins get more chunks rather than larger slots, so the
+//! engine retains 3 × 16 = 48 MiB of pinned memory) and 8 fill threads.
+//! Slots stay at 3: the DMA (54 GB/s) outruns the fill, so a third slot only
+//! absorbs jitter, and slot waits were 4.7 ms of 47.8 ms of fill.
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -47,15 +62,21 @@ const MIN_CHUNK: usize = 1 << 20;
 /// rather than block or grow without bound (direct-path copies are enqueued
 /// faster than they complete).
 const MAX_PENDING_TIMINGS: usize = 256;
+/// `htod` reads completed timings only once this many are waiting, so a copy
+/// pays for reading them (two queries and an elapsed-time call each, a few
+/// µs) once per batch instead of every time; `stats` and `synchronize` read
+/// them all.
+const TIMING_BATCH: usize = 32;
 
 /// How the engine stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Staging slots in flight at once, 2..=4 (default 3).
     pub slots: usize,
-    /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 8 MiB).
+    /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 16 MiB;
+    /// see the module docs).
     pub chunk_bytes: usize,
-    /// Cut a page-in into about this many chunks, 1..=256 (default 16; see
+    /// Cut a page-in into about this many chunks, 1..=256 (default 8; see
     /// the module docs), within [1 MiB, `chunk_bytes`].
     pub target_chunks: usize,
     /// Threads that fill a chunk, counting the caller's, 1..=64 (default 8,
@@ -73,8 +94,8 @@ impl Default for EngineConfig {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
             slots: 3,
-            chunk_bytes: 8 << 20,
-            target_chunks: 16,
+            chunk_bytes: 16 << 20,
+            target_chunks: 8,
             fill_threads: cpus.min(8),
             timing: true,
             direct: true,
@@ -246,7 +267,7 @@ impl CopyEngine {
     /// `src` must stay readable and unmodified until the fence completes.
     pub fn htod(&self, dst: DevicePtr, src: HostRange, stream: Option<RawStream>) -> Result<Fence> {
         let mut st = self.lock();
-        self.reap(&mut st)?;
+        self.reap(&mut st, false)?;
         if let Some(s) = stream {
             st.order.record_raw(s)?;
             self.dev.stream_wait_event(st.stream.raw(), st.order.raw())?;
@@ -338,8 +359,9 @@ impl CopyEngine {
     }
 
     /// Without blocking: retire the buffers of completed chunk copies and
-    /// read the timings of completed copies.
-    fn reap(&self, st: &mut State) -> Result<()> {
+    /// read the timings of completed copies (with `all` false, only once a
+    /// batch of them is waiting).
+    fn reap(&self, st: &mut State, all: bool) -> Result<()> {
         while let Some(f) = st.ring.pop_front() {
             match f.try_complete()? {
                 TryComplete::Done(buf, done) => buf.retire(done),
@@ -348,6 +370,9 @@ impl CopyEngine {
                     break;
                 }
             }
+        }
+        if !all && st.timings.len() < TIMING_BATCH {
+            return Ok(());
         }
         while let Some(t) = st.timings.front() {
             let Some(ms) = t.elapsed_ms()? else { break };
@@ -375,14 +400,14 @@ impl CopyEngine {
     pub fn synchronize(&self) -> Result<()> {
         let mut st = self.lock();
         st.stream.synchronize()?;
-        self.reap(&mut st)
+        self.reap(&mut st, true)
     }
 
     /// Counters of this engine and its pool. Reads completed timings first
     /// when no copy is being issued (never blocks on the device).
     pub fn stats(&self) -> StagingStats {
         if let Ok(mut st) = self.state.try_lock()
-            && let Err(e) = self.reap(&mut st)
+            && let Err(e) = self.reap(&mut st, true)
         {
             log::warn!("epmem: copy engine stats: reaping completed copies failed: {e}");
         }
