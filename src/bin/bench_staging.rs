@@ -4,7 +4,12 @@
 //! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (the seed's "after");
 //! - (c) ours: the copy engine — pooled slots, multi-threaded fill overlapped with the DMA;
 //! - (d) ours, direct path: the source registered once, copied with no staging;
-//! - (e) the physical peak: one copy from an already-filled pinned buffer;
+//! - (e) the physical peak: one copy from an already-filled pinned buffer
+//!   (cuMemHostAlloc memory);
+//! - (e') the direct path's own ceiling: one raw copy from the same registered
+//!   range (d) copies, timed exactly like (e), alternating with (d) run by run
+//!   so both see the same machine. (d)/(e') is what the engine adds per copy;
+//!   (e')/(e) in device time is what registered memory costs the DMA;
 //! - (f) the host's fill ceiling: the best multi-threaded pageable → pinned
 //!   memcpy rate while a long DMA runs (fill and DMA share host memory bandwidth).
 //!
@@ -25,7 +30,7 @@ use std::time::Instant;
 use epmem::bench_support::{BenchArgs, Report, Scenario, gbps, median, repeat};
 use epmem::device::fence::{self, CopyTiming};
 use epmem::device::fill::FillThreads;
-use epmem::device::{self, DeviceBuffer, HostRange, PinnedBuffer, Stream};
+use epmem::device::{self, DeviceBuffer, Event, HostRange, PinnedBuffer, Stream};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 
 const MIB: usize = 1 << 20;
@@ -52,9 +57,9 @@ const FULL: Plan = Plan {
     ceiling_threads: &[4, 6, 8, 12, 16],
     ceiling_fill: 128 * MIB,
     ceiling_dma: 1024 * MIB,
-    sweep_mib: &[32, 128],
-    sweep_threads: &[4, 8, 16],
-    sweep_chunks: &[4, 8, 16, 32],
+    sweep_mib: &[8, 32, 128],
+    sweep_threads: &[8, 12, 16],
+    sweep_chunks: &[4, 8, 16],
 };
 
 const QUICK: Plan = Plan {
@@ -207,6 +212,7 @@ fn run(args: &BenchArgs) -> Res<()> {
     let lat_us = rep.push(Scenario::new("pool", "acquire_release", "us", false, lat));
 
     let mut table = String::new();
+    let mut direct_rows = String::new();
     let mut steady_allocs = 0u64;
     let mut targets = Vec::new();
     let timing = CopyTiming::new(&dev)?;
@@ -243,14 +249,9 @@ fn run(args: &BenchArgs) -> Res<()> {
             c.engine.htod(dst.ptr(), src, None)?.wait()
         })?;
         steady_allocs += c.engine.stats().pinned_alloc_calls - allocs_before.unwrap_or(0);
-        let d = {
-            let _reg = c.engine.register(src)?;
-            rate(&plan, n, || {
-                let f = c.engine.htod(dst.ptr(), src, None)?;
-                epmem::ensure!(f.bypassed(), Internal, "a registered source was staged");
-                f.wait()
-            })?
-        };
+        let reg = c.engine.register(src)?;
+        let direct = direct_vs_raw(&c, &plan, n, src, &dst)?;
+        drop(reg);
         let mut peak_buf = Some(PinnedBuffer::new(&dev, n)?);
         let mut device_ms = Vec::new();
         let e = rate(&plan, n, || {
@@ -264,27 +265,49 @@ fn run(args: &BenchArgs) -> Res<()> {
         })?;
         let e_dev: Vec<f64> = device_ms.iter().skip(plan.warmup).map(|&ms| gbps(n as u64, ms)).collect();
 
-        let va = rep.push(Scenario::new("pagein", &format!("a_alloc_free/{tag}"), "GB/s", true, a).at(x));
-        let vb = rep.push(Scenario::new("pagein", &format!("b_pooled_sync/{tag}"), "GB/s", true, b).at(x));
-        let vc = rep.push(Scenario::new("pagein", &format!("c_ours/{tag}"), "GB/s", true, cc).at(x));
-        let vd = rep.push(Scenario::new("pagein", &format!("d_direct/{tag}"), "GB/s", true, d).at(x));
-        let ve = rep.push(Scenario::new("pagein", &format!("e_peak/{tag}"), "GB/s", true, e).at(x));
-        let ve_dev =
-            rep.push(Scenario::new("pagein_device_time", &format!("e_peak_device/{tag}"), "GB/s", true, e_dev).at(x));
+        let page = |name: &str, samples: Vec<f64>| {
+            Scenario::new("pagein", &format!("{name}/{tag}"), "GB/s", true, samples).at(x)
+        };
+        let dev_time = |name: &str, samples: Vec<f64>| {
+            Scenario::new("pagein_device_time", &format!("{name}/{tag}"), "GB/s", true, samples).at(x)
+        };
+        let va = rep.push(page("a_alloc_free", a));
+        let vb = rep.push(page("b_pooled_sync", b));
+        let vc = rep.push(page("c_ours", cc));
+        let vd = rep.push(page("d_direct", direct.d));
+        let ve = rep.push(page("e_peak", e));
+        let ver = rep.push(page("e_peak_registered", direct.raw));
+        let ve_dev = rep.push(dev_time("e_peak_device", e_dev));
+        let vd_dev = rep.push(dev_time("d_direct_device", direct.d_dev));
+        let ver_dev = rep.push(dev_time("e_peak_registered_device", direct.raw_dev));
         rep.push(Scenario::new("pagein", &format!("f_fill_ceiling/{tag}"), "GB/s", true, best.2.clone()).at(x));
         let vf = best.1;
         let _ = writeln!(
             table,
-            "| {mib} MiB | {va:.1} | {vb:.1} | **{vc:.1}** | {vd:.1} | {ve:.1} ({ve_dev:.1}) | {vf:.1} | {:.2} | {:.0}% | {:.0}% |",
+            "| {mib} MiB | {va:.1} | {vb:.1} | **{vc:.1}** | {vd:.1} ({vd_dev:.1}) | {ve:.1} ({ve_dev:.1}) | {ver:.1} ({ver_dev:.1}) | {vf:.1} | {:.2} | {:.0}% | {:.0}% | {:.0}% |",
             vc / vf,
             100.0 * vc / ve,
-            100.0 * vd / ve
+            100.0 * vd / ve,
+            100.0 * vd / ver
+        );
+        let _ = writeln!(
+            direct_rows,
+            "| {mib} MiB | {:.0}% | {:.0}% | {:.1} µs |",
+            100.0 * ver_dev / ve_dev,
+            100.0 * vd / ver,
+            per_copy_us(n, vd, ver)
         );
         if mib >= 32 {
             targets.push(format!("(c) ≥ 0.95×(f) at {mib} MiB: {:.2} {}", vc / vf, verdict(vc >= 0.95 * vf)));
             targets.push(format!("(c) ≥ 70% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vc / ve, verdict(vc >= 0.7 * ve)));
         }
-        targets.push(format!("(d) ≥ 95% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vd / ve, verdict(vd >= 0.95 * ve)));
+        targets.push(format!(
+            "(d) ≥ 95% of (e) at {mib} MiB: {:.0}% {}; of (e') from the same registered range: {:.0}% {}",
+            100.0 * vd / ve,
+            verdict(vd >= 0.95 * ve),
+            100.0 * vd / ver,
+            verdict(vd >= 0.95 * ver)
+        ));
         sources.push((mib, src, dst));
     }
     let (sweep, sweep_best) = sweep(&plan, &c.pool, &sources, &mut rep)?;
@@ -319,15 +342,26 @@ fn run(args: &BenchArgs) -> Res<()> {
         plan.ceiling_dma / MIB,
         best.0
     );
-    md.push_str("| size | (a) alloc+free | (b) pooled sync | (c) ours | (d) direct | (e) pinned peak (device time) | (f) fill ceiling | c/f | c/e | d/e |\n");
-    md.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| size | (a) alloc+free | (b) pooled sync | (c) ours | (d) direct (device time) | (e) pinned peak (device time) | (e') raw from the registered range (device time) | (f) fill ceiling | c/f | c/e | d/e | d/e' |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     md.push_str(&table);
+    md.push_str(
+        "\n### Direct path: the DMA from registered memory vs what the engine adds\n\n\
+         (e')/(e) in device time: registered (cuMemHostRegister) vs cuMemHostAlloc memory, the same copy. \
+         (d)/(e') in host wall time: the engine's per-copy cost, alternating run by run with (e').\n\n\
+         | size | e'/e, device time | d/e', wall time | engine cost per copy |\n|---|---|---|---|\n",
+    );
+    md.push_str(&direct_rows);
     let _ = writeln!(md, "\n### Fill rate, pageable → pinned, GB/s ({} MiB)\n", plan.ceiling_fill / MIB);
     md.push_str(
         "| threads | while a DMA runs | alone | samples where the DMA ended first (dropped) |\n|---|---|---|---|\n",
     );
     md.push_str(&ceiling_rows);
-    let _ = writeln!(md, "\n### Tuning sweep: (c) GB/s by fill threads and chunks per page-in (chunks ≤ 32 MiB)\n");
+    let _ = writeln!(
+        md,
+        "\n### Tuning sweep: (c) GB/s by fill threads and chunks per page-in ({} slots, chunks ≤ 32 MiB)\n",
+        cfg.slots
+    );
     md.push_str(&sweep);
     let _ = writeln!(md, "\n### Targets (issue 3)\n");
     for t in &targets {
@@ -355,6 +389,74 @@ fn run(args: &BenchArgs) -> Res<()> {
             .map_err(|e| epmem::Error::new(epmem::EpmStatus::OsError, format!("writing {path}: {e}")))?;
     }
     Ok(())
+}
+
+/// (d) and (e'), per run: host wall GB/s and device-event GB/s.
+struct Direct {
+    d: Vec<f64>,
+    d_dev: Vec<f64>,
+    raw: Vec<f64>,
+    raw_dev: Vec<f64>,
+}
+
+/// (d) through the engine and (e') as a raw copy from the same registered
+/// `src`, alternating (and alternating which goes first) so drift on the
+/// machine hits both alike. (e') is timed exactly as (e): timing events
+/// around the copy, a fresh completion event, host wait on it. (d)'s device
+/// time is the engine's own timing pair, read from its counters after the
+/// run (outside the timed span).
+fn direct_vs_raw(c: &Ctx, plan: &Plan, n: usize, src: HostRange, dst: &DeviceBuffer) -> Res<Direct> {
+    let timing = CopyTiming::new(c.engine.device())?;
+    let mut out = Direct { d: Vec::new(), d_dev: Vec::new(), raw: Vec::new(), raw_dev: Vec::new() };
+    let direct = |out: &mut Direct, keep: bool| -> Res<()> {
+        let before = c.engine.stats();
+        let ms = timed(|| {
+            let f = c.engine.htod(dst.ptr(), src, None)?;
+            epmem::ensure!(f.bypassed(), Internal, "a registered source was staged");
+            f.wait()
+        })?;
+        let after = c.engine.stats();
+        if keep {
+            out.d.push(gbps(n as u64, ms));
+            if after.timed_copies == before.timed_copies + 1 {
+                out.d_dev.push(gbps(n as u64, after.htod_ms - before.htod_ms));
+            }
+        }
+        Ok(())
+    };
+    let raw = |out: &mut Direct, keep: bool| -> Res<()> {
+        let ms = timed(|| {
+            let done = Event::new(c.engine.device(), false)?;
+            timing.record_start(&c.stream)?;
+            fence::enqueue_htod_from_range(&c.stream, dst.ptr(), src, None)?;
+            timing.record_end(&c.stream)?;
+            done.record(&c.stream)?;
+            done.synchronize()
+        })?;
+        if keep {
+            out.raw.push(gbps(n as u64, ms));
+            if let Some(dev_ms) = timing.elapsed_ms()? {
+                out.raw_dev.push(gbps(n as u64, f64::from(dev_ms)));
+            }
+        }
+        Ok(())
+    };
+    for i in 0..plan.warmup + plan.runs {
+        let keep = i >= plan.warmup;
+        if i % 2 == 0 {
+            direct(&mut out, keep)?;
+            raw(&mut out, keep)?;
+        } else {
+            raw(&mut out, keep)?;
+            direct(&mut out, keep)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Microseconds per copy that rate `slow` adds over rate `fast` for `n` bytes.
+fn per_copy_us(n: usize, slow: f64, fast: f64) -> f64 {
+    (n as f64 / (slow * 1e9) - n as f64 / (fast * 1e9)) * 1e6
 }
 
 /// (c) over fill threads × chunks per page-in (chunks up to 32 MiB): the
