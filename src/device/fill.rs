@@ -215,10 +215,16 @@ impl Drop for Join<'_> {
 }
 
 fn post(mb: &Mailbox, job: Arc<Job>) {
-    let mut inbox = mb.inbox.lock().unwrap_or_else(|p| p.into_inner());
-    inbox.jobs.push_back(job);
-    mb.has_job.store(true, Ordering::Release);
-    if inbox.sleeping {
+    let sleeping = {
+        let mut inbox = mb.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.jobs.push_back(job);
+        mb.has_job.store(true, Ordering::Release);
+        inbox.sleeping
+    };
+    // Woken after the lock is released, so the worker does not wake only to
+    // block on it. It saw `sleeping` set under the lock, so it is inside
+    // `wait` (which released the lock atomically) and gets this notification.
+    if sleeping {
         mb.ready.notify_one();
     }
 }
