@@ -10,10 +10,10 @@
 //! and PCIe moves ~54 GB/s; 6–16 threads reach 47–50 GB/s alone and 27–37 GB/s
 //! while a DMA runs (DESIGN.md, measured floors).
 //!
-//! How the work is shared: a copy is cut into several pieces per thread, and
-//! every thread — the caller included, once it is done with its own work —
-//! claims the next piece until none is left. Nobody owns a fixed share, so a
-//! thread that starts late costs nothing but its absent help.
+//! How the work is shared: every thread — the caller included, once it is
+//! done with its own work — claims the next piece until none is left, and the
+//! pieces shrink toward the end. Nobody owns a fixed share, so a thread that
+//! starts late costs nothing but its absent help, and all finish together.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -29,64 +29,76 @@ pub const MAX_FILL_THREADS: usize = 64;
 /// and pages.
 const PIECE_ALIGN: usize = 4096;
 /// Below twice this, one thread copies alone: waking others costs more than
-/// it saves.
+/// it saves. Also the smallest piece a thread claims (~15 µs of copying).
 const MIN_PIECE: usize = 64 * 1024;
 /// Largest piece: past it a thread that arrives late (woken from sleep, or
 /// the caller back from enqueueing the previous chunk) leaves a long tail.
 const MAX_PIECE: usize = 1 << 20;
-/// Pieces per thread. A copy is cut into more pieces than threads and each
-/// thread claims the next piece until none is left, so a thread that starts
-/// late or runs slow takes fewer pieces instead of being waited for. With one
-/// fixed piece per thread, the caller — which first enqueues the previous
-/// chunk's DMA (~10–20 µs of driver calls) — finished last on every chunk:
-/// on the H200, chunks of 2 MiB (32 MiB in 16 chunks) reached 23.5 GB/s
-/// against 34.0 GB/s for 4 MiB chunks, with 8 threads.
-const PIECES_PER_THREAD: usize = 4;
+/// How the pieces shrink: each claim takes the unclaimed bytes divided by
+/// this many per thread (guided self-scheduling), so the pieces are large
+/// while much is left and small at the end, where every thread should finish
+/// together. With one fixed piece per thread, the caller — which first
+/// enqueues the previous chunk's DMA (~10–20 µs of driver calls) — finished
+/// last on every chunk: on the H200, chunks of 2 MiB (32 MiB in 16 chunks)
+/// reached 23.5 GB/s against 34.0 GB/s for 4 MiB chunks, with 8 threads.
+const SHARES_PER_THREAD: usize = 2;
 /// How long an idle worker spins before sleeping. A pipelined page-in hands
 /// out the next chunk within a fill time (~100 µs–1 ms), and waking a sleeping
 /// thread costs 5–50 µs, a large share of a 4 MiB chunk's ~130 µs fill.
 const SPIN: Duration = Duration::from_micros(200);
+
+/// The piece claimed at byte `at` of a `len`-byte copy shared by `threads`
+/// threads: the unclaimed bytes over `SHARES_PER_THREAD × threads`, within
+/// [`MIN_PIECE`, `MAX_PIECE`], on a page boundary, and never past the end.
+fn piece_at(at: usize, len: usize, threads: usize) -> usize {
+    let left = len - at;
+    let guided = (left / (SHARES_PER_THREAD * threads)).clamp(MIN_PIECE, MAX_PIECE).next_multiple_of(PIECE_ALIGN);
+    guided.min(left)
+}
 
 /// One parallel copy, shared by its caller and the workers it was posted to.
 struct Job {
     dst: *mut u8,
     src: *const u8,
     len: usize,
-    piece: usize,
-    pieces: usize,
-    /// The next unclaimed piece; never exceeds `pieces`.
+    threads: usize,
+    /// Bytes claimed so far (claims are contiguous from 0); never exceeds `len`.
     next: AtomicUsize,
-    /// Pieces written. The caller returns only once every claimed piece is.
+    /// Bytes written. The caller returns only once every claimed byte is.
     done: AtomicUsize,
 }
 
 // SAFETY: `dst` and `src` are dereferenced only for a claimed piece, and the
 // submitter blocks in `FillThreads::copy_with` until every claimed piece is
-// written (`done` reaches the claim count, see `Join`), so both pointers are
-// valid (and the destination exclusively ours) while a worker uses them. A
-// worker that arrives after the last claim touches only the atomics, which
+// written (`done` reaches the claimed bytes, see `Join`), so both pointers
+// are valid (and the destination exclusively ours) while a worker uses them.
+// A worker that arrives after the last claim touches only the atomics, which
 // its `Arc` keeps alive.
 unsafe impl Send for Job {}
 // SAFETY: as above; the shared fields are atomics and the pieces disjoint.
 unsafe impl Sync for Job {}
 
 impl Job {
-    /// Claim the next piece, if any is left.
-    fn claim(&self) -> Option<usize> {
-        let pieces = self.pieces;
-        self.next.fetch_update(Ordering::AcqRel, Ordering::Acquire, |i| (i < pieces).then_some(i + 1)).ok()
+    /// Claim the next piece, if any is left: its start and length.
+    fn claim(&self) -> Option<(usize, usize)> {
+        let (len, threads) = (self.len, self.threads);
+        let at = self
+            .next
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |at| {
+                (at < len).then(|| at + piece_at(at, len, threads))
+            })
+            .ok()?;
+        Some((at, piece_at(at, len, threads)))
     }
 
     /// Copy pieces until none is left to claim.
     fn run(&self) {
-        while let Some(i) = self.claim() {
-            let start = i * self.piece;
-            let n = self.piece.min(self.len - start);
-            // SAFETY: see `Job`: piece `i` was claimed by this thread alone,
-            // `start + n <= len` lies inside both ranges, and the submitter
-            // keeps them alive until `done` counts this piece.
+        while let Some((start, n)) = self.claim() {
+            // SAFETY: see `Job`: `[start, start + n)` was claimed by this
+            // thread alone, lies inside both ranges (`piece_at` never passes
+            // `len`), and the submitter keeps them alive until `done` counts it.
             unsafe { std::ptr::copy_nonoverlapping(self.src.add(start), self.dst.add(start), n) };
-            self.done.fetch_add(1, Ordering::Release);
+            self.done.fetch_add(n, Ordering::Release);
         }
     }
 }
@@ -149,17 +161,6 @@ impl FillThreads {
         self.threads
     }
 
-    /// The piece size and piece count for a copy of `len` bytes: about
-    /// `PIECES_PER_THREAD` pieces per thread, within [`MIN_PIECE`, `MAX_PIECE`].
-    fn cut(&self, len: usize) -> (usize, usize) {
-        if len < 2 * MIN_PIECE || self.threads == 1 {
-            return (len, 1);
-        }
-        let piece =
-            (len / (self.threads * PIECES_PER_THREAD)).clamp(MIN_PIECE, MAX_PIECE).next_multiple_of(PIECE_ALIGN);
-        (piece, len.div_ceil(piece))
-    }
-
     /// Copy `src` into `dst` (equal lengths) using every fill thread; returns
     /// when all of it is written. Concurrent callers interleave their pieces
     /// and each waits for its own.
@@ -175,8 +176,7 @@ impl FillThreads {
     pub fn copy_with<R>(&self, dst: &mut [u8], src: &[u8], during: impl FnOnce() -> R) -> Result<R> {
         crate::ensure!(dst.len() == src.len(), InvalidArgument, "fill of {} bytes into {} bytes", src.len(), dst.len());
         let len = src.len();
-        let (piece, pieces) = self.cut(len);
-        if pieces == 1 {
+        if len < 2 * MIN_PIECE || self.threads == 1 {
             let r = during();
             dst.copy_from_slice(src);
             return Ok(r);
@@ -185,17 +185,16 @@ impl FillThreads {
             dst: dst.as_mut_ptr(),
             src: src.as_ptr(),
             len,
-            piece,
-            pieces,
+            threads: self.threads,
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
         });
         // Waits on every exit from here, unwinding included, so no worker can
         // outlive the borrows it writes through.
         let _join = Join(&job);
-        // A worker per piece beyond the caller's first at most: a small copy
-        // wakes only the threads it can use.
-        for mb in self.mailboxes.iter().take(pieces - 1) {
+        // No more workers than there are smallest pieces beyond the caller's:
+        // a small copy wakes only the threads it can use.
+        for mb in self.mailboxes.iter().take(len / MIN_PIECE - 1) {
             post(mb, job.clone());
         }
         let r = during();
@@ -209,7 +208,7 @@ struct Join<'a>(&'a Job);
 
 impl Drop for Join<'_> {
     fn drop(&mut self) {
-        let claimed = self.0.next.swap(self.0.pieces, Ordering::AcqRel).min(self.0.pieces);
+        let claimed = self.0.next.swap(self.0.len, Ordering::AcqRel).min(self.0.len);
         wait_for(&self.0.done, claimed);
     }
 }
@@ -229,8 +228,8 @@ fn post(mb: &Mailbox, job: Arc<Job>) {
     }
 }
 
-/// The caller's wait for the last pieces other threads hold: at most one
-/// piece's copy time (≤ 1 MiB, ~100 µs), so spin, then yield. Never returns
+/// The caller's wait for the last pieces other threads hold: the pieces are
+/// smallest at the end (64 KiB, ~15 µs), so spin, then yield. Never returns
 /// before `done` reaches `target`.
 fn wait_for(done: &AtomicUsize, target: usize) {
     let mut spins = 0u32;
@@ -332,17 +331,22 @@ mod tests {
     }
 
     #[test]
-    fn a_copy_is_cut_into_aligned_pieces_that_cover_it() {
-        let fill = FillThreads::new(8).unwrap();
-        assert_eq!(fill.cut(2 * MIN_PIECE - 1), (2 * MIN_PIECE - 1, 1), "small copies are not split");
-        for &n in &[2 * MIN_PIECE, (1 << 20) + 1, 2 << 20, 16 << 20, 64 << 20] {
-            let (piece, pieces) = fill.cut(n);
-            assert!(piece % PIECE_ALIGN == 0 && (MIN_PIECE..=MAX_PIECE).contains(&piece), "n={n}: piece {piece}");
-            assert!(piece * pieces >= n && piece * (pieces - 1) < n, "n={n}: {pieces} x {piece}");
+    fn pieces_are_aligned_shrink_toward_the_end_and_cover_the_copy() {
+        for &(n, threads) in &[(2 * MIN_PIECE, 8), ((1 << 20) + 1, 8), (2 << 20, 8), (16 << 20, 8), (64 << 20, 16)] {
+            let (mut at, mut last, mut count) = (0, usize::MAX, 0);
+            while at < n {
+                let p = piece_at(at, n, threads);
+                assert!(p > 0 && p <= MAX_PIECE && p <= last, "n={n} at={at}: piece {p} after {last}");
+                assert!(p % PIECE_ALIGN == 0 || at + p == n, "n={n} at={at}: unaligned piece {p}");
+                assert!(p >= MIN_PIECE || at + p == n, "n={n} at={at}: piece {p} below the minimum");
+                (at, last, count) = (at + p, p, count + 1);
+            }
+            assert_eq!(at, n, "the pieces cover exactly the copy");
+            if n >= 2 << 20 {
+                assert!(count >= 2 * threads, "n={n}: {count} pieces for {threads} threads");
+                assert!(last <= MIN_PIECE, "n={n}: the copy ends on a piece of {last} bytes, not a small one");
+            }
         }
-        // Enough pieces per thread that a late thread can be made up for.
-        assert!(fill.cut(2 << 20).1 >= 8 * PIECES_PER_THREAD);
-        assert_eq!(FillThreads::new(1).unwrap().cut(16 << 20).1, 1, "one thread copies in one piece");
     }
 
     #[test]
