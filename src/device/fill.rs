@@ -337,7 +337,7 @@ mod tests {
             while at < n {
                 let p = piece_at(at, n, threads);
                 assert!(p > 0 && p <= MAX_PIECE && p <= last, "n={n} at={at}: piece {p} after {last}");
-                assert!(p % PIECE_ALIGN == 0 || at + p == n, "n={n} at={at}: unaligned piece {p}");
+                assert!(p.is_multiple_of(PIECE_ALIGN) || at + p == n, "n={n} at={at}: unaligned piece {p}");
                 assert!(p >= MIN_PIECE || at + p == n, "n={n} at={at}: piece {p} below the minimum");
                 (at, last, count) = (at + p, p, count + 1);
             }
