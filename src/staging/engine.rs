@@ -20,8 +20,9 @@
 //! Chunk size. With fill rate f and PCIe rate p (~54 GB/s), a page-in cut
 //! into n chunks takes about S/f + S/(n·p): the fill of everything plus the
 //! DMA of the last chunk, so more chunks hide more of the DMA. But every chunk
-//! also costs a hand-out to the fill threads, one enqueue and one event on the
-//! caller's thread (~10–20 µs), which small chunks cannot hide. The H200 run
+//! also costs a hand-out to the fill threads, a pool round trip, one enqueue
+//! and one event on the caller's thread (~10–20 µs), hidden only while the
+//! other fill threads have enough of the chunk left to fill. The H200 run
 //! (bench_staging, docs/BENCHMARKS.md; 3 slots, median of 9) measured (c) by
 //! fill threads × chunks per page-in, chunks ≤ 32 MiB:
 //!
@@ -45,6 +46,14 @@
 //! ([`CopyEngine::next_chunk_len`]): only the last DMA is exposed.
 //! Slots stay at 3: the DMA (54 GB/s) outruns the fill, so a third slot only
 //! absorbs jitter, and slot waits were 4.7 ms of 47.8 ms of fill.
+//!
+//! That sweep ran with fill threads that each owned one fixed piece of a
+//! chunk, so the caller, enqueueing the previous chunk first, was the last
+//! to finish every chunk — a cost per chunk that penalized many chunks. The
+//! fill threads now claim shrinking pieces (`device::fill`), which removes
+//! most of it; the sweep in `bench_staging` (8/12/16 threads × 4/8/16 chunks)
+//! re-checks the defaults on every run.
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
