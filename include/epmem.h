@@ -622,7 +622,7 @@ typedef struct EpmResidencyConfig {
    */
   uint32_t fill_threads;
   /**
-   * Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+   * Largest staging chunk in bytes (0: 16 MiB; at least 1 MiB).
    */
   uint64_t staging_chunk_bytes;
   /**
@@ -840,7 +840,7 @@ typedef struct EpmCopyEngineConfig {
    */
   uint32_t fill_threads;
   /**
-   * Capacity of one slot and the largest chunk, at least 1 MiB (default 8 MiB).
+   * Capacity of one slot and the largest chunk, at least 1 MiB (default 16 MiB).
    */
   uint64_t chunk_bytes;
   /**
@@ -849,7 +849,7 @@ typedef struct EpmCopyEngineConfig {
   uint32_t flags;
   /**
    * Cut a copy into about this many chunks (within 1 MiB and
-   * `chunk_bytes`), 1–256 (default 16): more chunks overlap more of the
+   * `chunk_bytes`), 1–256 (default 8): more chunks overlap more of the
    * fill with the DMA, fewer cost fewer per-chunk driver calls.
    */
   uint32_t target_chunks;

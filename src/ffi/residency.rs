@@ -72,7 +72,7 @@ pub struct EpmResidencyConfig {
     pub staging_slots: u32,
     /// Threads filling staging buffers, counting the caller's (0: 8).
     pub fill_threads: u32,
-    /// Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+    /// Largest staging chunk in bytes (0: 16 MiB; at least 1 MiB).
     pub staging_chunk_bytes: u64,
     /// Most bytes the staging pool retains (0: 512 MiB).
     pub staging_pool_bytes: u64,
