@@ -239,8 +239,8 @@ static void test_bad_input_is_a_clean_status(void) {
 
   cfg.size = sizeof cfg;
   REQUIRE_OK(epm_copy_engine_config_default(&cfg));
-  CHECK(cfg.slots == 3 && cfg.chunk_bytes == 16 * MIB && cfg.flags == 0 && cfg.target_chunks == 8);
-  CHECK(cfg.fill_threads >= 1 && cfg.fill_threads <= 8);
+  CHECK(cfg.slots == 3 && cfg.chunk_bytes == 16 * MIB && cfg.flags == 0 && cfg.target_chunks == 4);
+  CHECK(cfg.fill_threads >= 1 && cfg.fill_threads <= 12);
   cfg.slots = 9;
   CHECK_STATUS(epm_copy_engine_create(pool, &cfg, &never), EPM_STATUS_INVALID_CONFIG);
   cfg.slots = 3;

@@ -835,7 +835,7 @@ typedef struct EpmCopyEngineConfig {
    */
   uint32_t slots;
   /**
-   * Threads that fill a slot, counting the calling thread, 1–64 (default 8,
+   * Threads that fill a slot, counting the calling thread, 1–64 (default 12,
    * or the number of CPUs if fewer).
    */
   uint32_t fill_threads;
@@ -849,7 +849,7 @@ typedef struct EpmCopyEngineConfig {
   uint32_t flags;
   /**
    * Cut a copy into about this many chunks (within 1 MiB and
-   * `chunk_bytes`), 1–256 (default 8): more chunks overlap more of the
+   * `chunk_bytes`), 1–256 (default 4): more chunks overlap more of the
    * fill with the DMA, fewer cost fewer per-chunk driver calls.
    */
   uint32_t target_chunks;

@@ -72,11 +72,12 @@ fn chunking_cuts_big_copies_into_many_slot_sized_pieces() {
     let e = engine(&d, EngineConfig::default());
     let c = e.config().chunk_bytes;
     assert_eq!(e.chunk_len(1), MIB, "never below 1 MiB");
-    assert_eq!(e.chunk_len(32 * MIB), 4 * MIB, "32 MiB: 8 chunks");
+    assert_eq!(e.chunk_len(32 * MIB), 8 * MIB, "32 MiB: 4 chunks");
+    assert_eq!(e.chunk_len(8 * MIB), 2 * MIB, "8 MiB: 4 chunks");
     assert_eq!(e.chunk_len(128 * MIB), 16 * MIB, "128 MiB: 8 chunks of the 16 MiB slot");
     assert_eq!(e.chunk_len(1 << 30), c, "never above the slot size");
-    let e4 = engine(&d, EngineConfig { target_chunks: 4, chunk_bytes: 32 * MIB, ..EngineConfig::default() });
-    assert_eq!(e4.chunk_len(32 * MIB), 8 * MIB, "32 MiB in 4 chunks");
+    let e8 = engine(&d, EngineConfig { target_chunks: 8, chunk_bytes: 32 * MIB, ..EngineConfig::default() });
+    assert_eq!(e8.chunk_len(32 * MIB), 4 * MIB, "32 MiB in 8 chunks");
     // The tail halves down to 1 MiB: 7 x 16, then 8, 4, 2, 1, 1.
     let mut left = 128 * MIB;
     let mut seq = Vec::new();
@@ -87,7 +88,7 @@ fn chunking_cuts_big_copies_into_many_slot_sized_pieces() {
     }
     assert_eq!(seq, [16, 16, 16, 16, 16, 16, 16, 8, 4, 2, 1, 1]);
     assert_eq!(chunk_count(&e, 2 * MIB), 2, "small copies: 1 MiB chunks as before");
-    assert_eq!(chunk_count(&e, 32 * MIB), 10, "32 MiB: 6 x 4 MiB, then 4, 2, 1, 1");
+    assert_eq!(chunk_count(&e, 32 * MIB), 7, "32 MiB: 3 x 8 MiB, then 4, 2, 1, 1");
     assert_eq!(e.next_chunk_len(MIB, 3 * MIB + 5), MIB, "never above the chunk");
     assert_eq!(e.next_chunk_len(16 * MIB, 700), 700, "never past the end");
 }

@@ -60,7 +60,7 @@ pub struct EpmCopyEngineConfig {
     pub size: usize,
     /// Staging slots in flight at once, 2–4 (default 3).
     pub slots: u32,
-    /// Threads that fill a slot, counting the calling thread, 1–64 (default 8,
+    /// Threads that fill a slot, counting the calling thread, 1–64 (default 12,
     /// or the number of CPUs if fewer).
     pub fill_threads: u32,
     /// Capacity of one slot and the largest chunk, at least 1 MiB (default 16 MiB).
@@ -68,7 +68,7 @@ pub struct EpmCopyEngineConfig {
     /// `EPM_COPY_ENGINE_*` bits (default 0).
     pub flags: u32,
     /// Cut a copy into about this many chunks (within 1 MiB and
-    /// `chunk_bytes`), 1–256 (default 8): more chunks overlap more of the
+    /// `chunk_bytes`), 1–256 (default 4): more chunks overlap more of the
     /// fill with the DMA, fewer cost fewer per-chunk driver calls.
     pub target_chunks: u32,
 }
