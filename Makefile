@@ -50,11 +50,11 @@ uninstall:
 
 # ---- C tests ---------------------------------------------------------------
 
-$(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+$(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h ffi-tests/misuse.h include/epmem.h $(LIB_DIR)/libepmem.so
 	@mkdir -p $(TEST_DIR)
 	$(CC) $(TEST_CFLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../release'
 
-$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h ffi-tests/misuse.h include/epmem.h $(LIB_DIR)/libepmem.so
 	@mkdir -p $(TEST_DIR)/san
 	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../../release'
 
