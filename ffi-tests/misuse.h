@@ -69,9 +69,9 @@ typedef struct {
   unsigned char host[4096];
 } MuFx;
 
-static int mu_is_host(const MuFx *f) { return f->info.kind == EPM_DEVICE_KIND_HOST; }
+static inline int mu_is_host(const MuFx *f) { return f->info.kind == EPM_DEVICE_KIND_HOST; }
 
-static int mu_open(MuFx *f) {
+static inline int mu_open(MuFx *f) {
   memset(f, 0, sizeof *f);
   REQUIRE_OK(epm_device_open(0, &f->dev));
   REQUIRE_OK(epm_device_open(0, &f->dev2));
@@ -93,7 +93,7 @@ cleanup:
   return 0;
 }
 
-static void mu_close(MuFx *f) {
+static inline void mu_close(MuFx *f) {
   if (f->d) CHECK_OK(epm_device_free(f->dev, f->d));
   CHECK_OK(epm_event_destroy(f->ev));
   CHECK_OK(epm_stream_destroy(f->s));
