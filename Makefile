@@ -31,7 +31,7 @@ EX_LIBS   := -pthread -lm
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
 
-.PHONY: build install uninstall test test-rust test-c test-valgrind test-examples test-ort ffi-tests demo clean-c
+.PHONY: build install uninstall test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
 
 build:
 	$(CARGO) build --release
@@ -100,6 +100,12 @@ test-valgrind: ffi-tests
 	  echo "== valgrind $$t"; $(VALGRIND) $$t >/dev/null || { echo "FAILED under valgrind: $$t (exit $$?)"; fail=1; }; \
 	done; exit $$fail
 
+# The long runs of scripts/long-run.sh, shortened (--quick: seconds on the
+# host device); the H200 runs the full length with EPM_DEVICE=cuda.
+test-long: build
+	@scripts/long-run.sh --quick > target/long-run.log 2>&1 || { cat target/long-run.log; exit 1; }; \
+	sed -n '/^== long-run verdicts/,$$p' target/long-run.log
+
 # Install into a throw-away prefix and build every example the way a user
 # would: through pkg-config, nothing from this tree.
 test-examples: build
@@ -124,6 +130,7 @@ test:
 	$(MAKE) test-rust
 	$(MAKE) test-c
 	$(MAKE) test-valgrind
+	$(MAKE) test-long
 	$(MAKE) test-examples
 	$(MAKE) test-ort
 	@echo "make test: all suites passed"
