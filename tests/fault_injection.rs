@@ -72,6 +72,7 @@ impl Matrix {
 /// Fail the 1st, 2nd, ... call of `kind` in `op` until `op` succeeds without
 /// reaching one. `check` runs after each failure (invariants); `undo`
 /// reverts an `op` that succeeded despite an absorbed fault.
+#[allow(clippy::too_many_arguments)]
 fn drive<S, T>(
     fd: &FaultyDevice,
     m: &mut Matrix,
@@ -168,7 +169,7 @@ fn staging_pool_and_copy_engine() {
                 assert_eq!((now.streams, now.events), (live.streams, live.events), "engine create left objects");
             }, |_, e| drop(e));
             let before = pool.stats();
-            drive(&fd, &mut m, "engine htod", kind, &mut (), |_| engine.htod(dst.ptr(), range.clone(), Some(s.raw()))?.wait(),
+            drive(&fd, &mut m, "engine htod", kind, &mut (), |_| engine.htod(dst.ptr(), range, Some(s.raw()))?.wait(),
                 |_, _| {
                     engine.synchronize().unwrap();
                     conserved(&pool, 0);
@@ -184,7 +185,7 @@ fn staging_pool_and_copy_engine() {
             let off = page.as_ptr().align_offset(4096);
             let reg_range = HostRange::from_static(&page[off..off + 4096]);
             let regs = fd.live_counts().host_registrations;
-            let reg = drive(&fd, &mut m, "engine register", kind, &mut (), |_| engine.register(reg_range.clone()),
+            let reg = drive(&fd, &mut m, "engine register", kind, &mut (), |_| engine.register(reg_range),
                 |_, _| assert_eq!(fd.live_counts().host_registrations, regs), |_, r| drop(r));
             drop(reg);
             drop(engine);

@@ -269,7 +269,7 @@ fn eight_threads_share_pool_engine_residency_and_kv() {
             for t in 0..THREADS {
                 let (st, rs, kv, counts) = (&st, &rs, &kv, &counts);
                 sc.spawn(move || {
-                    let mut r = Rng(0x5eed ^ (t + 1) * 0x1234_5678_9abc);
+                    let mut r = Rng(0x5eed ^ ((t + 1) * 0x1234_5678_9abc));
                     let ss = Stream::new(&st.d).unwrap();
                     let sr = Stream::new(&rs.d).unwrap();
                     let sk = Stream::new(&kv.d).unwrap();

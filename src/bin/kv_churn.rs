@@ -248,10 +248,10 @@ fn run(args: Args) -> Result<String, String> {
             if owned != live || !device_ok {
                 problems.push(format!("ledger drift at {done}: ledger {owned} granules, live {live}, device agrees: {device_ok}"));
             }
-            if let Some(b) = baseline {
-                if allocs(&d) != b {
-                    problems.push(format!("driver allocations grew after warm-up at {done}: {b:?} -> {:?}", allocs(&d)));
-                }
+            if let Some(b) = baseline
+                && allocs(&d) != b
+            {
+                problems.push(format!("driver allocations grew after warm-up at {done}: {b:?} -> {:?}", allocs(&d)));
             }
         }
     }

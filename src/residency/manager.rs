@@ -243,10 +243,10 @@ impl ResidencyManager {
         // A failed acquire must not leave the weight acquired: the caller
         // will not release it, and it could never be evicted (found by
         // tests/fault_injection.rs with an injected event fault).
-        if r.is_err() {
-            if let Ok(e) = st.reg.get_mut(w) {
-                e.users -= 1;
-            }
+        if r.is_err()
+            && let Ok(e) = st.reg.get_mut(w)
+        {
+            e.users -= 1;
         }
         r
     }
