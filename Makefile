@@ -64,8 +64,11 @@ ffi-tests: build $(TEST_BINS)
 
 # ---- the test command --------------------------------------------------------
 
+# The CPU micro-benchmarks (benches/micro.rs) are compiled, not timed: timings
+# on a shared CI machine mean nothing. Run them with `cargo bench --bench micro`.
 test-rust:
 	$(CARGO) test
+	$(CARGO) bench --no-run
 
 # The C tests run three ways: plain and sanitized on the host device, then
 # plain with EPM_DEVICE=cuda against the fake libcuda the CUDA device's own

@@ -213,9 +213,10 @@ int main(int argc, char **argv) {
   printf("decoded %" PRIu32 " tokens in %.1f ms: %.2f tokens/s\n", o.steps, t_decode, o.steps / (t_decode * 1e-3));
   printf("verified %" PRIu64 " acquires on the device: %" PRIu64 " mismatches\n", stats.acquires, mismatches);
   printf("page_ins %" PRIu64 " (prefetch %" PRIu64 ", bypassed %" PRIu64 ", staged %" PRIu64 "), hits %" PRIu64
-         ", hit_rate %.3f, evictions %" PRIu64 " (waited %" PRIu64 ")\n",
+         ", hit_rate %.3f, evictions %" PRIu64 " (handed on behind readers %" PRIu64 ", host waited %" PRIu64 ")\n",
          stats.page_ins, stats.prefetch_page_ins, stats.bypassed_page_ins, stats.staged_page_ins, stats.hits,
-         stats.hit_rate, stats.evictions, stats.eviction_waits);
+         stats.hit_rate, stats.evictions, stats.ordered_reuses, stats.eviction_waits);
+  printf("coalesced weights %" PRIu64 "\n", stats.coalesced_weights);
   printf("sources registered %" PRIu64 " (refused %" PRIu64 ", %.1f MiB), pinned_alloc_calls %" PRIu64
          ", pinned_reuses %" PRIu64 "\n",
          stats.source_registrations, stats.register_refusals, stats.registered_bytes / 1048576.0,

@@ -239,7 +239,7 @@ static void test_bad_input_is_a_clean_status(void) {
 
   cfg.size = sizeof cfg;
   REQUIRE_OK(epm_copy_engine_config_default(&cfg));
-  CHECK(cfg.slots == 3 && cfg.chunk_bytes == 8 * MIB && cfg.flags == 0 && cfg.target_chunks == 16);
+  CHECK(cfg.slots == 3 && cfg.chunk_bytes == 16 * MIB && cfg.flags == 0 && cfg.target_chunks == 8);
   CHECK(cfg.fill_threads >= 1 && cfg.fill_threads <= 8);
   cfg.slots = 9;
   CHECK_STATUS(epm_copy_engine_create(pool, &cfg, &never), EPM_STATUS_INVALID_CONFIG);

@@ -622,13 +622,23 @@ typedef struct EpmResidencyConfig {
    */
   uint32_t fill_threads;
   /**
-   * Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+   * Largest staging chunk in bytes (0: 16 MiB; at least 1 MiB).
    */
   uint64_t staging_chunk_bytes;
   /**
    * Most bytes the staging pool retains (0: 512 MiB).
    */
   uint64_t staging_pool_bytes;
+  /**
+   * Weights smaller than this, adjacent both in host memory and in the
+   * declared cycle, are coalesced into one page-in (copies of a few
+   * hundred KiB never reach the PCIe peak). Default 1 MiB; 0 disables.
+   */
+  uint64_t coalesce_below_bytes;
+  /**
+   * Largest coalesced unit (default 8 MiB; never above budget / 8).
+   */
+  uint64_t coalesce_max_bytes;
 } EpmResidencyConfig;
 
 /**
@@ -674,8 +684,8 @@ typedef struct EpmResidencyStats {
   uint64_t wasted_prefetches;
   uint64_t evictions;
   /**
-   * Evictions whose victim was still being read, so the host waited for
-   * its read fence.
+   * Evictions whose victim was still being read and whose block could not
+   * be handed on (see `ordered_reuses`), so the host waited for its read fence.
    */
   uint64_t eviction_waits;
   /**
@@ -729,6 +739,16 @@ typedef struct EpmResidencyStats {
   uint64_t arena_committed_bytes;
   uint64_t arena_in_use_bytes;
   double arena_fragmentation;
+  /**
+   * Weights coalesced into multi-weight units. A member acquired after its
+   * unit was paged in for another member counts as a hit.
+   */
+  uint64_t coalesced_weights;
+  /**
+   * Evictions whose block went straight to the next page-in, the copy
+   * ordered on the device behind the victim's readers (no host wait).
+   */
+  uint64_t ordered_reuses;
 } EpmResidencyStats;
 
 /**
@@ -820,7 +840,7 @@ typedef struct EpmCopyEngineConfig {
    */
   uint32_t fill_threads;
   /**
-   * Capacity of one slot and the largest chunk, at least 1 MiB (default 8 MiB).
+   * Capacity of one slot and the largest chunk, at least 1 MiB (default 16 MiB).
    */
   uint64_t chunk_bytes;
   /**
@@ -829,7 +849,7 @@ typedef struct EpmCopyEngineConfig {
   uint32_t flags;
   /**
    * Cut a copy into about this many chunks (within 1 MiB and
-   * `chunk_bytes`), 1–256 (default 16): more chunks overlap more of the
+   * `chunk_bytes`), 1–256 (default 8): more chunks overlap more of the
    * fill with the DMA, fewer cost fewer per-chunk driver calls.
    */
   uint32_t target_chunks;
@@ -1533,7 +1553,10 @@ enum EpmStatus epm_residency_unregister_host_range(struct EpmResidency *res, Epm
 
 /**
  * Declare the cyclic order of a decode step (`n` weights, each at most
- * once). The cyclic policy evicts by it and `acquire` prefetches along it.
+ * once). The cyclic policy evicts by it and `release` prefetches along it.
+ * Small weights adjacent in host memory and in `order` are coalesced into
+ * one page-in (see `coalesce_below_bytes`); no weight may be acquired
+ * during the call (INVALID_STATE).
  * Declaring again replaces it; `n == 0` clears it.
  *
  * NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for

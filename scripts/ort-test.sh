@@ -80,7 +80,7 @@ run_suites() {
   fi
   # The wheel has only libonnxruntime.so.1.x.y; the soname is libonnxruntime.so.1.
   mkdir -p "$WORK/lib-$label" && ln -sf "$so" "$WORK/lib-$label/libonnxruntime.so.1"
-  if "$CC" -std=c11 -O1 -g -Wall -Wextra -Werror tests/ort/ort_c_test.c -o "$WORK/ort_c_test-$label" "$so" \
+  if "$CC" -std=c11 -pthread -O1 -g -Wall -Wextra -Werror tests/ort/ort_c_test.c -o "$WORK/ort_c_test-$label" "$so" \
       -Wl,-rpath,"$WORK/lib-$label" >"$out" 2>&1; then
     # ORT 1.23 dlopens libonnxruntime_providers_shared.so from the library path.
     LD_LIBRARY_PATH="${FAKE:+$FAKE:}$capi:${LD_LIBRARY_PATH:-}" "$WORK/ort_c_test-$label" "$EPMEM_LIB" >>"$out" 2>&1

@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use epmem::EpmStatus;
 use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
 use epmem::device::{self, Device, DeviceKind, Stream};
-use epmem::EpmStatus;
 
 fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
@@ -28,7 +28,11 @@ impl Rng {
 
 fn cfg(dev: &Arc<dyn Device>, chunks: usize, chunk_granules: usize) -> ArenaConfig {
     let chunk = dev.vmm_granularity() * chunk_granules;
-    ArenaConfig { capacity: chunks * chunk, chunk_bytes: chunk, max_allocs: 4096 }
+    ArenaConfig {
+        capacity: chunks * chunk,
+        chunk_bytes: chunk,
+        max_allocs: 4096,
+    }
 }
 
 /// Random alloc/free against a model of the live set: no two live blocks
@@ -66,7 +70,10 @@ fn random_pattern(arena: &dyn Arena, seed: u64, ops: usize, max_size: u64) -> (u
         let s = arena.stats();
         assert_eq!(s.live_allocations, live.len() as u64);
         let requested: u64 = live.values().map(|&l| l as u64).sum();
-        assert!(s.in_use_bytes >= requested && s.in_use_bytes <= s.committed_bytes, "{s:?} vs requested {requested}");
+        assert!(
+            s.in_use_bytes >= requested && s.in_use_bytes <= s.committed_bytes,
+            "{s:?} vs requested {requested}"
+        );
     }
     for (a, _) in std::mem::take(&mut live) {
         arena.free(a).unwrap();
@@ -114,7 +121,10 @@ fn device_arena_blocks_are_real_disjoint_memory() {
         // synchronize the stream before reading it.
         unsafe { d.memcpy_dtoh_async(host.as_mut_ptr(), b, n, s.raw()).unwrap() };
         s.synchronize().unwrap();
-        assert!(host.iter().all(|&x| x == i as u8 + 1), "block {i} was overwritten by a neighbour");
+        assert!(
+            host.iter().all(|&x| x == i as u8 + 1),
+            "block {i} was overwritten by a neighbour"
+        );
     }
     for b in blocks {
         arena.free(b).unwrap();
@@ -127,22 +137,37 @@ fn device_arena_grows_by_chunks_reports_exhaustion_and_trims() {
     let c = cfg(&d, 4, 1);
     let arena = DeviceArena::new(&d, c).unwrap();
     let chunk = arena.chunk_bytes();
-    assert_eq!(arena.stats().committed_bytes, 0, "nothing committed before the first allocation");
+    assert_eq!(
+        arena.stats().committed_bytes,
+        0,
+        "nothing committed before the first allocation"
+    );
     let mut blocks = Vec::new();
     for i in 1..=4u64 {
         blocks.push(arena.alloc(chunk, 0).unwrap());
         let s = arena.stats();
-        assert_eq!((s.committed_bytes, s.driver_alloc_calls), (i * chunk as u64, i), "{s:?}");
+        assert_eq!(
+            (s.committed_bytes, s.driver_alloc_calls),
+            (i * chunk as u64, i),
+            "{s:?}"
+        );
     }
     let e = arena.alloc(1, 0).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
     let e = arena.alloc(5 * chunk, 0).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
-    assert_eq!(arena.free(blocks[0] + 256).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(
+        arena.free(blocks[0] + 256).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
     assert_eq!(arena.free(1).unwrap_err().status(), EpmStatus::InvalidArgument);
     arena.free(blocks[1]).unwrap();
     arena.free(blocks[3]).unwrap();
-    assert_eq!(arena.free(blocks[3]).unwrap_err().status(), EpmStatus::InvalidArgument, "double free");
+    assert_eq!(
+        arena.free(blocks[3]).unwrap_err().status(),
+        EpmStatus::InvalidArgument,
+        "double free"
+    );
     assert_eq!(arena.trim().unwrap(), 2 * chunk);
     let s = arena.stats();
     assert_eq!((s.committed_bytes, s.driver_free_calls), (2 * chunk as u64, 2), "{s:?}");
@@ -160,8 +185,20 @@ fn device_arena_rejects_bad_arguments() {
     let arena = DeviceArena::new(&d, cfg(&d, 2, 1)).unwrap();
     assert_eq!(arena.alloc(0, 0).unwrap_err().status(), EpmStatus::InvalidArgument);
     assert_eq!(arena.alloc(16, 3).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert_eq!(arena.alloc(16, 4 * arena.chunk_bytes()).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert!(DeviceArena::new(&d, ArenaConfig { capacity: 0, ..cfg(&d, 1, 1) }).is_err());
+    assert_eq!(
+        arena.alloc(16, 4 * arena.chunk_bytes()).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
+    assert!(
+        DeviceArena::new(
+            &d,
+            ArenaConfig {
+                capacity: 0,
+                ..cfg(&d, 1, 1)
+            }
+        )
+        .is_err()
+    );
 }
 
 #[test]
@@ -197,7 +234,15 @@ fn pinned_arena_random_pattern_and_steady_state() {
 fn pinned_arena_big_requests_get_their_own_segment_and_budget_holds() {
     let d = dev();
     let g = d.vmm_granularity();
-    let arena = PinnedArena::new(&d, ArenaConfig { capacity: 4 * g, chunk_bytes: g, max_allocs: 64 }).unwrap();
+    let arena = PinnedArena::new(
+        &d,
+        ArenaConfig {
+            capacity: 4 * g,
+            chunk_bytes: g,
+            max_allocs: 64,
+        },
+    )
+    .unwrap();
     let big = arena.alloc(2 * g + 1, 0).unwrap();
     let s = arena.stats();
     assert_eq!((s.committed_bytes, s.driver_alloc_calls), (3 * g as u64, 1), "{s:?}");
@@ -215,4 +260,55 @@ fn pinned_arena_big_requests_get_their_own_segment_and_budget_holds() {
     arena.free(third).unwrap();
     let s = arena.stats();
     assert_eq!((s.driver_free_calls, s.live_allocations), (1, 0), "{s:?}");
+}
+
+/// 8 threads allocate and free on one arena at once: no two live blocks ever
+/// overlap, nothing is lost, and the counters add up at the end.
+fn concurrent(arena: &dyn Arena) {
+    let live: std::sync::Mutex<BTreeMap<u64, usize>> = std::sync::Mutex::new(BTreeMap::new());
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let live = &live;
+            s.spawn(move || {
+                let mut rng = Rng(0x9e37 + t);
+                let mut mine = Vec::new();
+                for _ in 0..400 {
+                    if mine.is_empty() || rng.below(100) < 55 {
+                        let size = 1 + rng.below(64 << 10) as usize;
+                        let Ok(a) = arena.alloc(size, 0) else { continue };
+                        let mut l = live.lock().unwrap();
+                        if let Some((&p, &n)) = l.range(..=a).next_back() {
+                            assert!(
+                                p + n as u64 <= a,
+                                "thread {t}: [{a:#x}, +{size}) overlaps [{p:#x}, +{n})"
+                            );
+                        }
+                        if let Some((&n, _)) = l.range(a..).next() {
+                            assert!(a + size as u64 <= n, "thread {t}: [{a:#x}, +{size}) overlaps {n:#x}");
+                        }
+                        l.insert(a, size);
+                        mine.push(a);
+                    } else {
+                        let a = mine.swap_remove(rng.below(mine.len() as u64) as usize);
+                        live.lock().unwrap().remove(&a);
+                        arena.free(a).unwrap();
+                    }
+                }
+                for a in mine {
+                    live.lock().unwrap().remove(&a);
+                    arena.free(a).unwrap();
+                }
+            });
+        }
+    });
+    let s = arena.stats();
+    assert_eq!((s.live_allocations, s.in_use_bytes), (0, 0), "{s:?}");
+    assert_eq!(s.alloc_calls, s.free_calls, "{s:?}");
+}
+
+#[test]
+fn arenas_are_thread_safe() {
+    let d = dev();
+    concurrent(&DeviceArena::new(&d, cfg(&d, 16, 2)).unwrap());
+    concurrent(&PinnedArena::new(&d, cfg(&d, 16, 2)).unwrap());
 }

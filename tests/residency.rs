@@ -3,12 +3,10 @@
 
 use std::sync::Arc;
 
-use epmem::device::{self, checksum_host, Device, DeviceBuffer, HostRange, Stream};
-use epmem::residency::sim::{belady, simulate};
-use epmem::residency::{
-    new_policy, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId,
-};
 use epmem::EpmStatus;
+use epmem::device::{self, Device, DeviceBuffer, HostRange, Stream, checksum_host};
+use epmem::residency::sim::{belady, simulate};
+use epmem::residency::{PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId, new_policy};
 
 fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
@@ -53,7 +51,9 @@ impl Weights {
         checksum_host(&self.buf[o..o + n])
     }
     fn register_all(&self, m: &ResidencyManager) -> Vec<WeightId> {
-        (0..self.spans.len()).map(|i| m.register(self.range(i)).unwrap()).collect()
+        (0..self.spans.len())
+            .map(|i| m.register(self.range(i)).unwrap())
+            .collect()
     }
 }
 
@@ -65,7 +65,10 @@ struct Slots {
 
 impl Slots {
     fn new(d: &Arc<dyn Device>, n: usize) -> Self {
-        Self { buf: DeviceBuffer::new(d, 8 * n).unwrap(), n }
+        Self {
+            buf: DeviceBuffer::new(d, 8 * n).unwrap(),
+            n,
+        }
     }
     fn at(&self, i: usize) -> u64 {
         self.buf.ptr() + 8 * i as u64
@@ -74,7 +77,10 @@ impl Slots {
         let mut out = vec![0u64; self.n];
         // SAFETY: `out` is an exclusively owned buffer of 8*n bytes, read only
         // after the stream synchronizes.
-        unsafe { d.memcpy_dtoh_async(out.as_mut_ptr().cast(), self.buf.ptr(), 8 * self.n, s.raw()).unwrap() };
+        unsafe {
+            d.memcpy_dtoh_async(out.as_mut_ptr().cast(), self.buf.ptr(), 8 * self.n, s.raw())
+                .unwrap()
+        };
         s.synchronize().unwrap();
         out
     }
@@ -85,6 +91,9 @@ fn small_cfg(budget: usize) -> ResidencyConfig {
     c.pool.max_bytes = 64 << 20;
     c.engine.chunk_bytes = 1 << 20;
     c.engine.fill_threads = 2;
+    // Per-weight units, so hits compare weight by weight with the simulator;
+    // coalescing has its own test.
+    c.coalesce_below_bytes = 0;
     c
 }
 
@@ -101,7 +110,11 @@ fn decode(d: &Arc<dyn Device>, m: &ResidencyManager, w: &Weights, ids: &[WeightI
         }
         let got = slots.read(d, &s);
         for (i, &g) in got.iter().enumerate() {
-            assert_eq!(g, w.checksum(i), "step {step}: weight {i} is not bit-exact on the device");
+            assert_eq!(
+                g,
+                w.checksum(i),
+                "step {step}: weight {i} is not bit-exact on the device"
+            );
         }
     }
 }
@@ -123,13 +136,26 @@ fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
     m.synchronize().unwrap();
     let s = m.stats();
     assert_eq!(s.acquires, 8 * ids.len() as u64);
-    assert!(s.resident_bytes <= budget as u64 && s.peak_resident_bytes <= budget as u64, "{s:?}");
-    assert_eq!(s.pinned_alloc_calls, warm.pinned_alloc_calls, "pinned allocations in steady state");
-    assert_eq!(s.arena.driver_alloc_calls, warm.arena.driver_alloc_calls, "arena growth in steady state");
+    assert!(
+        s.resident_bytes <= budget as u64 && s.peak_resident_bytes <= budget as u64,
+        "{s:?}"
+    );
+    assert_eq!(
+        s.pinned_alloc_calls, warm.pinned_alloc_calls,
+        "pinned allocations in steady state"
+    );
+    assert_eq!(
+        s.arena.driver_alloc_calls, warm.arena.driver_alloc_calls,
+        "arena growth in steady state"
+    );
     let now = d.driver_counts();
     assert_eq!(
         (now.pinned_alloc_calls, now.vmm_create_calls, now.device_alloc_calls),
-        (warm_driver.pinned_alloc_calls, warm_driver.vmm_create_calls, warm_driver.device_alloc_calls + 1),
+        (
+            warm_driver.pinned_alloc_calls,
+            warm_driver.vmm_create_calls,
+            warm_driver.device_alloc_calls + 1
+        ),
         "only the decode's own checksum slots may allocate"
     );
     // Hit rate against Belady on the same trace. Overlapping a page-in with
@@ -139,10 +165,23 @@ fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
     let trace: Vec<WeightId> = (0..8).flat_map(|_| ids.iter().copied()).collect();
     let sz: Vec<u64> = sizes.iter().map(|&x| x as u64).collect();
     let depth = m.config().prefetch_depth;
-    let window = (0..sz.len()).map(|i| (1..=depth).map(|k| sz[(i + k) % sz.len()]).sum::<u64>()).max().unwrap();
+    let window = (0..sz.len())
+        .map(|i| (1..=depth).map(|k| sz[(i + k) % sz.len()]).sum::<u64>())
+        .max()
+        .unwrap();
     let opt = belady(&trace, &sz, budget as u64 - window);
-    eprintln!("hits {} Belady(budget) {} Belady(budget - window) {}", s.hits, belady(&trace, &sz, budget as u64).hits, opt.hits);
-    assert!(s.hits as f64 >= 0.99 * opt.hits as f64, "hits {} vs Belady {}", s.hits, opt.hits);
+    eprintln!(
+        "hits {} Belady(budget) {} Belady(budget - window) {}",
+        s.hits,
+        belady(&trace, &sz, budget as u64).hits,
+        opt.hits
+    );
+    assert!(
+        s.hits as f64 >= 0.99 * opt.hits as f64,
+        "hits {} vs Belady {}",
+        s.hits,
+        opt.hits
+    );
     assert_eq!(
         s.page_ins,
         s.acquires - s.hits + s.pending_prefetches + s.wasted_prefetches,
@@ -170,7 +209,10 @@ fn lru_on_a_cycle_hits_nothing_and_cyclic_matches_the_simulator() {
         let mut p = new_policy(kind);
         p.set_cycle(&ids).unwrap();
         let sim = simulate(&trace, &[32 << 10; 10], budget as u64, p.as_mut());
-        assert_eq!(s.hits, sim.hits, "{kind:?}: the manager must decide exactly as its policy replays");
+        assert_eq!(
+            s.hits, sim.hits,
+            "{kind:?}: the manager must decide exactly as its policy replays"
+        );
         if kind == PolicyKind::Lru {
             assert_eq!(s.hits, 0);
         } else {
@@ -198,9 +240,44 @@ fn eviction_waits_for_the_read_fence() {
     // B needs A's room: evicting A must wait for the reader above.
     m.acquire(ids[1], s2.raw()).unwrap();
     m.release(ids[1], s2.raw()).unwrap();
-    assert_eq!(slots.read(&d, &s1)[0], w.checksum(0), "A was overwritten under its reader");
+    assert_eq!(
+        slots.read(&d, &s1)[0],
+        w.checksum(0),
+        "A was overwritten under its reader"
+    );
     let s = m.stats();
-    assert_eq!((s.evictions, s.eviction_waits), (1, 1), "{s:?}");
+    // Same size: A's block goes straight to B's page-in, ordered on the
+    // device behind A's reader; the host never waited.
+    assert_eq!((s.evictions, s.ordered_reuses, s.eviction_waits), (1, 1, 0), "{s:?}");
+}
+
+#[test]
+fn eviction_of_a_block_that_cannot_be_reused_waits_on_the_host() {
+    let d = dev();
+    let n = 256 << 10;
+    // B is half of A: A's block would waste half its memory, so A is evicted
+    // the plain way, which waits for A's reader before freeing.
+    let w = Weights::new(&[n, n / 2], 98);
+    let mut c = small_cfg(n);
+    c.prefetch_depth = 0;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids = w.register_all(&m);
+    let (s1, s2) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
+    let slots = Slots::new(&d, 1);
+    let a = m.acquire(ids[0], s1.raw()).unwrap();
+    d.spin_async(200_000, s1.raw()).unwrap();
+    d.checksum_async(a, n, slots.at(0), s1.raw()).unwrap();
+    m.release(ids[0], s1.raw()).unwrap();
+    m.acquire(ids[1], s2.raw()).unwrap();
+    m.release(ids[1], s2.raw()).unwrap();
+    assert_eq!(
+        slots.read(&d, &s1)[0],
+        w.checksum(0),
+        "A was overwritten under its reader"
+    );
+    let s = m.stats();
+    assert_eq!((s.evictions, s.ordered_reuses, s.eviction_waits), (1, 0, 1), "{s:?}");
+    assert!(s.host_stall_ms > 50.0, "the host waited for the 200 ms reader: {s:?}");
 }
 
 #[test]
@@ -222,7 +299,10 @@ fn all_in_use_and_out_of_budget_are_clear_errors() {
     m.acquire(ids[2], s.raw()).unwrap();
     m.release(ids[2], s.raw()).unwrap();
     m.release(ids[0], s.raw()).unwrap();
-    assert_eq!(m.release(ids[0], s.raw()).unwrap_err().status(), EpmStatus::InvalidState);
+    assert_eq!(
+        m.release(ids[0], s.raw()).unwrap_err().status(),
+        EpmStatus::InvalidState
+    );
 }
 
 #[test]
@@ -232,15 +312,27 @@ fn bad_input_is_an_error_not_a_panic() {
     let m = ResidencyManager::new(&d, small_cfg(1 << 20)).unwrap();
     let ids = w.register_all(&m);
     let s = Stream::new(&d).unwrap();
-    assert_eq!(m.acquire(WeightId(77), s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert_eq!(m.declare_cycle(&[ids[0], WeightId(9)]).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert_eq!(m.declare_cycle(&[ids[0], ids[0]]).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(
+        m.acquire(WeightId(77), s.raw()).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
+    assert_eq!(
+        m.declare_cycle(&[ids[0], WeightId(9)]).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
+    assert_eq!(
+        m.declare_cycle(&[ids[0], ids[0]]).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
     m.acquire(ids[1], s.raw()).unwrap();
     assert_eq!(m.unregister(ids[1]).unwrap_err().status(), EpmStatus::InvalidState);
     m.release(ids[1], s.raw()).unwrap();
     m.unregister(ids[1]).unwrap();
     assert_eq!(m.unregister(ids[1]).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert_eq!(m.acquire(ids[1], s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(
+        m.acquire(ids[1], s.raw()).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
     assert!(ResidencyManager::new(&d, small_cfg(0)).is_err());
     // SAFETY: a zero-length range is never read.
     let empty = unsafe { HostRange::new(w.buf.as_ptr(), 0) };
@@ -267,7 +359,11 @@ fn sources_are_registered_on_first_page_in_or_staged_when_told() {
                 assert_eq!((s.source_registrations, s.bypassed_page_ins), (0, 0), "{s:?}");
             }
             _ => {
-                assert_eq!(s.source_registrations + s.register_refusals, 6, "each source tried once: {s:?}");
+                assert_eq!(
+                    s.source_registrations + s.register_refusals,
+                    6,
+                    "each source tried once: {s:?}"
+                );
                 // A source is registered before the copy that needed it, so
                 // every page-in of a registered weight bypasses staging; a
                 // refused one (locked-memory limit) stages every time.
@@ -300,7 +396,10 @@ fn a_registered_host_range_bypasses_staging_from_the_first_page_in() {
     assert_eq!((s.bypassed_page_ins, s.staged_page_ins), (s.page_ins, 0), "{s:?}");
     assert_eq!(s.registered_bytes, whole.len() as u64);
     m.unregister_host_range(r).unwrap();
-    assert_eq!(m.unregister_host_range(r).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(
+        m.unregister_host_range(r).unwrap_err().status(),
+        EpmStatus::InvalidArgument
+    );
 }
 
 #[test]
@@ -322,11 +421,16 @@ fn prefetch_hides_page_ins_behind_compute() {
     }
     m.synchronize().unwrap();
     let st = m.stats();
-    assert!(st.prefetch_page_ins > 0 && st.prefetch_page_ins <= st.page_ins, "{st:?}");
+    assert!(
+        st.prefetch_page_ins > 0 && st.prefetch_page_ins <= st.page_ins,
+        "{st:?}"
+    );
     // Every page-in was used, except the prefetch the last acquire issued.
     assert_eq!((st.wasted_prefetches, st.pending_prefetches), (0, 1), "{st:?}");
     assert_eq!(st.page_ins, st.acquires - st.hits + 1, "{st:?}");
-    assert!(st.device_stall_ms < st.htod_ms, "prefetched copies should barely stall the stream: {st:?}");
+    // Every page-in was issued ahead of its use (none on demand); how much of
+    // the copy time that hides is the benchmark's to measure.
+    assert_eq!(st.prefetch_page_ins, st.page_ins, "{st:?}");
 }
 
 #[test]
@@ -363,4 +467,105 @@ fn concurrent_decoders_on_two_streams_stay_bit_exact() {
     let s = m.stats();
     assert_eq!(s.acquires, 2 * 4 * ids.len() as u64);
     assert!(s.resident_bytes <= budget as u64, "{s:?}");
+}
+
+/// Decode 3 steps over weights packed back to back in `buf`; every acquire
+/// is checksummed on the device. Returns the stats and the coalesced count
+/// right after declaring the cycle.
+fn packed_decode(
+    d: &Arc<dyn Device>,
+    buf: &[u8],
+    sizes: &[usize],
+    coalesce: bool,
+) -> (epmem::residency::ResidencyStats, u64) {
+    let total: usize = sizes.iter().sum();
+    let budget = total * 3 / 4;
+    let mut c = small_cfg(budget);
+    if coalesce {
+        c.coalesce_below_bytes = 64 << 10;
+        c.coalesce_max_bytes = 128 << 10;
+    }
+    let m = ResidencyManager::new(d, c).unwrap();
+    let mut ids = Vec::new();
+    let mut spans = Vec::new();
+    let mut off = 0;
+    for &n in sizes {
+        // SAFETY: inside `buf`, which outlives the manager and is not written again.
+        ids.push(m.register(unsafe { HostRange::new(buf.as_ptr().add(off), n) }).unwrap());
+        spans.push((off, n));
+        off += n;
+    }
+    m.declare_cycle(&ids).unwrap();
+    let coalesced = m.stats().coalesced_weights;
+    let s = Stream::new(d).unwrap();
+    let slots = Slots::new(d, ids.len());
+    for _ in 0..3 {
+        for (i, &id) in ids.iter().enumerate() {
+            let p = m.acquire(id, s.raw()).unwrap();
+            d.checksum_async(p, spans[i].1 & !3, slots.at(i), s.raw()).unwrap();
+            m.release(id, s.raw()).unwrap();
+        }
+        let got = slots.read(d, &s);
+        for (i, &g) in got.iter().enumerate() {
+            let (o, n) = spans[i];
+            assert_eq!(
+                g,
+                checksum_host(&buf[o..o + (n & !3)]),
+                "weight {i} at the wrong offset in its unit"
+            );
+        }
+    }
+    let st = m.stats();
+    assert!(st.resident_bytes <= budget as u64, "{st:?}");
+    if coalesce {
+        // Unregistering a member undoes its unit; the rest keep working.
+        m.unregister(ids[1]).unwrap();
+        m.acquire(ids[0], s.raw()).unwrap();
+        m.release(ids[0], s.raw()).unwrap();
+        assert!(m.stats().coalesced_weights < coalesced);
+    }
+    m.synchronize().unwrap();
+    (st, coalesced)
+}
+
+#[test]
+fn small_adjacent_weights_are_coalesced_into_one_page_in() {
+    let d = dev();
+    // 24 weights of 16–60 KiB packed back to back in host memory.
+    let sizes: Vec<usize> = (0..24).map(|i| (16 << 10) + 4 * ((i * 2917) % 11000)).collect();
+    let total: usize = sizes.iter().sum();
+    let buf: Vec<u8> = (0..total).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let (plain, none) = packed_decode(&d, &buf, &sizes, false);
+    let (merged, coalesced) = packed_decode(&d, &buf, &sizes, true);
+    assert_eq!(none, 0);
+    // Units are capped at budget / 8 (~1/11 of the model here): pairs and triples.
+    assert!(
+        coalesced >= 12,
+        "most of 24 adjacent small weights coalesce: {coalesced}"
+    );
+    assert!(
+        merged.page_ins < plain.page_ins,
+        "coalescing must save copies: {} vs {}",
+        merged.page_ins,
+        plain.page_ins
+    );
+}
+
+#[test]
+fn host_ranges_join_only_when_adjacent() {
+    static BYTES: [u8; 64] = [1; 64];
+    let all = HostRange::from_static(&BYTES);
+    let (a, b, c) = (
+        all.slice(0, 16).unwrap(),
+        all.slice(16, 16).unwrap(),
+        all.slice(40, 8).unwrap(),
+    );
+    let ab = a.join(&b).unwrap();
+    assert_eq!((ab.ptr(), ab.len()), (a.ptr(), 32));
+    assert_eq!(b.join(&c).unwrap_err().status(), EpmStatus::InvalidArgument, "a gap");
+    assert_eq!(
+        b.join(&a).unwrap_err().status(),
+        EpmStatus::InvalidArgument,
+        "wrong order"
+    );
 }

@@ -25,6 +25,9 @@ fn quick_bench_runs_and_reports_every_scenario() {
         "c_ours/8MiB",
         "d_direct/8MiB",
         "e_peak/8MiB",
+        "e_peak_registered/8MiB",
+        "d_direct_device/8MiB",
+        "e_peak_registered_device/8MiB",
         "f_fill_ceiling/8MiB",
         "acquire_release",
         "steady_state_pinned_allocs",
@@ -34,5 +37,6 @@ fn quick_bench_runs_and_reports_every_scenario() {
     }
     assert!(!text.contains("\"value\":null"), "a scenario has no value:\n{text}");
     assert!(stdout.contains("| (a) alloc+free |") && stdout.contains("### Targets"), "{stdout}");
+    assert!(stdout.contains("| size | e'/e, device time | d/e', wall time |"), "{stdout}");
     assert!(stdout.contains("steady-state pinned_alloc_calls = 0: 0 "), "{stdout}");
 }

@@ -30,6 +30,16 @@ fn assert_same(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
+/// Chunks a staged copy of `n` bytes is cut into.
+fn chunk_count(e: &CopyEngine, n: usize) -> usize {
+    let (chunk, mut left, mut count) = (e.chunk_len(n), n, 0);
+    while left > 0 {
+        left -= e.next_chunk_len(chunk, left);
+        count += 1;
+    }
+    count
+}
+
 #[test]
 fn staged_copies_of_random_data_are_bit_exact() {
     let d = dev();
@@ -44,7 +54,7 @@ fn staged_copies_of_random_data_are_bit_exact() {
         assert!(!f.bypassed() && f.bytes() == n);
         f.make_wait(s.raw()).unwrap();
         assert_same(&read_back(&d, &s, dst.ptr(), n), &src, &format!("{n} bytes"));
-        chunks += n.div_ceil(e.chunk_len(n));
+        chunks += chunk_count(&e, n);
     }
     e.synchronize().unwrap();
     let st = e.stats();
@@ -62,10 +72,24 @@ fn chunking_cuts_big_copies_into_many_slot_sized_pieces() {
     let e = engine(&d, EngineConfig::default());
     let c = e.config().chunk_bytes;
     assert_eq!(e.chunk_len(1), MIB, "never below 1 MiB");
-    assert_eq!(e.chunk_len(32 * MIB), 2 * MIB, "32 MiB: 16 chunks");
+    assert_eq!(e.chunk_len(32 * MIB), 4 * MIB, "32 MiB: 8 chunks");
+    assert_eq!(e.chunk_len(128 * MIB), 16 * MIB, "128 MiB: 8 chunks of the 16 MiB slot");
     assert_eq!(e.chunk_len(1 << 30), c, "never above the slot size");
     let e4 = engine(&d, EngineConfig { target_chunks: 4, chunk_bytes: 32 * MIB, ..EngineConfig::default() });
     assert_eq!(e4.chunk_len(32 * MIB), 8 * MIB, "32 MiB in 4 chunks");
+    // The tail halves down to 1 MiB: 7 x 16, then 8, 4, 2, 1, 1.
+    let mut left = 128 * MIB;
+    let mut seq = Vec::new();
+    while left > 0 {
+        let n = e.next_chunk_len(16 * MIB, left);
+        seq.push(n / MIB);
+        left -= n;
+    }
+    assert_eq!(seq, [16, 16, 16, 16, 16, 16, 16, 8, 4, 2, 1, 1]);
+    assert_eq!(chunk_count(&e, 2 * MIB), 2, "small copies: 1 MiB chunks as before");
+    assert_eq!(chunk_count(&e, 32 * MIB), 10, "32 MiB: 6 x 4 MiB, then 4, 2, 1, 1");
+    assert_eq!(e.next_chunk_len(MIB, 3 * MIB + 5), MIB, "never above the chunk");
+    assert_eq!(e.next_chunk_len(16 * MIB, 700), 700, "never past the end");
 }
 
 #[test]

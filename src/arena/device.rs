@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::suballoc::SubAlloc;
-use super::{chunk_size, Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT};
+use super::{Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT, chunk_size};
 use crate::device::{Access, Device, PhysMem, VaRange};
 use crate::error::Result;
 
@@ -39,11 +39,20 @@ impl DeviceArena {
         let sub = SubAlloc::new(capacity, DEFAULT_UNIT, cfg.max_allocs)?;
         let va = VaRange::reserve(dev, capacity)?;
         let n = capacity / chunk;
-        let stats = ArenaStats { reserved_bytes: capacity as u64, ..Default::default() };
+        let stats = ArenaStats {
+            reserved_bytes: capacity as u64,
+            ..Default::default()
+        };
         Ok(Self {
             dev: dev.clone(),
             chunk,
-            inner: Mutex::new(Inner { sub, chunks: (0..n).map(|_| None).collect(), users: vec![0; n], va, stats }),
+            inner: Mutex::new(Inner {
+                sub,
+                chunks: (0..n).map(|_| None).collect(),
+                users: vec![0; n],
+                va,
+                stats,
+            }),
         })
     }
 

@@ -1,19 +1,19 @@
 //! Device and pinned-host arenas: O(1) sub-allocation with no driver call per
 //! allocation or free in steady state.
 //!
-//! - [`DeviceArena`]: one VA reservation of `capacity` bytes, backed in
+//! - [`DeviceArena`](crate::arena::DeviceArena): one VA reservation of `capacity` bytes, backed in
 //!   chunks of whole granules of physical memory ([`crate::device::PhysMem`]:
 //!   CUDA VMM on a GPU, memfd on the host device) that are committed the first
 //!   time an allocation lands in them and then kept. cuMemCreate + map + set
 //!   access cost ~50 µs per 2 MiB granule on the H200 (DESIGN.md floors), so
 //!   the driver is paid once per chunk, never per allocation.
-//! - [`PinnedArena`]: the same interface over page-locked host memory, in
+//! - [`PinnedArena`](crate::arena::PinnedArena): the same interface over page-locked host memory, in
 //!   segments (pinned memory cannot be grown in place; cuMemHostAlloc of
 //!   32 MiB costs 12.6 ms, so segments are kept too).
 //!
 //! Both hand out addresses (`u64`): a device address for the device arena, a
 //! host address for the pinned arena. Both are used by the residency manager
-//! and by the ONNX Runtime allocators. [`Arena::trim`] gives unused chunks
+//! and by the ONNX Runtime allocators. [`Arena::trim`](crate::arena::Arena::trim) gives unused chunks
 //! back explicitly; nothing is given back implicitly.
 
 mod device;
@@ -43,7 +43,11 @@ pub struct ArenaConfig {
 
 impl ArenaConfig {
     pub fn with_capacity(capacity: usize) -> Self {
-        Self { capacity, chunk_bytes: 0, max_allocs: 64 * 1024 }
+        Self {
+            capacity,
+            chunk_bytes: 0,
+            max_allocs: 64 * 1024,
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use super::suballoc::SubAlloc;
-use super::{chunk_size, Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT};
+use super::{Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT, chunk_size};
 use crate::device::{Device, PinnedBuffer};
 use crate::error::Result;
 
@@ -83,7 +83,6 @@ impl PinnedArena {
         }
         seg.sub.alloc(bytes, align).ok().map(|off| seg.base() + off as u64)
     }
-
 }
 
 impl Arena for PinnedArena {
@@ -124,9 +123,13 @@ impl Arena for PinnedArena {
                 let buf = PinnedBuffer::new(&self.dev, size)
                     .map_err(|e| e.context(format!("growing the pinned arena by {size} bytes")))?;
                 g.stats.driver_alloc_calls += 1;
-                let mut seg = Segment { buf, sub: SubAlloc::new(size, DEFAULT_UNIT, self.max_allocs)? };
-                let a = Self::try_segment(&mut seg, bytes, align)
-                    .ok_or_else(|| crate::error::Error::internal("a fresh pinned segment refused its first allocation"))?;
+                let mut seg = Segment {
+                    buf,
+                    sub: SubAlloc::new(size, DEFAULT_UNIT, self.max_allocs)?,
+                };
+                let a = Self::try_segment(&mut seg, bytes, align).ok_or_else(|| {
+                    crate::error::Error::internal("a fresh pinned segment refused its first allocation")
+                })?;
                 g.committed += size;
                 g.segs.insert(seg.base(), seg);
                 a
@@ -134,7 +137,12 @@ impl Arena for PinnedArena {
         };
         g.last = g.segs.range(..=addr).next_back().map(|(b, _)| *b);
         g.stats.alloc_calls += 1;
-        let span = g.segs.range(..=addr).next_back().and_then(|(b, s)| s.sub.get((addr - b) as usize)).map_or(0, |l| l.span().1);
+        let span = g
+            .segs
+            .range(..=addr)
+            .next_back()
+            .and_then(|(b, s)| s.sub.get((addr - b) as usize))
+            .map_or(0, |l| l.span().1);
         g.in_use += span;
         g.peak_in_use = g.peak_in_use.max(g.in_use);
         Ok(addr)
@@ -166,7 +174,12 @@ impl Arena for PinnedArena {
 
     fn trim(&self) -> Result<usize> {
         let mut g = self.lock();
-        let empty: Vec<u64> = g.segs.iter().filter(|(_, s)| s.sub.live_count() == 0).map(|(b, _)| *b).collect();
+        let empty: Vec<u64> = g
+            .segs
+            .iter()
+            .filter(|(_, s)| s.sub.live_count() == 0)
+            .map(|(b, _)| *b)
+            .collect();
         let mut given = 0;
         for b in empty {
             if let Some(seg) = g.segs.remove(&b) {
@@ -184,15 +197,22 @@ impl Arena for PinnedArena {
 
     fn stats(&self) -> ArenaStats {
         let g = self.lock();
-        let (free, largest) =
-            g.segs.values().map(|s| s.sub.free_report()).fold((0, 0), |(f, l), (sf, sl)| (f + sf, l.max(sl)));
+        let (free, largest) = g
+            .segs
+            .values()
+            .map(|s| s.sub.free_report())
+            .fold((0, 0), |(f, l), (sf, sl)| (f + sf, l.max(sl)));
         ArenaStats {
             reserved_bytes: g.committed as u64,
             committed_bytes: g.committed as u64,
             in_use_bytes: g.in_use as u64,
             peak_in_use_bytes: g.peak_in_use as u64,
             live_allocations: g.segs.values().map(|s| s.sub.live_count() as u64).sum(),
-            fragmentation: if free == 0 { 0.0 } else { 1.0 - largest as f64 / free as f64 },
+            fragmentation: if free == 0 {
+                0.0
+            } else {
+                1.0 - largest as f64 / free as f64
+            },
             ..g.stats
         }
     }

@@ -106,7 +106,10 @@ impl SubAlloc {
             .ok_or_else(|| {
                 crate::error::Error::new(
                     crate::error::EpmStatus::OutOfBudget,
-                    format!("allocation of {bytes} bytes (align {align}) exceeds the arena capacity {}", self.capacity),
+                    format!(
+                        "allocation of {bytes} bytes (align {align}) exceeds the arena capacity {}",
+                        self.capacity
+                    ),
                 )
             })?;
         let Some(alloc) = self.inner.allocate((span / self.unit) as u32) else {
@@ -128,7 +131,15 @@ impl SubAlloc {
         };
         let start = alloc.offset as usize * self.unit;
         let offset = start.next_multiple_of(align);
-        self.live.insert(offset, Live { alloc, start, span, requested: bytes });
+        self.live.insert(
+            offset,
+            Live {
+                alloc,
+                start,
+                span,
+                requested: bytes,
+            },
+        );
         self.in_use += span;
         self.peak_in_use = self.peak_in_use.max(self.in_use);
         Ok(offset)
@@ -167,13 +178,20 @@ impl SubAlloc {
     /// allocator's bin floor: a request up to it is guaranteed to succeed.
     pub fn free_report(&self) -> (usize, usize) {
         let r = self.inner.storage_report();
-        (r.total_free_space as usize * self.unit, r.largest_free_region as usize * self.unit)
+        (
+            r.total_free_space as usize * self.unit,
+            r.largest_free_region as usize * self.unit,
+        )
     }
     /// 1 − largest free range / free bytes: 0 when all free space is one
     /// range, towards 1 when it is scattered in small holes.
     pub fn fragmentation(&self) -> f64 {
         let (free, largest) = self.free_report();
-        if free == 0 { 0.0 } else { 1.0 - largest as f64 / free as f64 }
+        if free == 0 {
+            0.0
+        } else {
+            1.0 - largest as f64 / free as f64
+        }
     }
 }
 
@@ -190,7 +208,10 @@ mod tests {
         assert!(x + 256 <= y || y + 300 <= x);
         assert_eq!(a.in_use(), 256 + (300usize + 4096 - 256).next_multiple_of(256));
         assert_eq!(a.free(x).unwrap().requested, 100);
-        assert_eq!(a.free(x).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
+        assert_eq!(
+            a.free(x).unwrap_err().status(),
+            crate::error::EpmStatus::InvalidArgument
+        );
         a.free(y).unwrap();
         assert_eq!(a.in_use(), 0);
         assert_eq!(a.fragmentation(), 0.0);
@@ -199,7 +220,10 @@ mod tests {
     #[test]
     fn exhaustion_is_out_of_budget() {
         let mut a = SubAlloc::new(4096, 256, 64).unwrap();
-        assert_eq!(a.alloc(8192, 0).unwrap_err().status(), crate::error::EpmStatus::OutOfBudget);
+        assert_eq!(
+            a.alloc(8192, 0).unwrap_err().status(),
+            crate::error::EpmStatus::OutOfBudget
+        );
         let x = a.alloc(4096, 0).unwrap();
         let e = a.alloc(1, 0).unwrap_err();
         assert_eq!(e.status(), crate::error::EpmStatus::OutOfBudget);
@@ -213,7 +237,13 @@ mod tests {
         assert!(SubAlloc::new(1000, 256, 64).is_err());
         assert!(SubAlloc::new(4096, 100, 64).is_err());
         let mut a = SubAlloc::new(4096, 256, 64).unwrap();
-        assert_eq!(a.alloc(0, 0).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
-        assert_eq!(a.alloc(8, 3).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
+        assert_eq!(
+            a.alloc(0, 0).unwrap_err().status(),
+            crate::error::EpmStatus::InvalidArgument
+        );
+        assert_eq!(
+            a.alloc(8, 3).unwrap_err().status(),
+            crate::error::EpmStatus::InvalidArgument
+        );
     }
 }

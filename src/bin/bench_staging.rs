@@ -4,9 +4,18 @@
 //! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (the seed's "after");
 //! - (c) ours: the copy engine — pooled slots, multi-threaded fill overlapped with the DMA;
 //! - (d) ours, direct path: the source registered once, copied with no staging;
-//! - (e) the physical peak: one copy from an already-filled pinned buffer;
+//! - (e) the physical peak: one copy from an already-filled pinned buffer
+//!   (cuMemHostAlloc memory);
+//! - (e') the direct path's own ceiling: one raw copy from the same registered
+//!   range (d) copies, timed exactly like (e), alternating with (d) run by run
+//!   so both see the same machine. (d)/(e') is what the engine adds per copy;
+//!   (e')/(e) in device time is what registered memory costs the DMA;
 //! - (f) the host's fill ceiling: the best multi-threaded pageable → pinned
-//!   memcpy rate while a long DMA runs (fill and DMA share host memory bandwidth).
+//!   memcpy rate while a long DMA runs (fill and DMA share host memory bandwidth);
+//!   (f') the same fill cut into slot-sized pieces over the engine's number of
+//!   recycled buffers. The first H200 run had (c) at 128 MiB reach 1.39×(f),
+//!   so a big fresh destination is not the engine's ceiling; (f') shows
+//!   whether the recycled destinations are why.
 //!
 //! (a) and (b) fill with the same fill threads as (c), so (b) → (c) isolates the
 //! overlap and (a) → (b) the allocation. Every page-in rate is bytes over host
@@ -25,7 +34,7 @@ use std::time::Instant;
 use epmem::bench_support::{BenchArgs, Report, Scenario, gbps, median, repeat};
 use epmem::device::fence::{self, CopyTiming};
 use epmem::device::fill::FillThreads;
-use epmem::device::{self, DeviceBuffer, HostRange, PinnedBuffer, Stream};
+use epmem::device::{self, DeviceBuffer, Event, HostRange, PinnedBuffer, Stream};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 
 const MIB: usize = 1 << 20;
@@ -52,9 +61,9 @@ const FULL: Plan = Plan {
     ceiling_threads: &[4, 6, 8, 12, 16],
     ceiling_fill: 128 * MIB,
     ceiling_dma: 1024 * MIB,
-    sweep_mib: &[32, 128],
-    sweep_threads: &[4, 8, 16],
-    sweep_chunks: &[4, 8, 16, 32],
+    sweep_mib: &[8, 32, 128],
+    sweep_threads: &[8, 12, 16],
+    sweep_chunks: &[4, 8, 16],
 };
 
 const QUICK: Plan = Plan {
@@ -109,8 +118,11 @@ struct Ctx {
 }
 
 /// (f): fill `plan.ceiling_fill` bytes pageable → pinned with `fill` while a
-/// `plan.ceiling_dma` copy runs. Returns GB/s, or None when the DMA ended
-/// before the fill (then the sample did not measure contention).
+/// `plan.ceiling_dma` copy runs, in pieces of one `dsts` buffer's length taken
+/// in turn (one big buffer: the plain ceiling; the engine's slots: the same
+/// fill pattern the engine has: recycled destinations that may stay
+/// partly cached). Returns GB/s, or None when the DMA ended before the fill
+/// (then the sample did not measure contention).
 fn fill_under_dma(
     c: &Ctx,
     plan: &Plan,
@@ -118,12 +130,18 @@ fn fill_under_dma(
     dma_src: &mut Option<PinnedBuffer>,
     dma_dst: &DeviceBuffer,
     src: HostRange,
-    dst: &mut PinnedBuffer,
+    dsts: &mut [PinnedBuffer],
 ) -> Res<Option<f64>> {
+    let Some(piece) = dsts.first().map(|d| d.len().min(plan.ceiling_fill)) else {
+        epmem::bail!(Internal, "no fill destination")
+    };
     let Some(buf) = dma_src.take() else { epmem::bail!(Internal, "DMA source buffer lost") };
     let dma = fence::enqueue_htod(&c.stream, dma_dst.ptr(), buf, plan.ceiling_dma, None)?;
     let t = Instant::now();
-    fill.copy(&mut dst[..plan.ceiling_fill], src.as_slice())?;
+    let n = dsts.len();
+    for (i, from) in src.as_slice()[..plan.ceiling_fill].chunks(piece).enumerate() {
+        fill.copy(&mut dsts[i % n][..from.len()], from)?;
+    }
     let ms = t.elapsed().as_secs_f64() * 1e3;
     let (buf, overlapped) = match dma.try_complete()? {
         fence::TryComplete::Done(buf, _done) => (buf, false),
@@ -131,6 +149,26 @@ fn fill_under_dma(
     };
     *dma_src = Some(buf);
     Ok(overlapped.then(|| gbps(plan.ceiling_fill as u64, ms)))
+}
+
+/// Samples of `fill_under_dma` after the warm-up, and how many were dropped.
+fn ceiling_samples(
+    c: &Ctx,
+    plan: &Plan,
+    fill: &FillThreads,
+    dma: (&mut Option<PinnedBuffer>, &DeviceBuffer),
+    src: HostRange,
+    dsts: &mut [PinnedBuffer],
+) -> Res<(Vec<f64>, usize)> {
+    let (mut samples, mut contaminated) = (Vec::new(), 0);
+    for i in 0..plan.warmup + plan.runs {
+        match fill_under_dma(c, plan, fill, dma.0, dma.1, src, dsts)? {
+            Some(g) if i >= plan.warmup => samples.push(g),
+            Some(_) => {}
+            None => contaminated += 1,
+        }
+    }
+    Ok((samples, contaminated))
 }
 
 fn main() {
@@ -161,33 +199,36 @@ fn run(args: &BenchArgs) -> Res<()> {
     // (f) first: the ceiling every staged figure is judged against.
     let max_size = plan.sizes_mib.iter().max().copied().unwrap_or(1) * MIB;
     let ceiling_src = pageable(plan.ceiling_fill, 7);
-    let mut ceiling_dst = PinnedBuffer::new(&dev, plan.ceiling_fill)?;
+    let mut ceiling_dst = [PinnedBuffer::new(&dev, plan.ceiling_fill)?];
+    let mut slot_dsts =
+        (0..cfg.slots).map(|_| PinnedBuffer::new(&dev, cfg.chunk_bytes)).collect::<Res<Vec<_>>>()?;
     let mut dma_src = Some(PinnedBuffer::new(&dev, plan.ceiling_dma)?);
     let dma_dst = DeviceBuffer::new(&dev, plan.ceiling_dma)?;
     let mut best = (0usize, 0.0f64, Vec::new());
+    let mut best_slots = (0usize, 0.0f64);
     let mut ceiling_rows = String::new();
     for &t in plan.ceiling_threads {
         let fill = FillThreads::new(t)?;
-        let mut samples = Vec::new();
-        let mut contaminated = 0;
-        for i in 0..plan.warmup + plan.runs {
-            match fill_under_dma(&c, &plan, &fill, &mut dma_src, &dma_dst, ceiling_src, &mut ceiling_dst)? {
-                Some(g) if i >= plan.warmup => samples.push(g),
-                Some(_) => {}
-                None => contaminated += 1,
-            }
-        }
-        let alone = rate(&plan, plan.ceiling_fill, || fill.copy(&mut ceiling_dst, ceiling_src.as_slice()))?;
-        let (m, a) = (median(&samples), median(&alone));
-        let _ = writeln!(ceiling_rows, "| {t} | {m:.1} | {a:.1} | {contaminated} |");
-        rep.push(
-            Scenario::new("fill_threads", &format!("f_under_dma/{t}"), "GB/s", true, samples.clone()).at(t as f64),
-        );
-        rep.push(Scenario::new("fill_threads", &format!("fill_alone/{t}"), "GB/s", true, alone).at(t as f64));
+        let (samples, contaminated) =
+            ceiling_samples(&c, &plan, &fill, (&mut dma_src, &dma_dst), ceiling_src, &mut ceiling_dst)?;
+        let (in_slots, slots_contaminated) =
+            ceiling_samples(&c, &plan, &fill, (&mut dma_src, &dma_dst), ceiling_src, &mut slot_dsts)?;
+        let alone = rate(&plan, plan.ceiling_fill, || fill.copy(&mut ceiling_dst[0], ceiling_src.as_slice()))?;
+        let (m, ms, a) = (median(&samples), median(&in_slots), median(&alone));
+        let dropped = contaminated + slots_contaminated;
+        let _ = writeln!(ceiling_rows, "| {t} | {m:.1} | {ms:.1} | {a:.1} | {dropped} |");
+        let x = t as f64;
+        rep.push(Scenario::new("fill_threads", &format!("f_under_dma/{t}"), "GB/s", true, samples.clone()).at(x));
+        rep.push(Scenario::new("fill_threads", &format!("f_slots_under_dma/{t}"), "GB/s", true, in_slots).at(x));
+        rep.push(Scenario::new("fill_threads", &format!("fill_alone/{t}"), "GB/s", true, alone).at(x));
         if m > best.1 {
             best = (t, m, samples);
         }
+        if ms > best_slots.1 {
+            best_slots = (t, ms);
+        }
     }
+    drop(slot_dsts);
 
     // Acquire + release latency of the pool (the copy between them is not timed).
     let lat_dst = DeviceBuffer::new(&dev, 4096)?;
@@ -207,6 +248,7 @@ fn run(args: &BenchArgs) -> Res<()> {
     let lat_us = rep.push(Scenario::new("pool", "acquire_release", "us", false, lat));
 
     let mut table = String::new();
+    let mut direct_rows = String::new();
     let mut steady_allocs = 0u64;
     let mut targets = Vec::new();
     let timing = CopyTiming::new(&dev)?;
@@ -243,14 +285,9 @@ fn run(args: &BenchArgs) -> Res<()> {
             c.engine.htod(dst.ptr(), src, None)?.wait()
         })?;
         steady_allocs += c.engine.stats().pinned_alloc_calls - allocs_before.unwrap_or(0);
-        let d = {
-            let _reg = c.engine.register(src)?;
-            rate(&plan, n, || {
-                let f = c.engine.htod(dst.ptr(), src, None)?;
-                epmem::ensure!(f.bypassed(), Internal, "a registered source was staged");
-                f.wait()
-            })?
-        };
+        let reg = c.engine.register(src)?;
+        let direct = direct_vs_raw(&c, &plan, n, src, &dst)?;
+        drop(reg);
         let mut peak_buf = Some(PinnedBuffer::new(&dev, n)?);
         let mut device_ms = Vec::new();
         let e = rate(&plan, n, || {
@@ -264,27 +301,56 @@ fn run(args: &BenchArgs) -> Res<()> {
         })?;
         let e_dev: Vec<f64> = device_ms.iter().skip(plan.warmup).map(|&ms| gbps(n as u64, ms)).collect();
 
-        let va = rep.push(Scenario::new("pagein", &format!("a_alloc_free/{tag}"), "GB/s", true, a).at(x));
-        let vb = rep.push(Scenario::new("pagein", &format!("b_pooled_sync/{tag}"), "GB/s", true, b).at(x));
-        let vc = rep.push(Scenario::new("pagein", &format!("c_ours/{tag}"), "GB/s", true, cc).at(x));
-        let vd = rep.push(Scenario::new("pagein", &format!("d_direct/{tag}"), "GB/s", true, d).at(x));
-        let ve = rep.push(Scenario::new("pagein", &format!("e_peak/{tag}"), "GB/s", true, e).at(x));
-        let ve_dev =
-            rep.push(Scenario::new("pagein_device_time", &format!("e_peak_device/{tag}"), "GB/s", true, e_dev).at(x));
+        let page = |name: &str, samples: Vec<f64>| {
+            Scenario::new("pagein", &format!("{name}/{tag}"), "GB/s", true, samples).at(x)
+        };
+        let dev_time = |name: &str, samples: Vec<f64>| {
+            Scenario::new("pagein_device_time", &format!("{name}/{tag}"), "GB/s", true, samples).at(x)
+        };
+        let va = rep.push(page("a_alloc_free", a));
+        let vb = rep.push(page("b_pooled_sync", b));
+        let vc = rep.push(page("c_ours", cc));
+        let vd = rep.push(page("d_direct", direct.d));
+        let ve = rep.push(page("e_peak", e));
+        let ver = rep.push(page("e_peak_registered", direct.raw));
+        let ve_dev = rep.push(dev_time("e_peak_device", e_dev));
+        let vd_dev = rep.push(dev_time("d_direct_device", direct.d_dev));
+        let ver_dev = rep.push(dev_time("e_peak_registered_device", direct.raw_dev));
         rep.push(Scenario::new("pagein", &format!("f_fill_ceiling/{tag}"), "GB/s", true, best.2.clone()).at(x));
         let vf = best.1;
         let _ = writeln!(
             table,
-            "| {mib} MiB | {va:.1} | {vb:.1} | **{vc:.1}** | {vd:.1} | {ve:.1} ({ve_dev:.1}) | {vf:.1} | {:.2} | {:.0}% | {:.0}% |",
+            "| {mib} MiB | {va:.1} | {vb:.1} | **{vc:.1}** | {vd:.1} ({vd_dev:.1}) | {ve:.1} ({ve_dev:.1}) | {ver:.1} ({ver_dev:.1}) | {vf:.1} | {:.2} | {:.0}% | {:.0}% | {:.0}% |",
             vc / vf,
             100.0 * vc / ve,
-            100.0 * vd / ve
+            100.0 * vd / ve,
+            100.0 * vd / ver
+        );
+        let _ = writeln!(
+            direct_rows,
+            "| {mib} MiB | {:.0}% | {:.0}% | {:.1} µs |",
+            100.0 * ver_dev / ve_dev,
+            100.0 * vd / ver,
+            per_copy_us(n, vd, ver)
         );
         if mib >= 32 {
-            targets.push(format!("(c) ≥ 0.95×(f) at {mib} MiB: {:.2} {}", vc / vf, verdict(vc >= 0.95 * vf)));
+            targets.push(format!(
+                "(c) ≥ 0.95×(f) at {mib} MiB: {:.2} {} (against (f') into the slots, {:.1} GB/s with {} threads: {:.2})",
+                vc / vf,
+                verdict(vc >= 0.95 * vf),
+                best_slots.1,
+                best_slots.0,
+                vc / best_slots.1
+            ));
             targets.push(format!("(c) ≥ 70% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vc / ve, verdict(vc >= 0.7 * ve)));
         }
-        targets.push(format!("(d) ≥ 95% of (e) at {mib} MiB: {:.0}% {}", 100.0 * vd / ve, verdict(vd >= 0.95 * ve)));
+        targets.push(format!(
+            "(d) ≥ 95% of (e) at {mib} MiB: {:.0}% {}; of (e') from the same registered range: {:.0}% {}",
+            100.0 * vd / ve,
+            verdict(vd >= 0.95 * ve),
+            100.0 * vd / ver,
+            verdict(vd >= 0.95 * ver)
+        ));
         sources.push((mib, src, dst));
     }
     let (sweep, sweep_best) = sweep(&plan, &c.pool, &sources, &mut rep)?;
@@ -319,15 +385,33 @@ fn run(args: &BenchArgs) -> Res<()> {
         plan.ceiling_dma / MIB,
         best.0
     );
-    md.push_str("| size | (a) alloc+free | (b) pooled sync | (c) ours | (d) direct | (e) pinned peak (device time) | (f) fill ceiling | c/f | c/e | d/e |\n");
-    md.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| size | (a) alloc+free | (b) pooled sync | (c) ours | (d) direct (device time) | (e) pinned peak (device time) | (e') raw from the registered range (device time) | (f) fill ceiling | c/f | c/e | d/e | d/e' |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     md.push_str(&table);
-    let _ = writeln!(md, "\n### Fill rate, pageable → pinned, GB/s ({} MiB)\n", plan.ceiling_fill / MIB);
     md.push_str(
-        "| threads | while a DMA runs | alone | samples where the DMA ended first (dropped) |\n|---|---|---|---|\n",
+        "\n### Direct path: the DMA from registered memory vs what the engine adds\n\n\
+         (e')/(e) in device time: registered (cuMemHostRegister) vs cuMemHostAlloc memory, the same copy. \
+         (d)/(e') in host wall time: the engine's per-copy cost, alternating run by run with (e').\n\n\
+         | size | e'/e, device time | d/e', wall time | engine cost per copy |\n|---|---|---|---|\n",
+    );
+    md.push_str(&direct_rows);
+    let _ = writeln!(md, "\n### Fill rate, pageable → pinned, GB/s ({} MiB)\n", plan.ceiling_fill / MIB);
+    let _ = writeln!(
+        md,
+        "(f') fills the same bytes in {} MiB pieces into {} recycled buffers, as the engine's slots are \
+         (recycled destinations may stay partly cached; the big buffer's cannot).\n",
+        cfg.chunk_bytes.min(plan.ceiling_fill) / MIB,
+        cfg.slots
+    );
+    md.push_str(
+        "| threads | (f) while a DMA runs | (f') into the slots, while a DMA runs | alone | samples where the DMA ended first (dropped) |\n|---|---|---|---|---|\n",
     );
     md.push_str(&ceiling_rows);
-    let _ = writeln!(md, "\n### Tuning sweep: (c) GB/s by fill threads and chunks per page-in (chunks ≤ 32 MiB)\n");
+    let _ = writeln!(
+        md,
+        "\n### Tuning sweep: (c) GB/s by fill threads and chunks per page-in ({} slots, chunks ≤ 32 MiB)\n",
+        cfg.slots
+    );
     md.push_str(&sweep);
     let _ = writeln!(md, "\n### Targets (issue 3)\n");
     for t in &targets {
@@ -355,6 +439,74 @@ fn run(args: &BenchArgs) -> Res<()> {
             .map_err(|e| epmem::Error::new(epmem::EpmStatus::OsError, format!("writing {path}: {e}")))?;
     }
     Ok(())
+}
+
+/// (d) and (e'), per run: host wall GB/s and device-event GB/s.
+struct Direct {
+    d: Vec<f64>,
+    d_dev: Vec<f64>,
+    raw: Vec<f64>,
+    raw_dev: Vec<f64>,
+}
+
+/// (d) through the engine and (e') as a raw copy from the same registered
+/// `src`, alternating (and alternating which goes first) so drift on the
+/// machine hits both alike. (e') is timed exactly as (e): timing events
+/// around the copy, a fresh completion event, host wait on it. (d)'s device
+/// time is the engine's own timing pair, read from its counters after the
+/// run (outside the timed span).
+fn direct_vs_raw(c: &Ctx, plan: &Plan, n: usize, src: HostRange, dst: &DeviceBuffer) -> Res<Direct> {
+    let timing = CopyTiming::new(c.engine.device())?;
+    let mut out = Direct { d: Vec::new(), d_dev: Vec::new(), raw: Vec::new(), raw_dev: Vec::new() };
+    let direct = |out: &mut Direct, keep: bool| -> Res<()> {
+        let before = c.engine.stats();
+        let ms = timed(|| {
+            let f = c.engine.htod(dst.ptr(), src, None)?;
+            epmem::ensure!(f.bypassed(), Internal, "a registered source was staged");
+            f.wait()
+        })?;
+        let after = c.engine.stats();
+        if keep {
+            out.d.push(gbps(n as u64, ms));
+            if after.timed_copies == before.timed_copies + 1 {
+                out.d_dev.push(gbps(n as u64, after.htod_ms - before.htod_ms));
+            }
+        }
+        Ok(())
+    };
+    let raw = |out: &mut Direct, keep: bool| -> Res<()> {
+        let ms = timed(|| {
+            let done = Event::new(c.engine.device(), false)?;
+            timing.record_start(&c.stream)?;
+            fence::enqueue_htod_from_range(&c.stream, dst.ptr(), src, None)?;
+            timing.record_end(&c.stream)?;
+            done.record(&c.stream)?;
+            done.synchronize()
+        })?;
+        if keep {
+            out.raw.push(gbps(n as u64, ms));
+            if let Some(dev_ms) = timing.elapsed_ms()? {
+                out.raw_dev.push(gbps(n as u64, f64::from(dev_ms)));
+            }
+        }
+        Ok(())
+    };
+    for i in 0..plan.warmup + plan.runs {
+        let keep = i >= plan.warmup;
+        if i % 2 == 0 {
+            direct(&mut out, keep)?;
+            raw(&mut out, keep)?;
+        } else {
+            raw(&mut out, keep)?;
+            direct(&mut out, keep)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Microseconds per copy that rate `slow` adds over rate `fast` for `n` bytes.
+fn per_copy_us(n: usize, slow: f64, fast: f64) -> f64 {
+    (n as f64 / (slow * 1e9) - n as f64 / (fast * 1e9)) * 1e6
 }
 
 /// (c) over fill threads × chunks per page-in (chunks up to 32 MiB): the

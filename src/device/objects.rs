@@ -216,6 +216,23 @@ impl HostRange {
         // SAFETY: inside the range the creator vouched for.
         Ok(unsafe { HostRange::new(self.ptr.add(offset), len) })
     }
+    /// The range covering `self` and then `next`, which must start exactly
+    /// where `self` ends (the residency manager copies adjacent small
+    /// weights as one). Errors otherwise.
+    pub fn join(&self, next: &HostRange) -> Result<HostRange> {
+        crate::ensure!(
+            self.ptr.wrapping_add(self.len) == next.ptr && self.len.checked_add(next.len).is_some(),
+            InvalidArgument,
+            "host ranges {:p}+{} and {:p}+{} are not adjacent",
+            self.ptr,
+            self.len,
+            next.ptr,
+            next.len
+        );
+        // SAFETY: both halves were vouched for by their creators and they are
+        // adjacent, so the union is exactly the memory they vouched for.
+        Ok(unsafe { HostRange::new(self.ptr, self.len + next.len) })
+    }
     pub fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];

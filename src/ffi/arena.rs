@@ -130,7 +130,12 @@ const CONFIG_MIN: usize = std::mem::size_of::<EpmArenaConfig>();
 const STATS_MIN: usize = std::mem::size_of::<EpmArenaStats>();
 
 fn default_config() -> EpmArenaConfig {
-    EpmArenaConfig { size: CONFIG_MIN, capacity_bytes: 0, chunk_bytes: 0, max_allocations: 0 }
+    EpmArenaConfig {
+        size: CONFIG_MIN,
+        capacity_bytes: 0,
+        chunk_bytes: 0,
+        max_allocations: 0,
+    }
 }
 
 fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
@@ -140,8 +145,16 @@ fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
         .map_err(|_| Error::invalid_argument(format!("cfg->capacity_bytes {} is too large", c.capacity_bytes)))?;
     let chunk = usize::try_from(c.chunk_bytes)
         .map_err(|_| Error::invalid_argument(format!("cfg->chunk_bytes {} is too large", c.chunk_bytes)))?;
-    let max_allocs = if c.max_allocations == 0 { 64 * 1024 } else { c.max_allocations };
-    Ok(ArenaConfig { capacity, chunk_bytes: chunk, max_allocs })
+    let max_allocs = if c.max_allocations == 0 {
+        64 * 1024
+    } else {
+        c.max_allocations
+    };
+    Ok(ArenaConfig {
+        capacity,
+        chunk_bytes: chunk,
+        max_allocs,
+    })
 }
 
 /// Fill `*out` with the defaults (capacity 0: the caller must set it).
@@ -167,7 +180,11 @@ pub extern "C" fn epm_arena_config_default(out: *mut EpmArenaConfig) -> EpmStatu
 /// capacity, bad `size`), device errors. Threading: safe from any thread; the
 /// arena itself is thread-safe.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_arena_create_device(dev: *mut EpmDevice, cfg: *const EpmArenaConfig, out: *mut *mut EpmArena) -> EpmStatus {
+pub extern "C" fn epm_arena_create_device(
+    dev: *mut EpmDevice,
+    cfg: *const EpmArenaConfig,
+    out: *mut *mut EpmArena,
+) -> EpmStatus {
     ffi_boundary! {
         let dev = try_handle!(dev);
         let cfg = config_of(cfg)?;
@@ -185,7 +202,11 @@ pub extern "C" fn epm_arena_create_device(dev: *mut EpmDevice, cfg: *const EpmAr
 ///
 /// Ownership, NULL, errors, threading: as `epm_arena_create_device`.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_arena_create_pinned(dev: *mut EpmDevice, cfg: *const EpmArenaConfig, out: *mut *mut EpmArena) -> EpmStatus {
+pub extern "C" fn epm_arena_create_pinned(
+    dev: *mut EpmDevice,
+    cfg: *const EpmArenaConfig,
+    out: *mut *mut EpmArena,
+) -> EpmStatus {
     ffi_boundary! {
         let dev = try_handle!(dev);
         let cfg = config_of(cfg)?;

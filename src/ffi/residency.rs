@@ -8,12 +8,12 @@
 //! epm_residency_release(res, w, stream);          // records the read fence
 //! ```
 
+use crate::device::HostRange;
 use crate::ffi::arena::{read_versioned, write_versioned};
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::device::HostRange;
 use crate::residency::{HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
 
 /// A residency manager: a VRAM budget, its device arena, a staging pool and
@@ -72,10 +72,16 @@ pub struct EpmResidencyConfig {
     pub staging_slots: u32,
     /// Threads filling staging buffers, counting the caller's (0: 8).
     pub fill_threads: u32,
-    /// Largest staging chunk in bytes (0: 8 MiB; at least 1 MiB).
+    /// Largest staging chunk in bytes (0: 16 MiB; at least 1 MiB).
     pub staging_chunk_bytes: u64,
     /// Most bytes the staging pool retains (0: 512 MiB).
     pub staging_pool_bytes: u64,
+    /// Weights smaller than this, adjacent both in host memory and in the
+    /// declared cycle, are coalesced into one page-in (copies of a few
+    /// hundred KiB never reach the PCIe peak). Default 1 MiB; 0 disables.
+    pub coalesce_below_bytes: u64,
+    /// Largest coalesced unit (default 8 MiB; never above budget / 8).
+    pub coalesce_max_bytes: u64,
 }
 
 /// Counters of a residency manager, filled by `epm_residency_get_stats`;
@@ -100,8 +106,8 @@ pub struct EpmResidencyStats {
     /// Prefetched weights evicted before use.
     pub wasted_prefetches: u64,
     pub evictions: u64,
-    /// Evictions whose victim was still being read, so the host waited for
-    /// its read fence.
+    /// Evictions whose victim was still being read and whose block could not
+    /// be handed on (see `ordered_reuses`), so the host waited for its read fence.
     pub eviction_waits: u64,
     /// Page-ins copied straight from page-locked or registered memory.
     pub bypassed_page_ins: u64,
@@ -136,6 +142,12 @@ pub struct EpmResidencyStats {
     pub arena_committed_bytes: u64,
     pub arena_in_use_bytes: u64,
     pub arena_fragmentation: f64,
+    /// Weights coalesced into multi-weight units. A member acquired after its
+    /// unit was paged in for another member counts as a hit.
+    pub coalesced_weights: u64,
+    /// Evictions whose block went straight to the next page-in, the copy
+    /// ordered on the device behind the victim's readers (no host wait).
+    pub ordered_reuses: u64,
 }
 
 const CONFIG_MIN: usize = std::mem::size_of::<EpmResidencyConfig>();
@@ -154,25 +166,34 @@ fn default_config() -> EpmResidencyConfig {
         fill_threads: 0,
         staging_chunk_bytes: 0,
         staging_pool_bytes: 0,
+        coalesce_below_bytes: d.coalesce_below_bytes as u64,
+        coalesce_max_bytes: d.coalesce_max_bytes as u64,
     }
 }
 
 fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
     let c = read_versioned(p, default_config(), CONFIG_MIN, "cfg")?;
     ensure!(c.budget_bytes > 0, InvalidArgument, "cfg->budget_bytes is 0");
-    let mut r = ResidencyConfig::with_budget(usize::try_from(c.budget_bytes).map_err(|_| {
-        Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes))
-    })?);
+    let mut r = ResidencyConfig::with_budget(
+        usize::try_from(c.budget_bytes)
+            .map_err(|_| Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes)))?,
+    );
     r.policy = match c.policy {
         EPM_POLICY_CYCLIC => PolicyKind::Cyclic,
         EPM_POLICY_LRU => PolicyKind::Lru,
-        p => bail!(InvalidArgument, "cfg->policy {p} is not EPM_POLICY_CYCLIC (0) or EPM_POLICY_LRU (1)"),
+        p => bail!(
+            InvalidArgument,
+            "cfg->policy {p} is not EPM_POLICY_CYCLIC (0) or EPM_POLICY_LRU (1)"
+        ),
     };
     r.register_sources = match c.register_sources {
         EPM_REGISTER_WITHIN_MEMLOCK => RegisterSources::WithinMemlock,
         EPM_REGISTER_NEVER => RegisterSources::Never,
         EPM_REGISTER_ALWAYS => RegisterSources::Always,
-        v => bail!(InvalidArgument, "cfg->register_sources {v} is not one of EPM_REGISTER_* (0, 1, 2)"),
+        v => bail!(
+            InvalidArgument,
+            "cfg->register_sources {v} is not one of EPM_REGISTER_* (0, 1, 2)"
+        ),
     };
     r.prefetch_depth = c.prefetch_depth as usize;
     r.sync_page_in = c.sync_page_in != 0;
@@ -190,6 +211,10 @@ fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
         r.pool.max_bytes = usize::try_from(c.staging_pool_bytes)
             .map_err(|_| Error::invalid_argument("cfg->staging_pool_bytes is too large"))?;
     }
+    r.coalesce_below_bytes = usize::try_from(c.coalesce_below_bytes)
+        .map_err(|_| Error::invalid_argument("cfg->coalesce_below_bytes is too large"))?;
+    r.coalesce_max_bytes = usize::try_from(c.coalesce_max_bytes)
+        .map_err(|_| Error::invalid_argument("cfg->coalesce_max_bytes is too large"))?;
     Ok(r)
 }
 
@@ -322,13 +347,20 @@ pub extern "C" fn epm_residency_unregister_host_range(res: *mut EpmResidency, ra
 }
 
 /// Declare the cyclic order of a decode step (`n` weights, each at most
-/// once). The cyclic policy evicts by it and `acquire` prefetches along it.
+/// once). The cyclic policy evicts by it and `release` prefetches along it.
+/// Small weights adjacent in host memory and in `order` are coalesced into
+/// one page-in (see `coalesce_below_bytes`); no weight may be acquired
+/// during the call (INVALID_STATE).
 /// Declaring again replaces it; `n == 0` clears it.
 ///
 /// NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
 /// an unknown or repeated weight. Threading: safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_residency_declare_cycle(res: *mut EpmResidency, order: *const EpmWeightId, n: usize) -> EpmStatus {
+pub extern "C" fn epm_residency_declare_cycle(
+    res: *mut EpmResidency,
+    order: *const EpmWeightId,
+    n: usize,
+) -> EpmStatus {
     ffi_boundary! {
         let res = try_handle!(res);
         let ids = weight_list(order, n)?;
@@ -393,7 +425,11 @@ pub extern "C" fn epm_residency_acquire(
 /// Errors: INVALID_ARGUMENT (unknown weight, other device), INVALID_STATE
 /// when released more often than acquired. Threading: safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_residency_release(res: *mut EpmResidency, weight: EpmWeightId, stream: *mut EpmStream) -> EpmStatus {
+pub extern "C" fn epm_residency_release(
+    res: *mut EpmResidency,
+    weight: EpmWeightId,
+    stream: *mut EpmStream,
+) -> EpmStatus {
     ffi_boundary! {
         let res = try_handle!(res);
         let stream = try_handle!(stream);
@@ -460,6 +496,8 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             arena_committed_bytes: s.arena.committed_bytes,
             arena_in_use_bytes: s.arena.in_use_bytes,
             arena_fragmentation: s.arena.fragmentation,
+            coalesced_weights: s.coalesced_weights,
+            ordered_reuses: s.ordered_reuses,
         };
         write_versioned(out, v, STATS_MIN, "out")
     }
@@ -471,7 +509,11 @@ fn weight_list(p: *const EpmWeightId, n: usize) -> Result<Vec<WeightId>> {
         return Ok(Vec::new());
     }
     ensure!(!p.is_null(), NullPointer, "a list of {n} weights is NULL");
-    ensure!(n <= u32::MAX as usize, InvalidArgument, "a list of {n} weights is too long");
+    ensure!(
+        n <= u32::MAX as usize,
+        InvalidArgument,
+        "a list of {n} weights is too long"
+    );
     // SAFETY: non-NULL; the C caller promises `n` readable ids for the call.
     let ids = unsafe { std::slice::from_raw_parts(p, n) };
     Ok(ids.iter().map(|&w| WeightId(w)).collect())

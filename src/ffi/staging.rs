@@ -63,12 +63,12 @@ pub struct EpmCopyEngineConfig {
     /// Threads that fill a slot, counting the calling thread, 1–64 (default 8,
     /// or the number of CPUs if fewer).
     pub fill_threads: u32,
-    /// Capacity of one slot and the largest chunk, at least 1 MiB (default 8 MiB).
+    /// Capacity of one slot and the largest chunk, at least 1 MiB (default 16 MiB).
     pub chunk_bytes: u64,
     /// `EPM_COPY_ENGINE_*` bits (default 0).
     pub flags: u32,
     /// Cut a copy into about this many chunks (within 1 MiB and
-    /// `chunk_bytes`), 1–256 (default 16): more chunks overlap more of the
+    /// `chunk_bytes`), 1–256 (default 8): more chunks overlap more of the
     /// fill with the DMA, fewer cost fewer per-chunk driver calls.
     pub target_chunks: u32,
 }

@@ -6,7 +6,6 @@
 //! independent, and each keeps its factory alive so it may
 //! be released after the library is unregistered.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
@@ -17,11 +16,11 @@ use super::options::AllocatorOptions;
 use super::source::{self, MemKind, MemorySource};
 use crate::error::Result;
 
-/// Accounting for one allocator (safe Rust, unit-tested below).
+/// Accounting for one allocator in ORT's terms (requested bytes; the
+/// arena itself knows each allocation's size and rounds it up).
 #[derive(Debug, Default)]
 pub(crate) struct Book {
     pub limit: u64,
-    live: HashMap<u64, usize>,
     pub in_use: u64,
     pub max_in_use: u64,
     pub total_allocated: u64,
@@ -43,8 +42,7 @@ impl Book {
     pub fn admits(&self, bytes: usize) -> bool {
         self.in_use.checked_add(bytes as u64).is_some_and(|n| n <= self.limit)
     }
-    pub fn record(&mut self, addr: u64, bytes: usize, reserve: bool) {
-        self.live.insert(addr, bytes);
+    pub fn record(&mut self, bytes: usize, reserve: bool) {
         let b = bytes as u64;
         self.in_use += b;
         self.max_in_use = self.max_in_use.max(self.in_use);
@@ -56,15 +54,12 @@ impl Book {
             self.num_allocs += 1;
         }
     }
-    /// Forget `addr`; None if it is not ours (or already freed).
-    pub fn release(&mut self, addr: u64) -> Option<usize> {
-        let bytes = self.live.remove(&addr)?;
-        self.in_use -= bytes as u64;
+    pub fn release(&mut self, bytes: usize) {
+        self.in_use = self.in_use.saturating_sub(bytes as u64);
         self.frees += 1;
-        Some(bytes)
     }
-    pub fn live_addrs(&self) -> Vec<u64> {
-        self.live.keys().copied().collect()
+    pub fn live(&self) -> u64 {
+        (self.num_allocs + self.num_reserves).saturating_sub(self.frees)
     }
 }
 
@@ -89,6 +84,7 @@ impl Allocator {
         kind: MemKind,
         opts: AllocatorOptions,
     ) -> Result<*mut OrtAllocator> {
+        // The limit is also the arena's capacity: its VA reservation on the device.
         let default_limit = match kind {
             MemKind::Device => dev.dev.info().total_mem,
             MemKind::Pinned => physical_ram(),
@@ -118,7 +114,7 @@ impl Allocator {
             info,
             device_label: dev.label(),
             kind,
-            source: source::open(&dev.dev, kind),
+            source: source::open(&dev.dev, kind, limit)?,
             book: Mutex::new(Book::new(limit)),
         });
         Ok(Box::into_raw(a) as *mut OrtAllocator)
@@ -154,7 +150,7 @@ impl Allocator {
         }
         match self.source.alloc(bytes) {
             Ok(addr) => {
-                book.record(addr, bytes, reserve);
+                book.record(bytes, reserve);
                 addr as *mut c_void
             }
             Err(e) => {
@@ -175,16 +171,17 @@ impl Allocator {
         }
         let addr = p as u64;
         let mut book = self.book();
-        if book.release(addr).is_none() {
+        let Some(bytes) = self.source.size_of(addr) else {
             log::warn!(
-                "epmem: {} {:?} allocator: Free of {addr:#x}, which it did not allocate; ignored",
+                "epmem: {} {:?} allocator: Free of {addr:#x}, which it did not allocate (or freed already); ignored",
                 self.device_label,
                 self.kind
             );
             return;
-        }
-        if let Err(e) = self.source.free(addr) {
-            log::warn!("epmem: freeing {addr:#x} failed: {e}");
+        };
+        match self.source.free(addr) {
+            Ok(()) => book.release(bytes),
+            Err(e) => log::warn!("epmem: freeing {addr:#x} failed: {e}"),
         }
     }
 
@@ -214,10 +211,7 @@ impl Allocator {
             ("epmem.committed_bytes", s.committed_bytes.to_string()),
             ("epmem.reserved_bytes", s.reserved_bytes.to_string()),
             ("epmem.fragmentation", format!("{:.4}", s.fragmentation)),
-            (
-                "epmem.live_allocations",
-                (b.num_allocs + b.num_reserves - b.frees).to_string(),
-            ),
+            ("epmem.live_allocations", b.live().to_string()),
             ("epmem.frees", b.frees.to_string()),
             ("epmem.failed_allocs", b.failed_allocs.to_string()),
         ];
@@ -229,20 +223,15 @@ impl Allocator {
 
 impl Drop for Allocator {
     fn drop(&mut self) {
-        let live = self.book().live_addrs();
-        if !live.is_empty() {
+        // ORT frees every tensor before releasing the allocator; if it did
+        // not, the arena's memory goes with the arena all the same.
+        let live = self.book().live();
+        if live > 0 {
             log::warn!(
-                "epmem: {} {:?} allocator released with {} allocations still live; freeing them",
+                "epmem: {} {:?} allocator released with {live} allocations live",
                 self.device_label,
-                self.kind,
-                live.len()
+                self.kind
             );
-        }
-        for addr in live {
-            self.book().release(addr);
-            if let Err(e) = self.source.free(addr) {
-                log::warn!("epmem: freeing {addr:#x} at allocator release failed: {e}");
-            }
         }
     }
 }
@@ -329,28 +318,26 @@ mod tests {
         let mut b = Book::new(1000);
         assert!(b.admits(1000));
         assert!(!b.admits(1001));
-        b.record(0x10, 600, false);
-        b.record(0x20, 300, true);
+        b.record(600, false);
+        b.record(300, true);
         assert!(!b.admits(101));
         assert!(b.admits(100));
         assert_eq!(
             (b.in_use, b.num_allocs, b.num_reserves, b.max_alloc_size),
             (900, 1, 1, 600)
         );
-        assert_eq!(b.release(0x10), Some(600));
-        assert_eq!(b.release(0x10), None, "double free is detected");
-        assert_eq!(b.release(0x99), None, "foreign pointer is detected");
-        b.record(0x30, 50, false);
-        assert_eq!((b.in_use, b.max_in_use, b.total_allocated, b.frees), (350, 900, 950, 1));
-        let mut live = b.live_addrs();
-        live.sort();
-        assert_eq!(live, vec![0x20, 0x30]);
+        b.release(600);
+        b.record(50, false);
+        assert_eq!(
+            (b.in_use, b.max_in_use, b.total_allocated, b.frees, b.live()),
+            (350, 900, 950, 1, 2)
+        );
     }
 
     #[test]
     fn book_limit_never_overflows() {
         let mut b = Book::new(u64::MAX);
-        b.record(1, usize::MAX, false);
+        b.record(usize::MAX, false);
         assert!(!b.admits(usize::MAX), "u64 overflow must read as over the limit");
     }
 }

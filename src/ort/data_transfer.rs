@@ -180,10 +180,11 @@ impl DataTransfer {
             Ok(streams[i].as_ref().map(Stream::raw).expect("created above"))
         };
         match (src_side, dst_side) {
-            // SAFETY (whole match): the caller vouches for host ranges; device
-            // addresses are validated by the device layer.
+            // Device addresses are validated by the device layer; host ranges
+            // are the caller's promise (see `# Safety`).
             (s, d) if s.is_host() && d.is_host() => {
                 c.host.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: both host ranges are valid for n bytes (caller).
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) }
             }
             (s, Side::Device(j)) if s.is_host() => {
@@ -194,11 +195,14 @@ impl DataTransfer {
                 // completes it.
                 c.htod.fetch_add(1, Ordering::Relaxed);
                 let engine = self.factory.engines.get(j, &devs[j].dev)?;
+                // SAFETY: src is readable for n bytes until the streams are
+                // synchronized, which waits for the engine's fence.
                 let range = unsafe { HostRange::new(src as *const u8, n) };
                 fences.push(engine.htod(dst, range, Some(stream(j)?))?);
             }
             (Side::Device(i), d) if d.is_host() => {
                 c.dtoh.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: dst is writable for n bytes until the streams are synchronized.
                 unsafe { devs[i].dev.memcpy_dtoh_async(dst as *mut u8, src, n, stream(i)?)? }
             }
             (Side::Device(i), Side::Device(j)) if i == j => {
@@ -211,8 +215,10 @@ impl DataTransfer {
                 // in the device layer); rare, so simplicity wins.
                 let mut bounce = vec![0u8; n];
                 let (si, sj) = (stream(i)?, stream(j)?);
+                // SAFETY: `bounce` is n writable bytes, untouched until the sync below.
                 unsafe { devs[i].dev.memcpy_dtoh_async(bounce.as_mut_ptr(), src, n, si)? };
                 devs[i].dev.stream_synchronize(si)?;
+                // SAFETY: `bounce` outlives the copy: we synchronize before dropping it.
                 unsafe { devs[j].dev.memcpy_htod_async(dst, bounce.as_ptr(), n, sj)? };
                 devs[j].dev.stream_synchronize(sj)?;
             }

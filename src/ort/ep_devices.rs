@@ -79,10 +79,8 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
                 ]);
                 let mut epd: *mut OrtEpDevice = std::ptr::null_mut();
                 // SAFETY: live factory, hardware device and metadata; ORT copies the metadata.
-                api.check(
-                    unsafe { (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) },
-                    "CreateEpDevice",
-                )?;
+                let st = unsafe { (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) };
+                api.check(st, "CreateEpDevice")?;
                 made.push(epd);
                 // SAFETY: epd is live; the memory infos outlive it (the factory owns them).
                 unsafe {

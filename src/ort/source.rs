@@ -1,14 +1,15 @@
-//! Where an ORT allocator's memory comes from.
+//! Where an ORT allocator's memory comes from: epmem's arenas.
 //!
 //! [`MemorySource`] is the seam between the ORT adapter and epmem's memory
 //! machinery: the allocator glue (`allocator.rs`) does accounting, limits and
-//! stats; a source only hands out and takes back address ranges. Today the
-//! sources are the device's plain allocation calls; the device and pinned
-//! arenas (`src/arena/`) replace them here, and nowhere else.
+//! stats; a source hands out and takes back address ranges. DEFAULT memory
+//! comes from a [`DeviceArena`] (one VA reservation, committed in chunks of
+//! granules), HOST_ACCESSIBLE memory from a [`PinnedArena`] (pinned
+//! segments); neither makes a driver call per allocation in steady state.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use crate::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
 use crate::device::Device;
 use crate::error::Result;
 
@@ -17,13 +18,13 @@ use crate::error::Result;
 pub(crate) struct SourceStats {
     /// Physical bytes held from the driver now.
     pub committed_bytes: u64,
-    /// Address space held (an arena's reservation; the allocations themselves here).
+    /// Address space held (the device arena's VA reservation, the pinned segments).
     pub reserved_bytes: u64,
     /// Times the source went to the driver for more memory.
     pub extensions: u64,
     /// Times the source gave memory back to the driver.
     pub shrinks: u64,
-    /// 1 − largest free range / free bytes (0 when nothing is held unused).
+    /// 1 − largest free range / free bytes.
     pub fragmentation: f64,
 }
 
@@ -35,10 +36,13 @@ pub(crate) trait MemorySource: Send + Sync {
     /// Give back an address from [`MemorySource::alloc`]. No queued work may
     /// still use it.
     fn free(&self, addr: u64) -> Result<()>;
+    /// The size requested for a live allocation; None for an address that
+    /// is not one (foreign, or freed already).
+    fn size_of(&self, addr: u64) -> Option<usize>;
     /// Return memory no allocation uses to the driver; bytes given back.
     fn trim(&self) -> Result<usize>;
     fn stats(&self) -> SourceStats;
-    /// Short name for stats ("device_alloc", "pinned_alloc", "arena").
+    /// Short name for stats.
     fn name(&self) -> &'static str;
 }
 
@@ -51,74 +55,52 @@ pub(crate) enum MemKind {
     Pinned,
 }
 
-/// The source for `kind` memory on `dev`.
-pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind) -> Box<dyn MemorySource> {
-    Box::new(DriverSource {
-        dev: dev.clone(),
-        kind,
-        held: Mutex::new(Held::default()),
+/// An arena of `capacity` bytes for `kind` memory on `dev`. Nothing is
+/// committed until the first allocation.
+pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind, capacity: u64) -> Result<Box<dyn MemorySource>> {
+    let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
+    let cfg = ArenaConfig::with_capacity(capacity);
+    Ok(match kind {
+        MemKind::Device => Box::new(ArenaSource {
+            arena: DeviceArena::new(dev, cfg)?,
+            name: "device_arena",
+        }),
+        MemKind::Pinned => Box::new(ArenaSource {
+            arena: PinnedArena::new(dev, cfg)?,
+            name: "pinned_arena",
+        }),
     })
 }
 
-#[derive(Default)]
-struct Held {
-    sizes: HashMap<u64, usize>,
-    stats: SourceStats,
+struct ArenaSource<A: Arena> {
+    arena: A,
+    name: &'static str,
 }
 
-/// One driver allocation per request (cuMemAlloc / cuMemHostAlloc): correct
-/// but a driver call per Alloc, which the arenas exist to remove.
-struct DriverSource {
-    dev: Arc<dyn Device>,
-    kind: MemKind,
-    held: Mutex<Held>,
-}
-
-impl MemorySource for DriverSource {
+impl<A: Arena> MemorySource for ArenaSource<A> {
     fn alloc(&self, bytes: usize) -> Result<u64> {
-        let addr = match self.kind {
-            MemKind::Device => self.dev.mem_alloc(bytes)?,
-            MemKind::Pinned => self.dev.pinned_alloc(bytes)? as u64,
-        };
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        h.sizes.insert(addr, bytes);
-        h.stats.committed_bytes += bytes as u64;
-        h.stats.reserved_bytes += bytes as u64;
-        h.stats.extensions += 1;
-        Ok(addr)
+        self.arena.alloc(bytes, 0)
     }
-
     fn free(&self, addr: u64) -> Result<()> {
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(bytes) = h.sizes.remove(&addr) else {
-            crate::bail!(InvalidArgument, "address {addr:#x} was not allocated by this source");
-        };
-        let r = match self.kind {
-            MemKind::Device => self.dev.mem_free(addr),
-            // SAFETY: addr came from pinned_alloc on this device (it is in
-            // `sizes`) and is freed once (removed above); the allocator's
-            // contract with ORT is that nothing uses it any more.
-            MemKind::Pinned => unsafe { self.dev.pinned_free(addr as *mut u8) },
-        };
-        h.stats.committed_bytes -= bytes as u64;
-        h.stats.reserved_bytes -= bytes as u64;
-        h.stats.shrinks += 1;
-        r
+        self.arena.free(addr)
     }
-
+    fn size_of(&self, addr: u64) -> Option<usize> {
+        self.arena.size_of(addr)
+    }
     fn trim(&self) -> Result<usize> {
-        // Every byte held is a live allocation: nothing to give back.
-        Ok(0)
+        self.arena.trim()
     }
-
     fn stats(&self) -> SourceStats {
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).stats
-    }
-
-    fn name(&self) -> &'static str {
-        match self.kind {
-            MemKind::Device => "device_alloc",
-            MemKind::Pinned => "pinned_alloc",
+        let s = self.arena.stats();
+        SourceStats {
+            committed_bytes: s.committed_bytes,
+            reserved_bytes: s.reserved_bytes,
+            extensions: s.driver_alloc_calls,
+            shrinks: s.driver_free_calls,
+            fragmentation: s.fragmentation,
         }
+    }
+    fn name(&self) -> &'static str {
+        self.name
     }
 }

@@ -1,7 +1,7 @@
 //! How a residency manager is set up.
 
-use super::registry::RegisterSources;
 use super::PolicyKind;
+use super::registry::RegisterSources;
 use crate::staging::{EngineConfig, PoolConfig};
 
 /// Configuration of a [`super::ResidencyManager`].
@@ -24,6 +24,14 @@ pub struct ResidencyConfig {
     /// The seed's design: the host waits for every page-in to complete
     /// before `acquire` returns. For comparison only (default false).
     pub sync_page_in: bool,
+    /// Weights smaller than this that are adjacent both in host memory and in
+    /// the declared cycle are coalesced into one page-in of up to
+    /// `coalesce_max_bytes` (copies of a few hundred KiB never reach the
+    /// PCIe peak: 2 MiB gets 49 GB/s on the H200, 8 MiB+ 53–54). Default
+    /// 1 MiB; 0 disables.
+    pub coalesce_below_bytes: usize,
+    /// Largest coalesced unit (default 8 MiB; never above budget / 8).
+    pub coalesce_max_bytes: usize,
     /// Growth step of the device arena in bytes (0: 16 granules).
     pub arena_chunk_bytes: usize,
     pub pool: PoolConfig,
@@ -38,19 +46,25 @@ impl ResidencyConfig {
             register_sources: RegisterSources::WithinMemlock,
             prefetch_depth: 1,
             sync_page_in: false,
+            coalesce_below_bytes: 1 << 20,
+            coalesce_max_bytes: 8 << 20,
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
             engine: EngineConfig::default(),
         }
     }
-    /// The seed's design: LRU, synchronous page-ins, staged (no registration), no prefetch.
+    /// The seed's design: LRU, synchronous page-ins, staged through the pool
+    /// (no registration, no coalescing), one fill thread, no prefetch.
     pub fn seed_baseline(budget_bytes: usize) -> Self {
-        Self {
+        let mut c = Self {
             policy: PolicyKind::Lru,
             register_sources: RegisterSources::Never,
             prefetch_depth: 0,
             sync_page_in: true,
+            coalesce_below_bytes: 0,
             ..Self::with_budget(budget_bytes)
-        }
+        };
+        c.engine.fill_threads = 1;
+        c
     }
 }

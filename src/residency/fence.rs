@@ -12,6 +12,21 @@
 //! only after every event was observed complete. Giving the memory back to
 //! the arena ([`DeviceBlock::free`]) consumes the token.
 //!
+//! Holding and moving one compiles (the twin of the blocks below, which each
+//! change one thing):
+//! ```
+//! fn pass(w: epmem::residency::fence::ReadsDone) -> epmem::residency::fence::ReadsDone {
+//!     w
+//! }
+//! ```
+//! One exception keeps the host from waiting where the device can order the
+//! work instead: a victim still being read can be handed straight to the
+//! next page-in as a [`Reused`] block ([`Fenced::reuse_after`]). Its readers'
+//! events are made to gate an order stream first, and the only thing a
+//! `Reused` can do is be the destination of a copy issued after that stream
+//! ([`Reused::fill`]), so the copy cannot start before the readers end. The
+//! memory never passes through the arena while readers may be running.
+//!
 //! A witness cannot be forged outside this module:
 //! ```compile_fail,E0451
 //! let w = epmem::residency::fence::ReadsDone { _sealed: () };
@@ -31,9 +46,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::arena::{Arena, DeviceArena};
-use crate::device::Event;
+use crate::device::{Event, HostRange, Stream};
 use crate::error::Result;
-use crate::staging::Fence;
+use crate::staging::{CopyEngine, Fence};
 
 /// Proof that every event fencing one block was observed complete.
 #[must_use = "a ReadsDone proves a block may be given back: free the block with it"]
@@ -72,7 +87,11 @@ impl fmt::Debug for DeviceBlock {
 impl DeviceBlock {
     /// Allocate `len` bytes from `arena`.
     pub fn alloc(arena: &Arc<DeviceArena>, len: usize) -> Result<Self> {
-        Ok(Self { addr: arena.alloc(len, 0)?, arena: arena.clone(), len })
+        Ok(Self {
+            addr: arena.alloc(len, 0)?,
+            arena: arena.clone(),
+            len,
+        })
     }
     pub fn addr(&self) -> u64 {
         self.addr
@@ -116,7 +135,11 @@ pub enum Retire {
 impl Fenced {
     /// `block` with the fence of the page-in copy just queued into it.
     pub fn new(block: DeviceBlock, page_in: Fence) -> Self {
-        Self { block: Some(block), page_in: Some(page_in), events: Vec::new() }
+        Self {
+            block: Some(block),
+            page_in: Some(page_in),
+            events: Vec::new(),
+        }
     }
     /// The page-in's fence, until it is observed complete.
     pub fn page_in(&self) -> Option<&Fence> {
@@ -147,6 +170,21 @@ impl Fenced {
     /// Fence one more use (an event already recorded after it).
     pub fn push(&mut self, e: Event) {
         self.events.push(e);
+    }
+    /// Whether the page-in and every read have completed. Never blocks and
+    /// changes nothing (a choice between victims, not a retirement).
+    pub fn is_idle(&self) -> Result<bool> {
+        if let Some(f) = &self.page_in {
+            if !f.query()? {
+                return Ok(false);
+            }
+        }
+        for e in &self.events {
+            if !e.query()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
     /// Release events not yet observed complete.
     pub fn pending_reads(&self) -> usize {
@@ -193,6 +231,88 @@ impl Fenced {
         match self.block.take() {
             Some(b) => b,
             None => unreachable!("Fenced block taken twice"),
+        }
+    }
+}
+
+impl Fenced {
+    /// Hand this block to the next page-in without waiting on the host:
+    /// `order` is made to wait (on the device) for the page-in and every
+    /// read, and the block comes back as a [`Reused`], which can only be
+    /// filled by a copy ordered after `order`.
+    pub fn reuse_after(mut self, order: &Stream) -> Result<Reused> {
+        if let Some(f) = &self.page_in {
+            f.make_wait(order.raw())?;
+        }
+        for e in &self.events {
+            order.wait_event(e)?;
+        }
+        let (page_in, events) = (self.page_in.take(), std::mem::take(&mut self.events));
+        Ok(Reused {
+            block: Some(self.take()),
+            page_in,
+            events,
+        })
+    }
+}
+
+/// A resident block whose readers may still be running, on its way to the
+/// next weight. See the module docs.
+#[derive(Debug)]
+pub struct Reused {
+    block: Option<DeviceBlock>,
+    /// Kept so that dropping an unfilled `Reused` can wait for them.
+    page_in: Option<Fence>,
+    events: Vec<Event>,
+}
+
+impl Reused {
+    pub fn len(&self) -> usize {
+        self.block.as_ref().map_or(0, |b| b.len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copy `src` (at most the block's length) into the block on `engine`,
+    /// ordered after `order` — the stream [`Fenced::reuse_after`] made wait
+    /// for the block's readers.
+    pub fn fill(mut self, engine: &CopyEngine, src: HostRange, order: &Stream) -> Result<Fenced> {
+        crate::ensure!(
+            src.len() <= self.len(),
+            InvalidArgument,
+            "a page-in of {} bytes into a reused block of {}",
+            src.len(),
+            self.len()
+        );
+        let block = match self.block.take() {
+            Some(b) => b,
+            None => unreachable!("Reused filled twice"),
+        };
+        match engine.htod(block.addr(), src, Some(order.raw())) {
+            Ok(fence) => Ok(Fenced::new(block, fence)),
+            Err(e) => {
+                // Nothing was queued into the block: it goes back through
+                // the usual waits (Fenced's drop) with the readers' fences.
+                drop(Fenced {
+                    block: Some(block),
+                    page_in: self.page_in.take(),
+                    events: std::mem::take(&mut self.events),
+                });
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Reused {
+    /// Unfilled: wait for the readers before the memory goes back, as Fenced does.
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            drop(Fenced {
+                block: Some(block),
+                page_in: self.page_in.take(),
+                events: std::mem::take(&mut self.events),
+            });
         }
     }
 }

@@ -6,41 +6,56 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
-use super::fence::{DeviceBlock, Fenced, Retire};
-use super::registry::{memlock_limit, Entry, HostRangeId, RegState, RegisterSources, Registry};
+use super::fence::Reused;
+use super::registry::{Entry, HostRangeId, Registry, memlock_limit};
 use super::stats::{Counters, ResidencyStats, StallTimer};
-use super::{new_policy, Policy, WeightId};
+use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
-use crate::device::{Device, Event, HostRange, RawStream};
-use crate::error::{EpmStatus, Error, Result};
+use crate::device::{Device, Event, HostRange, RawStream, Stream};
+use crate::error::{Error, Result};
 use crate::staging::{CopyEngine, PinnedStagingPool};
 
+/// What making room for a page-in produced.
+pub(super) enum Room {
+    /// The budget has room: allocate from the arena.
+    Fits,
+    /// A victim's block, handed on behind its readers.
+    Reuse(Reused),
+    /// A prefetch that would have to evict something needed sooner.
+    No,
+}
+
 #[derive(Debug)]
-struct State {
-    reg: Registry,
-    policy: Box<dyn Policy>,
+pub(super) struct State {
+    pub(super) reg: Registry,
+    pub(super) policy: Box<dyn Policy>,
     /// The declared cycle and each weight's position in it.
-    cycle: Vec<WeightId>,
-    cycle_pos: HashMap<WeightId, usize>,
-    resident_bytes: usize,
-    peak_resident_bytes: usize,
-    resident_weights: usize,
-    c: Counters,
-    stalls: StallTimer,
+    pub(super) cycle: Vec<WeightId>,
+    pub(super) cycle_pos: HashMap<WeightId, usize>,
+    pub(super) resident_bytes: usize,
+    pub(super) peak_resident_bytes: usize,
+    pub(super) resident_weights: usize,
+    pub(super) c: Counters,
+    pub(super) stalls: StallTimer,
     /// Spent release events, reused so a release creates none in steady state.
-    spare: Vec<Event>,
-    memlock: Option<u64>,
+    pub(super) spare: Vec<Event>,
+    pub(super) memlock: Option<u64>,
+    /// Gates page-ins into reused blocks behind their readers (see
+    /// [`Fenced::reuse_after`]).
+    pub(super) order: Stream,
+    /// A weight prefetch may not evict: the one just released (see `release`).
+    pub(super) shield: Option<WeightId>,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
 /// Thread-safe: every call takes one internal lock.
 #[derive(Debug)]
 pub struct ResidencyManager {
-    dev: Arc<dyn Device>,
-    cfg: ResidencyConfig,
-    arena: Arc<DeviceArena>,
-    engine: CopyEngine,
-    state: Mutex<State>,
+    pub(super) dev: Arc<dyn Device>,
+    pub(super) cfg: ResidencyConfig,
+    pub(super) arena: Arc<DeviceArena>,
+    pub(super) engine: CopyEngine,
+    pub(super) state: Mutex<State>,
 }
 
 impl ResidencyManager {
@@ -52,7 +67,11 @@ impl ResidencyManager {
         let capacity = cfg.budget_bytes + cfg.budget_bytes / 8 + 2 * dev.vmm_granularity();
         let arena = Arc::new(DeviceArena::new(
             dev,
-            ArenaConfig { capacity, chunk_bytes: cfg.arena_chunk_bytes, max_allocs: 64 * 1024 },
+            ArenaConfig {
+                capacity,
+                chunk_bytes: cfg.arena_chunk_bytes,
+                max_allocs: 64 * 1024,
+            },
         )?);
         let pool = PinnedStagingPool::new(dev, cfg.pool)?;
         let engine = CopyEngine::new(&pool, cfg.engine)?;
@@ -73,6 +92,8 @@ impl ResidencyManager {
                 stalls: StallTimer::default(),
                 spare: Vec::new(),
                 memlock: memlock_limit(),
+                order: Stream::new(dev)?,
+                shield: None,
             }),
         })
     }
@@ -88,7 +109,7 @@ impl ResidencyManager {
         &self.arena
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         // Every mutation completes before the next fallible call, so a
         // poisoned lock still guards consistent state.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -113,15 +134,21 @@ impl ResidencyManager {
     /// its fences and frees its device memory. It leaves the declared cycle.
     pub fn unregister(&self, w: WeightId) -> Result<()> {
         let mut st = self.lock();
-        let e = st.reg.get(w)?;
-        crate::ensure!(e.users == 0, InvalidState, "weight {} is acquired {} time(s): release it first", w.0, e.users);
-        if e.block.is_some() {
+        let u = st.reg.leader(w)?;
+        let e = st.reg.get(u)?;
+        crate::ensure!(
+            e.users == 0,
+            InvalidState,
+            "weight {} is acquired {} time(s): release it first",
+            w.0,
+            e.users
+        );
+        self.ungroup(&mut st, u)?;
+        if st.reg.get(w)?.block.is_some() {
             self.evict(&mut st, w)?;
         }
         let e = st.reg.remove(w)?;
-        if e.reg.is_some() {
-            st.c.registered_bytes -= e.range.len() as u64;
-        }
+        st.c.registered_bytes -= e.reg_bytes as u64;
         if st.cycle_pos.contains_key(&w) {
             let order: Vec<WeightId> = st.cycle.iter().copied().filter(|&x| x != w).collect();
             Self::set_cycle(&mut st, order)?;
@@ -158,26 +185,41 @@ impl ResidencyManager {
         Ok(self.lock().reg.get(w)?.range.len())
     }
     pub fn is_resident(&self, w: WeightId) -> Result<bool> {
-        Ok(self.lock().reg.get(w)?.block.is_some())
+        let st = self.lock();
+        Ok(st.reg.get(st.reg.leader(w)?)?.block.is_some())
     }
 
     // ---- the cycle and prefetch -----------------------------------------
 
     /// Declare the cyclic order of a decode step. The policy evicts by it
-    /// and `acquire` prefetches `prefetch_depth` weights ahead along it.
+    /// and `release` prefetches up to `prefetch_depth` weights ahead along it.
+    ///
+    /// Small weights adjacent in host memory and in `order` are coalesced
+    /// into one unit (see [`ResidencyConfig::coalesce_below_bytes`]); a
+    /// previous grouping is undone first, evicting coalesced units, so no
+    /// weight may be acquired during the call.
     pub fn declare_cycle(&self, order: &[WeightId]) -> Result<()> {
         let mut st = self.lock();
+        let mut seen = std::collections::HashSet::with_capacity(order.len());
         for &w in order {
             st.reg.get(w)?;
+            crate::ensure!(
+                seen.insert(w),
+                InvalidArgument,
+                "weight {} appears twice in the cyclic order",
+                w.0
+            );
         }
+        let leaders: Vec<WeightId> = st
+            .reg
+            .ids()
+            .filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty()))
+            .collect();
+        for u in leaders {
+            self.ungroup(&mut st, u)?;
+        }
+        self.group(&mut st, order)?;
         Self::set_cycle(&mut st, order.to_vec())
-    }
-
-    fn set_cycle(st: &mut State, order: Vec<WeightId>) -> Result<()> {
-        st.policy.set_cycle(&order)?;
-        st.cycle_pos = order.iter().enumerate().map(|(i, &w)| (w, i)).collect();
-        st.cycle = order;
-        Ok(())
     }
 
     /// Page in `weights` ahead of use, in order, as far as the budget allows
@@ -187,6 +229,7 @@ impl ResidencyManager {
         let mut st = self.lock();
         let mut n = 0;
         for &w in weights {
+            let w = st.reg.leader(w)?;
             if st.reg.get(w)?.block.is_none() {
                 if !self.page_in(&mut st, w, false)? {
                     break;
@@ -202,7 +245,8 @@ impl ResidencyManager {
     /// Make weight `w` usable by work queued on `stream` from now on, and
     /// return its device address. On a miss the page-in is issued and
     /// `stream` is made to wait on its fence; on a hit (or a completed
-    /// prefetch) the host never waits. Pair with [`Self::release`].
+    /// prefetch) the host never waits. Pair with [`Self::release`], which
+    /// also prefetches the next weights of the declared cycle.
     ///
     /// Errors: an unknown weight is `InvalidArgument`; when making room would
     /// mean evicting a weight that is acquired and not released, `AllInUse`.
@@ -210,6 +254,8 @@ impl ResidencyManager {
         let mut st = self.lock();
         let st = &mut *st;
         self.harvest(st)?;
+        let offset = st.reg.get(w)?.offset as u64;
+        let w = st.reg.leader(w)?;
         let e = st.reg.get_mut(w)?;
         let hit = e.block.is_some() && !e.prefetched;
         if std::mem::take(&mut e.prefetched) {
@@ -224,8 +270,11 @@ impl ResidencyManager {
         st.reg.get_mut(w)?.users += 1;
         let r = (|| {
             let e = st.reg.get_mut(w)?;
-            let block = e.block.as_mut().ok_or_else(|| Error::internal("acquired weight has no block"))?;
-            let addr = block.addr();
+            let block = e
+                .block
+                .as_mut()
+                .ok_or_else(|| Error::internal("acquired weight has no block"))?;
+            let addr = block.addr() + offset;
             if !block.page_in_done()? {
                 if let Some(f) = block.page_in() {
                     if self.cfg.sync_page_in {
@@ -237,7 +286,6 @@ impl ResidencyManager {
                     }
                 }
             }
-            self.prefetch_ahead(st, w)?;
             Ok(addr)
         })();
         // A failed acquire must not leave the weight acquired: the caller
@@ -257,8 +305,14 @@ impl ResidencyManager {
     pub fn release(&self, w: WeightId, stream: RawStream) -> Result<()> {
         let mut st = self.lock();
         let st = &mut *st;
+        let w = st.reg.leader(w)?;
         let e = st.reg.get(w)?;
-        crate::ensure!(e.users > 0, InvalidState, "weight {} released more often than acquired", w.0);
+        crate::ensure!(
+            e.users > 0,
+            InvalidState,
+            "weight {} released more often than acquired",
+            w.0
+        );
         let ev = match st.spare.pop() {
             Some(ev) => ev,
             None => Event::new(&self.dev, false)?,
@@ -271,184 +325,18 @@ impl ResidencyManager {
             b.push(ev);
             st.spare.extend(spent);
         }
-        Ok(())
+        // Prefetch here, not in acquire: the caller's kernel for `w` is queued
+        // by now, so whatever the host spends on the next page-ins (a staged
+        // fill, a slot wait) overlaps that kernel instead of delaying its
+        // launch. `w` itself is shielded: it was in use when acquire would
+        // have prefetched, so the choices are the same as there.
+        st.shield = Some(w);
+        let r = self.prefetch_ahead(st, w);
+        st.shield = None;
+        r
     }
 
     // ---- internals ------------------------------------------------------
-
-    /// Page `w` in. `demand`: an acquire needs it now (errors if no room);
-    /// otherwise a prefetch, which gives up (Ok(false)) rather than evict a
-    /// weight needed sooner.
-    fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
-        let len = st.reg.get(w)?.range.len();
-        if !self.make_room(st, w, len, demand)? {
-            return Ok(false);
-        }
-        let block = loop {
-            match DeviceBlock::alloc(&self.arena, len) {
-                Ok(b) => break b,
-                // The arena has the bytes but not in one range: evict more.
-                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
-                    Some(v) => self.evict(st, v)?,
-                    None if demand => return Err(self.all_in_use(st, w, len)),
-                    None => return Ok(false),
-                },
-                Err(e) => return Err(e),
-            }
-        };
-        self.maybe_register(st, w)?;
-        let range = st.reg.get(w)?.range;
-        let fence = self.engine.htod(block.addr(), range, None)?;
-        if self.cfg.sync_page_in {
-            let t = Instant::now();
-            fence.wait()?;
-            st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
-        }
-        let e = st.reg.get_mut(w)?;
-        e.block = Some(Fenced::new(block, fence));
-        e.prefetched = !demand;
-        st.resident_bytes += len;
-        st.resident_weights += 1;
-        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
-        st.policy.inserted(w);
-        st.c.page_ins += 1;
-        st.c.prefetch_page_ins += !demand as u64;
-        st.c.pending_prefetches += !demand as u64;
-        Ok(true)
-    }
-
-    /// Evict until `len` more bytes fit the budget.
-    fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<bool> {
-        while st.resident_bytes + len > self.cfg.budget_bytes {
-            match self.victim(st, w, demand) {
-                Some(v) => self.evict(st, v)?,
-                None if demand => return Err(self.all_in_use(st, w, len)),
-                None => return Ok(false),
-            }
-        }
-        Ok(true)
-    }
-
-    /// The policy's best victim that is not acquired and is not `target`;
-    /// for a prefetch, only one needed later than `target`.
-    fn victim(&self, st: &State, target: WeightId, demand: bool) -> Option<WeightId> {
-        let limit = if demand { None } else { st.policy.distance(target) };
-        st.policy.candidates().find(|&v| {
-            v != target
-                && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
-                && match (limit, st.policy.distance(v)) {
-                    (Some(t), Some(d)) => d > t,
-                    _ => true,
-                }
-        })
-    }
-
-    /// Evict `v`: its memory goes back to the arena only with a [`ReadsDone`]
-    /// witness, waiting on the host if its readers are still running.
-    ///
-    /// [`ReadsDone`]: super::fence::ReadsDone
-    fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
-        let e = st.reg.get_mut(v)?;
-        let Some(fenced) = e.block.take() else { return Ok(()) };
-        if std::mem::take(&mut e.prefetched) {
-            st.c.pending_prefetches -= 1;
-            st.c.wasted_prefetches += 1;
-        }
-        let len = fenced.len();
-        let (block, done, spent) = match fenced.try_retire()? {
-            Retire::Done(b, d, s) => (b, d, s),
-            Retire::Pending(f) => {
-                st.c.eviction_waits += 1;
-                let t = Instant::now();
-                let r = f.wait()?;
-                st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
-                r
-            }
-        };
-        block.free(done);
-        st.spare.extend(spent);
-        st.resident_bytes -= len;
-        st.resident_weights -= 1;
-        st.policy.removed(v);
-        st.c.evictions += 1;
-        Ok(())
-    }
-
-    fn all_in_use(&self, st: &State, w: WeightId, len: usize) -> Error {
-        Error::new(
-            EpmStatus::AllInUse,
-            format!(
-                "weight {} ({len} bytes) does not fit: {} of {} budget bytes are held by weights that are \
-                 acquired and not released ({} resident weights); release weights or raise the budget",
-                w.0, st.resident_bytes, self.cfg.budget_bytes, st.resident_weights
-            ),
-        )
-    }
-
-    /// Register `w`'s pageable source on its first page-in, per the config.
-    fn maybe_register(&self, st: &mut State, w: WeightId) -> Result<()> {
-        let (range, state) = {
-            let e = st.reg.get(w)?;
-            (e.range, e.reg_state)
-        };
-        if state != RegState::Untried
-            || self.cfg.register_sources == RegisterSources::Never
-            || self.dev.host_is_page_locked(range.ptr(), range.len())
-        {
-            return Ok(());
-        }
-        let within = match (self.cfg.register_sources, st.memlock) {
-            (RegisterSources::WithinMemlock, Some(limit)) => st.c.registered_bytes + range.len() as u64 <= limit,
-            _ => true,
-        };
-        let result = if within { Some(self.engine.register(range)) } else { None };
-        let e = st.reg.get_mut(w)?;
-        match result {
-            Some(Ok(r)) => {
-                e.reg = Some(r);
-                e.reg_state = RegState::Registered;
-                st.c.source_registrations += 1;
-                st.c.registered_bytes += range.len() as u64;
-            }
-            Some(Err(err)) => {
-                log::info!("epmem: staging weight {} (registering its source failed: {err})", w.0);
-                e.reg_state = RegState::Refused;
-                st.c.register_refusals += 1;
-            }
-            None => {
-                e.reg_state = RegState::Refused;
-                st.c.register_refusals += 1;
-            }
-        }
-        Ok(())
-    }
-
-    /// Keep up to `prefetch_depth` weights ahead of `w` in the cycle paged in
-    /// and not yet used: walk forward past resident weights to the next
-    /// missing ones. Skipping resident weights matters: Belady's resident
-    /// set is a run of the cycle, so misses come in runs, and the copies of
-    /// the next run must start while the hit run computes.
-    fn prefetch_ahead(&self, st: &mut State, w: WeightId) -> Result<()> {
-        let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
-        let n = st.cycle.len();
-        let mut ahead = 0;
-        for k in 1..n {
-            if ahead >= self.cfg.prefetch_depth {
-                break;
-            }
-            let x = st.cycle[(p + k) % n];
-            let e = st.reg.get(x)?;
-            if e.block.is_none() {
-                if !self.page_in(st, x, false)? {
-                    break;
-                }
-                ahead += 1;
-            } else if e.prefetched {
-                ahead += 1;
-            }
-        }
-        Ok(())
-    }
 
     fn harvest(&self, st: &mut State) -> Result<()> {
         st.c.device_stall_ms += st.stalls.harvest()?;
@@ -474,13 +362,19 @@ impl ResidencyManager {
         ResidencyStats {
             acquires: c.acquires,
             hits: c.hits,
-            hit_rate: if c.acquires == 0 { 0.0 } else { c.hits as f64 / c.acquires as f64 },
+            hit_rate: if c.acquires == 0 {
+                0.0
+            } else {
+                c.hits as f64 / c.acquires as f64
+            },
             page_ins: c.page_ins,
             prefetch_page_ins: c.prefetch_page_ins,
             pending_prefetches: c.pending_prefetches,
             wasted_prefetches: c.wasted_prefetches,
             evictions: c.evictions,
             eviction_waits: c.eviction_waits,
+            ordered_reuses: c.ordered_reuses,
+            coalesced_weights: c.coalesced_weights,
             bypassed_page_ins: s.bypassed,
             staged_page_ins: s.copies - s.bypassed,
             source_registrations: c.source_registrations,

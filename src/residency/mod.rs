@@ -8,9 +8,12 @@
 //! - [`fence`]: the read fence and its `ReadsDone` witness;
 //! - [`stats`]: the counters.
 
+mod coalesce;
 pub mod config;
+mod evict;
 pub mod fence;
 pub mod manager;
+mod page_in;
 pub mod policy;
 pub mod registry;
 pub mod sim;
@@ -22,6 +25,6 @@ pub struct WeightId(pub u32);
 
 pub use config::ResidencyConfig;
 pub use manager::ResidencyManager;
-pub use policy::{new_policy, CyclicPolicy, LruPolicy, Policy, PolicyKind};
+pub use policy::{CyclicPolicy, LruPolicy, Policy, PolicyKind, new_policy};
 pub use registry::{HostRangeId, RegisterSources};
 pub use stats::ResidencyStats;

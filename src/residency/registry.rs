@@ -7,8 +7,8 @@
 //! default — each pageable weight's own range on its first page-in, while the
 //! locked-memory limit allows.
 
-use super::fence::Fenced;
 use super::WeightId;
+use super::fence::Fenced;
 use crate::device::HostRange;
 use crate::error::Result;
 use crate::staging::HostRegistration;
@@ -41,9 +41,24 @@ pub(crate) enum RegState {
     Refused,
 }
 
+/// A weight. Small weights adjacent in host memory and in the declared
+/// cycle are coalesced into one *unit*, paged in by one copy into one block:
+/// the unit's state (block, users, registration, prefetch) lives on its
+/// leader, the first member; other members point at it.
 #[derive(Debug)]
 pub(crate) struct Entry {
+    /// The weight's own bytes.
     pub range: HostRange,
+    /// The unit this weight belongs to (itself when not coalesced).
+    pub leader: WeightId,
+    /// Byte offset of this weight in its unit.
+    pub offset: usize,
+    /// On a leader: what a page-in copies (its own range, or the group's).
+    pub unit: HostRange,
+    /// On a leader of a group: the other members, in order.
+    pub members: Vec<WeightId>,
+    /// Bytes `reg` registered.
+    pub reg_bytes: usize,
     /// The device copy, while resident (or being paged in).
     pub block: Option<Fenced>,
     /// Acquires not yet released.
@@ -71,10 +86,19 @@ impl Registry {
             range.ptr(),
             range.len()
         );
-        crate::ensure!(self.weights.len() < u32::MAX as usize, OutOfBudget, "too many weights registered");
+        crate::ensure!(
+            self.weights.len() < u32::MAX as usize,
+            OutOfBudget,
+            "too many weights registered"
+        );
         let id = WeightId(self.weights.len() as u32);
         self.weights.push(Some(Entry {
             range,
+            leader: id,
+            offset: 0,
+            unit: range,
+            members: Vec::new(),
+            reg_bytes: 0,
             block: None,
             users: 0,
             reg: None,
@@ -85,13 +109,27 @@ impl Registry {
         Ok(id)
     }
     pub fn get(&self, w: WeightId) -> Result<&Entry> {
-        self.weights.get(w.0 as usize).and_then(Option::as_ref).ok_or_else(|| unknown(w))
+        self.weights
+            .get(w.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| unknown(w))
     }
     pub fn get_mut(&mut self, w: WeightId) -> Result<&mut Entry> {
-        self.weights.get_mut(w.0 as usize).and_then(Option::as_mut).ok_or_else(|| unknown(w))
+        self.weights
+            .get_mut(w.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| unknown(w))
+    }
+    /// The leader of `w`'s unit (`w` itself when not coalesced).
+    pub fn leader(&self, w: WeightId) -> Result<WeightId> {
+        Ok(self.get(w)?.leader)
     }
     pub fn remove(&mut self, w: WeightId) -> Result<Entry> {
-        let e = self.weights.get_mut(w.0 as usize).and_then(Option::take).ok_or_else(|| unknown(w))?;
+        let e = self
+            .weights
+            .get_mut(w.0 as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| unknown(w))?;
         self.live -= 1;
         Ok(e)
     }
@@ -100,16 +138,21 @@ impl Registry {
         self.live
     }
     pub fn ids(&self) -> impl Iterator<Item = WeightId> + '_ {
-        self.weights.iter().enumerate().filter(|(_, e)| e.is_some()).map(|(i, _)| WeightId(i as u32))
+        self.weights
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_some())
+            .map(|(i, _)| WeightId(i as u32))
     }
     pub fn add_range(&mut self, reg: HostRegistration) -> HostRangeId {
         self.ranges.push(Some(reg));
         HostRangeId(self.ranges.len() as u32 - 1)
     }
     pub fn remove_range(&mut self, id: HostRangeId) -> Result<HostRegistration> {
-        self.ranges.get_mut(id.0 as usize).and_then(Option::take).ok_or_else(|| {
-            crate::error::Error::invalid_argument(format!("host range {} is not registered", id.0))
-        })
+        self.ranges
+            .get_mut(id.0 as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| crate::error::Error::invalid_argument(format!("host range {} is not registered", id.0)))
     }
 }
 
@@ -119,7 +162,7 @@ fn unknown(w: WeightId) -> crate::error::Error {
 
 /// The soft RLIMIT_MEMLOCK in bytes, `None` when unlimited or unreadable.
 /// Read from /proc so the core stays free of `unsafe`.
-pub(crate) fn memlock_limit() -> Option<u64> {
+pub fn memlock_limit() -> Option<u64> {
     parse_memlock(&std::fs::read_to_string("/proc/self/limits").ok()?)
 }
 

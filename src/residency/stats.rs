@@ -31,6 +31,13 @@ pub struct ResidencyStats {
     pub evictions: u64,
     /// Evictions that had to wait on the host for the victim's read fence.
     pub eviction_waits: u64,
+    /// Evictions whose block went straight to the next page-in, its copy
+    /// ordered on the device behind the victim's readers (no host wait).
+    pub ordered_reuses: u64,
+    /// Weights coalesced into multi-weight units (one page-in each unit). A
+    /// member acquired after its unit was paged in for another member
+    /// counts as a hit.
+    pub coalesced_weights: u64,
     /// Page-ins copied straight from page-locked or registered memory.
     pub bypassed_page_ins: u64,
     /// Page-ins staged through pinned buffers.
@@ -74,6 +81,8 @@ pub(crate) struct Counters {
     pub wasted_prefetches: u64,
     pub evictions: u64,
     pub eviction_waits: u64,
+    pub ordered_reuses: u64,
+    pub coalesced_weights: u64,
     pub source_registrations: u64,
     pub register_refusals: u64,
     pub registered_bytes: u64,

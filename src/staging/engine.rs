@@ -17,16 +17,42 @@
 //! [`HostRegistration`]) takes the direct path: one enqueue, no staging, no
 //! fill, and `htod` returns without any host work.
 //!
-//! Chunk size. With fill rate f (27–37 GB/s on the H200 host while a DMA
-//! runs) and PCIe rate p (~54 GB/s), a page-in cut into n chunks takes about
-//! S/f + S/(n·p): the fill of everything plus the DMA of the last chunk. To
-//! stay within 5% of the fill ceiling f needs n ≥ 20·f/p ≈ 10–14 chunks; a
-//! chunk also must not shrink to where per-chunk costs (waking the fill
-//! threads, one enqueue, one event: a few µs) matter against its fill time
-//! (~30 µs per MiB). So a page-in is cut into about `target_chunks` (16)
-//! chunks of at least 1 MiB, and never more than `chunk_bytes` (the slot
-//! size, default 8 MiB: copies of 8 MiB and up already reach the 53–54 GB/s
-//! PCIe peak). `bench_staging` sweeps both on the GPU machine.
+//! Chunk size. With fill rate f and PCIe rate p (~54 GB/s), a page-in cut
+//! into n chunks takes about S/f + S/(n·p): the fill of everything plus the
+//! DMA of the last chunk, so more chunks hide more of the DMA. But every chunk
+//! also costs a hand-out to the fill threads, a pool round trip, one enqueue
+//! and one event on the caller's thread (~10–20 µs), hidden only while the
+//! other fill threads have enough of the chunk left to fill. The H200 run
+//! (bench_staging, docs/BENCHMARKS.md; 3 slots, median of 9) measured (c) by
+//! fill threads × chunks per page-in, chunks ≤ 32 MiB:
+//!
+//! | threads × chunks | 4     | 8         | 16   | 32   |
+//! |------------------|-------|-----------|------|------|
+//! | 4,  32 MiB       | 29.2  | 30.4      | 30.3 | 18.4 |
+//! | 8,  32 MiB       | 28.9  | **34.0**  | 23.5 | 19.6 |
+//! | 16, 32 MiB       | 27.6  | 25.2      | 24.7 | 19.9 |
+//! | 4,  128 MiB      | 20.7  | 26.0      | 28.9 | 16.9 |
+//! | 8,  128 MiB      | 33.7  | **46.5**  | 32.9 | 41.1 |
+//! | 16, 128 MiB      | 40.7  | 44.3      | 44.2 | 28.2 |
+//!
+//! 8 threads × 8 chunks won at both sizes: 34.0 GB/s at 32 MiB (1.01× the
+//! fill ceiling under DMA, 33.5 GB/s with 16 threads) and 46.5 GB/s at
+//! 128 MiB (85% of the pinned peak), against 26.0 and 38.6 GB/s for the old
+//! defaults (16 chunks of ≤ 8 MiB). So the defaults are 8 chunks
+//! (`target_chunks`) of 1 MiB to 16 MiB (`chunk_bytes`: the winner's chunk at
+//! 128 MiB; larger page-ins get more chunks rather than larger slots, so the
+//! engine retains 3 × 16 = 48 MiB of pinned memory) and 8 fill threads.
+//! The last chunks of a page-in halve down to 1 MiB
+//! ([`CopyEngine::next_chunk_len`]): only the last DMA is exposed.
+//! Slots stay at 3: the DMA (54 GB/s) outruns the fill, so a third slot only
+//! absorbs jitter, and slot waits were 4.7 ms of 47.8 ms of fill.
+//!
+//! That sweep ran with fill threads that each owned one fixed piece of a
+//! chunk, so the caller, enqueueing the previous chunk first, was the last
+//! to finish every chunk — a cost per chunk that penalized many chunks. The
+//! fill threads now claim shrinking pieces (`device::fill`), which removes
+//! most of it; the sweep in `bench_staging` (8/12/16 threads × 4/8/16 chunks)
+//! re-checks the defaults on every run.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -47,15 +73,21 @@ const MIN_CHUNK: usize = 1 << 20;
 /// rather than block or grow without bound (direct-path copies are enqueued
 /// faster than they complete).
 const MAX_PENDING_TIMINGS: usize = 256;
+/// `htod` reads completed timings only once this many are waiting, so a copy
+/// pays for reading them (two queries and an elapsed-time call each, a few
+/// µs) once per batch instead of every time; `stats` and `synchronize` read
+/// them all.
+const TIMING_BATCH: usize = 32;
 
 /// How the engine stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Staging slots in flight at once, 2..=4 (default 3).
     pub slots: usize,
-    /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 8 MiB).
+    /// Capacity of one slot and the largest chunk, ≥ 1 MiB (default 16 MiB;
+    /// see the module docs).
     pub chunk_bytes: usize,
-    /// Cut a page-in into about this many chunks, 1..=256 (default 16; see
+    /// Cut a page-in into about this many chunks, 1..=256 (default 8; see
     /// the module docs), within [1 MiB, `chunk_bytes`].
     pub target_chunks: usize,
     /// Threads that fill a chunk, counting the caller's, 1..=64 (default 8,
@@ -73,8 +105,8 @@ impl Default for EngineConfig {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
             slots: 3,
-            chunk_bytes: 8 << 20,
-            target_chunks: 16,
+            chunk_bytes: 16 << 20,
+            target_chunks: 8,
             fill_threads: cpus.min(8),
             timing: true,
             direct: true,
@@ -246,7 +278,7 @@ impl CopyEngine {
     /// `src` must stay readable and unmodified until the fence completes.
     pub fn htod(&self, dst: DevicePtr, src: HostRange, stream: Option<RawStream>) -> Result<Fence> {
         let mut st = self.lock();
-        self.reap(&mut st)?;
+        self.reap(&mut st, false)?;
         if let Some(s) = stream {
             st.order.record_raw(s)?;
             self.dev.stream_wait_event(st.stream.raw(), st.order.raw())?;
@@ -283,6 +315,18 @@ impl CopyEngine {
         len.div_ceil(self.cfg.target_chunks).next_multiple_of(64 << 10).clamp(MIN_CHUNK, self.cfg.chunk_bytes)
     }
 
+    /// The next chunk when `left` bytes of a copy cut into `chunk`-byte chunks
+    /// remain: full chunks, then halving what is left down to 1 MiB. Only the
+    /// last chunk's DMA is not overlapped with a fill, so a small last chunk
+    /// shortens the exposed tail: at 128 MiB in 16 MiB chunks the last DMA is
+    /// ~300 µs of a ~2.9 ms page-in, in 1 MiB ~20 µs, for 4 more chunks (12).
+    pub fn next_chunk_len(&self, chunk: usize, left: usize) -> usize {
+        if left <= MIN_CHUNK {
+            return left;
+        }
+        (left / 2).next_multiple_of(64 << 10).clamp(MIN_CHUNK, chunk.max(MIN_CHUNK)).min(left)
+    }
+
     fn stage(&self, st: &mut State, dst: DevicePtr, src: HostRange, timing: Option<&CopyTiming>) -> Result<()> {
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
@@ -292,7 +336,7 @@ impl CopyEngine {
         let mut filled: Option<Chunk> = None;
         let mut off = 0;
         while off < bytes.len() {
-            let n = chunk.min(bytes.len() - off);
+            let n = self.next_chunk_len(chunk, bytes.len() - off);
             let mut buf = self.slot(st, filled.is_some())?;
             let prev = filled.take();
             let t0 = Instant::now();
@@ -338,8 +382,9 @@ impl CopyEngine {
     }
 
     /// Without blocking: retire the buffers of completed chunk copies and
-    /// read the timings of completed copies.
-    fn reap(&self, st: &mut State) -> Result<()> {
+    /// read the timings of completed copies (with `all` false, only once a
+    /// batch of them is waiting).
+    fn reap(&self, st: &mut State, all: bool) -> Result<()> {
         while let Some(f) = st.ring.pop_front() {
             match f.try_complete()? {
                 TryComplete::Done(buf, done) => buf.retire(done),
@@ -348,6 +393,9 @@ impl CopyEngine {
                     break;
                 }
             }
+        }
+        if !all && st.timings.len() < TIMING_BATCH {
+            return Ok(());
         }
         while let Some(t) = st.timings.front() {
             let Some(ms) = t.elapsed_ms()? else { break };
@@ -375,14 +423,14 @@ impl CopyEngine {
     pub fn synchronize(&self) -> Result<()> {
         let mut st = self.lock();
         st.stream.synchronize()?;
-        self.reap(&mut st)
+        self.reap(&mut st, true)
     }
 
     /// Counters of this engine and its pool. Reads completed timings first
     /// when no copy is being issued (never blocks on the device).
     pub fn stats(&self) -> StagingStats {
         if let Ok(mut st) = self.state.try_lock()
-            && let Err(e) = self.reap(&mut st)
+            && let Err(e) = self.reap(&mut st, true)
         {
             log::warn!("epmem: copy engine stats: reaping completed copies failed: {e}");
         }

@@ -2,12 +2,13 @@
  * libonnxruntime (no ORT headers: see ort_min.h).
  *
  * Build and run (scripts/ort-test.sh does this):
- *   gcc -std=c11 -Wall -Wextra -Werror tests/ort/ort_c_test.c -o ort_c_test \
+ *   gcc -std=c11 -pthread -Wall -Wextra -Werror tests/ort/ort_c_test.c -o ort_c_test \
  *       $ORT_CAPI/libonnxruntime.so.1.x.y -Wl,-rpath,$ORT_CAPI
  *   ./ort_c_test /abs/path/libepmem.so
  * Prints "ort-c: N passed, N failed"; the exit code is the failure count.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,17 +103,35 @@ static void test_shared_allocator_options_and_stats(void) {
   CHECK(p != NULL, "Alloc(4096) failed");
   CHECK(stat(a, "InUse") == 4096 && stat(a, "NumAllocs") == 1, "InUse=%lld NumAllocs=%lld", stat(a, "InUse"),
         stat(a, "NumAllocs"));
+  CHECK(stat(a, "epmem.committed_bytes") > 0, "nothing committed after an Alloc");
+  /* The arena commits a chunk once; later allocations make no driver call. */
+  CHECK(stat(a, "NumArenaExtensions") == 1, "extensions after the first Alloc: %lld", stat(a, "NumArenaExtensions"));
+  void* many[64];
+  for (int i = 0; i < 64; i++) many[i] = a->Alloc(a, 1024);
+  for (int i = 0; i < 64; i++) {
+    CHECK(many[i] != NULL, "small Alloc %d failed", i);
+    if (many[i]) a->Free(a, many[i]);
+  }
+  CHECK(stat(a, "NumArenaExtensions") == 1, "64 small allocations went to the driver: extensions=%lld",
+        stat(a, "NumArenaExtensions"));
   void* big = a->Alloc(a, 2 << 20);
   CHECK(big == NULL, "Alloc past the 1 MiB limit succeeded");
   CHECK(stat(a, "epmem.failed_allocs") == 1, "failed_allocs=%lld", stat(a, "epmem.failed_allocs"));
   a->Free(a, p);
-  CHECK(stat(a, "InUse") == 0 && stat(a, "MaxInUse") == 4096, "after Free: InUse=%lld MaxInUse=%lld",
+  CHECK(stat(a, "InUse") == 0 && stat(a, "MaxInUse") == 4096 + 64 * 1024, "after Free: InUse=%lld MaxInUse=%lld",
         stat(a, "InUse"), stat(a, "MaxInUse"));
+  /* A second Free of the same pointer, or a pointer it never made, is ignored. */
+  long long frees = stat(a, "epmem.frees");
+  a->Free(a, p);
+  a->Free(a, (void*)&frees);
+  CHECK(stat(a, "epmem.frees") == frees && stat(a, "InUse") == 0, "bad Free changed the books: frees %lld -> %lld",
+        frees, stat(a, "epmem.frees"));
   /* Shrink (ORT 1.25+ reads it when version >= 25) gives unused memory back. */
   if (a->version >= 25) {
     CHECK(a->Shrink && ok(a->Shrink(a)), "Shrink: %s", last_msg);
     CHECK(stat(a, "epmem.committed_bytes") == 0, "committed after Shrink with nothing live: %lld",
           stat(a, "epmem.committed_bytes"));
+    CHECK(stat(a, "NumArenaShrinkages") == 1, "shrinkages=%lld", stat(a, "NumArenaShrinkages"));
   }
   CHECK(ok(ORT_FN(api, ReleaseSharedAllocator)(env, d, OrtDeviceMemoryType_DEFAULT)), "ReleaseSharedAllocator: %s",
         last_msg);
@@ -241,6 +260,45 @@ cleanup:
   CHECK(stat(dev, "InUse") == 0, "device InUse=%lld after releasing every tensor", stat(dev, "InUse"));
 }
 
+/* Several threads allocating and freeing on one allocator at once. */
+enum { THREADS = 4, ROUNDS = 500 };
+static void* churn(void* arg) {
+  OrtAllocator* a = arg;
+  void* held[8] = {0};
+  unsigned seed = (unsigned)(size_t)&held;
+  for (int i = 0; i < ROUNDS; i++) {
+    int k = i % 8;
+    if (held[k]) a->Free(a, held[k]);
+    held[k] = a->Alloc(a, 64 + (size_t)(rand_r(&seed) % 65536));
+    if (!held[k]) return (void*)1;
+    memset(held[k], i & 0xff, 64); /* pinned memory: the host may touch it */
+  }
+  for (int k = 0; k < 8; k++) a->Free(a, held[k]);
+  return NULL;
+}
+
+static void test_concurrent_allocations(void) {
+  const OrtEpDevice* d = find_device("epmem_c");
+  OrtAllocator* a = NULL;
+  CHECK(d && ok(ORT_FN(api, CreateSharedAllocator)(env, d, OrtDeviceMemoryType_HOST_ACCESSIBLE, OrtDeviceAllocator, NULL, &a)) && a,
+        "pinned allocator: %s", last_msg);
+  if (!a) return;
+  long long before = stat(a, "NumAllocs");
+  pthread_t t[THREADS];
+  for (int i = 0; i < THREADS; i++) pthread_create(&t[i], NULL, churn, a);
+  int failures = 0;
+  for (int i = 0; i < THREADS; i++) {
+    void* r = NULL;
+    pthread_join(t[i], &r);
+    failures += r != NULL;
+  }
+  CHECK(failures == 0, "%d threads saw an Alloc fail", failures);
+  CHECK(stat(a, "InUse") == 0, "InUse=%lld after every thread freed everything", stat(a, "InUse"));
+  CHECK(stat(a, "NumAllocs") - before == THREADS * ROUNDS, "NumAllocs grew by %lld, not %d", stat(a, "NumAllocs") - before,
+        THREADS * ROUNDS);
+  CHECK(stat(a, "epmem.live_allocations") == 0, "live=%lld", stat(a, "epmem.live_allocations"));
+}
+
 static void test_double_registration(void) {
   /* Same name twice: refused, and the first registration is unharmed. */
   CHECK(!ok(ORT_FN(api, RegisterExecutionProviderLibrary)(env, "epmem_c", lib)), "second epmem_c was accepted");
@@ -318,6 +376,7 @@ int main(int argc, char** argv) {
   test_shared_allocator_options_and_stats();
   test_bad_options_are_rejected();
   test_copy_tensors();
+  test_concurrent_allocations();
   test_double_registration();
   test_teardown_order();
   ORT_FN(api, ReleaseEnv)(env);

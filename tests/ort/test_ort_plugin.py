@@ -84,6 +84,16 @@ class PluginTests(unittest.TestCase):
                 if meta["epmem.device"] == "cuda":
                     self.assertEqual(mi.device_vendor_id, NVIDIA)
                     self.assertEqual(mi.device_id, int(meta["epmem.ordinal"]))
+                    # A GPU hardware device (ORT's, matched by PCI bus id, or
+                    # ours), except on 1.23, which cannot create one.
+                    binding = meta.get("epmem.hardware_binding")
+                    if binding in ("matched", "created"):
+                        self.assertEqual(d.device.type, ort.OrtHardwareDeviceType.GPU)
+                        self.assertEqual(d.device.vendor_id, NVIDIA)
+                    else:
+                        self.assertEqual(binding, "cpu-fallback")
+                        self.assertLess(VERSION, (1, 24), "1.24+ can create a GPU hardware device")
+                        self.assertEqual(d.device.type, ort.OrtHardwareDeviceType.CPU)
                 else:
                     # Host memory is never labelled as a GPU's.
                     self.assertEqual(mi.device_vendor_id, EPMEM_HOST_VENDOR)

@@ -1,0 +1,134 @@
+//! Eviction: making room under the budget, choosing victims, and giving
+//! memory back only behind its readers (host-observed with `ReadsDone`, or
+//! device-ordered into the next page-in with `Reused`).
+
+use std::time::Instant;
+
+use super::WeightId;
+use super::fence::{DeviceBlock, Retire};
+use super::manager::{Room, State};
+use crate::error::{EpmStatus, Error, Result};
+use crate::residency::ResidencyManager;
+
+impl ResidencyManager {
+    /// A fresh arena block of `len` bytes, evicting more while the arena has
+    /// the bytes but not in one range. `None`: a prefetch that gives up.
+    pub(super) fn alloc_block(
+        &self,
+        st: &mut State,
+        w: WeightId,
+        len: usize,
+        demand: bool,
+    ) -> Result<Option<DeviceBlock>> {
+        Ok(Some(loop {
+            match DeviceBlock::alloc(&self.arena, len) {
+                Ok(b) => break b,
+                // The arena has the bytes but not in one range: evict more.
+                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
+                    Some(v) => self.evict(st, v)?,
+                    None if demand => return Err(self.all_in_use(st, w, len)),
+                    None => return Ok(None),
+                },
+                Err(e) => return Err(e),
+            }
+        }))
+    }
+
+    /// Evict until `len` more bytes fit the budget. When the last victim
+    /// needed is still being read and its block fits `len` (without wasting
+    /// more than a quarter of it), hand its block to this page-in, ordered
+    /// on the device behind the readers, instead of waiting on the host.
+    pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Room> {
+        while st.resident_bytes + len > self.cfg.budget_bytes {
+            let Some(v) = self.victim(st, w, demand) else {
+                return if demand {
+                    Err(self.all_in_use(st, w, len))
+                } else {
+                    Ok(Room::No)
+                };
+            };
+            let e = st.reg.get(v)?;
+            let vlen = e.unit.len();
+            let reusable = e
+                .block
+                .as_ref()
+                .is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
+            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.cfg.budget_bytes {
+                let e = st.reg.get_mut(v)?;
+                let Some(fenced) = e.block.take() else { continue };
+                if std::mem::take(&mut e.prefetched) {
+                    st.c.pending_prefetches -= 1;
+                    st.c.wasted_prefetches += 1;
+                }
+                let reused = fenced.reuse_after(&st.order)?;
+                self.forget(st, v, vlen);
+                st.c.ordered_reuses += 1;
+                return Ok(Room::Reuse(reused));
+            }
+            self.evict(st, v)?;
+        }
+        Ok(Room::Fits)
+    }
+
+    /// The policy's best victim that is not acquired and is not `target`;
+    /// for a prefetch, only one needed later than `target`.
+    pub(super) fn victim(&self, st: &State, target: WeightId, demand: bool) -> Option<WeightId> {
+        let limit = if demand { None } else { st.policy.distance(target) };
+        st.policy.candidates().find(|&v| {
+            v != target
+                && Some(v) != st.shield
+                && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
+                && match (limit, st.policy.distance(v)) {
+                    (Some(t), Some(d)) => d > t,
+                    _ => true,
+                }
+        })
+    }
+
+    /// Evict `v`: its memory goes back to the arena only with a [`ReadsDone`]
+    /// witness, waiting on the host if its readers are still running.
+    ///
+    /// [`ReadsDone`]: super::fence::ReadsDone
+    pub(super) fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
+        let e = st.reg.get_mut(v)?;
+        let Some(fenced) = e.block.take() else { return Ok(()) };
+        if std::mem::take(&mut e.prefetched) {
+            st.c.pending_prefetches -= 1;
+            st.c.wasted_prefetches += 1;
+        }
+        let len = fenced.len();
+        let (block, done, spent) = match fenced.try_retire()? {
+            Retire::Done(b, d, s) => (b, d, s),
+            Retire::Pending(f) => {
+                st.c.eviction_waits += 1;
+                let t = Instant::now();
+                let r = f.wait()?;
+                st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+                r
+            }
+        };
+        block.free(done);
+        st.spare.extend(spent);
+        self.forget(st, v, len);
+        Ok(())
+    }
+
+    /// Account `v` (`len` bytes) as no longer resident.
+    pub(super) fn forget(&self, st: &mut State, v: WeightId, len: usize) {
+        st.resident_bytes -= len;
+        st.resident_weights -= 1;
+        st.policy.removed(v);
+        st.c.evictions += 1;
+    }
+
+    pub(super) fn all_in_use(&self, st: &State, w: WeightId, len: usize) -> Error {
+        Error::new(
+            EpmStatus::AllInUse,
+            format!(
+                "weight {} ({len} bytes) does not fit: {} of {} budget bytes are held by weights that are \
+                 acquired and not released ({} resident weights); release weights or raise the budget",
+                w.0, st.resident_bytes, self.cfg.budget_bytes, st.resident_weights
+            ),
+        )
+    }
+}

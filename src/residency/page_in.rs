@@ -1,0 +1,126 @@
+//! Page-ins: making room, choosing the source path (registering a pageable
+//! source on first use where allowed), issuing the copy, and prefetching
+//! along the declared cycle.
+
+use std::time::Instant;
+
+use super::WeightId;
+use super::fence::Fenced;
+use super::manager::{Room, State};
+use super::registry::{RegState, RegisterSources};
+use crate::error::Result;
+use crate::residency::ResidencyManager;
+
+impl ResidencyManager {
+    /// Page `w` in. `demand`: an acquire needs it now (errors if no room);
+    /// otherwise a prefetch, which gives up (Ok(false)) rather than evict a
+    /// weight needed sooner.
+    pub(super) fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
+        let len = st.reg.get(w)?.unit.len();
+        let reused = match self.make_room(st, w, len, demand)? {
+            Room::No => return Ok(false),
+            Room::Reuse(r) => Some(r),
+            Room::Fits => None,
+        };
+        self.maybe_register(st, w)?;
+        let range = st.reg.get(w)?.unit;
+        let fenced = match reused {
+            Some(r) => r.fill(&self.engine, range, &st.order)?,
+            None => {
+                let block = self.alloc_block(st, w, len, demand)?;
+                let Some(block) = block else { return Ok(false) };
+                let fence = self.engine.htod(block.addr(), range, None)?;
+                Fenced::new(block, fence)
+            }
+        };
+        if self.cfg.sync_page_in {
+            if let Some(f) = fenced.page_in() {
+                let t = Instant::now();
+                f.wait()?;
+                st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+            }
+        }
+        let e = st.reg.get_mut(w)?;
+        e.block = Some(fenced);
+        e.prefetched = !demand;
+        st.resident_bytes += len;
+        st.resident_weights += 1;
+        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
+        st.policy.inserted(w);
+        st.c.page_ins += 1;
+        st.c.prefetch_page_ins += !demand as u64;
+        st.c.pending_prefetches += !demand as u64;
+        Ok(true)
+    }
+
+    /// Register `w`'s pageable source on its first page-in, per the config.
+    pub(super) fn maybe_register(&self, st: &mut State, w: WeightId) -> Result<()> {
+        let (range, state) = {
+            let e = st.reg.get(w)?;
+            (e.unit, e.reg_state)
+        };
+        if state != RegState::Untried
+            || self.cfg.register_sources == RegisterSources::Never
+            || self.dev.host_is_page_locked(range.ptr(), range.len())
+        {
+            return Ok(());
+        }
+        let within = match (self.cfg.register_sources, st.memlock) {
+            (RegisterSources::WithinMemlock, Some(limit)) => st.c.registered_bytes + range.len() as u64 <= limit,
+            _ => true,
+        };
+        let result = if within {
+            Some(self.engine.register(range))
+        } else {
+            None
+        };
+        let e = st.reg.get_mut(w)?;
+        match result {
+            Some(Ok(r)) => {
+                e.reg = Some(r);
+                e.reg_bytes = range.len();
+                e.reg_state = RegState::Registered;
+                st.c.source_registrations += 1;
+                st.c.registered_bytes += range.len() as u64;
+            }
+            Some(Err(err)) => {
+                log::info!("epmem: staging weight {} (registering its source failed: {err})", w.0);
+                e.reg_state = RegState::Refused;
+                st.c.register_refusals += 1;
+            }
+            None => {
+                e.reg_state = RegState::Refused;
+                st.c.register_refusals += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keep up to `prefetch_depth` weights ahead of `w` in the cycle paged in
+    /// and not yet used: walk forward past resident weights to the next
+    /// missing ones. Skipping resident weights matters: Belady's resident
+    /// set is a run of the cycle, so misses come in runs, and the copies of
+    /// the next run must start while the hit run computes.
+    pub(super) fn prefetch_ahead(&self, st: &mut State, w: WeightId) -> Result<()> {
+        let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
+        let n = st.cycle.len();
+        let mut ahead = 0;
+        // Positions hold units (leaders), so `x` below is a leader.
+        for k in 1..n {
+            if ahead >= self.cfg.prefetch_depth {
+                break;
+            }
+            let x = st.cycle[(p + k) % n];
+            let e = st.reg.get(x)?;
+            if e.block.is_none() {
+                if !self.page_in(st, x, false)? {
+                    break;
+                }
+                ahead += 1;
+            } else if e.prefetched {
+                ahead += 1;
+            }
+        }
+        Ok(())
+    }
+}
