@@ -31,7 +31,7 @@ EX_LIBS   := -pthread -lm
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
 
-.PHONY: build install uninstall test test-rust test-c test-examples test-ort ffi-tests demo clean-c
+.PHONY: build install uninstall test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
 
 build:
 	$(CARGO) build --release
@@ -50,11 +50,11 @@ uninstall:
 
 # ---- C tests ---------------------------------------------------------------
 
-$(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+$(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h ffi-tests/misuse.h include/epmem.h $(LIB_DIR)/libepmem.so
 	@mkdir -p $(TEST_DIR)
 	$(CC) $(TEST_CFLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../release'
 
-$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h include/epmem.h $(LIB_DIR)/libepmem.so
+$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h ffi-tests/misuse.h include/epmem.h $(LIB_DIR)/libepmem.so
 	@mkdir -p $(TEST_DIR)/san
 	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../../release'
 
@@ -90,6 +90,25 @@ test-c: ffi-tests $(SAN_BINS) $(if $(FAKE_CUDA_SRC),$(FAKE_CUDA_DIR)/libcuda.so)
 	  LD_LIBRARY_PATH=$(FAKE_CUDA_DIR) EPM_DEVICE=cuda $$t || { echo "FAILED: $$t on fake cuda (exit $$?)"; fail=1; }; \
 	done; fi; exit $$fail
 
+# The misuse suite (and the error tests) under valgrind memcheck: invalid
+# reads/writes or a definite leak fail the run (ASan above covers the same
+# binaries built with -fsanitize; valgrind also sees inside libepmem.so).
+# About 10 s on a 2-core machine; skipped with a note when valgrind is missing.
+VALGRIND_TESTS := $(filter $(TEST_DIR)/test_misuse% $(TEST_DIR)/test_errors,$(TEST_BINS))
+VALGRIND := valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite
+
+test-valgrind: ffi-tests
+	@if ! command -v valgrind >/dev/null 2>&1; then echo "test-valgrind: valgrind not installed, skipped"; exit 0; fi; \
+	fail=0; for t in $(VALGRIND_TESTS); do \
+	  echo "== valgrind $$t"; $(VALGRIND) $$t >/dev/null || { echo "FAILED under valgrind: $$t (exit $$?)"; fail=1; }; \
+	done; exit $$fail
+
+# The long runs of scripts/long-run.sh, shortened (--quick: seconds on the
+# host device); the H200 runs the full length with EPM_DEVICE=cuda.
+test-long: build
+	@scripts/long-run.sh --quick > target/long-run.log 2>&1 || { cat target/long-run.log; exit 1; }; \
+	sed -n '/^== long-run verdicts/,$$p' target/long-run.log
+
 # Install into a throw-away prefix and build every example the way a user
 # would: through pkg-config, nothing from this tree.
 test-examples: build
@@ -113,6 +132,8 @@ test-examples: build
 test:
 	$(MAKE) test-rust
 	$(MAKE) test-c
+	$(MAKE) test-valgrind
+	$(MAKE) test-long
 	$(MAKE) test-examples
 	$(MAKE) test-ort
 	@echo "make test: all suites passed"

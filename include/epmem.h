@@ -1314,7 +1314,8 @@ enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
  * first `prefix_tokens` are shared, on this arena's granule.
  *
  * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
- * are NULL_POINTER.
+ * are NULL_POINTER. Errors: INVALID_ARGUMENT if `prefix_tokens >
+ * max_tokens` or the request's bytes overflow 64 bits.
  *
  * Threading: safe from any thread; calls on one arena are serialized.
  */

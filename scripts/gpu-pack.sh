@@ -2,7 +2,7 @@
 # Build everything the GPU machine needs (it has no Rust toolchain) into .carry/:
 #   .carry/lib/      libepmem.so
 #   .carry/tests/    the Rust integration-test binaries (run there with EPM_DEVICE=cuda)
-#   .carry/bin/      the benchmark binaries
+#   .carry/bin/      the benchmark binaries and kv_churn (scripts/long-run.sh)
 # Then ship the tree with .carry/ carried, and run scripts/gpu-check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ rm -rf .carry && mkdir -p .carry/lib .carry/tests .carry/bin
 cargo build --release --bins --lib
 # The static library stays behind: nothing on the GPU machine links it, and it is large.
 cp target/release/libepmem.so .carry/lib/
-for b in target/release/bench_*; do
+for b in target/release/bench_* target/release/kv_churn; do
   [ -x "$b" ] && [ -f "$b" ] && cp "$b" .carry/bin/
 done
 # Integration tests only (tests/*.rs): the unit tests of the lib are host-only logic.

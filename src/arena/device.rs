@@ -31,9 +31,11 @@ impl DeviceArena {
     /// Reserve `cfg.capacity` bytes of VA (rounded up to whole chunks).
     /// Nothing is committed until the first allocation.
     pub fn new(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Self> {
-        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity());
+        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity())?;
         crate::ensure!(cfg.capacity > 0, InvalidArgument, "device arena capacity is 0");
-        let capacity = cfg.capacity.next_multiple_of(chunk);
+        let capacity = cfg.capacity.checked_next_multiple_of(chunk).ok_or_else(|| {
+            crate::error::Error::invalid_argument(format!("device arena capacity {} is too large", cfg.capacity))
+        })?;
         let sub = SubAlloc::new(capacity, DEFAULT_UNIT, cfg.max_allocs)?;
         let va = VaRange::reserve(dev, capacity)?;
         let n = capacity / chunk;

@@ -89,7 +89,10 @@ pub trait Arena: Send + Sync + std::fmt::Debug {
 }
 
 /// Round `chunk` (0 = 16 granules) up to the granularity.
-fn chunk_size(chunk: usize, granularity: usize) -> usize {
+/// A chunk so large it overflows when rounded is an error, not a panic
+/// (found by ffi-tests/test_misuse_mem.c: chunk_bytes = UINT64_MAX).
+fn chunk_size(chunk: usize, granularity: usize) -> Result<usize> {
     let c = if chunk == 0 { 16 * granularity } else { chunk };
-    c.next_multiple_of(granularity)
+    c.checked_next_multiple_of(granularity)
+        .ok_or_else(|| crate::error::Error::invalid_argument(format!("arena chunk of {chunk} bytes is too large")))
 }

@@ -52,7 +52,7 @@ impl PinnedArena {
     /// Nothing is allocated until the first request.
     pub fn new(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Self> {
         crate::ensure!(cfg.capacity > 0, InvalidArgument, "pinned arena capacity is 0");
-        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity());
+        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity())?;
         Ok(Self {
             dev: dev.clone(),
             chunk,
@@ -74,7 +74,10 @@ impl PinnedArena {
     }
 
     fn try_segment(seg: &mut Segment, bytes: usize, align: usize) -> Option<u64> {
-        let need = (bytes + align.saturating_sub(DEFAULT_UNIT)).next_multiple_of(DEFAULT_UNIT);
+        let need = bytes
+            .saturating_add(align.saturating_sub(DEFAULT_UNIT))
+            .checked_next_multiple_of(DEFAULT_UNIT)
+            .unwrap_or(usize::MAX);
         if seg.sub.free_report().1 < need {
             return None;
         }
@@ -104,11 +107,14 @@ impl Arena for PinnedArena {
         let addr = match found {
             Some(a) => a,
             None => {
-                let size = (bytes + align - DEFAULT_UNIT)
-                    .next_multiple_of(self.chunk)
+                // Saturating: a request near usize::MAX must be refused for
+                // budget, not wrap to a small segment (test_misuse_mem.c).
+                let size = (bytes.saturating_add(align - DEFAULT_UNIT))
+                    .checked_next_multiple_of(self.chunk)
+                    .unwrap_or(usize::MAX)
                     .max(self.chunk);
                 crate::ensure!(
-                    g.committed + size <= self.capacity,
+                    g.committed.saturating_add(size) <= self.capacity,
                     OutOfBudget,
                     "pinned arena: {bytes} bytes need a new segment of {size} bytes, but {} of {} bytes are committed",
                     g.committed,

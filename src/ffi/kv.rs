@@ -701,7 +701,8 @@ pub struct EpmKvRequestCost {
 /// first `prefix_tokens` are shared, on this arena's granule.
 ///
 /// Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
-/// are NULL_POINTER.
+/// are NULL_POINTER. Errors: INVALID_ARGUMENT if `prefix_tokens >
+/// max_tokens` or the request's bytes overflow 64 bits.
 ///
 /// Threading: safe from any thread; calls on one arena are serialized.
 #[unsafe(no_mangle)]
@@ -716,7 +717,18 @@ pub extern "C" fn epm_kv_request_cost(
         let arena = try_handle!(arena);
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
-        let c = kv::request_cost(&l, arena.dev.vmm_granularity() as u64, prefix_tokens, max_tokens);
+        let g = arena.dev.vmm_granularity() as u64;
+        // Refused rather than saturated: granule rounding of a saturated
+        // byte count wraps to 0 (test_misuse_kv.c found max_tokens = UINT64_MAX
+        // reported as costing nothing).
+        ensure!(prefix_tokens <= max_tokens, InvalidArgument, "prefix_tokens {prefix_tokens} > max_tokens {max_tokens}");
+        ensure!(
+            max_tokens.checked_mul(l.bytes_per_token()).and_then(|b| b.checked_next_multiple_of(g)).is_some(),
+            InvalidArgument,
+            "{max_tokens} tokens of {} bytes overflow 64 bits",
+            l.bytes_per_token()
+        );
+        let c = kv::request_cost(&l, g, prefix_tokens, max_tokens);
         let v = EpmKvRequestCost { size: 0, prefix_bytes: c.prefix_bytes, private_bytes: c.private_bytes, unshared_bytes: c.unshared_bytes };
         write_sized(out, v, std::mem::size_of::<EpmKvRequestCost>(), "EpmKvRequestCost")
     }

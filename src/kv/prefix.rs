@@ -79,9 +79,10 @@ impl KvArena {
                 Slot::Dummy => crate::bail!(Internal, "KV pin: written slot maps the dummy"),
             })
             .collect::<Result<_>>()?;
+        // Fence before promising, so a failed fence leaves the ledger as it was.
+        self.fence(stream)?;
         self.pool.ledger_mut().promise(cow_promise * g)?;
         self.pool.trim_to_budget();
-        self.fence(stream)?;
 
         let view = match self.map_view(&granules) {
             Ok(v) => v,
@@ -91,11 +92,35 @@ impl KvArena {
             }
         };
         let seq = self.seqs.get_mut(seq_id)?;
+        let mut switched = Vec::new();
+        let mut failed = None;
         for i in 0..k {
             if let Slot::Private(gid) = seq.slots[i] {
-                seq.va.set_access(i * g as usize, g as usize, Access::ReadOnly)?;
+                if let Err(e) = seq.va.set_access(i * g as usize, g as usize, Access::ReadOnly) {
+                    failed = Some(e);
+                    break;
+                }
                 seq.slots[i] = Slot::Shared(gid);
+                switched.push(i);
             }
+        }
+        if let Some(e) = failed {
+            // Undo everything: the origin's slots turn writable again, the
+            // view's references go (else its granules are never credited),
+            // and the promise returns (found by tests/fault_injection.rs).
+            for &i in &switched {
+                if let Slot::Shared(gid) = seq.slots[i] {
+                    seq.va.set_access(i * g as usize, g as usize, Access::ReadWrite)?;
+                    seq.slots[i] = Slot::Private(gid);
+                }
+            }
+            let mut view = view;
+            for (j, &gid) in granules.iter().enumerate() {
+                view.unmap(j * g as usize, g as usize)?;
+                self.pool.release(gid)?;
+            }
+            self.pool.ledger_mut().unpromise(cow_promise * g)?;
+            return Err(e);
         }
         seq.promise += cow_promise;
         let tokens = if seq.tokens.len() as u64 >= n_tokens { seq.tokens[..n_tokens as usize].to_vec() } else { Vec::new() };

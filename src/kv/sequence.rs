@@ -254,33 +254,54 @@ impl KvArena {
         for i in work {
             let old = seq.slots[i];
             let off = i * g as usize;
-            let gid = self.pool.acquire(seq.promise > 0)?;
-            if seq.promise > 0 {
+            let from_promise = seq.promise > 0;
+            let gid = self.pool.acquire(from_promise)?;
+            if from_promise {
                 seq.promise -= 1;
             }
+            // A failed step gives the granule back and restores the promise,
+            // so a RESERVE sequence keeps its guarantee (tests/fault_injection.rs).
+            let give_back = |pool: &mut GranulePool, seq: &mut Sequence| -> Result<()> {
+                pool.release(gid)?;
+                if from_promise {
+                    pool.ledger_mut().promise(g)?;
+                    seq.promise += 1;
+                }
+                Ok(())
+            };
+            let back = match old {
+                Slot::Shared(o) => o,
+                _ => self.dummy,
+            };
             if let Err(e) = seq.va.unmap(off, g as usize) {
-                self.pool.release(gid)?;
+                give_back(&mut self.pool, seq)?;
                 return Err(e);
             }
             if let Err(e) = seq.map_slot(&mut self.pool, i, gid, Access::ReadWrite, false) {
                 // Put the old mapping back so the slot is never left unmapped.
-                let back = match old {
-                    Slot::Shared(o) => o,
-                    _ => self.dummy,
-                };
                 seq.map_slot(&mut self.pool, i, back, Access::ReadOnly, false)?;
-                self.pool.release(gid)?;
+                give_back(&mut self.pool, seq)?;
                 return Err(e);
+            }
+            if let Slot::Shared(_) = old {
+                let Some(src) = view_base else {
+                    crate::bail!(Internal, "KV sequence {seq_id:#x}: shared slot without a prefix view");
+                };
+                // The prefix view keeps `o` mapped and referenced while this
+                // sequence stays linked, so the copy's source stays valid. The
+                // slot turns private only once its copy is queued: a failed
+                // copy must not leave an uncopied private granule behind.
+                let r = self.dev.memcpy_dtod_async(seq.va.base() + off as u64, src + off as u64, g as usize, stream);
+                if let Err(e) = r {
+                    seq.va.unmap(off, g as usize)?;
+                    seq.map_slot(&mut self.pool, i, back, Access::ReadOnly, false)?;
+                    give_back(&mut self.pool, seq)?;
+                    return Err(e);
+                }
             }
             seq.slots[i] = Slot::Private(gid);
             match old {
                 Slot::Shared(o) => {
-                    let Some(src) = view_base else {
-                        crate::bail!(Internal, "KV sequence {seq_id:#x}: shared slot without a prefix view");
-                    };
-                    // The prefix view keeps `o` mapped and referenced while this
-                    // sequence stays linked, so the copy's source stays valid.
-                    self.dev.memcpy_dtod_async(seq.va.base() + off as u64, src + off as u64, g as usize, stream)?;
                     self.pool.release(o)?;
                     self.counters.cow_granules += 1;
                     copied = true;
@@ -291,11 +312,16 @@ impl KvArena {
         }
         if copied {
             let e = match seq.cow_done.take() {
-                Some(e) => e,
-                None => Event::new(&self.dev, false)?,
+                Some(e) => Ok(e),
+                None => Event::new(&self.dev, false),
             };
-            e.record_raw(stream)?;
-            seq.cow_done = Some(e);
+            if let Err(err) = e.and_then(|e| e.record_raw(stream).map(|()| seq.cow_done = Some(e))) {
+                // Without its event nothing could wait for the copies before
+                // the prefix view goes away: wait for them here instead, and
+                // keep the append (its copies are done).
+                log::warn!("epmem: KV copy-on-write event failed ({err}); waited for the copies on the host");
+                self.dev.stream_synchronize(stream)?;
+            }
         }
         seq.len += n_tokens;
         if seq.prefix.is_some() && seq.shared_slots() == 0 {

@@ -267,25 +267,36 @@ impl ResidencyManager {
         st.c.acquires += 1;
         st.c.hits += hit as u64;
         st.policy.accessed(w);
-        let e = st.reg.get_mut(w)?;
-        e.users += 1;
-        let block = e
-            .block
-            .as_mut()
-            .ok_or_else(|| Error::internal("acquired weight has no block"))?;
-        let addr = block.addr() + offset;
-        if !block.page_in_done()? {
-            if let Some(f) = block.page_in() {
-                if self.cfg.sync_page_in {
-                    let t = Instant::now();
-                    f.wait()?;
-                    st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
-                } else {
-                    st.stalls.around(&self.dev, stream, || f.make_wait(stream))?;
+        st.reg.get_mut(w)?.users += 1;
+        let r = (|| {
+            let e = st.reg.get_mut(w)?;
+            let block = e
+                .block
+                .as_mut()
+                .ok_or_else(|| Error::internal("acquired weight has no block"))?;
+            let addr = block.addr() + offset;
+            if !block.page_in_done()? {
+                if let Some(f) = block.page_in() {
+                    if self.cfg.sync_page_in {
+                        let t = Instant::now();
+                        f.wait()?;
+                        st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+                    } else {
+                        st.stalls.around(&self.dev, stream, || f.make_wait(stream))?;
+                    }
                 }
             }
+            Ok(addr)
+        })();
+        // A failed acquire must not leave the weight acquired: the caller
+        // will not release it, and it could never be evicted (found by
+        // tests/fault_injection.rs with an injected event fault).
+        if r.is_err()
+            && let Ok(e) = st.reg.get_mut(w)
+        {
+            e.users -= 1;
         }
-        Ok(addr)
+        r
     }
 
     /// End a use of `w` on `stream`: records the read fence. The weight stays
@@ -322,7 +333,14 @@ impl ResidencyManager {
         st.shield = Some(w);
         let r = self.prefetch_ahead(st, w);
         st.shield = None;
-        r
+        // The release itself is done: failing it now would tell the caller
+        // the weight is still acquired when it is not (tests/fault_injection.rs).
+        // The prefetch is only ahead of demand; the next acquire pages in on
+        // demand and reports a device error that persists.
+        if let Err(e) = r {
+            log::warn!("epmem: prefetch after releasing weight {} failed: {e}", w.0);
+        }
+        Ok(())
     }
 
     // ---- internals ------------------------------------------------------

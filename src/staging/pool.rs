@@ -211,19 +211,22 @@ impl PinnedStagingPool {
         Ok(PooledStaging { buf: Some(buf), pool: self.shared.clone() })
     }
 
+    /// Counts successful allocations only, as the device's driver counts do,
+    /// so `alloc_calls - free_calls` is always the buffers retained or on
+    /// loan (tests/fault_injection.rs checks it after injected failures).
     fn allocate(&self, len: usize) -> Result<PinnedBuffer> {
-        self.shared.alloc_calls.fetch_add(1, Ordering::Relaxed);
-        match PinnedBuffer::new(&self.shared.dev, len) {
-            Ok(b) => Ok(b),
+        let buf = match PinnedBuffer::new(&self.shared.dev, len) {
+            Ok(b) => b,
             Err(e) => {
                 if self.trim() == 0 {
                     return Err(e);
                 }
                 log::info!("epmem: pinned allocation of {len} bytes failed ({e}); freed the staging pool and retried");
-                self.shared.alloc_calls.fetch_add(1, Ordering::Relaxed);
-                PinnedBuffer::new(&self.shared.dev, len)
+                PinnedBuffer::new(&self.shared.dev, len)?
             }
-        }
+        };
+        self.shared.alloc_calls.fetch_add(1, Ordering::Relaxed);
+        Ok(buf)
     }
 
     /// Free every retained buffer; returns how many were freed.

@@ -28,6 +28,14 @@ pub(super) fn ram() -> Result<(u64, u64)> {
 /// `PROT_NONE` reservations pass `noreserve` so they cost no commit charge.
 pub(super) fn map_anon(len: usize, prot: i32, noreserve: bool) -> Result<usize> {
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if noreserve { libc::MAP_NORESERVE } else { 0 };
+    // Linux answers ENOMEM for such a length, valgrind EINVAL: say out of
+    // memory either way, so the status does not depend on who runs us.
+    if len > isize::MAX as usize {
+        return Err(Error::new(
+            crate::error::EpmStatus::OutOfHostMemory,
+            format!("mmap({len} bytes, anonymous): larger than the address space"),
+        ));
+    }
     // SAFETY: a non-fixed anonymous mapping touches no existing memory.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
     if p == libc::MAP_FAILED {
