@@ -14,8 +14,8 @@
 #   here, on the host device (seconds):
 #       scripts/long-run.sh --quick
 #
-# Uses prebuilt binaries: .carry/bin/kv_churn and .carry/lib/libepmem.so when
-# present, else target/release/ (cargo build --release). The demo is compiled
+# Uses prebuilt binaries: target/release/ (cargo build --release) when present,
+# else .carry/bin/kv_churn and .carry/lib/libepmem.so (scripts/gpu-pack.sh). The demo is compiled
 # with gcc against that library. Logs go to $OUT (default /tmp/epmem-long).
 set -u
 cd "$(dirname "$0")/.."
@@ -25,8 +25,9 @@ mkdir -p "$OUT"
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 
-if [ -f .carry/lib/libepmem.so ]; then LIB=$ROOT/.carry/lib; else LIB=$ROOT/target/release; fi
-if [ -x .carry/bin/kv_churn ]; then CHURN=$ROOT/.carry/bin/kv_churn; else CHURN=$ROOT/target/release/kv_churn; fi
+# A fresh build beats a carried one (the GPU machine has only .carry/).
+if [ -f target/release/libepmem.so ]; then LIB=$ROOT/target/release; else LIB=$ROOT/.carry/lib; fi
+if [ -x target/release/kv_churn ]; then CHURN=$ROOT/target/release/kv_churn; else CHURN=$ROOT/.carry/bin/kv_churn; fi
 [ -f "$LIB/libepmem.so" ] || { echo "long-run: no libepmem.so in .carry/lib or target/release" >&2; exit 2; }
 [ -x "$CHURN" ] || { echo "long-run: no kv_churn in .carry/bin or target/release" >&2; exit 2; }
 export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
@@ -38,10 +39,12 @@ VERDICTS=()
 # ---- (a) the offload demo -------------------------------------------------
 gcc -std=c11 -O2 -Iinclude examples-c/offload_decode.c -o "$OUT/offload_decode" -L"$LIB" -lepmem -lpthread -lm \
   || { echo "long-run: cannot compile the demo" >&2; exit 2; }
-if [ $QUICK = 1 ]; then SHORT=10; LONG=200; else SHORT=100; LONG=10000; fi
+# The full run uses 4 MiB layers (192 MiB model, 96 MiB budget), so each of the
+# 10,000 steps streams real copies; --quick keeps the demo's small default.
+if [ $QUICK = 1 ]; then SHORT=10; LONG=200; SIZE=(); else SHORT=100; LONG=10000; SIZE=(--layer-kib 4096); fi
 demo() { # demo STEPS: run, keep the log, print "acquires mismatches pinned_allocs arena_allocs"
   local log=$OUT/offload_decode_$1.log
-  timeout 900 "$OUT/offload_decode" --steps "$1" >"$log" 2>&1
+  timeout 900 "$OUT/offload_decode" "${SIZE[@]}" --steps "$1" >"$log" 2>&1
   local rc=$?
   local acq mis pin arena
   acq=$(sed -n 's/^verified \([0-9]*\) acquires.*: \([0-9]*\) mismatches.*/\1/p' "$log")
