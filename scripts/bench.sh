@@ -59,5 +59,8 @@ if [ "$REPEAT" -ge 2 ]; then
   python3 scripts/bench_compare.py --measure-noise "$OUT/results-1.json" "$OUT/results-2.json" -o "$OUT/noise.json"
   python3 scripts/bench_compare.py "$OUT/results-1.json" "$OUT/results-2.json" --noise "$OUT/noise.json" >"$OUT/report/self-compare.txt" || true
 fi
-tar -C "$OUT" -czf "$OUT/report.tgz" report raw
+# Only a few files come back from a GPU machine: results.json plus one archive
+# (the report, its plots, every raw output, each repeat's results, the noise).
+tar -C "$OUT" -czf "$OUT/report.tgz" report raw $(cd "$OUT" && ls results-*.json noise.json 2>/dev/null)
+rm -rf "$OUT/report" "$OUT/raw" "$OUT"/results-*.json "$OUT/noise.json"
 exit $rc
