@@ -354,7 +354,10 @@ fn bench(a: &Args) -> Result<()> {
         .flat_map(|_| (0..a.layers as u32).map(WeightId))
         .collect();
     let opt = belady(&trace, &sizes, budget as u64);
-    let depths: &[usize] = if a.quick { &[1, 2] } else { &[1, 2, 4, 8, 12] };
+    // Depth 0 is the policy alone (demand paging): its hit rate is what the
+    // issue's "within 1% of Belady" compares; each deeper window buys overlap
+    // with about one weight of budget.
+    let depths: &[usize] = if a.quick { &[0, 1, 2] } else { &[0, 1, 2, 4, 8, 12] };
     let mut sweep = String::from(
         "| prefetch depth | copy-only step ms | with compute ms | ÷ max(copy, compute) | hit rate | ÷ Belady(budget) | ÷ Belady(budget − depth) | stall ms (device/host) |\n|---|---|---|---|---|---|---|---|\n",
     );
@@ -418,6 +421,24 @@ fn bench(a: &Args) -> Result<()> {
         vec![best_ratio],
     ));
 
+    // Step time against the budget, as a fraction of the model: ours (the
+    // default) next to the seed's design, copy only.
+    let fractions: &[u64] = if a.quick { &[50, 100] } else { &[25, 50, 75, 100] };
+    let mut budget_md =
+        String::from("| budget (% of model) | ours step ms | ours hit rate | seed step ms | seed hit rate |\n|---|---|---|---|---|\n");
+    for &f in fractions {
+        let b = (m.total() as u64 * f / 100) as usize;
+        let ours_b = run(&dev, &m, a, ResidencyConfig { budget_bytes: b, ..ours }, 0)?;
+        let seed_b = run(&dev, &m, a, ResidencyConfig { budget_bytes: b, ..cases[0].1 }, 0)?;
+        let o = rep.push(Scenario::new("budget", &format!("c_ours/{f}"), "ms", false, ours_b.step_ms.clone()).at(f as f64));
+        let sd = rep.push(Scenario::new("budget", &format!("b_seed/{f}"), "ms", false, seed_b.step_ms.clone()).at(f as f64));
+        budget_md.push_str(&format!(
+            "| {f} | {o:.1} | {:.3} | {sd:.1} | {:.3} |\n",
+            ours_b.hit_rate(),
+            seed_b.hit_rate()
+        ));
+    }
+
     let mut md = String::new();
     md.push_str(&format!(
         "Residency: {} layers × {} MiB = {} MiB, budget {} MiB ({}%), {} on {}; medians of {} steps after {} warm-up.\n\n",
@@ -458,6 +479,7 @@ fn bench(a: &Args) -> Result<()> {
         seed_ov_ms / copy_ms.max(compute),
         runs[0].1.end.hits as f64 / runs[0].1.end.acquires as f64
     ));
+    md.push_str(&format!("\nDecode step time against the budget (copy only, prefetch depth {}):\n\n{budget_md}", ours.prefetch_depth));
     for (name, r) in &runs {
         rep.push(Scenario::new(
             "allocs",
@@ -480,7 +502,8 @@ fn bench(a: &Args) -> Result<()> {
         .fold(0.0f64, f64::max);
     let unreg = pct("c_ours_unregistered").unwrap_or(0.0);
     let allocs: u64 = runs.iter().skip(1).map(|(_, r)| r.allocs).sum();
-    let (d1, vs_opt, vs_window) = hit_ratios[0];
+    let (d0, vs_opt, _) = hit_ratios[0];
+    let (d1, vs_opt1, vs_window1) = hit_ratios[1];
     md.push_str("\n### Targets (issue 4)\n\n| target | measured | |\n|---|---|---|\n");
     md.push_str(&format!(
         "| registered sources ≥ 95% of the pinned peak | {reg:.0}% | {} |\n",
@@ -495,7 +518,7 @@ fn bench(a: &Args) -> Result<()> {
         pass(best_ratio <= 1.1)
     ));
     md.push_str(&format!(
-        "| hit rate ≥ 0.99 × Belady (depth {d1}) | {vs_opt:.3} × Belady(budget), {vs_window:.3} × Belady(budget − depth) | {} |\n",
+        "| hit rate ≥ 0.99 × Belady (the cyclic policy, prefetch depth {d0}) | {vs_opt:.3} × Belady(budget); with prefetch depth {d1}: {vs_opt1:.3} × Belady(budget), {vs_window1:.3} × Belady(budget − depth) | {} |\n",
         pass(vs_opt >= 0.99)
     ));
     md.push_str(&format!(
