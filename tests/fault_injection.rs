@@ -11,6 +11,7 @@
 //!
 //! Runs on the device EPM_DEVICE names (host in CI; `EPM_DEVICE=cuda` on a GPU).
 
+use epmem::device::conformance::random_bytes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -114,17 +115,6 @@ fn assert_no_leaks(fd: &FaultyDevice) {
     assert_eq!(fd.live_counts(), LiveCounts::default(), "device resources left at teardown");
 }
 
-fn pattern(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// Read device bytes through the inner device, so verification injects nothing.
 fn read(fd: &FaultyDevice, s: &Stream, src: u64, n: usize) -> Vec<u8> {
@@ -140,7 +130,7 @@ fn staging_pool_and_copy_engine() {
     let (fd, d) = faulty();
     let mut m = Matrix::default();
     {
-        let src = pattern(3 * MIB + 4096, 1);
+        let src = random_bytes(1, 3 * MIB + 4096);
         let range = HostRange::from_static(Box::leak(src.clone().into_boxed_slice()));
         let dst = DeviceBuffer::new(&d, src.len()).unwrap();
         let s = Stream::new(&d).unwrap();
@@ -260,7 +250,7 @@ fn residency_acquire_and_prefetch() {
     {
         let s = Stream::new(&d).unwrap();
         let sizes = [MIB + 4096, 2 * MIB, 3 * MIB / 2, MIB];
-        let srcs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| pattern(n, 10 + i as u64)).collect();
+        let srcs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| random_bytes(10 + i as u64, n)).collect();
         for kind in FaultKind::ALL {
             let mut cfg = ResidencyConfig::with_budget(4 * MIB);
             cfg.register_sources = RegisterSources::Always;
@@ -351,7 +341,7 @@ fn kv_create_append_pin_share_cow() {
             step!("kv prepare_append", |a| a.prepare_append(origin, n - tpg / 2, s.raw()), |_, ()| panic!("an append absorbed a fault"));
             let base = a.sequence_info(origin).unwrap().base;
             let bytes = (n * l.bytes_per_token()) as usize;
-            let data = pattern(bytes, 40 + kind as u64);
+            let data = random_bytes(40 + kind as u64, bytes);
             // SAFETY: `data` outlives the copy: the stream is synchronized below.
             unsafe { fd.inner().memcpy_htod_async(base, data.as_ptr(), bytes, s.raw()).unwrap() };
             s.synchronize().unwrap();

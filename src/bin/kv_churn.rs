@@ -25,6 +25,7 @@
 //! cuMemAlloc), if the ledger ever differs from the live granules or from the
 //! device's physical bytes, or if a checksum differs. Last line: the verdict.
 
+use epmem::device::conformance::random_bytes;
 use std::collections::VecDeque;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -67,17 +68,6 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-fn pattern(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// Physical allocations only: mappings and VA reservations are expected per request.
 fn allocs(c: &DriverCounts) -> (u64, u64, u64) {
@@ -138,7 +128,7 @@ impl Churn {
         let p = self.args.prefix_tokens;
         let origin = self.a.create_sequence(&self.layout, p, AdmitMode::OnDemand)?;
         self.a.prepare_append(origin, p, self.s.raw())?;
-        let data = pattern(self.bytes(p), 1000 + generation);
+        let data = random_bytes(1000 + generation, self.bytes(p));
         let base = self.a.sequence_info(origin)?.base;
         self.write(base, &data)?;
         let pid = self.a.pin_prefix(origin, p, self.s.raw())?;
@@ -202,7 +192,7 @@ fn run(args: Args) -> Result<String, String> {
     let budget = 2 * (args.window as u64 + 4) * per_seq * g;
     let a = KvArena::new(&dev, KvConfig::new(budget)).map_err(e)?;
     let n = (args.append_tokens * layout.bytes_per_token()) as usize;
-    let appended: [Vec<u8>; 4] = std::array::from_fn(|v| pattern(n, 7 + v as u64));
+    let appended: [Vec<u8>; 4] = std::array::from_fn(|v| random_bytes(7 + v as u64, n));
     let appended_sums = std::array::from_fn(|v| checksum_host(&appended[v]));
     let mut c = Churn {
         s: Stream::new(&dev).map_err(e)?,

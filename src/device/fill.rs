@@ -288,24 +288,14 @@ impl Drop for FillThreads {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::conformance::random_bytes;
 
-    fn pattern(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    }
 
     #[test]
     fn parallel_copy_is_exact_for_awkward_lengths() {
         let fill = FillThreads::new(5).unwrap();
         for &n in &[0usize, 1, 4095, MIN_PIECE, 2 * MIN_PIECE + 3, 5 * MIN_PIECE - 1, 3 << 20] {
-            let src = pattern(n, n as u64 + 11);
+            let src = random_bytes(n as u64 + 11, n);
             let mut dst = vec![0u8; n];
             fill.copy(&mut dst, &src).unwrap();
             assert!(dst == src, "mismatch at n={n}");
@@ -316,7 +306,7 @@ mod tests {
     fn copy_with_runs_its_closure_once_while_filling() {
         let fill = FillThreads::new(4).unwrap();
         for &n in &[100usize, 4 * MIN_PIECE + 1] {
-            let src = pattern(n, 5);
+            let src = random_bytes(5, n);
             let mut dst = vec![0u8; n];
             let mut calls = 0;
             let r = fill
@@ -356,7 +346,7 @@ mod tests {
         // (as the first one used to be), this would time out.
         let fill = FillThreads::new(4).unwrap();
         let n = 4 << 20;
-        let src = pattern(n, 3);
+        let src = random_bytes(3, n);
         let mut dst: Vec<u8> = src.iter().map(|b| b.wrapping_add(1)).collect();
         let base = dst.as_ptr() as usize;
         let t0 = Instant::now();
@@ -394,7 +384,7 @@ mod tests {
                 let fill = fill.clone();
                 std::thread::spawn(move || {
                     for i in 0..20 {
-                        let src = pattern(MIN_PIECE * 4 + i, t * 100 + i as u64);
+                        let src = random_bytes(t * 100 + i as u64, MIN_PIECE * 4 + i);
                         let mut dst = vec![0u8; src.len()];
                         fill.copy(&mut dst, &src).unwrap();
                         assert!(dst == src);

@@ -5,6 +5,7 @@
 //! (The generic behaviour is in the shared conformance suite; these cover
 //! what only the CUDA implementation does.)
 
+use crate::device::conformance::random_bytes;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -100,17 +101,6 @@ fn gpu() -> Arc<dyn Device> {
 }
 
 /// Deterministic bytes (xorshift), so a failure reproduces.
-fn pattern(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn read_back(d: &Arc<dyn Device>, src: DevicePtr, n: usize, s: &Stream) -> Vec<u8> {
     let mut out = vec![0u8; n];
@@ -146,7 +136,7 @@ fn gpu_copies_and_checksum_agree_with_the_host() {
     let d = gpu();
     let s = Stream::new(&d).unwrap();
     let n = (8 << 20) + 12;
-    let data = pattern(n, 7);
+    let data = random_bytes(7, n);
     let mut pinned = PinnedBuffer::new(&d, n).unwrap();
     pinned.copy_from_slice(&data);
     assert!(d.host_is_page_locked(pinned.as_ptr(), n));
@@ -215,7 +205,7 @@ fn gpu_vmm_alias_read_only_and_exact_counts() {
     d.vmm_map(ro, g, h, 0).unwrap();
     d.vmm_set_access(rw, g, Access::ReadWrite).unwrap();
     d.vmm_set_access(ro, g, Access::ReadOnly).unwrap();
-    let data = pattern(g, 3);
+    let data = random_bytes(3, g);
     // SAFETY: `data` lives until after the synchronize in read_back.
     unsafe { d.memcpy_htod_async(rw, data.as_ptr(), g, s.raw()) }.unwrap();
     assert_eq!(read_back(&d, ro, g, &s), data, "one granule, two addresses");
@@ -324,7 +314,7 @@ fn gpu_registered_range_is_page_locked_and_copies() {
     let d = gpu();
     let s = Stream::new(&d).unwrap();
     let n = 4 << 20;
-    let mut src = pattern(n, 11);
+    let mut src = random_bytes(11, n);
     let calls = d.driver_counts().host_register_calls;
     // SAFETY: `src` stays alive and unmoved until unregistered below.
     unsafe { d.host_register(src.as_mut_ptr(), n, true) }.unwrap();
