@@ -97,7 +97,8 @@ impl Job {
             // SAFETY: see `Job`: `[start, start + n)` was claimed by this
             // thread alone, lies inside both ranges (`piece_at` never passes
             // `len`), and the submitter keeps them alive until `done` counts it.
-            unsafe { std::ptr::copy_nonoverlapping(self.src.add(start), self.dst.add(start), n) };
+            // Streaming stores (ntcopy.rs) are fenced inside, before `done`.
+            unsafe { super::ntcopy::copy(self.dst.add(start), self.src.add(start), n) };
             self.done.fetch_add(n, Ordering::Release);
         }
     }

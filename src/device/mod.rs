@@ -26,6 +26,7 @@ pub mod fence;
 pub mod fill;
 pub mod host;
 pub mod hostreg;
+pub mod ntcopy;
 pub mod objects;
 
 pub use objects::*;
