@@ -34,6 +34,15 @@ const MIN_PIECE: usize = 64 * 1024;
 /// Largest piece: past it a thread that arrives late (woken from sleep, or
 /// the caller back from enqueueing the previous chunk) leaves a long tail.
 const MAX_PIECE: usize = 1 << 20;
+
+/// Fills of a chunk shorter than this use streaming stores (ntcopy.rs); longer
+/// ones plain stores. Measured on the H200 (bench_staging, two runs each,
+/// engine defaults): streaming raised staged page-ins of 2 / 8 / 32 MiB (chunks
+/// of 1 / 2 / 8 MiB) from 17 / 22 / 35–38 to 27–28 / 37 / 41 GB/s, but lowered
+/// 128 MiB (16 MiB chunks) from 47–48 to 41–43 GB/s: with plain stores three
+/// 16 MiB slots can stay in the last-level cache for the DMA to read, which
+/// streamed lines never do.
+const STREAM_BELOW: usize = 16 << 20;
 /// How the pieces shrink: each claim takes the unclaimed bytes divided by
 /// this many per thread (guided self-scheduling), so the pieces are large
 /// while much is left and small at the end, where every thread should finish
@@ -98,7 +107,13 @@ impl Job {
             // thread alone, lies inside both ranges (`piece_at` never passes
             // `len`), and the submitter keeps them alive until `done` counts it.
             // Streaming stores (ntcopy.rs) are fenced inside, before `done`.
-            unsafe { super::ntcopy::copy(self.dst.add(start), self.src.add(start), n) };
+            unsafe {
+                if self.len < STREAM_BELOW {
+                    super::ntcopy::copy(self.dst.add(start), self.src.add(start), n)
+                } else {
+                    std::ptr::copy_nonoverlapping(self.src.add(start), self.dst.add(start), n)
+                }
+            };
             self.done.fetch_add(n, Ordering::Release);
         }
     }
