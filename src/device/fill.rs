@@ -35,14 +35,16 @@ const MIN_PIECE: usize = 64 * 1024;
 /// the caller back from enqueueing the previous chunk) leaves a long tail.
 const MAX_PIECE: usize = 1 << 20;
 
-/// Fills of a chunk shorter than this use streaming stores (ntcopy.rs); longer
-/// ones plain stores. Measured on the H200 (bench_staging, two runs each,
-/// engine defaults): streaming raised staged page-ins of 2 / 8 / 32 MiB (chunks
-/// of 1 / 2 / 8 MiB) from 17 / 22 / 35–38 to 27–28 / 37 / 41 GB/s, but lowered
-/// 128 MiB (16 MiB chunks) from 47–48 to 41–43 GB/s: with plain stores three
-/// 16 MiB slots can stay in the last-level cache for the DMA to read, which
-/// streamed lines never do.
-const STREAM_BELOW: usize = 16 << 20;
+/// Copies (page-ins) shorter than this are filled with streaming stores
+/// (ntcopy.rs), longer ones with plain stores. Measured on the H200
+/// (bench_staging and bench_residency, two runs each, engine defaults):
+/// streaming raised staged page-ins of 2 / 8 / 32 MiB from 17 / 22 / 35–38 to
+/// 27–28 / 37 / 39–41 GB/s, but lowered 128 MiB page-ins from 47–48 to
+/// 41–46 GB/s and staged 64 MiB weights from 41.5 to 36 GB/s: with plain
+/// stores the engine's three 16 MiB slots can stay in the last-level cache for
+/// the DMA to read, which streamed lines never do. So the choice is per
+/// page-in, not per chunk (a large copy's short tail chunks stay plain too).
+pub const STREAM_BELOW: usize = 64 << 20;
 /// How the pieces shrink: each claim takes the unclaimed bytes divided by
 /// this many per thread (guided self-scheduling), so the pieces are large
 /// while much is left and small at the end, where every thread should finish
@@ -75,6 +77,8 @@ struct Job {
     next: AtomicUsize,
     /// Bytes written. The caller returns only once every claimed byte is.
     done: AtomicUsize,
+    /// Write with streaming stores (ntcopy.rs) rather than plain ones.
+    streaming: bool,
 }
 
 // SAFETY: `dst` and `src` are dereferenced only for a claimed piece, and the
@@ -108,7 +112,7 @@ impl Job {
             // `len`), and the submitter keeps them alive until `done` counts it.
             // Streaming stores (ntcopy.rs) are fenced inside, before `done`.
             unsafe {
-                if self.len < STREAM_BELOW {
+                if self.streaming {
                     super::ntcopy::copy(self.dst.add(start), self.src.add(start), n)
                 } else {
                     std::ptr::copy_nonoverlapping(self.src.add(start), self.dst.add(start), n)
@@ -190,6 +194,19 @@ impl FillThreads {
     /// cost no fill time: the workers claim the pieces the caller would have
     /// taken meanwhile.
     pub fn copy_with<R>(&self, dst: &mut [u8], src: &[u8], during: impl FnOnce() -> R) -> Result<R> {
+        self.copy_with_stores(dst, src, src.len() < STREAM_BELOW, during)
+    }
+
+    /// As [`Self::copy_with`], choosing streaming (`true`) or plain stores:
+    /// the copy engine decides by the size of the whole page-in, of which
+    /// this is one chunk (see [`STREAM_BELOW`]).
+    pub fn copy_with_stores<R>(
+        &self,
+        dst: &mut [u8],
+        src: &[u8],
+        streaming: bool,
+        during: impl FnOnce() -> R,
+    ) -> Result<R> {
         crate::ensure!(dst.len() == src.len(), InvalidArgument, "fill of {} bytes into {} bytes", src.len(), dst.len());
         let len = src.len();
         if len < 2 * MIN_PIECE || self.threads == 1 {
@@ -204,6 +221,7 @@ impl FillThreads {
             threads: self.threads,
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
+            streaming,
         });
         // Waits on every exit from here, unwinding included, so no worker can
         // outlive the borrows it writes through.

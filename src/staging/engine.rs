@@ -77,7 +77,7 @@ use std::time::Instant;
 use super::pool::{PinnedStagingPool, PooledStaging};
 use super::stats::{self, EngineCounters, StagingStats};
 use crate::device::fence::{self, CopyTiming, InFlight, TryComplete};
-use crate::device::fill::{FillThreads, MAX_FILL_THREADS};
+use crate::device::fill::{self, FillThreads, MAX_FILL_THREADS};
 use crate::device::{Device, DevicePtr, Event, HostRange, RawStream, Stream};
 use crate::error::Result;
 
@@ -346,6 +346,8 @@ impl CopyEngine {
     fn stage(&self, st: &mut State, dst: DevicePtr, src: HostRange, timing: Option<&CopyTiming>) -> Result<()> {
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
+        // Decided once for the whole page-in (device::fill::STREAM_BELOW).
+        let streaming = bytes.len() < fill::STREAM_BELOW;
         // The chunk filled last, not yet enqueued: its copy is enqueued by the
         // calling thread while the fill threads fill the next chunk, so the
         // driver calls (copy, event: ~10 µs) cost no fill time.
@@ -356,7 +358,7 @@ impl CopyEngine {
             let mut buf = self.slot(st, filled.is_some())?;
             let prev = filled.take();
             let t0 = Instant::now();
-            let enqueued = self.fill.copy_with(&mut buf[..n], &bytes[off..off + n], || match prev {
+            let enqueued = self.fill.copy_with_stores(&mut buf[..n], &bytes[off..off + n], streaming, || match prev {
                 Some(c) => self.enqueue(st, dst, c, timing),
                 None => Ok(()),
             })?;
