@@ -107,6 +107,57 @@ pub fn device_range(p: u64, len: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+// Versioned structs: every C struct the host reads or fills starts with a
+// `size_t size` the caller sets to `sizeof` the struct it was compiled with;
+// structs only grow at the end, so old callers keep working.
+
+/// Read a caller's versioned input struct: the fields it declared (by its
+/// leading `size`) over `defaults` for the rest.
+///
+/// # Safety (of the C caller)
+/// `p` is non-NULL (checked) and points to at least `size` readable bytes.
+pub(crate) fn read_versioned<T: Copy>(p: *const T, defaults: T, min_size: usize, what: &str) -> Result<T> {
+    crate::ensure!(!p.is_null(), NullPointer, "argument `{what}` is NULL");
+    // SAFETY: non-NULL; every versioned struct starts with `size_t size`,
+    // which the caller promises is readable.
+    let caller = unsafe { p.cast::<usize>().read_unaligned() };
+    crate::ensure!(
+        caller >= min_size,
+        InvalidArgument,
+        "{what}->size is {caller}; set it to sizeof the struct (at least {min_size})"
+    );
+    let mut v = defaults;
+    let n = caller.min(std::mem::size_of::<T>());
+    // SAFETY: the caller's struct has `caller >= n` readable bytes; `v` is a
+    // local of at least `n` bytes; they do not overlap. Every field of these
+    // structs is an integer or float, so any bytes are a valid value.
+    unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), (&raw mut v).cast::<u8>(), n) };
+    // SAFETY: `v` starts with a usize `size` field (repr(C)).
+    unsafe { (&raw mut v).cast::<usize>().write_unaligned(n) };
+    Ok(v)
+}
+
+/// Write a versioned output struct: at most the caller's declared `size`
+/// bytes, with `size` set to the number written.
+pub(crate) fn write_versioned<T: Copy>(out: OutParam<'_, T>, value: T, min_size: usize, what: &str) -> Result<()> {
+    // SAFETY: `out` is non-NULL (OutParam) and the caller promises its
+    // leading `size` field is readable.
+    let caller = unsafe { out.as_ptr().cast::<usize>().read_unaligned() };
+    crate::ensure!(
+        caller >= min_size,
+        InvalidArgument,
+        "{what}->size is {caller}; set it to sizeof the struct (at least {min_size})"
+    );
+    let n = caller.min(std::mem::size_of::<T>());
+    let mut v = value;
+    // SAFETY: `v` starts with a usize `size` field (repr(C)).
+    unsafe { (&raw mut v).cast::<usize>().write_unaligned(n) };
+    // SAFETY: the caller's struct has `caller >= n` writable bytes; `v` is a
+    // local of at least `n` bytes; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping((&raw const v).cast::<u8>(), out.as_ptr().cast::<u8>(), n) };
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -154,23 +154,7 @@ pub extern "C" fn epm_device_get_info(dev: *mut EpmDevice, out: *mut EpmDeviceIn
     ffi_boundary! {
         let dev = try_handle!(dev);
         let out = try_out!(out);
-        // SAFETY: `out` is non-NULL and the caller promises it points to an
-        // EpmDeviceInfo (at least its `size` field) that is readable.
-        let caller_size = unsafe { std::ptr::addr_of!((*out.as_ptr()).size).read_unaligned() };
-        ensure!(
-            caller_size >= DEVICE_INFO_MIN_SIZE,
-            InvalidArgument,
-            "out->size is {caller_size}; set it to sizeof(EpmDeviceInfo) (at least {DEVICE_INFO_MIN_SIZE})"
-        );
-        let mut info = info_of(&*dev);
-        let n = caller_size.min(std::mem::size_of::<EpmDeviceInfo>());
-        info.size = n;
-        // SAFETY: the caller's struct has `caller_size >= n` writable bytes;
-        // `info` is a local of at least `n` bytes; they do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping((&raw const info).cast::<u8>(), out.as_ptr().cast::<u8>(), n);
-        }
-        Ok(())
+        write_versioned(out, info_of(&*dev), DEVICE_INFO_MIN_SIZE, "out")
     }
 }
 

@@ -156,22 +156,6 @@ fn layout_from_c(p: *const EpmKvLayout) -> Result<KvLayout> {
     Ok(l)
 }
 
-/// Write a versioned (size-first) struct: at most `out->size` bytes, and
-/// `out->size` set to the number written. `min` is the first version's size.
-fn write_sized<T: Copy>(out: OutParam<'_, T>, mut value: T, min: usize, name: &str) -> Result<()> {
-    // SAFETY: `out` is non-NULL and points to a caller struct whose first
-    // field is its `size` (usize), readable per the documented contract.
-    let caller = unsafe { out.as_ptr().cast::<usize>().read_unaligned() };
-    ensure!(caller >= min, InvalidArgument, "out->size is {caller}; set it to sizeof({name}) (at least {min})");
-    let n = caller.min(std::mem::size_of::<T>());
-    // SAFETY: every versioned struct here starts with `size: usize`.
-    unsafe { (&raw mut value).cast::<usize>().write(n) };
-    // SAFETY: the caller's struct has at least `caller >= n` writable bytes;
-    // `value` is a local of at least `n` bytes; they do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping((&raw const value).cast::<u8>(), out.as_ptr().cast::<u8>(), n) };
-    Ok(())
-}
-
 /// Token ids from C: NULL is allowed only with `n == 0`.
 fn tokens<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
     if n == 0 {
@@ -330,7 +314,7 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
             fences: s.counters.fences,
             hash_hits: s.counters.hash_hits,
         };
-        write_sized(out, v, std::mem::size_of::<EpmKvStats>(), "EpmKvStats")
+        write_versioned(out, v, std::mem::size_of::<EpmKvStats>(), "EpmKvStats")
     }
 }
 
@@ -466,7 +450,7 @@ pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo
             private_granules: i.private_granules,
             promised_granules: i.promised_granules,
         };
-        write_sized(out, v, std::mem::size_of::<EpmKvSeqInfo>(), "EpmKvSeqInfo")
+        write_versioned(out, v, std::mem::size_of::<EpmKvSeqInfo>(), "EpmKvSeqInfo")
     }
 }
 
@@ -597,7 +581,7 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
             pinned: i.pinned,
             view_base: i.view_base,
         };
-        write_sized(out, v, std::mem::size_of::<EpmKvPrefixInfo>(), "EpmKvPrefixInfo")
+        write_versioned(out, v, std::mem::size_of::<EpmKvPrefixInfo>(), "EpmKvPrefixInfo")
     }
 }
 
@@ -680,7 +664,7 @@ pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, privat
         let out = try_out!(out);
         let a = kv::admissible(budget_bytes, prefix_bytes, private_bytes);
         let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.seed_formula };
-        write_sized(out, v, std::mem::size_of::<EpmKvAdmission>(), "EpmKvAdmission")
+        write_versioned(out, v, std::mem::size_of::<EpmKvAdmission>(), "EpmKvAdmission")
     }
 }
 
@@ -730,6 +714,6 @@ pub extern "C" fn epm_kv_request_cost(
         );
         let c = kv::request_cost(&l, g, prefix_tokens, max_tokens);
         let v = EpmKvRequestCost { size: 0, prefix_bytes: c.prefix_bytes, private_bytes: c.private_bytes, unshared_bytes: c.unshared_bytes };
-        write_sized(out, v, std::mem::size_of::<EpmKvRequestCost>(), "EpmKvRequestCost")
+        write_versioned(out, v, std::mem::size_of::<EpmKvRequestCost>(), "EpmKvRequestCost")
     }
 }

@@ -65,7 +65,9 @@ pub use crate::error::EpmStatus;
 /// Everything an `src/ffi/<concept>.rs` file needs: `use crate::ffi::prelude::*;`.
 #[allow(unused_imports)]
 pub(crate) mod prelude {
-    pub(crate) use super::args::{OutParam, check_not_null, try_host_range, try_out, try_str};
+    pub(crate) use super::args::{
+        OutParam, check_not_null, read_versioned, try_host_range, try_out, try_str, write_versioned,
+    };
     pub(crate) use super::handle::{self, Handle, impl_handle, try_handle};
     pub(crate) use super::panic::ffi_boundary;
     pub use crate::error::{EpmStatus, Error, Result};

@@ -9,7 +9,6 @@
 //! ```
 
 use crate::device::HostRange;
-use crate::ffi::arena::{read_versioned, write_versioned};
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;

@@ -115,32 +115,9 @@ pub struct EpmStagingStats {
 const CONFIG_MIN_SIZE: usize = std::mem::size_of::<EpmCopyEngineConfig>();
 const STATS_MIN_SIZE: usize = std::mem::size_of::<EpmStagingStats>();
 
-/// The caller's `size` field of a versioned struct, checked against the
-/// first version's size.
-///
-/// # Safety
-/// `p` is non-NULL and points to a readable `usize` (the struct's first field).
-unsafe fn caller_size<T>(p: *const T, min: usize, name: &str) -> Result<usize> {
-    // SAFETY: per the contract, the first field is a readable usize.
-    let size = unsafe { p.cast::<usize>().read_unaligned() };
-    ensure!(size >= min, InvalidArgument, "size is {size}; set it to sizeof({name}) (at least {min})");
-    Ok(size)
-}
-
-/// Write the first `min(size, sizeof T)` bytes of `value` to `out`.
-///
-/// # Safety
-/// `out` has `size` writable bytes.
-unsafe fn write_sized<T: Copy>(out: *mut T, value: &T, size: usize) {
-    let n = size.min(std::mem::size_of::<T>());
-    // SAFETY: `value` has size_of::<T>() >= n bytes, `out` has `size` >= n;
-    // a local and the caller's struct do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping((value as *const T).cast::<u8>(), out.cast::<u8>(), n) };
-}
-
-fn c_stats(s: StagingStats, size: usize) -> EpmStagingStats {
+fn c_stats(s: StagingStats) -> EpmStagingStats {
     EpmStagingStats {
-        size: size.min(std::mem::size_of::<EpmStagingStats>()),
+        size: std::mem::size_of::<EpmStagingStats>(),
         pinned_alloc_calls: s.pinned_alloc_calls,
         pinned_free_calls: s.pinned_free_calls,
         pinned_reuses: s.pinned_reuses,
@@ -158,12 +135,7 @@ fn c_stats(s: StagingStats, size: usize) -> EpmStagingStats {
 }
 
 fn write_stats(out: OutParam<'_, EpmStagingStats>, s: StagingStats) -> Result<()> {
-    // SAFETY: non-NULL (OutParam); the caller promises an EpmStagingStats
-    // with its size set.
-    let size = unsafe { caller_size(out.as_ptr(), STATS_MIN_SIZE, "EpmStagingStats")? };
-    // SAFETY: the caller's struct has `size` writable bytes.
-    unsafe { write_sized(out.as_ptr(), &c_stats(s, size), size) };
-    Ok(())
+    write_versioned(out, c_stats(s), STATS_MIN_SIZE, "EpmStagingStats")
 }
 
 fn default_config() -> EpmCopyEngineConfig {
@@ -265,13 +237,7 @@ pub extern "C" fn epm_staging_pool_destroy(pool: *mut EpmStagingPool) -> EpmStat
 pub extern "C" fn epm_copy_engine_config_default(out: *mut EpmCopyEngineConfig) -> EpmStatus {
     ffi_boundary! {
         let out = try_out!(out);
-        // SAFETY: non-NULL (OutParam); the caller promises a config with its size set.
-        let size = unsafe { caller_size(out.as_ptr(), CONFIG_MIN_SIZE, "EpmCopyEngineConfig")? };
-        let mut d = default_config();
-        d.size = size.min(std::mem::size_of::<EpmCopyEngineConfig>());
-        // SAFETY: the caller's struct has `size` writable bytes.
-        unsafe { write_sized(out.as_ptr(), &d, size) };
-        Ok(())
+        write_versioned(out, default_config(), CONFIG_MIN_SIZE, "EpmCopyEngineConfig")
     }
 }
 
@@ -297,15 +263,11 @@ pub extern "C" fn epm_copy_engine_create(
     ffi_boundary! {
         let pool = try_handle!(pool);
         let out = try_out!(out);
-        let mut c = default_config();
-        if !config.is_null() {
-            // SAFETY: non-NULL; the caller promises a config with its size set.
-            let size = unsafe { caller_size(config, CONFIG_MIN_SIZE, "EpmCopyEngineConfig")? };
-            let n = size.min(std::mem::size_of::<EpmCopyEngineConfig>());
-            // SAFETY: the caller's struct has `size >= n` readable bytes; `c`
-            // has n writable bytes; a local does not overlap it.
-            unsafe { std::ptr::copy_nonoverlapping(config.cast::<u8>(), (&raw mut c).cast::<u8>(), n) };
-        }
+        let c = if config.is_null() {
+            default_config()
+        } else {
+            read_versioned(config, default_config(), CONFIG_MIN_SIZE, "EpmCopyEngineConfig")?
+        };
         let known = EPM_COPY_ENGINE_NO_TIMING | EPM_COPY_ENGINE_NO_DIRECT;
         ensure!(c.flags & !known == 0, InvalidArgument, "unknown copy engine flags {:#x}", c.flags);
         let cfg = EngineConfig {
