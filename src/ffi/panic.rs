@@ -20,7 +20,8 @@
 //! The fallible form clears the thread's last error on entry, records the
 //! error on failure, and turns a caught panic into `EPM_STATUS_PANIC` with the
 //! panic message. The infallible form leaves the last error alone unless it
-//! catches a panic. Both install the logger on first use.
+//! catches a panic. Both install the logger on first use, and both poison
+//! the handles a call looked up when it panicked (`handle::CallScope`).
 
 use std::any::Any;
 use std::ffi::c_char;
@@ -74,10 +75,15 @@ fn panic_error(payload: Box<dyn Any + Send>) -> Error {
 #[doc(hidden)]
 pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
     clear_last_error();
+    let scope = crate::ffi::handle::CallScope::enter();
     let result = catch_unwind(AssertUnwindSafe(|| {
         crate::ffi::log::ensure_installed();
         body()
     }));
+    if result.is_err() {
+        scope.poison_used();
+    }
+    drop(scope);
     match result {
         Ok(Ok(())) => EpmStatus::Ok,
         Ok(Err(e)) => {
@@ -95,10 +101,15 @@ pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
 /// The infallible form of the boundary; use [`ffi_boundary!`].
 #[doc(hidden)]
 pub fn value_boundary<T: PanicValue>(body: impl FnOnce() -> T) -> T {
+    let scope = crate::ffi::handle::CallScope::enter();
     let result = catch_unwind(AssertUnwindSafe(|| {
         crate::ffi::log::ensure_installed();
         body()
     }));
+    if result.is_err() {
+        scope.poison_used();
+    }
+    drop(scope);
     result.unwrap_or_else(|payload| {
         set_last_error(&panic_error(payload));
         T::panic_value()
