@@ -165,8 +165,11 @@ int main(int argc, char **argv) {
   /* Pinned, so the read-backs queued on the stream stay asynchronous. */
   acfg.size = sizeof acfg;
   if ((st = epm_arena_config_default(&acfg))) goto cleanup;
-  acfg.capacity_bytes = (size_t)o.layers * SAMPLES * SAMPLE_BYTES;
-  acfg.chunk_bytes = acfg.capacity_bytes;
+  { /* one segment, rounded up to the device's granularity */
+    uint64_t g = info.granularity ? info.granularity : 4096, need = (uint64_t)o.layers * SAMPLES * SAMPLE_BYTES;
+    acfg.capacity_bytes = (need + g - 1) / g * g;
+    acfg.chunk_bytes = acfg.capacity_bytes;
+  }
   if ((st = epm_arena_create_pinned(dev, &acfg, &pinned))) goto cleanup;
   if ((st = epm_arena_alloc(pinned, (size_t)o.layers * SAMPLES * SAMPLE_BYTES, 0, &samples_addr))) goto cleanup;
   samples = (unsigned char *)(uintptr_t)samples_addr;
