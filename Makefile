@@ -5,9 +5,14 @@
 #   make test                  everything CI runs (the README's test command)
 #   make demo                  build and run the demo against an installed copy
 #
-# The C tests link target/release/libepmem.so with an rpath relative to the
-# binary, so target/ffi-tests/ and target/release/ can be shipped together to
-# a GPU machine and run there with EPM_DEVICE=cuda (see scripts/gpu-check.sh).
+# The C tests link the testing variant of the library (--features testing:
+# EPM_FAULT, the spin/checksum kernels and panic hooks of
+# include/epmem_testing.h), built into its own target dir and named
+# libepmem_testing.so so it never shadows the shipped libepmem.so on a
+# library path. They find it through an rpath relative to the binary, so
+# target/ffi-tests/ and target/testing/release/ can be shipped together to a
+# GPU machine (see scripts/gpu-pack.sh, scripts/gpu-check.sh). `make install`
+# ships the default build only, and only include/epmem.h.
 
 PREFIX   ?= /usr/local
 CC       ?= cc
@@ -17,6 +22,8 @@ VERSION  := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 WARN      := -Wall -Wextra -Werror
 TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer -pthread
 LIB_DIR   := target/release
+TESTING_LIB_DIR := target/testing/release
+TESTING_LIB := $(TESTING_LIB_DIR)/libepmem_testing.so
 TEST_DIR  := target/ffi-tests
 TEST_SRCS := $(wildcard ffi-tests/test_*.c)
 TEST_BINS := $(patsubst ffi-tests/%.c,$(TEST_DIR)/%,$(TEST_SRCS))
@@ -31,10 +38,15 @@ EX_LIBS   := -pthread -lm
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
 
-.PHONY: build install uninstall test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
+.PHONY: build build-testing install uninstall test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
 
 build:
 	$(CARGO) build --release
+
+# The second variant (~30 s more in CI): same sources, --features testing.
+build-testing:
+	CARGO_TARGET_DIR=target/testing $(CARGO) build --release --lib --features testing
+	cp $(TESTING_LIB_DIR)/libepmem.so $(TESTING_LIB)
 
 install: build
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
@@ -50,17 +62,20 @@ uninstall:
 
 # ---- C tests ---------------------------------------------------------------
 
-$(TEST_DIR)/%: ffi-tests/%.c ffi-tests/testhelper.h ffi-tests/misuse.h include/epmem.h $(LIB_DIR)/libepmem.so
-	@mkdir -p $(TEST_DIR)
-	$(CC) $(TEST_CFLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../release'
+TEST_DEPS := ffi-tests/testhelper.h ffi-tests/misuse.h $(wildcard ffi-tests/abi/*.h) include/epmem.h include/epmem_testing.h $(TESTING_LIB)
 
-$(TEST_DIR)/san/%: ffi-tests/%.c ffi-tests/testhelper.h ffi-tests/misuse.h include/epmem.h $(LIB_DIR)/libepmem.so
+$(TEST_DIR)/%: ffi-tests/%.c $(TEST_DEPS)
+	@mkdir -p $(TEST_DIR)
+	$(CC) $(TEST_CFLAGS) -Iinclude -o $@ $< -L$(TESTING_LIB_DIR) -lepmem_testing -Wl,-rpath,'$$ORIGIN/../testing/release'
+
+$(TEST_DIR)/san/%: ffi-tests/%.c $(TEST_DEPS)
 	@mkdir -p $(TEST_DIR)/san
-	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(LIB_DIR) -lepmem -Wl,-rpath,'$$ORIGIN/../../release'
+	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(TESTING_LIB_DIR) -lepmem_testing -Wl,-rpath,'$$ORIGIN/../../testing/release'
 
 $(LIB_DIR)/libepmem.so: build
+$(TESTING_LIB): build-testing
 
-ffi-tests: build $(TEST_BINS)
+ffi-tests: build build-testing $(TEST_BINS)
 
 # ---- the test command --------------------------------------------------------
 
@@ -120,6 +135,11 @@ test-examples: build
 	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
 	  $$prefix/$$name; \
 	done; \
+	echo "== the installed library has no test machinery"; \
+	if nm -D --defined-only $$prefix/lib/libepmem.so | grep -E ' (epm_device_spin_async|epm_device_checksum_async|epm_checksum_host|epm_testing_[a-z_]*)$$'; then \
+	  echo "libepmem.so exports test machinery"; exit 1; fi; \
+	if [ -e $$prefix/include/epmem_testing.h ]; then echo "epmem_testing.h was installed"; exit 1; fi; \
+	EPM_FAULT=warp:1 $$prefix/device_info >/dev/null 2>&1 || { echo "the installed library honoured EPM_FAULT"; exit 1; }; \
 	echo "== example device_info, linked statically (libepmem.a + Libs.private)"; \
 	$(CC) -std=c11 $(WARN) -o $$prefix/device_info_static examples-c/device_info.c \
 	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags epmem) \

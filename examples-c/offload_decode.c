@@ -3,11 +3,12 @@
  * budget, paging them in through epmem's residency manager, and prove on the
  * device that every weight a kernel read was bit-exact.
  *
- * Each step acquires every layer in order on one stream, queues a checksum
- * kernel over the device copy (plus an optional fixed "compute" kernel), and
- * releases it. The checksums land in device slots and are compared with the
- * host checksums taken at registration: a staging buffer or a device block
- * reused too early would show as a mismatch. It then prints tokens/s, the
+ * Each step acquires every layer in order on one stream, queues device reads
+ * of the device copy (four 4 KiB samples, head to tail, copied into pinned
+ * host memory on the same stream, where a kernel of yours would read it), and
+ * releases it. At the end of each token the samples are compared with the
+ * host weights: a staging buffer or a device block reused too early would
+ * show as a mismatch. It uses only the stable API (include/epmem.h). It then prints tokens/s, the
  * residency stats, and the streamed GB/s against the pinned H2D peak measured
  * here with a quick copy from pinned memory.
  *
@@ -20,7 +21,7 @@
  * Options (defaults finish in seconds on a small machine):
  *   --layers N        layers (48)              --layer-kib K   bytes per layer (512 KiB)
  *   --budget-pct P    VRAM budget, % of model (50)
- *   --steps S         decode steps (8)         --compute-us U  spin kernel per layer (0)
+ *   --steps S         decode steps (8)
  *   --prefetch D      prefetch depth (1)       --policy cyclic|lru
  *   --register memlock|never|always            --sync          the seed's synchronous page-ins
  * On the H200:  EPM_DEVICE=cuda ./offload_decode --layer-kib 65536 --steps 16
@@ -36,7 +37,7 @@
 #include <epmem.h>
 
 typedef struct {
-  uint32_t layers, steps, compute_us, prefetch, sync, budget_pct;
+  uint32_t layers, steps, prefetch, sync, budget_pct;
   uint32_t policy, reg;
   size_t layer_bytes;
 } Options;
@@ -60,7 +61,6 @@ static int parse(int argc, char **argv, Options *o) {
     else if (!strcmp(a, "--layer-kib")) o->layer_bytes = (size_t)strtoull(v, NULL, 10) << 10;
     else if (!strcmp(a, "--budget-pct")) o->budget_pct = (uint32_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--steps")) o->steps = (uint32_t)strtoul(v, NULL, 10);
-    else if (!strcmp(a, "--compute-us")) o->compute_us = (uint32_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--prefetch")) o->prefetch = (uint32_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--policy")) o->policy = !strcmp(v, "lru") ? EPM_POLICY_LRU : EPM_POLICY_CYCLIC;
     else if (!strcmp(a, "--register"))
@@ -85,6 +85,13 @@ static void fill_random(unsigned char *p, size_t n, uint64_t seed) {
     uint64_t v = x * 0x2545F4914F6CDD1Dull;
     memcpy(p + i, &v, 8);
   }
+}
+
+/* The samples read back per acquire: SAMPLES x SAMPLE_BYTES, head to tail. */
+#define SAMPLES 4
+#define SAMPLE_BYTES 4096
+static size_t sample_offset(size_t layer_bytes, int i) {
+  return (size_t)i * (layer_bytes - SAMPLE_BYTES) / (SAMPLES - 1);
 }
 
 /* Pinned H2D peak: back-to-back copies of one layer from a pinned arena block. */
@@ -132,10 +139,11 @@ int main(int argc, char **argv) {
   EpmDeviceInfo info;
   EpmResidencyConfig cfg;
   EpmResidencyStats stats;
-  unsigned char *model = NULL;
-  uint64_t *host_sums = NULL, *dev_sums = NULL;
+  unsigned char *model = NULL, *samples = NULL;
+  EpmArena *pinned = NULL;
+  EpmArenaConfig acfg;
+  uint64_t samples_addr = 0;
   EpmWeightId *ids = NULL;
-  EpmDevicePtr slots = 0;
   EpmStatus st = EPM_STATUS_OK;
   uint64_t mismatches = 0;
   double peak = 0, t_start = 0, t_decode = 0;
@@ -152,10 +160,19 @@ int main(int argc, char **argv) {
   if ((st = epm_stream_create(dev, &stream))) goto cleanup;
 
   model = aligned_alloc(4096, stride * o.layers);
-  host_sums = calloc(o.layers, sizeof *host_sums);
-  dev_sums = calloc(o.layers, sizeof *dev_sums);
   ids = calloc(o.layers, sizeof *ids);
-  if (!model || !host_sums || !dev_sums || !ids) { fprintf(stderr, "out of host memory\n"); goto cleanup; }
+  if (!model || !ids) { fprintf(stderr, "out of host memory\n"); goto cleanup; }
+  /* Pinned, so the read-backs queued on the stream stay asynchronous. */
+  acfg.size = sizeof acfg;
+  if ((st = epm_arena_config_default(&acfg))) goto cleanup;
+  { /* one segment, rounded up to the device's granularity */
+    uint64_t g = info.granularity ? info.granularity : 4096, need = (uint64_t)o.layers * SAMPLES * SAMPLE_BYTES;
+    acfg.capacity_bytes = (need + g - 1) / g * g;
+    acfg.chunk_bytes = acfg.capacity_bytes;
+  }
+  if ((st = epm_arena_create_pinned(dev, &acfg, &pinned))) goto cleanup;
+  if ((st = epm_arena_alloc(pinned, (size_t)o.layers * SAMPLES * SAMPLE_BYTES, 0, &samples_addr))) goto cleanup;
+  samples = (unsigned char *)(uintptr_t)samples_addr;
 
   cfg.size = sizeof cfg;
   if ((st = epm_residency_config_default(&cfg))) goto cleanup;
@@ -172,11 +189,9 @@ int main(int argc, char **argv) {
   for (uint32_t l = 0; l < o.layers; l++) {
     unsigned char *w = model + (size_t)l * stride;
     fill_random(w, o.layer_bytes, l + 1);
-    host_sums[l] = epm_checksum_host(w, o.layer_bytes);
     if ((st = epm_residency_register_weight(res, w, o.layer_bytes, &ids[l]))) goto cleanup;
   }
   if ((st = epm_residency_declare_cycle(res, ids, o.layers))) goto cleanup;
-  if ((st = epm_device_alloc(dev, 8 * (size_t)o.layers, &slots))) goto cleanup;
 
   printf("offload_decode on %s (%s): %" PRIu32 " layers x %zu KiB = %.1f MiB, budget %.1f MiB (%" PRIu32 "%%)\n",
          info.name, info.kind == EPM_DEVICE_KIND_CUDA ? "cuda" : "host", o.layers, o.layer_bytes >> 10,
@@ -187,19 +202,27 @@ int main(int argc, char **argv) {
     for (uint32_t l = 0; l < o.layers; l++) {
       EpmDevicePtr p = 0;
       if ((st = epm_residency_acquire(res, ids[l], stream, &p))) goto cleanup;
-      if ((st = epm_device_checksum_async(dev, p, o.layer_bytes & ~(size_t)3, stream, slots + 8 * l))) goto cleanup;
-      if (o.compute_us && (st = epm_device_spin_async(dev, o.compute_us, stream))) goto cleanup;
+      /* Device reads of the weight, ordered after its page-in by the stream
+       * (as a kernel launched here would be) and before its release. */
+      for (int i = 0; i < SAMPLES; i++) {
+        size_t off = sample_offset(o.layer_bytes, i);
+        unsigned char *dst = samples + ((size_t)l * SAMPLES + (size_t)i) * SAMPLE_BYTES;
+        if ((st = epm_memcpy_dtoh_async(dev, dst, p + off, SAMPLE_BYTES, stream))) goto cleanup;
+      }
       if ((st = epm_residency_release(res, ids[l], stream))) goto cleanup;
     }
-    /* End of a token: the host needs the result (here, the checksums). */
+    /* End of a token: the host needs the result (here, the samples). */
     if ((st = epm_stream_synchronize(stream))) goto cleanup;
-    if ((st = epm_memcpy_dtoh(dev, dev_sums, slots, 8 * (size_t)o.layers))) goto cleanup;
     for (uint32_t l = 0; l < o.layers; l++) {
-      if (dev_sums[l] != host_sums[l]) {
-        if (mismatches < 10)
-          fprintf(stderr, "step %" PRIu32 " layer %" PRIu32 ": device checksum %016" PRIx64 " != host %016" PRIx64 "\n",
-                  step, l, dev_sums[l], host_sums[l]);
-        mismatches++;
+      for (int i = 0; i < SAMPLES; i++) {
+        size_t off = sample_offset(o.layer_bytes, i);
+        const unsigned char *got = samples + ((size_t)l * SAMPLES + (size_t)i) * SAMPLE_BYTES;
+        if (memcmp(got, model + (size_t)l * stride + off, SAMPLE_BYTES) != 0) {
+          if (mismatches < 10)
+            fprintf(stderr, "step %" PRIu32 " layer %" PRIu32 ": device bytes at offset %zu differ from the host weight\n",
+                    step, l, off);
+          mismatches++;
+        }
       }
     }
   }
@@ -211,7 +234,8 @@ int main(int argc, char **argv) {
 
   double gbps = (double)stats.htod_bytes / (t_decode * 1e-3) / 1e9;
   printf("decoded %" PRIu32 " tokens in %.1f ms: %.2f tokens/s\n", o.steps, t_decode, o.steps / (t_decode * 1e-3));
-  printf("verified %" PRIu64 " acquires on the device: %" PRIu64 " mismatches\n", stats.acquires, mismatches);
+  printf("verified %" PRIu64 " acquires on the device (%d samples of %d bytes each): %" PRIu64 " mismatches\n",
+         stats.acquires, SAMPLES, SAMPLE_BYTES, mismatches);
   printf("page_ins %" PRIu64 " (prefetch %" PRIu64 ", bypassed %" PRIu64 ", staged %" PRIu64 "), hits %" PRIu64
          ", hit_rate %.3f, evictions %" PRIu64 " (handed on behind readers %" PRIu64 ", host waited %" PRIu64 ")\n",
          stats.page_ins, stats.prefetch_page_ins, stats.bypassed_page_ins, stats.staged_page_ins, stats.hits,
@@ -235,13 +259,12 @@ int main(int argc, char **argv) {
 cleanup:
   if (st != EPM_STATUS_OK)
     fprintf(stderr, "offload_decode: %s: %s\n", epm_status_name((int)st), epm_last_error_message());
-  if (slots) epm_device_free(dev, slots);
+  if (samples_addr) epm_arena_free(pinned, samples_addr);
+  epm_arena_destroy(pinned);
   epm_residency_destroy(res);
   epm_stream_destroy(stream);
   epm_device_destroy(dev);
   free(model);
-  free(host_sums);
-  free(dev_sums);
   free(ids);
   return rc;
 }

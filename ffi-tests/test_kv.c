@@ -16,6 +16,7 @@
 static EpmKvLayout qwen14b(void) {
   EpmKvLayout l;
   memset(&l, 0, sizeof l);
+  l.size = sizeof l;
   if (epm_kv_layout_token_major(48, 8, 128, 2, &l) != EPM_STATUS_OK) l.size = 0;
   return l;
 }

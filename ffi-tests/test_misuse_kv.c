@@ -10,6 +10,7 @@
 static EpmKvLayout mu_layout(void) {
   EpmKvLayout l;
   memset(&l, 0, sizeof l);
+  l.size = sizeof l;
   if (epm_kv_layout_token_major(2, 2, 64, 2, &l) != EPM_STATUS_OK) l.size = 0;
   return l;
 }

@@ -285,6 +285,18 @@ static void test_residency(MuFx *f) {
   REQUIRE_OK(epm_residency_release(res, w, f->s));
   MU_EXPECT(epm_residency_release(res, w, f->s), EPM_STATUS_INVALID_STATE, "a second release");
 
+  /* The host path: acquire_host / release_host. */
+  BAD_HANDLES(EpmResidency, h, f->dev, dead, epm_residency_acquire_host(h, w, &up));
+  MU_EXPECT(epm_residency_acquire_host(res, w, NULL), EPM_STATUS_NULL_POINTER, "NULL out_ptr");
+  MU_EXPECT(epm_residency_acquire_host(res, 4242, &up), EPM_STATUS_INVALID_ARGUMENT, "an unknown weight");
+  CHECK(up == 999);
+  MU_EXPECT(epm_residency_release_host(res, w), EPM_STATUS_INVALID_STATE, "host release without acquire");
+  REQUIRE_OK(epm_residency_acquire_host(res, w, &p));
+  BAD_HANDLES(EpmResidency, h, f->dev, dead, epm_residency_release_host(h, w));
+  MU_EXPECT(epm_residency_release_host(res, 4242), EPM_STATUS_INVALID_ARGUMENT, "an unknown weight");
+  REQUIRE_OK(epm_residency_release_host(res, w));
+  MU_EXPECT(epm_residency_release_host(res, w), EPM_STATUS_INVALID_STATE, "a second host release");
+
   BAD_HANDLES(EpmResidency, h, f->dev, dead, epm_residency_unregister_weight(h, w2));
   MU_EXPECT(epm_residency_unregister_weight(res, 4242), EPM_STATUS_INVALID_ARGUMENT, "an unknown weight");
   REQUIRE_OK(epm_residency_unregister_weight(res, w2));
@@ -300,7 +312,7 @@ static void test_residency(MuFx *f) {
   st.size = sizeof st;
   REQUIRE_OK(epm_residency_synchronize(res));
   REQUIRE_OK(epm_residency_get_stats(res, &st));
-  CHECK(st.acquires == 1 && st.registered_weights == 1);
+  CHECK(st.acquires == 2 && /* acquire + acquire_host */ st.registered_weights == 1);
   BAD_DESTROY(EpmResidency, h, f->dev, dead, epm_residency_destroy(h));
 
 cleanup:

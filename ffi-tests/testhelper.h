@@ -13,6 +13,9 @@
 #include <string.h>
 
 #include "epmem.h"
+/* The C tests link the testing build (libepmem_testing.so): its checksum and
+ * spin kernels stand in for a model's kernels. */
+#include "epmem_testing.h"
 
 static int th_checks = 0;
 static int th_failures = 0;

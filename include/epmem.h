@@ -16,6 +16,17 @@
 #include <stdint.h>
 
 /**
+ * `sizeof(EpmArenaConfig)` in its first published version (epmem 0.1):
+ * the smallest `size` ever accepted. Frozen; see docs/ABI.md.
+ */
+#define EPM_ARENA_CONFIG_SIZE_V1 32
+
+/**
+ * `sizeof(EpmArenaStats)` in its first published version. Frozen.
+ */
+#define EPM_ARENA_STATS_SIZE_V1 88
+
+/**
  * Length of `EpmDeviceInfo::name`, including the terminating NUL.
  */
 #define EPM_DEVICE_NAME_LEN 256
@@ -24,6 +35,13 @@
  * Length of `EpmDeviceInfo::pci_bus_id`, including the terminating NUL.
  */
 #define EPM_PCI_BUS_ID_LEN 32
+
+/**
+ * `sizeof(EpmDeviceInfo)` in its first published version (epmem 0.1): the
+ * smallest `size` ever accepted. Frozen: it stays this number when fields
+ * are appended (docs/ABI.md).
+ */
+#define EPM_DEVICE_INFO_SIZE_V1 336
 
 /**
  * `epm_event_create` flag: the event can be used with `epm_event_elapsed_ms`.
@@ -41,6 +59,37 @@
  * Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
  */
 #define EPM_KV_ADMIT_ON_DEMAND 1
+
+/**
+ * `sizeof(EpmKvLayout)` in its first published version (epmem 0.1): the
+ * smallest `size` ever accepted. Frozen; see docs/ABI.md.
+ */
+#define EPM_KV_LAYOUT_SIZE_V1 56
+
+/**
+ * `sizeof(EpmKvStats)` in its first published version. Frozen.
+ */
+#define EPM_KV_STATS_SIZE_V1 176
+
+/**
+ * `sizeof(EpmKvSeqInfo)` in its first published version. Frozen.
+ */
+#define EPM_KV_SEQ_INFO_SIZE_V1 112
+
+/**
+ * `sizeof(EpmKvPrefixInfo)` in its first published version. Frozen.
+ */
+#define EPM_KV_PREFIX_INFO_SIZE_V1 40
+
+/**
+ * `sizeof(EpmKvAdmission)` in its first published version. Frozen.
+ */
+#define EPM_KV_ADMISSION_SIZE_V1 32
+
+/**
+ * `sizeof(EpmKvRequestCost)` in its first published version. Frozen.
+ */
+#define EPM_KV_REQUEST_COST_SIZE_V1 32
 
 /**
  * `EpmResidencyConfig::policy`: farthest next use under the declared cycle
@@ -76,6 +125,17 @@
 #define EPM_REGISTER_ALWAYS 2
 
 /**
+ * `sizeof(EpmResidencyConfig)` in its first published version (epmem
+ * 0.1): the smallest `size` ever accepted. Frozen; see docs/ABI.md.
+ */
+#define EPM_RESIDENCY_CONFIG_SIZE_V1 72
+
+/**
+ * `sizeof(EpmResidencyStats)` in its first published version. Frozen.
+ */
+#define EPM_RESIDENCY_STATS_SIZE_V1 288
+
+/**
  * `EpmCopyEngineConfig::flags`: do not record timing events (`htod_ms`
  * stays 0).
  */
@@ -85,6 +145,17 @@
  * `EpmCopyEngineConfig::flags`: stage every copy, even from page-locked memory.
  */
 #define EPM_COPY_ENGINE_NO_DIRECT 2
+
+/**
+ * `sizeof(EpmCopyEngineConfig)` in its first published version (epmem
+ * 0.1): the smallest `size` ever accepted. Frozen; see docs/ABI.md.
+ */
+#define EPM_COPY_ENGINE_CONFIG_SIZE_V1 32
+
+/**
+ * `sizeof(EpmStagingStats)` in its first published version. Frozen.
+ */
+#define EPM_STAGING_STATS_SIZE_V1 112
 
 /**
  * Major version: incompatible ABI changes.
@@ -131,7 +202,9 @@ typedef enum EpmStatus {
    */
   EPM_STATUS_INVALID_HANDLE = 3,
   /**
-   * The operation is not valid in the object's current state (e.g. destroy while in use).
+   * The operation is not valid in the object's current state (e.g.
+   * unregistering a weight that is acquired, releasing one more often than
+   * it was acquired, or any call on a handle poisoned by an earlier panic).
    */
   EPM_STATUS_INVALID_STATE = 4,
   /**
@@ -488,12 +561,24 @@ typedef struct EpmKvStats {
 } EpmKvStats;
 
 /**
- * A sequence's layout descriptor and state, filled by `epm_kv_seq_get_info`.
+ * A sequence's layout and state, filled by `epm_kv_seq_get_info`.
  * Versioned by size: set `size = sizeof(EpmKvSeqInfo)`.
+ *
+ * The layout's fields are copied in flat (the same names and meanings as
+ * `EpmKvLayout`) rather than embedding an `EpmKvLayout`: a versioned struct
+ * embedded by value would shift every later field when it grows. A field
+ * added to `EpmKvLayout` later is appended here too.
  */
 typedef struct EpmKvSeqInfo {
   size_t size;
-  struct EpmKvLayout layout;
+  uint32_t layers;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  uint32_t elem_bytes;
+  uint64_t token_stride;
+  uint64_t layer_stride;
+  uint64_t kv_stride;
+  uint64_t head_stride;
   /**
    * Device address of token 0 (a `CUdeviceptr` on CUDA).
    */
@@ -618,7 +703,8 @@ typedef struct EpmResidencyConfig {
    */
   uint32_t staging_slots;
   /**
-   * Threads filling staging buffers, counting the caller's (0: 8).
+   * Threads filling staging buffers, counting the caller's (0: the copy
+   * engine's default, 12, or the number of CPUs if fewer).
    */
   uint32_t fill_threads;
   /**
@@ -1076,9 +1162,11 @@ enum EpmStatus epm_event_destroy(struct EpmEvent *event);
  * [token][layer][K,V][head][head_dim]. E.g. qwen14b (48, 8, 128, 2) has
  * 196,608 bytes per token.
  *
+ * Versioned: set `out->size = sizeof(EpmKvLayout)` first; epmem writes at
+ * most that many bytes and sets `out->size` to the number written.
  * NULL: `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a zero
- * dimension or an overflow. `*out` is written only on success (all of it:
- * `out->size` need not be set). Threading: pure.
+ * dimension, an overflow, or `out->size` below `EPM_KV_LAYOUT_SIZE_V1`.
+ * `*out` is written only on success. Threading: pure.
  */
 enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
                                          uint32_t kv_heads,
@@ -1366,6 +1454,12 @@ enum EpmStatus epm_device_free(struct EpmDevice *dev, EpmDevicePtr ptr);
 /**
  * Copy `bytes` from host `src` to device `dst` and wait for it to complete.
  *
+ * Ordering: the copy runs on a stream of its own. It is not ordered after
+ * work queued on any of your streams (nor after a page-in that
+ * `epm_residency_acquire` queued for one), and work queued on your streams
+ * may run concurrently with it: synchronize them first (docs/ABI.md,
+ * "Synchronous calls and streams").
+ *
  * `src` is only read during the call (pageable memory is fine). NULL: `dev`
  * is INVALID_HANDLE, `src` NULL_POINTER. Errors: INVALID_ARGUMENT for 0 bytes
  * or a range that overflows; device errors for a bad `dst`. Threading: safe
@@ -1378,6 +1472,12 @@ enum EpmStatus epm_memcpy_htod(struct EpmDevice *dev,
 
 /**
  * Copy `bytes` from device `src` to host `dst` and wait for it to complete.
+ *
+ * Ordering: as `epm_memcpy_htod`, the copy runs on a stream of its own and
+ * is not ordered after work queued on your streams. Reading a weight right
+ * after `epm_residency_acquire` can see stale bytes: use
+ * `epm_residency_acquire_host` (which waits for the page-in) or synchronize
+ * the stream first.
  *
  * `dst` must be `bytes` writable bytes. NULL: `dev` is INVALID_HANDLE, `dst`
  * NULL_POINTER. Errors: as `epm_memcpy_htod`. Threading: safe from any thread.
@@ -1435,41 +1535,6 @@ enum EpmStatus epm_memset_d8_async(struct EpmDevice *dev,
                                    struct EpmStream *stream);
 
 /**
- * Queue a kernel that writes the 64-bit checksum of device bytes
- * `[ptr, ptr+bytes)` to the 8 device bytes at `out_dev_ptr`; the same value
- * `epm_checksum_host` computes on a host copy. `bytes` is a positive multiple of 4.
- *
- * Errors: INVALID_ARGUMENT for a bad size or a stream of another device;
- * device errors for bad addresses. Threading: safe from any thread.
- */
-enum EpmStatus epm_device_checksum_async(struct EpmDevice *dev,
-                                         EpmDevicePtr ptr,
-                                         size_t bytes,
-                                         struct EpmStream *stream,
-                                         EpmDevicePtr out_dev_ptr);
-
-/**
- * The checksum `epm_device_checksum_async` computes, on host memory: the
- * wrapping sum over little-endian u32 words `w[i]` of `w[i] * (2*i + 1)`.
- * Trailing bytes beyond a multiple of 4 are ignored.
- *
- * Returns 0 for NULL `data` or 0 bytes. Never fails; thread-safe; does not
- * change the last error.
- */
-uint64_t epm_checksum_host(const void *data, size_t bytes);
-
-/**
- * Queue a kernel that keeps `stream` busy for about `micros` microseconds:
- * stand-in "compute" for demos and overlap tests.
- *
- * Errors: INVALID_ARGUMENT for a stream of another device. Threading: safe
- * from any thread.
- */
-enum EpmStatus epm_device_spin_async(struct EpmDevice *dev,
-                                     uint32_t micros,
-                                     struct EpmStream *stream);
-
-/**
  * Fill `*out` with the defaults (budget 0: the caller must set it).
  *
  * The caller sets `out->size = sizeof(EpmResidencyConfig)` first. NULL:
@@ -1520,8 +1585,9 @@ enum EpmStatus epm_residency_register_weight(struct EpmResidency *res,
  * Unregister a weight. It must not be acquired; if resident, waits for its
  * fences and frees its device memory. It leaves the declared cycle.
  *
- * Errors: INVALID_ARGUMENT for an unknown weight, INVALID_STATE while it is
- * acquired. Threading: safe from any thread.
+ * Errors: INVALID_ARGUMENT for an unknown weight; INVALID_STATE while it is
+ * acquired, or while a weight coalesced with it into one page-in is (the
+ * message names the coalesced weights). Threading: safe from any thread.
  */
 enum EpmStatus epm_residency_unregister_weight(struct EpmResidency *res, EpmWeightId weight);
 
@@ -1555,12 +1621,15 @@ enum EpmStatus epm_residency_unregister_host_range(struct EpmResidency *res, Epm
  * Declare the cyclic order of a decode step (`n` weights, each at most
  * once). The cyclic policy evicts by it and `release` prefetches along it.
  * Small weights adjacent in host memory and in `order` are coalesced into
- * one page-in (see `coalesce_below_bytes`); no weight may be acquired
- * during the call (INVALID_STATE).
- * Declaring again replaces it; `n == 0` clears it.
+ * one page-in (see `coalesce_below_bytes`). Declaring again replaces it
+ * (undoing the previous coalescing, which evicts the coalesced weights);
+ * `n == 0` clears it.
  *
  * NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
- * an unknown or repeated weight. Threading: safe from any thread.
+ * an unknown or repeated weight; INVALID_STATE while a weight that the
+ * previous declaration coalesced with others is acquired (the message names
+ * the coalesced weights; nothing changes then). Weights that are not
+ * coalesced may stay acquired. Threading: safe from any thread.
  */
 enum EpmStatus epm_residency_declare_cycle(struct EpmResidency *res,
                                            const EpmWeightId *order,
@@ -1585,6 +1654,12 @@ enum EpmStatus epm_residency_prefetch(struct EpmResidency *res,
  * address stays valid until the matching `epm_residency_release` (and for
  * the work queued on `stream` before it).
  *
+ * Ordering: only work queued on `stream` after this call is ordered after
+ * the page-in. A synchronous call (`epm_memcpy_dtoh`, `epm_memcpy_htod`)
+ * runs on a stream of its own and is NOT: right after this call it may
+ * read the bytes the block held before. To use the weight from the host,
+ * call `epm_residency_acquire_host` instead (or synchronize `stream` first).
+ *
  * NULL: `res`/`stream` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors:
  * INVALID_ARGUMENT (unknown weight, stream of another device), ALL_IN_USE
  * when making room would evict a weight that is acquired and not released.
@@ -1594,6 +1669,36 @@ enum EpmStatus epm_residency_acquire(struct EpmResidency *res,
                                      EpmWeightId weight,
                                      struct EpmStream *stream,
                                      EpmDevicePtr *out_ptr);
+
+/**
+ * Make `weight` usable from the host, for synchronous calls such as
+ * `epm_memcpy_dtoh`, and write its device address to `*out_ptr`: as
+ * `epm_residency_acquire`, but the calling thread waits until the page-in
+ * (if any) has completed, so everything issued after this returns (on any
+ * stream, or synchronously) sees the weight's bytes. End the use with
+ * `epm_residency_release_host` (or `epm_residency_release` on a stream).
+ *
+ * NULL: `res` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors: as
+ * `epm_residency_acquire`, plus device errors of the page-in (the weight is
+ * then not acquired). `*out_ptr` is written only on success. Threading:
+ * safe from any thread; only the calling thread waits.
+ */
+enum EpmStatus epm_residency_acquire_host(struct EpmResidency *res,
+                                          EpmWeightId weight,
+                                          EpmDevicePtr *out_ptr);
+
+/**
+ * End a host use of `weight` begun by `epm_residency_acquire_host`. The
+ * caller's host-side reads (synchronous calls) have returned, so no fence
+ * is needed on any of the caller's streams; work the caller queued on a
+ * stream with the address must have completed (or use
+ * `epm_residency_release` on that stream instead).
+ *
+ * NULL: `res` INVALID_HANDLE. Errors: INVALID_ARGUMENT for an unknown
+ * weight, INVALID_STATE when released more often than acquired.
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_release_host(struct EpmResidency *res, EpmWeightId weight);
 
 /**
  * End a use of `weight` on `stream`: records the read fence. The weight

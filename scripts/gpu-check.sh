@@ -71,7 +71,8 @@ CBIN=/tmp/epmem-cbin; mkdir -p "$CBIN"
 for c in ffi-tests/*.c; do
   [ -f "$c" ] || continue
   n=$(basename "$c" .c)
-  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib -lepmem -lpthread && '$CBIN/$n'"
+  # The C tests link the testing build (include/epmem_testing.h), a library of its own name.
+  step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib-testing -lepmem_testing -lpthread && LD_LIBRARY_PATH='$ROOT/.carry/lib-testing':\$LD_LIBRARY_PATH '$CBIN/$n'"
 done
 
 # 3. Examples (the offload demo runs on the GPU by default when there is one),

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Build everything the GPU machine needs (it has no Rust toolchain) into .carry/:
-#   .carry/lib/      libepmem.so
+#   .carry/lib/      libepmem.so (the default build, what `make install` ships)
+#   .carry/lib-testing/ libepmem_testing.so (--features testing: the C tests and probes link it)
 #   .carry/tests/    the Rust integration-test binaries (run there with EPM_DEVICE=cuda)
 #   .carry/bin/      the benchmark binaries and kv_churn (scripts/long-run.sh)
 # Then ship the tree with .carry/ carried, and run scripts/gpu-check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .carry && mkdir -p .carry/lib .carry/tests .carry/bin
+rm -rf .carry && mkdir -p .carry/lib .carry/lib-testing .carry/tests .carry/bin
 cargo build --release --bins --lib
 # The static library stays behind: nothing on the GPU machine links it, and it is large.
 cp target/release/libepmem.so .carry/lib/
+make --no-print-directory build-testing
+cp target/testing/release/libepmem_testing.so .carry/lib-testing/
 for b in target/release/bench_* target/release/kv_churn; do
   [ -x "$b" ] && [ -f "$b" ] && cp "$b" .carry/bin/
 done
@@ -27,5 +30,5 @@ for line in sys.stdin:
     if name:
         shutil.copy(m["executable"], os.path.join(".carry/tests", name))
 '
-strip --strip-debug .carry/lib/libepmem.so .carry/tests/* .carry/bin/* 2>/dev/null || true
+strip --strip-debug .carry/lib/libepmem.so .carry/lib-testing/libepmem_testing.so .carry/tests/* .carry/bin/* 2>/dev/null || true
 du -sh .carry; ls .carry/*

@@ -22,7 +22,9 @@ pub enum EpmStatus {
     NullPointer = 2,
     /// A handle is NULL, destroyed, or of the wrong type.
     InvalidHandle = 3,
-    /// The operation is not valid in the object's current state (e.g. destroy while in use).
+    /// The operation is not valid in the object's current state (e.g.
+    /// unregistering a weight that is acquired, releasing one more often than
+    /// it was acquired, or any call on a handle poisoned by an earlier panic).
     InvalidState = 4,
     /// The operation is not supported by this device or build.
     Unsupported = 5,

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include "epmem.h"
+#include "epmem_testing.h" /* epm_checksum_host */
 
 static const char *probe_name = "probe";
 
@@ -104,6 +105,7 @@ static Probe probe_open(const char *name, uint64_t budget) {
   EPM(epm_stream_native(p.stream, &native));
   p.cs = (cudaStream_t)native;
   EPM(epm_kv_arena_create(p.dev, budget, &p.arena));
+  p.layout.size = sizeof p.layout;
   EPM(epm_kv_layout_token_major(48, 8, 128, 2, &p.layout)); /* qwen14b: 196,608 B/token */
   printf("%s on %s, granule %llu KiB\n", name, di.name, (unsigned long long)(p.granule >> 10));
   return p;

@@ -7,6 +7,11 @@
 //! `EPM_FAULT=map:3,copy:10` fails the 3rd map and the 10th copy. Counting
 //! starts when the device is opened. An injected failure has the status the
 //! real call would most plausibly give and a message starting "injected fault".
+//!
+//! Test machinery: this module exists only in test builds and in builds with
+//! the `testing` cargo feature (every `cargo test` turns it on, and the C
+//! tests link target/testing/); the default build, which `make install`
+//! ships, ignores `EPM_FAULT`.
 
 use std::sync::Arc;
 use std::sync::Mutex;

@@ -21,6 +21,9 @@ use crate::error::{EpmStatus, Error, Result};
 
 pub mod conformance;
 pub mod cuda;
+// Test machinery: compiled only for tests and `--features testing` builds,
+// never into the library `make install` ships.
+#[cfg(any(test, feature = "testing"))]
 pub mod fault;
 pub mod fence;
 pub mod fill;
@@ -315,6 +318,23 @@ pub fn checksum_host(bytes: &[u8]) -> u64 {
 /// `Auto` tries CUDA (driver present and a device at `ordinal`), else the host
 /// device, and logs which it chose and why.
 pub fn open(select: DeviceSelect, ordinal: u32) -> Result<Arc<dyn Device>> {
+    #[cfg(not(feature = "testing"))]
+    {
+        if std::env::var_os("EPM_FAULT").is_some() {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                log::warn!("epmem: EPM_FAULT is ignored: fault injection exists only in builds with the `testing` feature")
+            });
+        }
+        open_plain(select, ordinal)
+    }
+    #[cfg(feature = "testing")]
+    open_with_faults(select, ordinal)
+}
+
+/// [`open`] honouring `EPM_FAULT` (testing builds only; see [`fault`]).
+#[cfg(feature = "testing")]
+fn open_with_faults(select: DeviceSelect, ordinal: u32) -> Result<Arc<dyn Device>> {
     // Parse EPM_FAULT before opening anything, so a bad value opens nothing.
     let faults = match std::env::var("EPM_FAULT") {
         Ok(spec) => Some(fault::FaultyDevice::parse_plan(&spec)?),

@@ -80,12 +80,17 @@ impl From<ArenaStats> for EpmArenaStats {
 }
 
 
-const CONFIG_MIN: usize = std::mem::size_of::<EpmArenaConfig>();
-const STATS_MIN: usize = std::mem::size_of::<EpmArenaStats>();
+/// `sizeof(EpmArenaConfig)` in its first published version (epmem 0.1):
+/// the smallest `size` ever accepted. Frozen; see docs/ABI.md.
+pub const EPM_ARENA_CONFIG_SIZE_V1: usize = 32;
+/// `sizeof(EpmArenaStats)` in its first published version. Frozen.
+pub const EPM_ARENA_STATS_SIZE_V1: usize = 88;
+versioned!(input EpmArenaConfig, EPM_ARENA_CONFIG_SIZE_V1);
+versioned!(EpmArenaStats, EPM_ARENA_STATS_SIZE_V1);
 
 fn default_config() -> EpmArenaConfig {
     EpmArenaConfig {
-        size: CONFIG_MIN,
+        size: std::mem::size_of::<EpmArenaConfig>(),
         capacity_bytes: 0,
         chunk_bytes: 0,
         max_allocations: 0,
@@ -93,7 +98,7 @@ fn default_config() -> EpmArenaConfig {
 }
 
 fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
-    let c = read_versioned(cfg, default_config(), CONFIG_MIN, "cfg")?;
+    let c = read_versioned(cfg, default_config(), "cfg")?;
     ensure!(c.capacity_bytes > 0, InvalidArgument, "cfg->capacity_bytes is 0");
     let capacity = usize::try_from(c.capacity_bytes)
         .map_err(|_| Error::invalid_argument(format!("cfg->capacity_bytes {} is too large", c.capacity_bytes)))?;
@@ -120,7 +125,7 @@ fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
 pub extern "C" fn epm_arena_config_default(out: *mut EpmArenaConfig) -> EpmStatus {
     ffi_boundary! {
         let out = try_out!(out);
-        write_versioned(out, default_config(), CONFIG_MIN, "out")
+        write_versioned(out, default_config(), "out")
     }
 }
 
@@ -234,7 +239,7 @@ pub extern "C" fn epm_arena_get_stats(arena: *mut EpmArena, out: *mut EpmArenaSt
     ffi_boundary! {
         let arena = try_handle!(arena);
         let out = try_out!(out);
-        write_versioned(out, EpmArenaStats::from(arena.stats()), STATS_MIN, "out")
+        write_versioned(out, EpmArenaStats::from(arena.stats()), "out")
     }
 }
 

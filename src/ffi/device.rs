@@ -58,9 +58,11 @@ pub struct EpmDeviceInfo {
     pub pci_bus_id: [c_char; EPM_PCI_BUS_ID_LEN],
 }
 
-/// The smallest `size` ever accepted: the size of the first version of the
-/// struct. It stays this number when fields are appended.
-const DEVICE_INFO_MIN_SIZE: usize = std::mem::size_of::<EpmDeviceInfo>();
+/// `sizeof(EpmDeviceInfo)` in its first published version (epmem 0.1): the
+/// smallest `size` ever accepted. Frozen: it stays this number when fields
+/// are appended (docs/ABI.md).
+pub const EPM_DEVICE_INFO_SIZE_V1: usize = 336;
+versioned!(EpmDeviceInfo, EPM_DEVICE_INFO_SIZE_V1);
 
 fn fixed_str<const N: usize>(s: &str) -> [c_char; N] {
     let mut out = [0 as c_char; N];
@@ -154,7 +156,7 @@ pub extern "C" fn epm_device_get_info(dev: *mut EpmDevice, out: *mut EpmDeviceIn
     ffi_boundary! {
         let dev = try_handle!(dev);
         let out = try_out!(out);
-        write_versioned(out, info_of(&*dev), DEVICE_INFO_MIN_SIZE, "out")
+        write_versioned(out, info_of(&*dev), "out")
     }
 }
 

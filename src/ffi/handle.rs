@@ -20,6 +20,15 @@
 //! Lookups clone the `Arc` under a short lock, so one thread may destroy a
 //! handle while another is using it: the user finishes with its own `Arc`.
 //!
+//! Poisoning: a panic caught at the C boundary may have left the objects the
+//! call was using half-updated (their locks are taken with
+//! `unwrap_or_else(into_inner)` throughout, so nothing else would notice).
+//! Every handle looked up during a call is remembered in a per-thread
+//! [`CallScope`]; when the boundary catches a panic it marks each of them
+//! poisoned, and from then on every lookup of such a handle is
+//! `EPM_STATUS_INVALID_STATE` ("poisoned by an earlier panic"). Only destroy
+//! still works on it.
+//!
 //! Adding a handle type (copy this):
 //! ```ignore
 //! /// A doc comment: this becomes the C typedef's documentation.
@@ -92,6 +101,8 @@ pub(crate) use try_handle;
 struct Slot<T: ?Sized> {
     generation: u32,
     value: Option<Arc<T>>,
+    /// A call using this handle panicked (see the module docs).
+    poisoned: bool,
 }
 
 struct Slab<T: ?Sized> {
@@ -199,21 +210,35 @@ pub fn register<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
                 H::NAME,
                 SLOT_MASK + 1
             );
-            slab.slots.push(Slot { generation: 1, value: None });
+            slab.slots.push(Slot { generation: 1, value: None, poisoned: false });
             i as u32
         }
     };
     let s = &mut slab.slots[slot as usize];
     s.value = Some(object);
+    s.poisoned = false;
     Ok(encode::<H>(slot, s.generation))
 }
 
-/// The object behind a live handle.
+/// The object behind a live handle. Inside a boundary call the handle is
+/// remembered, so a panic later in the call poisons it.
 pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
     let (slot, generation) = decode(ptr)?;
     let slab = H::registry().lock();
     match slab.slots.get(slot) {
-        Some(Slot { generation: g, value: Some(v) }) if *g == generation => Ok(v.clone()),
+        Some(Slot { generation: g, value: Some(_), poisoned: true }) if *g == generation => Err(Error::new(
+            EpmStatus::InvalidState,
+            format!(
+                "{} handle {:#x} is poisoned by an earlier panic inside a call using it \
+                 (that call returned EPM_STATUS_PANIC); its state may be inconsistent: destroy it",
+                H::NAME,
+                ptr.addr()
+            ),
+        )),
+        Some(Slot { generation: g, value: Some(v), poisoned: false }) if *g == generation => {
+            CallScope::note(H::registry(), slot as u32, generation);
+            Ok(v.clone())
+        }
         Some(_) => Err(stale(ptr)),
         None => Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME))),
     }
@@ -250,6 +275,82 @@ pub fn remove<H: Handle>(ptr: *const H) -> Result<Option<Arc<H::Object>>> {
 pub fn destroy<H: Handle>(ptr: *mut H) -> Result<()> {
     drop(remove(ptr)?);
     Ok(())
+}
+
+/// Whether a live handle is poisoned (see the module docs). False for a
+/// dead or foreign handle.
+pub fn is_poisoned<H: Handle>(ptr: *const H) -> bool {
+    let Ok((slot, generation)) = decode(ptr) else { return false };
+    let slab = H::registry().lock();
+    slab.slots.get(slot).is_some_and(|s| s.generation == generation && s.value.is_some() && s.poisoned)
+}
+
+/// A registry seen through its type-erased poison switch.
+trait Poison: Sync {
+    fn poison(&self, slot: u32, generation: u32);
+}
+
+impl<T: ?Sized + Send + Sync> Poison for Registry<T> {
+    fn poison(&self, slot: u32, generation: u32) {
+        let mut slab = self.lock();
+        if let Some(s) = slab.slots.get_mut(slot as usize)
+            && s.generation == generation
+            && s.value.is_some()
+        {
+            s.poisoned = true;
+        }
+    }
+}
+
+thread_local! {
+    /// Handles looked up by the boundary calls running on this thread
+    /// (nested calls stack: each scope owns the entries after its mark).
+    static USED: std::cell::RefCell<Vec<(&'static dyn Poison, u32, u32)>> = const { std::cell::RefCell::new(Vec::new()) };
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The handles one boundary call looked up; see the module docs. Created by
+/// `ffi_boundary!` on entry; [`CallScope::poison_used`] when it caught a panic.
+pub struct CallScope {
+    mark: usize,
+}
+
+impl CallScope {
+    pub fn enter() -> Self {
+        DEPTH.with(|d| d.set(d.get() + 1));
+        Self { mark: USED.with(|u| u.borrow().len()) }
+    }
+
+    fn note<T: ?Sized + Send + Sync + 'static>(registry: &'static Registry<T>, slot: u32, generation: u32) {
+        if DEPTH.with(|d| d.get()) > 0 {
+            // try_borrow: never panic here, even if a lookup ran inside a
+            // Drop during a poisoning pass.
+            USED.with(|u| {
+                if let Ok(mut u) = u.try_borrow_mut() {
+                    u.push((registry, slot, generation));
+                }
+            });
+        }
+    }
+
+    /// Mark every handle this call looked up as poisoned.
+    pub fn poison_used(&self) {
+        let used: Vec<_> = USED.with(|u| u.borrow_mut().drain(self.mark..).collect());
+        for (reg, slot, generation) in used {
+            reg.poison(slot, generation);
+        }
+    }
+}
+
+impl Drop for CallScope {
+    fn drop(&mut self) {
+        USED.with(|u| {
+            if let Ok(mut u) = u.try_borrow_mut() {
+                u.truncate(self.mark);
+            }
+        });
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
 }
 
 /// Number of live handles of one type (leak checks in tests).
@@ -328,6 +429,47 @@ mod tests {
         assert_eq!(status_of(get(never)), EpmStatus::InvalidHandle);
         destroy(a).unwrap();
         destroy(b).unwrap();
+    }
+
+    #[test]
+    fn a_panic_poisons_the_handles_its_call_used_and_only_those() {
+        let used = register::<EpmTestA>(Arc::new("used".into())).unwrap();
+        let bystander = register::<EpmTestA>(Arc::new("bystander".into())).unwrap();
+        let s = crate::ffi::panic::status_boundary(|| {
+            let _ = get(bystander)?; // looked up in another call: see below
+            Ok(())
+        });
+        assert_eq!(s, EpmStatus::Ok);
+        let s = crate::ffi::panic::status_boundary(|| {
+            let v = get(used)?;
+            if v.len() == 4 {
+                panic!("inside a call using the handle");
+            }
+            Ok(())
+        });
+        assert_eq!(s, EpmStatus::Panic);
+        assert!(is_poisoned(used) && !is_poisoned(bystander));
+        let e = get(used).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::InvalidState);
+        assert!(e.message().contains("EpmTestA") && e.message().contains("poisoned by an earlier panic"), "{e}");
+        assert_eq!(*get(bystander).unwrap(), "bystander");
+        // Destroy still works, and the slot's next handle starts clean.
+        destroy(used).unwrap();
+        assert_eq!(status_of(get(used)), EpmStatus::InvalidHandle);
+        let fresh: Vec<_> = (0..4).map(|i| register::<EpmTestA>(Arc::new(format!("f{i}"))).unwrap()).collect();
+        for h in fresh {
+            assert!(!is_poisoned(h) && get(h).is_ok());
+            destroy(h).unwrap();
+        }
+        destroy(bystander).unwrap();
+    }
+
+    #[test]
+    fn lookups_outside_a_boundary_are_not_remembered() {
+        let h = register::<EpmTestA>(Arc::new("plain".into())).unwrap();
+        let _ = get(h).unwrap();
+        USED.with(|u| assert!(u.borrow().is_empty()));
+        destroy(h).unwrap();
     }
 
     #[test]

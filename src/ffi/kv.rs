@@ -42,10 +42,19 @@ pub struct ArenaObj {
     arena: Mutex<KvArena>,
 }
 impl ArenaObj {
-    fn lock(&self) -> MutexGuard<'_, KvArena> {
-        // A panic inside an arena call is caught at the boundary; the arena's
-        // books are updated step by step, so keep serving rather than abort.
-        self.arena.lock().unwrap_or_else(|p| p.into_inner())
+    /// The arena, or INVALID_STATE once a call panicked while holding it: its
+    /// books are updated step by step, so after a panic they may disagree
+    /// with the mappings. Every handle of the arena (the arena's, its
+    /// sequences', its prefixes') answers so from then on, not only the one
+    /// whose call panicked (which the handle registry poisons).
+    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, KvArena>> {
+        self.arena.lock().map_err(|_| {
+            Error::new(
+                EpmStatus::InvalidState,
+                "the KV arena is poisoned by an earlier panic inside a call using it \
+                 (that call returned EPM_STATUS_PANIC); destroy its sequences, prefixes and arena",
+            )
+        })
     }
 }
 
@@ -58,7 +67,11 @@ impl Drop for SeqObj {
     fn drop(&mut self) {
         // Reached only if the handle was never destroyed explicitly (the
         // explicit path destroys first and this finds the id gone).
-        let _ = self.arena.lock().destroy_sequence(self.id);
+        // A poisoned arena is left alone: tearing down on inconsistent books
+        // could unmap what another sequence still maps.
+        if let Ok(mut a) = self.arena.lock() {
+            let _ = a.destroy_sequence(self.id);
+        }
     }
 }
 
@@ -69,7 +82,9 @@ pub struct PrefixObj {
 }
 impl Drop for PrefixObj {
     fn drop(&mut self) {
-        let _ = self.arena.lock().unpin_prefix(self.id);
+        if let Ok(mut a) = self.arena.lock() {
+            let _ = a.unpin_prefix(self.id);
+        }
     }
 }
 
@@ -117,6 +132,26 @@ pub struct EpmKvLayout {
     pub head_stride: u64,
 }
 
+/// `sizeof(EpmKvLayout)` in its first published version (epmem 0.1): the
+/// smallest `size` ever accepted. Frozen; see docs/ABI.md.
+pub const EPM_KV_LAYOUT_SIZE_V1: usize = 56;
+/// `sizeof(EpmKvStats)` in its first published version. Frozen.
+pub const EPM_KV_STATS_SIZE_V1: usize = 176;
+/// `sizeof(EpmKvSeqInfo)` in its first published version. Frozen.
+pub const EPM_KV_SEQ_INFO_SIZE_V1: usize = 112;
+/// `sizeof(EpmKvPrefixInfo)` in its first published version. Frozen.
+pub const EPM_KV_PREFIX_INFO_SIZE_V1: usize = 40;
+/// `sizeof(EpmKvAdmission)` in its first published version. Frozen.
+pub const EPM_KV_ADMISSION_SIZE_V1: usize = 32;
+/// `sizeof(EpmKvRequestCost)` in its first published version. Frozen.
+pub const EPM_KV_REQUEST_COST_SIZE_V1: usize = 32;
+versioned!(input EpmKvLayout, EPM_KV_LAYOUT_SIZE_V1);
+versioned!(EpmKvStats, EPM_KV_STATS_SIZE_V1);
+versioned!(EpmKvSeqInfo, EPM_KV_SEQ_INFO_SIZE_V1);
+versioned!(EpmKvPrefixInfo, EPM_KV_PREFIX_INFO_SIZE_V1);
+versioned!(EpmKvAdmission, EPM_KV_ADMISSION_SIZE_V1);
+versioned!(EpmKvRequestCost, EPM_KV_REQUEST_COST_SIZE_V1);
+
 fn layout_to_c(l: &KvLayout) -> EpmKvLayout {
     EpmKvLayout {
         size: std::mem::size_of::<EpmKvLayout>(),
@@ -133,18 +168,20 @@ fn layout_to_c(l: &KvLayout) -> EpmKvLayout {
 
 /// Read and validate a caller's layout.
 fn layout_from_c(p: *const EpmKvLayout) -> Result<KvLayout> {
-    ensure!(!p.is_null(), NullPointer, "argument `layout` is NULL");
-    // SAFETY: non-NULL; the caller promises a readable EpmKvLayout of at
-    // least the first version's size (checked through its size field next).
-    let size = unsafe { std::ptr::addr_of!((*p).size).read_unaligned() };
-    ensure!(
-        size >= std::mem::size_of::<EpmKvLayout>(),
-        InvalidArgument,
-        "layout->size is {size}; set it to sizeof(EpmKvLayout) ({})",
-        std::mem::size_of::<EpmKvLayout>()
-    );
-    // SAFETY: as above, and `size` covers the whole struct.
-    let c = unsafe { p.read_unaligned() };
+    // Fields a later version appends default to 0 (absent) for an older
+    // caller; every field of the first version is always present.
+    let zero = EpmKvLayout {
+        size: 0,
+        layers: 0,
+        kv_heads: 0,
+        head_dim: 0,
+        elem_bytes: 0,
+        token_stride: 0,
+        layer_stride: 0,
+        kv_stride: 0,
+        head_stride: 0,
+    };
+    let c = read_versioned(p, zero, "layout")?;
     let l = KvLayout {
         shape: KvShape { layers: c.layers, kv_heads: c.kv_heads, head_dim: c.head_dim, elem_bytes: c.elem_bytes },
         token_stride: c.token_stride,
@@ -184,9 +221,11 @@ fn new_seq(arena: &Arc<ArenaObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> 
 /// [token][layer][K,V][head][head_dim]. E.g. qwen14b (48, 8, 128, 2) has
 /// 196,608 bytes per token.
 ///
+/// Versioned: set `out->size = sizeof(EpmKvLayout)` first; epmem writes at
+/// most that many bytes and sets `out->size` to the number written.
 /// NULL: `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a zero
-/// dimension or an overflow. `*out` is written only on success (all of it:
-/// `out->size` need not be set). Threading: pure.
+/// dimension, an overflow, or `out->size` below `EPM_KV_LAYOUT_SIZE_V1`.
+/// `*out` is written only on success. Threading: pure.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_layout_token_major(
     layers: u32,
@@ -198,8 +237,7 @@ pub extern "C" fn epm_kv_layout_token_major(
     ffi_boundary! {
         let out = try_out!(out);
         let l = KvLayout::token_major(KvShape { layers, kv_heads, head_dim, elem_bytes })?;
-        out.set(layout_to_c(&l));
-        Ok(())
+        write_versioned(out, layout_to_c(&l), "out")
     }
 }
 
@@ -289,7 +327,7 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
     ffi_boundary! {
         let arena = try_handle!(arena);
         let out = try_out!(out);
-        let s = arena.lock().stats();
+        let s = arena.lock()?.stats();
         let v = EpmKvStats {
             size: 0,
             budget_bytes: s.ledger.budget_bytes,
@@ -314,7 +352,7 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
             fences: s.counters.fences,
             hash_hits: s.counters.hash_hits,
         };
-        write_versioned(out, v, std::mem::size_of::<EpmKvStats>(), "EpmKvStats")
+        write_versioned(out, v, "EpmKvStats")
     }
 }
 
@@ -342,7 +380,7 @@ pub extern "C" fn epm_kv_seq_create(
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
         let mode = admit_mode(admit)?;
-        let id = arena.lock().create_sequence(&l, max_tokens, mode)?;
+        let id = arena.lock()?.create_sequence(&l, max_tokens, mode)?;
         new_seq(&arena, id, out)
     }
 }
@@ -378,7 +416,7 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
         let mode = admit_mode(admit)?;
         let toks = self::tokens(tokens, n_tokens)?;
         let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
-        let (id, shared) = arena.lock().create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
+        let (id, shared) = arena.lock()?.create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
         new_seq(&arena, id, out)?;
         if let Some(o) = shared_out {
             o.set(shared);
@@ -399,7 +437,7 @@ pub extern "C" fn epm_kv_seq_destroy(seq: *mut EpmKvSeq) -> EpmStatus {
     ffi_boundary! {
         match handle::remove(seq)? {
             Some(obj) => {
-                let r = obj.arena.lock().destroy_sequence(obj.id);
+                let r = obj.arena.lock()?.destroy_sequence(obj.id);
                 drop(obj); // after the lock: its Drop finds the id gone
                 r
             }
@@ -408,13 +446,25 @@ pub extern "C" fn epm_kv_seq_destroy(seq: *mut EpmKvSeq) -> EpmStatus {
     }
 }
 
-/// A sequence's layout descriptor and state, filled by `epm_kv_seq_get_info`.
+/// A sequence's layout and state, filled by `epm_kv_seq_get_info`.
 /// Versioned by size: set `size = sizeof(EpmKvSeqInfo)`.
+///
+/// The layout's fields are copied in flat (the same names and meanings as
+/// `EpmKvLayout`) rather than embedding an `EpmKvLayout`: a versioned struct
+/// embedded by value would shift every later field when it grows. A field
+/// added to `EpmKvLayout` later is appended here too.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct EpmKvSeqInfo {
     pub size: usize,
-    pub layout: EpmKvLayout,
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub elem_bytes: u32,
+    pub token_stride: u64,
+    pub layer_stride: u64,
+    pub kv_stride: u64,
+    pub head_stride: u64,
     /// Device address of token 0 (a `CUdeviceptr` on CUDA).
     pub base: u64,
     pub max_tokens: u64,
@@ -438,10 +488,18 @@ pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo
     ffi_boundary! {
         let seq = try_handle!(seq);
         let out = try_out!(out);
-        let i = seq.arena.lock().sequence_info(seq.id)?;
+        let i = seq.arena.lock()?.sequence_info(seq.id)?;
+        let l = &i.layout;
         let v = EpmKvSeqInfo {
             size: 0,
-            layout: layout_to_c(&i.layout),
+            layers: l.shape.layers,
+            kv_heads: l.shape.kv_heads,
+            head_dim: l.shape.head_dim,
+            elem_bytes: l.shape.elem_bytes,
+            token_stride: l.token_stride,
+            layer_stride: l.layer_stride,
+            kv_stride: l.kv_stride,
+            head_stride: l.head_stride,
             base: i.base,
             max_tokens: i.max_tokens,
             len_tokens: i.len_tokens,
@@ -450,7 +508,7 @@ pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo
             private_granules: i.private_granules,
             promised_granules: i.promised_granules,
         };
-        write_versioned(out, v, std::mem::size_of::<EpmKvSeqInfo>(), "EpmKvSeqInfo")
+        write_versioned(out, v, "EpmKvSeqInfo")
     }
 }
 
@@ -478,7 +536,7 @@ pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, s
         let seq = try_handle!(seq);
         let stream = try_handle!(stream);
         let raw = stream_of(&seq.arena, stream)?;
-        seq.arena.lock().prepare_append(seq.id, n_tokens, raw)
+        seq.arena.lock()?.prepare_append(seq.id, n_tokens, raw)
     }
 }
 
@@ -494,7 +552,7 @@ pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u
     ffi_boundary! {
         let seq = try_handle!(seq);
         let toks = self::tokens(tokens, n_tokens)?;
-        seq.arena.lock().declare_tokens(seq.id, toks)
+        seq.arena.lock()?.declare_tokens(seq.id, toks)
     }
 }
 
@@ -523,7 +581,7 @@ pub extern "C" fn epm_kv_prefix_pin(
         let stream = try_handle!(stream);
         let out = try_out!(out);
         let raw = stream_of(&seq.arena, stream)?;
-        let id = seq.arena.lock().pin_prefix(seq.id, n_tokens, raw)?;
+        let id = seq.arena.lock()?.pin_prefix(seq.id, n_tokens, raw)?;
         let obj = Arc::new(PrefixObj { arena: seq.arena.clone(), id });
         out.set(handle::register::<EpmKvPrefix>(obj)?);
         Ok(())
@@ -540,7 +598,7 @@ pub extern "C" fn epm_kv_prefix_unpin(prefix: *mut EpmKvPrefix) -> EpmStatus {
     ffi_boundary! {
         match handle::remove(prefix)? {
             Some(obj) => {
-                let r = obj.arena.lock().unpin_prefix(obj.id);
+                let r = obj.arena.lock()?.unpin_prefix(obj.id);
                 drop(obj); // after the lock: its Drop finds the id gone
                 r
             }
@@ -572,7 +630,7 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
     ffi_boundary! {
         let prefix = try_handle!(prefix);
         let out = try_out!(out);
-        let i = prefix.arena.lock().prefix_info(prefix.id)?;
+        let i = prefix.arena.lock()?.prefix_info(prefix.id)?;
         let v = EpmKvPrefixInfo {
             size: 0,
             n_tokens: i.n_tokens,
@@ -581,7 +639,7 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
             pinned: i.pinned,
             view_base: i.view_base,
         };
-        write_versioned(out, v, std::mem::size_of::<EpmKvPrefixInfo>(), "EpmKvPrefixInfo")
+        write_versioned(out, v, "EpmKvPrefixInfo")
     }
 }
 
@@ -608,7 +666,7 @@ pub extern "C" fn epm_kv_commit_shared_prefix(
         let prefix = try_handle!(prefix);
         let out = try_out!(out);
         let mode = admit_mode(admit)?;
-        let id = prefix.arena.lock().commit_shared_prefix(prefix.id, n_tokens, max_tokens, mode)?;
+        let id = prefix.arena.lock()?.commit_shared_prefix(prefix.id, n_tokens, max_tokens, mode)?;
         new_seq(&prefix.arena, id, out)
     }
 }
@@ -631,7 +689,7 @@ pub extern "C" fn epm_kv_find_prefix(
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
         let toks = self::tokens(tokens, n_tokens)?;
-        let found = arena.lock().find_prefix(&l, toks).map_or(0, |(_, m)| m);
+        let found = arena.lock()?.find_prefix(&l, toks).map_or(0, |(_, m)| m);
         out.set(found);
         Ok(())
     }
@@ -664,7 +722,7 @@ pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, privat
         let out = try_out!(out);
         let a = kv::admissible(budget_bytes, prefix_bytes, private_bytes);
         let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.seed_formula };
-        write_versioned(out, v, std::mem::size_of::<EpmKvAdmission>(), "EpmKvAdmission")
+        write_versioned(out, v, "EpmKvAdmission")
     }
 }
 
@@ -714,6 +772,6 @@ pub extern "C" fn epm_kv_request_cost(
         );
         let c = kv::request_cost(&l, g, prefix_tokens, max_tokens);
         let v = EpmKvRequestCost { size: 0, prefix_bytes: c.prefix_bytes, private_bytes: c.private_bytes, unshared_bytes: c.unshared_bytes };
-        write_versioned(out, v, std::mem::size_of::<EpmKvRequestCost>(), "EpmKvRequestCost")
+        write_versioned(out, v, "EpmKvRequestCost")
     }
 }

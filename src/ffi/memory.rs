@@ -1,10 +1,10 @@
-//! Plain device memory, copies, and the small built-in kernels that demos
-//! and tests use (memset, checksum, spin).
+//! Plain device memory, copies and memset. (The checksum and spin kernels
+//! tests use are test machinery: src/ffi/testing.rs, include/epmem_testing.h.)
 //!
 //! Device addresses are `EpmDevicePtr` integers; the device validates them,
 //! so an address it did not hand out is an error, not a crash.
 
-use crate::device::{Stream, checksum_host};
+use crate::device::Stream;
 use crate::ffi::args::device_range;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::prelude::*;
@@ -49,6 +49,12 @@ pub extern "C" fn epm_device_free(dev: *mut EpmDevice, ptr: EpmDevicePtr) -> Epm
 
 /// Copy `bytes` from host `src` to device `dst` and wait for it to complete.
 ///
+/// Ordering: the copy runs on a stream of its own. It is not ordered after
+/// work queued on any of your streams (nor after a page-in that
+/// `epm_residency_acquire` queued for one), and work queued on your streams
+/// may run concurrently with it: synchronize them first (docs/ABI.md,
+/// "Synchronous calls and streams").
+///
 /// `src` is only read during the call (pageable memory is fine). NULL: `dev`
 /// is INVALID_HANDLE, `src` NULL_POINTER. Errors: INVALID_ARGUMENT for 0 bytes
 /// or a range that overflows; device errors for a bad `dst`. Threading: safe
@@ -68,6 +74,12 @@ pub extern "C" fn epm_memcpy_htod(dev: *mut EpmDevice, dst: EpmDevicePtr, src: *
 }
 
 /// Copy `bytes` from device `src` to host `dst` and wait for it to complete.
+///
+/// Ordering: as `epm_memcpy_htod`, the copy runs on a stream of its own and
+/// is not ordered after work queued on your streams. Reading a weight right
+/// after `epm_residency_acquire` can see stale bytes: use
+/// `epm_residency_acquire_host` (which waits for the page-in) or synchronize
+/// the stream first.
 ///
 /// `dst` must be `bytes` writable bytes. NULL: `dev` is INVALID_HANDLE, `dst`
 /// NULL_POINTER. Errors: as `epm_memcpy_htod`. Threading: safe from any thread.
@@ -175,64 +187,5 @@ pub extern "C" fn epm_memset_d8_async(
         same_device(&dev, stream.device(), "dev and stream")?;
         device_range(dst, bytes, "dst")?;
         dev.memset_d8_async(dst, value, bytes, stream.raw())
-    }
-}
-
-/// Queue a kernel that writes the 64-bit checksum of device bytes
-/// `[ptr, ptr+bytes)` to the 8 device bytes at `out_dev_ptr`; the same value
-/// `epm_checksum_host` computes on a host copy. `bytes` is a positive multiple of 4.
-///
-/// Errors: INVALID_ARGUMENT for a bad size or a stream of another device;
-/// device errors for bad addresses. Threading: safe from any thread.
-#[unsafe(no_mangle)]
-pub extern "C" fn epm_device_checksum_async(
-    dev: *mut EpmDevice,
-    ptr: EpmDevicePtr,
-    bytes: usize,
-    stream: *mut EpmStream,
-    out_dev_ptr: EpmDevicePtr,
-) -> EpmStatus {
-    ffi_boundary! {
-        let dev = try_handle!(dev);
-        let stream = try_handle!(stream);
-        same_device(&dev, stream.device(), "dev and stream")?;
-        device_range(ptr, bytes, "ptr")?;
-        ensure!(bytes.is_multiple_of(4), InvalidArgument, "checksum of {bytes} bytes: not a multiple of 4");
-        device_range(out_dev_ptr, 8, "out_dev_ptr")?;
-        dev.checksum_async(ptr, bytes, out_dev_ptr, stream.raw())
-    }
-}
-
-/// The checksum `epm_device_checksum_async` computes, on host memory: the
-/// wrapping sum over little-endian u32 words `w[i]` of `w[i] * (2*i + 1)`.
-/// Trailing bytes beyond a multiple of 4 are ignored.
-///
-/// Returns 0 for NULL `data` or 0 bytes. Never fails; thread-safe; does not
-/// change the last error.
-#[unsafe(no_mangle)]
-pub extern "C" fn epm_checksum_host(data: *const c_void, bytes: usize) -> u64 {
-    ffi_boundary! { -> u64 {
-        if data.is_null() || bytes == 0 || bytes > isize::MAX as usize {
-            return 0;
-        }
-        // SAFETY: non-NULL, and the caller promises `bytes` readable bytes
-        // that nobody writes during the call.
-        let s = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), bytes) };
-        checksum_host(s)
-    }}
-}
-
-/// Queue a kernel that keeps `stream` busy for about `micros` microseconds:
-/// stand-in "compute" for demos and overlap tests.
-///
-/// Errors: INVALID_ARGUMENT for a stream of another device. Threading: safe
-/// from any thread.
-#[unsafe(no_mangle)]
-pub extern "C" fn epm_device_spin_async(dev: *mut EpmDevice, micros: u32, stream: *mut EpmStream) -> EpmStatus {
-    ffi_boundary! {
-        let dev = try_handle!(dev);
-        let stream = try_handle!(stream);
-        same_device(&dev, stream.device(), "dev and stream")?;
-        dev.spin_async(micros, stream.raw())
     }
 }

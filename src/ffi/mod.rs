@@ -58,6 +58,9 @@ pub mod residency;
 pub mod staging;
 pub mod status;
 pub mod stream;
+// Test machinery, never in the default build (include/epmem_testing.h).
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod version;
 
 pub use crate::error::EpmStatus;
@@ -66,7 +69,7 @@ pub use crate::error::EpmStatus;
 #[allow(unused_imports)]
 pub(crate) mod prelude {
     pub(crate) use super::args::{
-        OutParam, check_not_null, read_versioned, try_host_range, try_out, try_str, write_versioned,
+        OutParam, check_not_null, read_versioned, try_host_range, try_out, try_str, versioned, write_versioned,
     };
     pub(crate) use super::handle::{self, Handle, impl_handle, try_handle};
     pub(crate) use super::panic::ffi_boundary;

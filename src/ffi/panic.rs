@@ -20,7 +20,8 @@
 //! The fallible form clears the thread's last error on entry, records the
 //! error on failure, and turns a caught panic into `EPM_STATUS_PANIC` with the
 //! panic message. The infallible form leaves the last error alone unless it
-//! catches a panic. Both install the logger on first use.
+//! catches a panic. Both install the logger on first use, and both poison
+//! the handles a call looked up when it panicked (`handle::CallScope`).
 
 use std::any::Any;
 use std::ffi::c_char;
@@ -64,8 +65,15 @@ fn panic_error(payload: Box<dyn Any + Send>) -> Error {
     } else {
         "(non-string panic payload)".to_owned()
     };
-    // The payload's own Drop could panic; forget it instead of risking that here.
-    std::mem::forget(payload);
+    // A payload of unknown type could panic in its own Drop: forget it rather
+    // than risk that here. The string payloads of `panic!` cannot; dropping
+    // them keeps a caught panic from leaking (LeakSanitizer saw it in
+    // ffi-tests/test_poison.c).
+    if payload.is::<&str>() || payload.is::<String>() {
+        drop(payload);
+    } else {
+        std::mem::forget(payload);
+    }
     log::error!("a panic was caught at the C boundary: {what}");
     Error::new(EpmStatus::Panic, format!("a Rust panic was caught at the C boundary: {what}"))
 }
@@ -74,10 +82,15 @@ fn panic_error(payload: Box<dyn Any + Send>) -> Error {
 #[doc(hidden)]
 pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
     clear_last_error();
+    let scope = crate::ffi::handle::CallScope::enter();
     let result = catch_unwind(AssertUnwindSafe(|| {
         crate::ffi::log::ensure_installed();
         body()
     }));
+    if result.is_err() {
+        scope.poison_used();
+    }
+    drop(scope);
     match result {
         Ok(Ok(())) => EpmStatus::Ok,
         Ok(Err(e)) => {
@@ -95,10 +108,15 @@ pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
 /// The infallible form of the boundary; use [`ffi_boundary!`].
 #[doc(hidden)]
 pub fn value_boundary<T: PanicValue>(body: impl FnOnce() -> T) -> T {
+    let scope = crate::ffi::handle::CallScope::enter();
     let result = catch_unwind(AssertUnwindSafe(|| {
         crate::ffi::log::ensure_installed();
         body()
     }));
+    if result.is_err() {
+        scope.poison_used();
+    }
+    drop(scope);
     result.unwrap_or_else(|payload| {
         set_last_error(&panic_error(payload));
         T::panic_value()

@@ -8,7 +8,7 @@
 //! epm_residency_release(res, w, stream);          // records the read fence
 //! ```
 
-use crate::device::HostRange;
+use crate::device::{HostRange, Stream};
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
@@ -69,7 +69,8 @@ pub struct EpmResidencyConfig {
     pub sync_page_in: u32,
     /// Staging slots in flight (2..=4; 0: 3).
     pub staging_slots: u32,
-    /// Threads filling staging buffers, counting the caller's (0: 8).
+    /// Threads filling staging buffers, counting the caller's (0: the copy
+    /// engine's default, 12, or the number of CPUs if fewer).
     pub fill_threads: u32,
     /// Largest staging chunk in bytes (0: 16 MiB; at least 1 MiB).
     pub staging_chunk_bytes: u64,
@@ -149,13 +150,18 @@ pub struct EpmResidencyStats {
     pub ordered_reuses: u64,
 }
 
-const CONFIG_MIN: usize = std::mem::size_of::<EpmResidencyConfig>();
-const STATS_MIN: usize = std::mem::size_of::<EpmResidencyStats>();
+/// `sizeof(EpmResidencyConfig)` in its first published version (epmem
+/// 0.1): the smallest `size` ever accepted. Frozen; see docs/ABI.md.
+pub const EPM_RESIDENCY_CONFIG_SIZE_V1: usize = 72;
+/// `sizeof(EpmResidencyStats)` in its first published version. Frozen.
+pub const EPM_RESIDENCY_STATS_SIZE_V1: usize = 288;
+versioned!(input EpmResidencyConfig, EPM_RESIDENCY_CONFIG_SIZE_V1);
+versioned!(EpmResidencyStats, EPM_RESIDENCY_STATS_SIZE_V1);
 
 fn default_config() -> EpmResidencyConfig {
     let d = ResidencyConfig::with_budget(0);
     EpmResidencyConfig {
-        size: CONFIG_MIN,
+        size: std::mem::size_of::<EpmResidencyConfig>(),
         budget_bytes: 0,
         policy: EPM_POLICY_CYCLIC,
         register_sources: EPM_REGISTER_WITHIN_MEMLOCK,
@@ -171,7 +177,7 @@ fn default_config() -> EpmResidencyConfig {
 }
 
 fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
-    let c = read_versioned(p, default_config(), CONFIG_MIN, "cfg")?;
+    let c = read_versioned(p, default_config(), "cfg")?;
     ensure!(c.budget_bytes > 0, InvalidArgument, "cfg->budget_bytes is 0");
     let mut r = ResidencyConfig::with_budget(
         usize::try_from(c.budget_bytes)
@@ -226,7 +232,7 @@ fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
 pub extern "C" fn epm_residency_config_default(out: *mut EpmResidencyConfig) -> EpmStatus {
     ffi_boundary! {
         let out = try_out!(out);
-        write_versioned(out, default_config(), CONFIG_MIN, "out")
+        write_versioned(out, default_config(), "out")
     }
 }
 
@@ -294,8 +300,9 @@ pub extern "C" fn epm_residency_register_weight(
 /// Unregister a weight. It must not be acquired; if resident, waits for its
 /// fences and frees its device memory. It leaves the declared cycle.
 ///
-/// Errors: INVALID_ARGUMENT for an unknown weight, INVALID_STATE while it is
-/// acquired. Threading: safe from any thread.
+/// Errors: INVALID_ARGUMENT for an unknown weight; INVALID_STATE while it is
+/// acquired, or while a weight coalesced with it into one page-in is (the
+/// message names the coalesced weights). Threading: safe from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_residency_unregister_weight(res: *mut EpmResidency, weight: EpmWeightId) -> EpmStatus {
     ffi_boundary! {
@@ -348,12 +355,15 @@ pub extern "C" fn epm_residency_unregister_host_range(res: *mut EpmResidency, ra
 /// Declare the cyclic order of a decode step (`n` weights, each at most
 /// once). The cyclic policy evicts by it and `release` prefetches along it.
 /// Small weights adjacent in host memory and in `order` are coalesced into
-/// one page-in (see `coalesce_below_bytes`); no weight may be acquired
-/// during the call (INVALID_STATE).
-/// Declaring again replaces it; `n == 0` clears it.
+/// one page-in (see `coalesce_below_bytes`). Declaring again replaces it
+/// (undoing the previous coalescing, which evicts the coalesced weights);
+/// `n == 0` clears it.
 ///
 /// NULL: `order` may be NULL only when `n == 0`. Errors: INVALID_ARGUMENT for
-/// an unknown or repeated weight. Threading: safe from any thread.
+/// an unknown or repeated weight; INVALID_STATE while a weight that the
+/// previous declaration coalesced with others is acquired (the message names
+/// the coalesced weights; nothing changes then). Weights that are not
+/// coalesced may stay acquired. Threading: safe from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_residency_declare_cycle(
     res: *mut EpmResidency,
@@ -396,6 +406,12 @@ pub extern "C" fn epm_residency_prefetch(
 /// address stays valid until the matching `epm_residency_release` (and for
 /// the work queued on `stream` before it).
 ///
+/// Ordering: only work queued on `stream` after this call is ordered after
+/// the page-in. A synchronous call (`epm_memcpy_dtoh`, `epm_memcpy_htod`)
+/// runs on a stream of its own and is NOT: right after this call it may
+/// read the bytes the block held before. To use the weight from the host,
+/// call `epm_residency_acquire_host` instead (or synchronize `stream` first).
+///
 /// NULL: `res`/`stream` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors:
 /// INVALID_ARGUMENT (unknown weight, stream of another device), ALL_IN_USE
 /// when making room would evict a weight that is acquired and not released.
@@ -414,6 +430,61 @@ pub extern "C" fn epm_residency_acquire(
         same_device(res.device(), stream.device(), "the residency manager and the stream")?;
         out.set(res.acquire(WeightId(weight), stream.raw())?);
         Ok(())
+    }
+}
+
+/// Make `weight` usable from the host, for synchronous calls such as
+/// `epm_memcpy_dtoh`, and write its device address to `*out_ptr`: as
+/// `epm_residency_acquire`, but the calling thread waits until the page-in
+/// (if any) has completed, so everything issued after this returns (on any
+/// stream, or synchronously) sees the weight's bytes. End the use with
+/// `epm_residency_release_host` (or `epm_residency_release` on a stream).
+///
+/// NULL: `res` INVALID_HANDLE, `out_ptr` NULL_POINTER. Errors: as
+/// `epm_residency_acquire`, plus device errors of the page-in (the weight is
+/// then not acquired). `*out_ptr` is written only on success. Threading:
+/// safe from any thread; only the calling thread waits.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_acquire_host(
+    res: *mut EpmResidency,
+    weight: EpmWeightId,
+    out_ptr: *mut EpmDevicePtr,
+) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let out = try_out!(out_ptr);
+        // A stream of our own makes the page-in's wait a host wait: the
+        // manager queues the wait on it, and synchronizing it returns once
+        // the page-in has landed (and nothing else: it holds no other work).
+        let s = Stream::new(res.device())?;
+        let addr = res.acquire(WeightId(weight), s.raw())?;
+        if let Err(e) = s.synchronize() {
+            // Not acquired after all: the caller will not release it.
+            let _ = res.release(WeightId(weight), s.raw());
+            return Err(e);
+        }
+        out.set(addr);
+        Ok(())
+    }
+}
+
+/// End a host use of `weight` begun by `epm_residency_acquire_host`. The
+/// caller's host-side reads (synchronous calls) have returned, so no fence
+/// is needed on any of the caller's streams; work the caller queued on a
+/// stream with the address must have completed (or use
+/// `epm_residency_release` on that stream instead).
+///
+/// NULL: `res` INVALID_HANDLE. Errors: INVALID_ARGUMENT for an unknown
+/// weight, INVALID_STATE when released more often than acquired.
+/// Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_release_host(res: *mut EpmResidency, weight: EpmWeightId) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        // The read fence is recorded on an idle stream of our own: it is
+        // complete at once, as the host's use is.
+        let s = Stream::new(res.device())?;
+        res.release(WeightId(weight), s.raw())
     }
 }
 
@@ -461,7 +532,7 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
         let out = try_out!(out);
         let s = res.stats();
         let v = EpmResidencyStats {
-            size: STATS_MIN,
+            size: 0,
             acquires: s.acquires,
             hits: s.hits,
             hit_rate: s.hit_rate,
@@ -498,7 +569,7 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             coalesced_weights: s.coalesced_weights,
             ordered_reuses: s.ordered_reuses,
         };
-        write_versioned(out, v, STATS_MIN, "out")
+        write_versioned(out, v, "out")
     }
 }
 

@@ -112,8 +112,13 @@ pub struct EpmStagingStats {
     pub timed_copies: u64,
 }
 
-const CONFIG_MIN_SIZE: usize = std::mem::size_of::<EpmCopyEngineConfig>();
-const STATS_MIN_SIZE: usize = std::mem::size_of::<EpmStagingStats>();
+/// `sizeof(EpmCopyEngineConfig)` in its first published version (epmem
+/// 0.1): the smallest `size` ever accepted. Frozen; see docs/ABI.md.
+pub const EPM_COPY_ENGINE_CONFIG_SIZE_V1: usize = 32;
+/// `sizeof(EpmStagingStats)` in its first published version. Frozen.
+pub const EPM_STAGING_STATS_SIZE_V1: usize = 112;
+versioned!(input EpmCopyEngineConfig, EPM_COPY_ENGINE_CONFIG_SIZE_V1);
+versioned!(EpmStagingStats, EPM_STAGING_STATS_SIZE_V1);
 
 fn c_stats(s: StagingStats) -> EpmStagingStats {
     EpmStagingStats {
@@ -135,7 +140,7 @@ fn c_stats(s: StagingStats) -> EpmStagingStats {
 }
 
 fn write_stats(out: OutParam<'_, EpmStagingStats>, s: StagingStats) -> Result<()> {
-    write_versioned(out, c_stats(s), STATS_MIN_SIZE, "EpmStagingStats")
+    write_versioned(out, c_stats(s), "EpmStagingStats")
 }
 
 fn default_config() -> EpmCopyEngineConfig {
@@ -237,7 +242,7 @@ pub extern "C" fn epm_staging_pool_destroy(pool: *mut EpmStagingPool) -> EpmStat
 pub extern "C" fn epm_copy_engine_config_default(out: *mut EpmCopyEngineConfig) -> EpmStatus {
     ffi_boundary! {
         let out = try_out!(out);
-        write_versioned(out, default_config(), CONFIG_MIN_SIZE, "EpmCopyEngineConfig")
+        write_versioned(out, default_config(), "EpmCopyEngineConfig")
     }
 }
 
@@ -266,7 +271,7 @@ pub extern "C" fn epm_copy_engine_create(
         let c = if config.is_null() {
             default_config()
         } else {
-            read_versioned(config, default_config(), CONFIG_MIN_SIZE, "EpmCopyEngineConfig")?
+            read_versioned(config, default_config(), "EpmCopyEngineConfig")?
         };
         let known = EPM_COPY_ENGINE_NO_TIMING | EPM_COPY_ENGINE_NO_DIRECT;
         ensure!(c.flags & !known == 0, InvalidArgument, "unknown copy engine flags {:#x}", c.flags);

@@ -136,13 +136,11 @@ impl ResidencyManager {
         let mut st = self.lock();
         let u = st.reg.leader(w)?;
         let e = st.reg.get(u)?;
-        crate::ensure!(
-            e.users == 0,
-            InvalidState,
-            "weight {} is acquired {} time(s): release it first",
-            w.0,
-            e.users
-        );
+        if e.users > 0 {
+            // Acquisitions are counted per page-in unit: with coalescing,
+            // `w` may be idle while another weight of its unit is acquired.
+            crate::bail!(InvalidState, "{}", acquired_message(&st, u, "unregister", w)?);
+        }
         self.ungroup(&mut st, u)?;
         if st.reg.get(w)?.block.is_some() {
             self.evict(&mut st, w)?;
@@ -215,6 +213,14 @@ impl ResidencyManager {
             .ids()
             .filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty()))
             .collect();
+        // Regrouping evicts every coalesced unit, so none may be acquired
+        // (a weight that is not coalesced may be). Check them all before
+        // undoing any, so a refusal changes nothing.
+        for &u in &leaders {
+            if st.reg.get(u)?.users > 0 {
+                crate::bail!(InvalidState, "{}", acquired_message(&st, u, "declare a cycle", u)?);
+            }
+        }
         for u in leaders {
             self.ungroup(&mut st, u)?;
         }
@@ -424,4 +430,22 @@ impl Drop for ResidencyManager {
             }
         }
     }
+}
+
+/// Why `what` is refused while page-in unit `u` (containing `w`) is
+/// acquired, naming the weights: acquisitions count per unit, so with
+/// coalescing the acquired weight may be another member than `w`.
+fn acquired_message(st: &State, u: WeightId, what: &str, w: WeightId) -> Result<String> {
+    let e = st.reg.get(u)?;
+    if e.members.is_empty() {
+        return Ok(format!("cannot {what}: weight {} is acquired {} time(s): release it first", w.0, e.users));
+    }
+    let unit: Vec<String> = std::iter::once(u).chain(e.members.iter().copied()).map(|m| m.0.to_string()).collect();
+    Ok(format!(
+        "cannot {what}: weight {} is coalesced into one page-in with weights {{{}}}, which is acquired {} time(s) \
+         (through one of those weights): release it first",
+        w.0,
+        unit.join(", "),
+        e.users
+    ))
 }

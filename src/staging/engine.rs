@@ -95,6 +95,10 @@ const MAX_PENDING_TIMINGS: usize = 256;
 /// them all.
 const TIMING_BATCH: usize = 32;
 
+/// Most fill threads by default (fewer on a machine with fewer CPUs).
+/// include/epmem.h states it; tests/header.rs checks that it does.
+pub const DEFAULT_FILL_THREADS: usize = 12;
+
 /// How the engine stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -123,7 +127,7 @@ impl Default for EngineConfig {
             slots: 3,
             chunk_bytes: 16 << 20,
             target_chunks: 4,
-            fill_threads: cpus.min(12),
+            fill_threads: cpus.min(DEFAULT_FILL_THREADS),
             timing: true,
             direct: true,
         }

@@ -1,0 +1,199 @@
+/*
+ * Residency contracts through the C API:
+ *
+ * - host-side use of an acquired weight: epm_residency_acquire_host waits for
+ *   the page-in, so a synchronous epm_memcpy_dtoh right after it reads the
+ *   weight's bytes. (epm_residency_acquire + epm_memcpy_dtoh does not: the
+ *   copy is not ordered after the page-in queued for the stream. Build with
+ *   -DEPM_NAIVE_ACQUIRE to run this test that way and watch it fail on the
+ *   host device, whose page-ins run on a worker thread.)
+ * - declare_cycle refuses only while a COALESCED weight is acquired, names
+ *   the coalesced weights, and changes nothing when it refuses;
+ * - unregister of a weight whose coalesced sibling is acquired names the
+ *   weight and its unit, not the sibling as if it were the weight.
+ *
+ * Runs on the device EPM_DEVICE names (host in CI, cuda on a GPU machine).
+ *   make test-c
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "testhelper.h"
+
+#define MIB (1u << 20)
+
+static uint64_t coalesced(EpmResidency *res) {
+  EpmResidencyStats s;
+  memset(&s, 0, sizeof s);
+  s.size = sizeof s;
+  if (epm_residency_get_stats(res, &s) != EPM_STATUS_OK) return UINT64_MAX;
+  return s.coalesced_weights;
+}
+
+static EpmStatus make_res(EpmDevice *dev, uint64_t budget, uint32_t reg, EpmResidency **out) {
+  EpmResidencyConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.size = sizeof cfg;
+  EpmStatus st = epm_residency_config_default(&cfg);
+  if (st) return st;
+  cfg.budget_bytes = budget;
+  cfg.register_sources = reg;
+  cfg.fill_threads = 2;
+  return epm_residency_create(dev, &cfg, out);
+}
+
+/* Acquire for the host, read back synchronously, compare every byte. */
+static int host_read_matches(EpmDevice *dev, EpmResidency *res, EpmStream *s, EpmWeightId w,
+                             const unsigned char *want, unsigned char *back, size_t n) {
+  EpmDevicePtr p = 0;
+  int ok = 0;
+  memset(back, 0, n);
+#ifdef EPM_NAIVE_ACQUIRE
+  if (epm_residency_acquire(res, w, s, &p) != EPM_STATUS_OK) return 0;
+#else
+  (void)s;
+  if (epm_residency_acquire_host(res, w, &p) != EPM_STATUS_OK) return 0;
+#endif
+  if (epm_memcpy_dtoh(dev, back, p, n) == EPM_STATUS_OK) ok = memcmp(back, want, n) == 0;
+#ifdef EPM_NAIVE_ACQUIRE
+  epm_residency_release(res, w, s);
+#else
+  if (epm_residency_release_host(res, w) != EPM_STATUS_OK) ok = 0;
+#endif
+  return ok;
+}
+
+static void test_acquire_host_then_sync_read_sees_the_weight(void) {
+  /* Large enough that the page-in is still running when a naive synchronous
+   * read starts; two weights under a budget for one, so each read follows a
+   * fresh page-in into a block that held the other weight's bytes. */
+  const size_t n = 64u * MIB;
+  EpmDevice *dev = NULL;
+  EpmStream *s = NULL;
+  EpmResidency *res = NULL;
+  EpmHostRangeId range = 0;
+  int registered = 0;
+  EpmWeightId w[2] = {0, 0};
+  unsigned char *host = aligned_alloc(4096, 2 * n), *back = malloc(n);
+  REQUIRE(host && back);
+  th_fill_random(host, n, 11);
+  th_fill_random(host + n, n, 12);
+  REQUIRE_OK(epm_device_open(0, &dev));
+  REQUIRE_OK(epm_stream_create(dev, &s));
+  for (int pass = 0; pass < 2; pass++) {
+    /* pass 0: staged from pageable memory; pass 1: copied directly from a
+     * registered range (the whole weight in one asynchronous copy). */
+    REQUIRE_OK(make_res(dev, n + n / 2, EPM_REGISTER_NEVER, &res));
+    for (int i = 0; i < 2; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
+    registered = pass == 1 && epm_residency_register_host_range(res, host, 2 * n, &range) == EPM_STATUS_OK;
+    if (pass == 1 && !registered) printf("  (registering the host range was refused: %s; staged again)\n", epm_last_error_message());
+    for (int round = 0; round < 3; round++) {
+      for (int i = 0; i < 2; i++) {
+        th_checks++;
+        if (!host_read_matches(dev, res, s, w[i], host + (size_t)i * n, back, n))
+          TH_FAIL("pass %d round %d weight %d: the synchronous read after acquire did not see the weight (%s)", pass,
+                  round, i, epm_last_error_message());
+      }
+    }
+    REQUIRE_OK(epm_residency_synchronize(res));
+    if (registered) CHECK_OK(epm_residency_unregister_host_range(res, range));
+    CHECK_OK(epm_residency_destroy(res));
+    res = NULL;
+  }
+  /* Misuse of the host path. */
+  REQUIRE_OK(make_res(dev, 2 * n, EPM_REGISTER_NEVER, &res));
+  REQUIRE_OK(epm_residency_register_weight(res, host, n, &w[0]));
+  {
+    EpmDevicePtr p = 7;
+    CHECK_STATUS(epm_residency_acquire_host(res, w[0], NULL), EPM_STATUS_NULL_POINTER);
+    CHECK_STATUS(epm_residency_acquire_host(res, 9999, &p), EPM_STATUS_INVALID_ARGUMENT);
+    CHECK(p == 7);
+    CHECK_STATUS(epm_residency_acquire_host(NULL, w[0], &p), EPM_STATUS_INVALID_HANDLE);
+    CHECK_STATUS(epm_residency_release_host(res, w[0]), EPM_STATUS_INVALID_STATE);
+    CHECK_STATUS(epm_residency_release_host(NULL, w[0]), EPM_STATUS_INVALID_HANDLE);
+    REQUIRE_OK(epm_residency_acquire_host(res, w[0], &p));
+    /* INVALID_STATE as documented: unregistering an acquired weight. */
+    CHECK_STATUS(epm_residency_unregister_weight(res, w[0]), EPM_STATUS_INVALID_STATE);
+    CHECK_OK(epm_residency_release_host(res, w[0]));
+    CHECK_STATUS(epm_residency_release_host(res, w[0]), EPM_STATUS_INVALID_STATE);
+    CHECK_OK(epm_residency_unregister_weight(res, w[0]));
+  }
+cleanup:
+  epm_residency_destroy(res);
+  epm_stream_destroy(s);
+  epm_device_destroy(dev);
+  free(host);
+  free(back);
+}
+
+static void test_cycle_and_unregister_name_the_coalesced_weights(void) {
+  enum { SMALL = 256 * 1024 };
+  EpmDevice *dev = NULL;
+  EpmStream *s = NULL;
+  EpmResidency *res = NULL;
+  EpmWeightId pad[5], a = 0, b = 0, c = 0, d = 0;
+  EpmDevicePtr p = 0;
+  char unit[96], named[192];
+  unsigned char *small = aligned_alloc(4096, 3 * SMALL), *big = aligned_alloc(4096, 2 * MIB);
+  REQUIRE(small && big);
+  th_fill_random(small, 3 * SMALL, 3);
+  th_fill_random(big, 2 * MIB, 4);
+  REQUIRE_OK(epm_device_open(0, &dev));
+  REQUIRE_OK(epm_stream_create(dev, &s));
+  REQUIRE_OK(make_res(dev, 64u * MIB, EPM_REGISTER_NEVER, &res));
+  /* Spend a few ids first, so the ids in messages are not small numbers
+   * that appear by accident ("1 time(s)"). */
+  for (int i = 0; i < 5; i++) REQUIRE_OK(epm_residency_register_weight(res, big, 4096, &pad[i]));
+  REQUIRE_OK(epm_residency_register_weight(res, small, SMALL, &a));
+  REQUIRE_OK(epm_residency_register_weight(res, small + SMALL, SMALL, &b));
+  REQUIRE_OK(epm_residency_register_weight(res, small + 2 * SMALL, SMALL, &c));
+  REQUIRE_OK(epm_residency_register_weight(res, big, 2 * MIB, &d));
+  snprintf(unit, sizeof unit, "{%u, %u, %u}", a, b, c);
+  {
+    EpmWeightId order[4] = {a, b, c, d};
+    REQUIRE_OK(epm_residency_declare_cycle(res, order, 4));
+  }
+  REQUIRE(coalesced(res) == 3);
+
+  /* A weight that is not coalesced may stay acquired across a declaration. */
+  REQUIRE_OK(epm_residency_acquire(res, d, s, &p));
+  {
+    EpmWeightId order[4] = {d, a, b, c};
+    CHECK_OK(epm_residency_declare_cycle(res, order, 4));
+  }
+  CHECK(coalesced(res) == 3);
+  CHECK_OK(epm_residency_release(res, d, s));
+
+  /* A coalesced one may not: refused, naming the unit, nothing undone. */
+  REQUIRE_OK(epm_residency_acquire(res, b, s, &p));
+  {
+    EpmWeightId order[4] = {a, b, c, d};
+    CHECK_STATUS(epm_residency_declare_cycle(res, order, 4), EPM_STATUS_INVALID_STATE);
+    CHECK_MESSAGE_HAS(unit);
+  }
+  CHECK(coalesced(res) == 3);
+
+  /* Unregistering c while its sibling b is acquired names c and its unit. */
+  CHECK_STATUS(epm_residency_unregister_weight(res, c), EPM_STATUS_INVALID_STATE);
+  snprintf(named, sizeof named, "weight %u is coalesced into one page-in with weights %s", c, unit);
+  CHECK_MESSAGE_HAS(named);
+  CHECK_OK(epm_residency_release(res, b, s));
+  CHECK_OK(epm_residency_unregister_weight(res, c));
+  {
+    EpmWeightId order[3] = {a, b, d};
+    CHECK_OK(epm_residency_declare_cycle(res, order, 3));
+  }
+  CHECK_OK(epm_residency_synchronize(res));
+cleanup:
+  epm_residency_destroy(res);
+  epm_stream_destroy(s);
+  epm_device_destroy(dev);
+  free(small);
+  free(big);
+}
+
+int main(void) {
+  RUN(test_acquire_host_then_sync_read_sees_the_weight);
+  RUN(test_cycle_and_unregister_name_the_coalesced_weights);
+  TEST_SUMMARY();
+}

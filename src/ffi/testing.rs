@@ -1,0 +1,116 @@
+//! Test machinery for C: small kernels the C tests and benchmarks use as
+//! stand-in work (a checksum, a spin) and hooks that make a call panic, so
+//! tests can prove the panic boundary and handle poisoning.
+//!
+//! Compiled only with the `testing` cargo feature (`#[cfg]` on its `mod`
+//! line), declared in include/epmem_testing.h (generated from this file
+//! alone by tests/header.rs), and absent from the library and header that
+//! `make install` ships. The C tests link target/testing/release/, built with
+//! `--features testing` (see the Makefile).
+
+use crate::device::checksum_host;
+use crate::ffi::args::device_range;
+use crate::ffi::device::EpmDevice;
+use crate::ffi::kv::EpmKvArena;
+use crate::ffi::memory::EpmDevicePtr;
+use crate::ffi::prelude::*;
+use crate::ffi::residency::EpmResidency;
+use crate::ffi::stream::{EpmStream, same_device};
+
+/// Queue a kernel that writes the 64-bit checksum of device bytes
+/// `[ptr, ptr+bytes)` to the 8 device bytes at `out_dev_ptr`; the same value
+/// `epm_checksum_host` computes on a host copy. `bytes` is a positive multiple of 4.
+///
+/// Errors: INVALID_ARGUMENT for a bad size or a stream of another device;
+/// device errors for bad addresses. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_device_checksum_async(
+    dev: *mut EpmDevice,
+    ptr: EpmDevicePtr,
+    bytes: usize,
+    stream: *mut EpmStream,
+    out_dev_ptr: EpmDevicePtr,
+) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let stream = try_handle!(stream);
+        same_device(&dev, stream.device(), "dev and stream")?;
+        device_range(ptr, bytes, "ptr")?;
+        ensure!(bytes.is_multiple_of(4), InvalidArgument, "checksum of {bytes} bytes: not a multiple of 4");
+        device_range(out_dev_ptr, 8, "out_dev_ptr")?;
+        dev.checksum_async(ptr, bytes, out_dev_ptr, stream.raw())
+    }
+}
+
+/// The checksum `epm_device_checksum_async` computes, on host memory: the
+/// wrapping sum over little-endian u32 words `w[i]` of `w[i] * (2*i + 1)`.
+/// Trailing bytes beyond a multiple of 4 are ignored.
+///
+/// Returns 0 for NULL `data` or 0 bytes. Never fails; thread-safe; does not
+/// change the last error.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_checksum_host(data: *const c_void, bytes: usize) -> u64 {
+    ffi_boundary! { -> u64 {
+        if data.is_null() || bytes == 0 || bytes > isize::MAX as usize {
+            return 0;
+        }
+        // SAFETY: non-NULL, and the caller promises `bytes` readable bytes
+        // that nobody writes during the call.
+        let s = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), bytes) };
+        checksum_host(s)
+    }}
+}
+
+/// Queue a kernel that keeps `stream` busy for about `micros` microseconds:
+/// stand-in "compute" for demos and overlap tests.
+///
+/// Errors: INVALID_ARGUMENT for a stream of another device. Threading: safe
+/// from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_device_spin_async(dev: *mut EpmDevice, micros: u32, stream: *mut EpmStream) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let stream = try_handle!(stream);
+        same_device(&dev, stream.device(), "dev and stream")?;
+        dev.spin_async(micros, stream.raw())
+    }
+}
+
+/// Panic inside a call that uses `dev`: returns EPM_STATUS_PANIC, and `dev`
+/// is poisoned from then on (every later call with it is INVALID_STATE;
+/// `epm_device_destroy` still works). Test-only.
+///
+/// NULL: `dev` is INVALID_HANDLE (nothing panics). Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_testing_panic_device(dev: *mut EpmDevice) -> EpmStatus {
+    ffi_boundary! {
+        let _dev = try_handle!(dev);
+        panic!("epm_testing_panic_device: a panic on purpose")
+    }
+}
+
+/// Panic inside a call that uses `res` (poisoning it, as
+/// `epm_testing_panic_device`). Test-only.
+///
+/// NULL: `res` is INVALID_HANDLE. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_testing_panic_residency(res: *mut EpmResidency) -> EpmStatus {
+    ffi_boundary! {
+        let _res = try_handle!(res);
+        panic!("epm_testing_panic_residency: a panic on purpose")
+    }
+}
+
+/// Panic while holding the lock of `arena`'s books: the arena handle is
+/// poisoned, and so is the arena itself, so its sequences and prefixes
+/// answer INVALID_STATE too. Test-only.
+///
+/// NULL: `arena` is INVALID_HANDLE. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_testing_panic_kv_arena(arena: *mut EpmKvArena) -> EpmStatus {
+    ffi_boundary! {
+        let arena = try_handle!(arena);
+        let _books = arena.lock()?;
+        panic!("epm_testing_panic_kv_arena: a panic on purpose, holding the arena's lock")
+    }
+}
