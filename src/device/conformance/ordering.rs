@@ -166,3 +166,34 @@ pub fn adopted_native_streams_are_forgotten_not_destroyed(dev: &Arc<dyn Device>)
         Ok(())
     })
 }
+
+/// A hold orders by an event the test controls: work queued behind it (and
+/// on a stream waiting on an event behind it) stays pending, with its data
+/// not yet written, until the gate opens; then it completes. No wall clock
+/// decides the outcome (the watchdog only turns a wrongly blocking call into
+/// a failure instead of a hang).
+pub fn hold_keeps_work_pending_until_opened(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "hold_keeps_work_pending_until_opened", || {
+        let (a, b) = (Stream::new(dev)?, Stream::new(dev)?);
+        let n = 4096;
+        let buf = DeviceBuffer::new(dev, n)?;
+        dev.memset_d8_async(buf.ptr(), 1, n, a.raw())?;
+        a.synchronize()?;
+        let gate = crate::device::Gate::new();
+        let wd = gate.watchdog(Duration::from_secs(60));
+        dev.hold_async(a.raw(), &gate)?;
+        dev.memset_d8_async(buf.ptr(), 2, n, a.raw())?;
+        let (on_a, on_b) = (Event::new(dev, false)?, Event::new(dev, false)?);
+        on_a.record(&a)?;
+        b.wait_event(&on_a)?;
+        on_b.record(&b)?;
+        assert!(!on_a.query()?, "an event behind a closed gate completed");
+        assert!(!on_b.query()?, "an event ordered after a closed gate completed");
+        gate.open();
+        on_b.synchronize()?;
+        assert!(on_a.query()?, "b passed its wait before a's event completed");
+        assert_eq!(download(dev, &b, buf.ptr(), n)?, vec![2u8; n], "the memset behind the gate ran once opened");
+        assert!(!wd.fired(), "a query or record blocked on the held stream until the watchdog opened it");
+        a.synchronize()
+    })
+}
