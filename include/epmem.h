@@ -255,6 +255,12 @@ typedef struct EpmEvent EpmEvent;
 typedef struct EpmFence EpmFence;
 
 /**
+ * A gate a stream is held on (`epm_device_hold_async`): test machinery,
+ * next to `epm_device_spin_async`.
+ */
+typedef struct EpmGate EpmGate;
+
+/**
  * A host range registered read-only with the device (copies from it skip
  * staging). Unregistered when destroyed.
  */
@@ -1468,6 +1474,39 @@ uint64_t epm_checksum_host(const void *data, size_t bytes);
 enum EpmStatus epm_device_spin_async(struct EpmDevice *dev,
                                      uint32_t micros,
                                      struct EpmStream *stream);
+
+/**
+ * Hold `stream`: work queued on it after this call runs only once the gate
+ * returned in `*out` is opened (`epm_gate_open`) or destroyed. For tests
+ * that must check something before queued work runs, ordered by an event
+ * they control instead of a spin of N ms; on CUDA the hold is a host
+ * function (cuLaunchHostFunc) that blocks the stream until opened.
+ *
+ * Ownership: `*out` is a new handle the caller destroys with
+ * `epm_gate_destroy`, which opens the gate first: a stream is never held
+ * past its gate's handle. NULL: `dev`/`stream` are INVALID_HANDLE, `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a stream of another device.
+ * Threading: safe from any thread; the gate may be opened from any thread.
+ */
+enum EpmStatus epm_device_hold_async(struct EpmDevice *dev,
+                                     struct EpmStream *stream,
+                                     struct EpmGate **out);
+
+/**
+ * Open a gate: the streams held on it run on. Idempotent.
+ *
+ * NULL: INVALID_HANDLE. Threading: safe from any thread.
+ */
+enum EpmStatus epm_gate_open(struct EpmGate *gate);
+
+/**
+ * Destroy a gate handle, opening the gate if it is still closed.
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: safe from any thread; the
+ * handle must not be used after this call.
+ */
+enum EpmStatus epm_gate_destroy(struct EpmGate *gate);
 
 /**
  * Fill `*out` with the defaults (budget 0: the caller must set it).

@@ -5,10 +5,10 @@ mod staging_util;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use epmem::device::fence::{self, CopyCompleted, TryComplete};
-use epmem::device::{DeviceBuffer, Stream};
+use epmem::device::{DeviceBuffer, Gate, Stream};
 use epmem::staging::{PinnedStagingPool, PoolConfig, PooledStaging};
 use staging_util::{dev, read_back};
 
@@ -171,22 +171,25 @@ fn try_complete_is_pending_while_the_copy_waits_behind_work() {
     let s = Stream::new(&d).unwrap();
     let dst = DeviceBuffer::new(&d, 4096).unwrap();
     let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
-    d.spin_async(300_000, s.raw()).unwrap();
+    // The copy sits behind a gate only this test opens: pending is certain,
+    // however slow the host.
+    let gate = Gate::new();
+    d.hold_async(s.raw(), &gate).unwrap();
     let f = fence::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
-    let mut f = match f.try_complete().unwrap() {
+    let f = match f.try_complete().unwrap() {
         TryComplete::Pending(f) => f,
-        TryComplete::Done(..) => panic!("copy reported complete while 300 ms of work precede it"),
+        TryComplete::Done(..) => panic!("copy reported complete while held behind a closed gate"),
     };
-    let t0 = Instant::now();
-    let done = loop {
-        match f.try_complete().unwrap() {
-            TryComplete::Done(w) => break w,
-            TryComplete::Pending(p) => {
-                assert!(t0.elapsed() < Duration::from_secs(30), "copy never completed");
-                std::thread::sleep(Duration::from_millis(5));
-                f = p;
-            }
-        }
+    let f = match f.try_complete().unwrap() {
+        TryComplete::Pending(f) => f,
+        TryComplete::Done(..) => panic!("copy reported complete while held behind a closed gate"),
+    };
+    assert_eq!(pool.stats().retained_buffers, 0, "the copy still owns its buffer");
+    gate.open();
+    s.synchronize().unwrap();
+    let done = match f.try_complete().unwrap() {
+        TryComplete::Done(w) => w,
+        TryComplete::Pending(_) => panic!("copy still pending after its stream synchronized"),
     };
     pool.release(done);
     assert_eq!(pool.stats().retained_buffers, 1);
@@ -199,14 +202,41 @@ fn dropping_an_in_flight_copy_waits_for_it_then_frees_the_buffer() {
     let dst = DeviceBuffer::new(&d, 4096).unwrap();
     let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
     let live_before = d.live_counts().pinned_buffers;
-    d.spin_async(200_000, s.raw()).unwrap();
+    // Only the watchdog opens the gate, so a drop that waits for the copy
+    // returns after it fired; one that freed at once would return before.
+    let gate = Gate::new();
+    let wd = gate.watchdog(Duration::from_millis(100));
+    d.hold_async(s.raw(), &gate).unwrap();
     let f = fence::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
-    let t0 = Instant::now();
     drop(f);
-    // Freeing at once would have returned in microseconds; the copy sat
-    // behind 200 ms of work.
-    assert!(t0.elapsed() >= Duration::from_millis(100), "drop returned after {:?}", t0.elapsed());
+    assert!(wd.fired(), "dropping the in-flight copy returned while the copy was held");
     let st = pool.stats();
     assert_eq!((st.retained_buffers, st.pinned_free_calls), (0, 1), "freed, never recycled: {st:?}");
     assert_eq!(d.live_counts().pinned_buffers, live_before);
+}
+
+#[test]
+fn a_buffer_goes_back_to_the_pool_it_came_from() {
+    let d = dev();
+    let s = Stream::new(&d).unwrap();
+    let dst = DeviceBuffer::new(&d, 4096).unwrap();
+    let (a, b) = (
+        PinnedStagingPool::new(&d, PoolConfig::default()).unwrap(),
+        PinnedStagingPool::new(&d, PoolConfig::default()).unwrap(),
+    );
+    let done = copy_and_wait(&s, &dst, a.acquire(4096).unwrap(), 4096);
+    b.release(done);
+    assert_eq!((a.stats().retained_buffers, b.stats().retained_buffers), (1, 0));
+}
+
+#[test]
+fn a_witness_spent_with_into_buffer_leaves_a_buffer_that_is_freed_not_recycled() {
+    let d = dev();
+    let s = Stream::new(&d).unwrap();
+    let dst = DeviceBuffer::new(&d, 4096).unwrap();
+    let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
+    let buf = copy_and_wait(&s, &dst, pool.acquire(4096).unwrap(), 4096).into_buffer();
+    drop(buf);
+    let st = pool.stats();
+    assert_eq!((st.retained_buffers, st.pinned_free_calls), (0, 1), "{st:?}");
 }

@@ -375,3 +375,56 @@ impl Drop for Fenced {
         ReadsDone::mint(block).free();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::arena::ArenaConfig;
+    use crate::device::{self, DeviceSelect, Gate};
+    use crate::staging::{EngineConfig, PinnedStagingPool, PoolConfig};
+
+    fn setup() -> (Arc<dyn device::Device>, Arc<DeviceArena>) {
+        let d = device::open(DeviceSelect::Host, 0).unwrap();
+        let arena = Arc::new(DeviceArena::new(&d, ArenaConfig::with_capacity(64 << 20)).unwrap());
+        (d, arena)
+    }
+
+    #[test]
+    fn a_bare_block_dropped_waits_for_the_device_before_freeing() {
+        let (d, arena) = setup();
+        let block = DeviceBlock::alloc(&arena, 4096).unwrap();
+        let s = Stream::new(&d).unwrap();
+        // Work on the block is held; only the watchdog opens the gate, so a
+        // drop that synchronizes returns after it fired, one that recycled
+        // at once would return before.
+        let gate = Gate::new();
+        let wd = gate.watchdog(Duration::from_millis(100));
+        d.hold_async(s.raw(), &gate).unwrap();
+        d.memset_d8_async(block.addr(), 7, 4096, s.raw()).unwrap();
+        drop(block);
+        assert!(wd.fired(), "a bare block went back to the arena while work queued on it was held");
+        assert_eq!(arena.stats().live_allocations, 0, "freed after the synchronize");
+    }
+
+    #[test]
+    fn a_witness_frees_its_own_block_and_no_other() {
+        let (d, arena) = setup();
+        let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
+        let engine = CopyEngine::new(&pool, EngineConfig { fill_threads: 1, ..EngineConfig::default() }).unwrap();
+        let (a, b) = (DeviceBlock::alloc(&arena, 4096).unwrap(), DeviceBlock::alloc(&arena, 4096).unwrap());
+        let (a_addr, b_addr) = (a.addr(), b.addr());
+        let src = HostRange::from_static(&[5u8; 4096]);
+        let fenced = Fenced::new(a, engine.htod(a_addr, src, None).unwrap());
+        let (done, _spent) = fenced.wait().unwrap();
+        assert_eq!(done.addr(), a_addr);
+        done.free();
+        assert_eq!(arena.size_of(a_addr), None, "A's witness freed A");
+        assert_eq!(arena.size_of(b_addr), Some(4096), "and left B alone");
+        // A fenced block dropped waits for its fences, then frees through its witness.
+        let fenced_b = Fenced::new(b, engine.htod(b_addr, src, None).unwrap());
+        drop(fenced_b);
+        assert_eq!(arena.stats().live_allocations, 0);
+    }
+}
