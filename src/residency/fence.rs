@@ -24,6 +24,9 @@
 //! inside a `ReadsDone`. What does is a page-in that failed part-way (some
 //! chunks of its copy may be queued): the synchronize is what makes that
 //! safe. [`DeviceArena`]'s stats count these in `free_calls` like any free.
+//! Nor can safe code free a block's memory by address: the arena marks a
+//! block's allocation as owned, and its address-level `free` (the C and
+//! ONNX Runtime path) refuses it with `InvalidArgument`.
 //!
 //! The refusals (forging, cloning, `Default`, freeing a bare block, taking
 //! the block out) are compiled, with their error codes checked, by
@@ -45,7 +48,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::arena::{Arena, DeviceArena};
+use crate::arena::DeviceArena;
 use crate::device::{Event, HostRange, Stream};
 use crate::error::Result;
 use crate::staging::{CopyEngine, Fence};
@@ -82,7 +85,7 @@ impl ReadsDone {
 impl Drop for ReadsDone {
     fn drop(&mut self) {
         if let Some(arena) = self.block.arena.take() {
-            crate::device::objects::log_drop_error("device arena free", arena.free(self.block.addr));
+            crate::device::objects::log_drop_error("device arena free", arena.free_owned(self.block.addr));
         }
     }
 }
@@ -115,7 +118,7 @@ impl DeviceBlock {
     /// Allocate `len` bytes from `arena`.
     pub fn alloc(arena: &Arc<DeviceArena>, len: usize) -> Result<Self> {
         Ok(Self {
-            addr: arena.alloc(len, 0)?,
+            addr: arena.alloc_owned(len, 0)?,
             arena: Some(arena.clone()),
             len,
         })
@@ -143,7 +146,7 @@ impl Drop for DeviceBlock {
     fn drop(&mut self) {
         let Some(arena) = self.arena.take() else { return };
         match arena.device().synchronize() {
-            Ok(()) => crate::device::objects::log_drop_error("device arena free", arena.free(self.addr)),
+            Ok(()) => crate::device::objects::log_drop_error("device arena free", arena.free_owned(self.addr)),
             Err(e) => log::error!(
                 "epmem: leaking {self:?}: dropped without a read fence, and the device synchronize \
                  that would prove it idle failed ({e})"
@@ -381,7 +384,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::arena::ArenaConfig;
+    use crate::arena::{Arena, ArenaConfig};
     use crate::device::{self, DeviceSelect, Gate};
     use crate::staging::{EngineConfig, PinnedStagingPool, PoolConfig};
 
@@ -422,6 +425,9 @@ mod tests {
         done.free();
         assert_eq!(arena.size_of(a_addr), None, "A's witness freed A");
         assert_eq!(arena.size_of(b_addr), Some(4096), "and left B alone");
+        // Nor can B be freed by address behind its fence.
+        assert_eq!(arena.free(b_addr).unwrap_err().status(), crate::EpmStatus::InvalidArgument);
+        assert_eq!(arena.size_of(b_addr), Some(4096));
         // A fenced block dropped waits for its fences, then frees through its witness.
         let fenced_b = Fenced::new(b, engine.htod(b_addr, src, None).unwrap());
         drop(fenced_b);
