@@ -51,9 +51,9 @@ fn main() -> epmem::Result<()> {
             let t = Instant::now();
             let buf = pool.acquire(4096)?;
             ns += t.elapsed().as_nanos();
-            let (buf, done) = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?.wait()?;
+            let done = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?.wait()?;
             let t = Instant::now();
-            buf.retire(done);
+            pool.release(done);
             ns += t.elapsed().as_nanos();
         }
         if b > 0 {

@@ -123,6 +123,7 @@ cleanup:
 
 static void test_memory(MuFx *f) {
   EpmDevicePtr p = 77, d = f->d;
+  EpmGate *gate = NULL, *dead_gate = NULL;
   unsigned char buf[64] = {0};
   const void *top = (const void *)(UINTPTR_MAX - 8);
 
@@ -191,6 +192,16 @@ static void test_memory(MuFx *f) {
   BAD_HANDLES(EpmDevice, h, f->s, f->dead_dev, epm_device_spin_async(h, 1, f->s));
   BAD_HANDLES(EpmStream, h, f->dev, f->dead_s, epm_device_spin_async(f->dev, 1, h));
   MU_EXPECT(epm_device_spin_async(f->dev, 1, f->s2), EPM_STATUS_INVALID_ARGUMENT, "another device's stream");
+
+  REQUIRE_OK(epm_device_hold_async(f->dev, f->s, &dead_gate));
+  REQUIRE_OK(epm_gate_destroy(dead_gate)); /* opens it: f->s runs on */
+  BAD_HANDLES(EpmDevice, h, f->s, f->dead_dev, epm_device_hold_async(h, f->s, &gate));
+  BAD_HANDLES(EpmStream, h, f->dev, f->dead_s, epm_device_hold_async(f->dev, h, &gate));
+  MU_EXPECT(epm_device_hold_async(f->dev, f->s, NULL), EPM_STATUS_NULL_POINTER, "NULL out");
+  MU_EXPECT(epm_device_hold_async(f->dev, f->s2, &gate), EPM_STATUS_INVALID_ARGUMENT, "another device's stream");
+  CHECK(gate == NULL);
+  BAD_HANDLES(EpmGate, h, f->s, dead_gate, epm_gate_open(h));
+  BAD_DESTROY(EpmGate, h, f->s, dead_gate, epm_gate_destroy(h));
 
   /* None of the refused calls queued anything that fails later. */
   CHECK_OK(epm_stream_synchronize(f->s));

@@ -15,6 +15,12 @@
 
 #include "epmem.h"
 
+/**
+ * A gate a stream is held on (`epm_device_hold_async`): test machinery,
+ * next to `epm_device_spin_async`.
+ */
+typedef struct EpmGate EpmGate;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -77,6 +83,37 @@ EpmStatus epm_testing_panic_residency(EpmResidency *res);
  * NULL: `arena` is INVALID_HANDLE. Threading: safe from any thread.
  */
 EpmStatus epm_testing_panic_kv_arena(EpmKvArena *arena);
+
+/**
+ * Hold `stream`: work queued on it after this call runs only once the gate
+ * returned in `*out` is opened (`epm_gate_open`) or destroyed. For tests
+ * that must check something before queued work runs, ordered by an event
+ * they control instead of a spin of N ms; on CUDA the hold is a host
+ * function (cuLaunchHostFunc) that blocks the stream until opened.
+ *
+ * Ownership: `*out` is a new handle the caller destroys with
+ * `epm_gate_destroy`, which opens the gate first: a stream is never held
+ * past its gate's handle. NULL: `dev`/`stream` are INVALID_HANDLE, `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a stream of another device.
+ * Threading: safe from any thread; the gate may be opened from any thread.
+ */
+EpmStatus epm_device_hold_async(EpmDevice *dev, EpmStream *stream, struct EpmGate **out);
+
+/**
+ * Open a gate: the streams held on it run on. Idempotent.
+ *
+ * NULL: INVALID_HANDLE. Threading: safe from any thread.
+ */
+EpmStatus epm_gate_open(struct EpmGate *gate);
+
+/**
+ * Destroy a gate handle, opening the gate if it is still closed.
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: safe from any thread; the
+ * handle must not be used after this call.
+ */
+EpmStatus epm_gate_destroy(struct EpmGate *gate);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -35,6 +35,7 @@ checks!(
     events_order_work_across_streams,
     event_query_synchronize_elapsed,
     spin_delays_a_later_event,
+    hold_keeps_work_pending_until_opened,
     stream_destroy_lets_queued_work_finish,
     adopted_native_streams_are_forgotten_not_destroyed,
     granule_aliased_at_two_addresses,

@@ -7,12 +7,10 @@ use std::process::Command;
 #[test]
 fn bench_kv_quick_reports_ledger_figures() {
     let exe = env!("CARGO_BIN_EXE_bench_kv");
-    if !std::path::Path::new(exe).exists() {
-        // The integration-test binary was shipped without the bench (GPU runs
-        // the bench itself through scripts/gpu-check.sh --bench).
-        eprintln!("skipping: {exe} is not on this machine");
-        return;
-    }
+    // A missing binary is a failure, not a skip: this test exists to run it.
+    // (scripts/gpu-check.sh does not run the *_bench_smoke tests; the GPU
+    // machine runs the benches themselves.)
+    assert!(std::path::Path::new(exe).is_file(), "{exe} is missing: the smoke test cannot run its bench");
     let json = std::env::temp_dir().join(format!("bench_kv_smoke_{}.json", std::process::id()));
     let out = Command::new(exe).arg("--quick").arg("--json").arg(&json).output().expect("run bench_kv");
     let md = String::from_utf8_lossy(&out.stdout);

@@ -5,14 +5,17 @@
 mod staging_util;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use epmem::EpmStatus;
-use epmem::device::{Device, DeviceBuffer, Stream};
+use epmem::device::{Device, DeviceBuffer, Gate, Stream};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 use staging_util::{dev, first_diff, leak_range, random_bytes, read_back};
 
 const MIB: usize = 1 << 20;
+/// Opens a gate only on the failure path (a call that wrongly blocked on
+/// the held stream); a passing test never waits for it.
+const WATCHDOG: Duration = Duration::from_secs(60);
 
 fn engine(d: &Arc<dyn Device>, cfg: EngineConfig) -> CopyEngine {
     let pool = PinnedStagingPool::new(d, PoolConfig::default()).unwrap();
@@ -137,10 +140,12 @@ fn direct_path_can_be_switched_off() {
 }
 
 /// The consumer stream is ordered after the copy by an event, and the copy
-/// after the work already on the caller's stream — with no host wait: `htod`
-/// returns while the copy is still held back behind 300 ms of work. (The
-/// copy fits in the engine's slots: 3 chunks of 1 MiB; a bigger one would
-/// wait for a slot, by design.)
+/// after the work already on the caller's stream — with no host wait: the
+/// producer is held on a gate the test opens only after `htod` returned, so
+/// the copy cannot have run when `htod` returns, and an `htod` that waited
+/// on the producer would return only when the watchdog opened the gate.
+/// (The copy fits in the engine's slots: 3 chunks of 1 MiB; a bigger one
+/// would wait for a slot, by design.)
 fn ordering_case(register: bool) {
     let d = dev();
     let e = small_engine(&d);
@@ -151,16 +156,17 @@ fn ordering_case(register: bool) {
     let _reg = register.then(|| e.register(range).unwrap());
     let dst = DeviceBuffer::new(&d, n).unwrap();
     d.memset_d8_async(dst.ptr(), 0, n, producer.raw()).unwrap();
-    d.spin_async(300_000, producer.raw()).unwrap();
-    let t0 = Instant::now();
+    let gate = Gate::new();
+    let wd = gate.watchdog(WATCHDOG);
+    d.hold_async(producer.raw(), &gate).unwrap();
     let f = e.htod(dst.ptr(), range, Some(producer.raw())).unwrap();
-    let issued = t0.elapsed();
+    assert!(!wd.fired(), "htod waited for the producer's work (the watchdog had to open its gate)");
     assert_eq!(f.bypassed(), register);
-    assert!(!f.query().unwrap(), "the copy cannot have run: it waits behind the producer's work");
+    assert!(!f.query().unwrap(), "the copy cannot have run: it waits behind the producer's held work");
     f.make_wait(consumer.raw()).unwrap();
+    gate.open();
     assert_same(&read_back(&d, &consumer, dst.ptr(), n), &src, "consumer after the fence");
     assert!(f.query().unwrap());
-    assert!(issued.as_millis() < 300, "htod blocked the host for {issued:?}");
 }
 
 #[test]
@@ -173,6 +179,11 @@ fn a_stream_waiting_on_the_fence_sees_the_data_direct() {
     ordering_case(true);
 }
 
+/// 7 chunks through 3 slots behind a held producer: no chunk copy can
+/// complete until the gate opens, so `htod` can finish only by waiting for
+/// slots, and only the watchdog opens the gate. It must have fired by the
+/// time `htod` returns (an engine without back-pressure returns at once,
+/// before it), and the 7 chunks used only the 3 slots' buffers.
 #[test]
 fn a_copy_bigger_than_the_slots_waits_for_slots_and_stays_exact() {
     let d = dev();
@@ -181,13 +192,17 @@ fn a_copy_bigger_than_the_slots_waits_for_slots_and_stays_exact() {
     let n = 6 * MIB + 1; // 7 chunks through 3 slots
     let src = random_bytes(n, 1234);
     let dst = DeviceBuffer::new(&d, n).unwrap();
-    d.spin_async(100_000, producer.raw()).unwrap();
+    let gate = Gate::new();
+    let wd = gate.watchdog(std::time::Duration::from_millis(200));
+    d.hold_async(producer.raw(), &gate).unwrap();
     let f = e.htod(dst.ptr(), leak_range(src.clone()), Some(producer.raw())).unwrap();
+    assert!(wd.fired(), "a copy of 7 chunks through 3 slots returned while no chunk could complete");
     assert_same(&read_back(&d, &producer, dst.ptr(), n), &src, "through reused slots");
     assert!(f.query().unwrap());
     let st = e.stats();
     assert_eq!(st.chunks, 7);
-    assert!(st.slot_wait_ms > 50.0, "the 4th chunk waited for the first slot: {st:?}");
+    assert_eq!(st.pinned_alloc_calls, 3, "7 chunks reused the 3 slots' buffers: {st:?}");
+    assert!(st.slot_wait_ms > 0.0, "{st:?}");
 }
 
 #[test]

@@ -5,17 +5,17 @@ mod staging_util;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use epmem::device::fence::{self, CopyCompleted, TryComplete};
-use epmem::device::{DeviceBuffer, Stream};
+use epmem::device::{DeviceBuffer, Gate, Stream};
 use epmem::staging::{PinnedStagingPool, PoolConfig, PooledStaging};
 use staging_util::{dev, read_back};
 
 const MIB: usize = 1 << 20;
 
 /// One copy from `buf` into `dst`, waited on: the legitimate source of a witness.
-fn copy_and_wait(s: &Stream, dst: &DeviceBuffer, buf: PooledStaging, len: usize) -> (PooledStaging, CopyCompleted) {
+fn copy_and_wait(s: &Stream, dst: &DeviceBuffer, buf: PooledStaging, len: usize) -> CopyCompleted<PooledStaging> {
     fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap()
 }
 
@@ -29,8 +29,8 @@ fn regression_guard_64_same_size_cycles_allocate_once() {
     for i in 0..64u8 {
         let mut buf = pool.acquire(8 * MIB).unwrap();
         buf[..8 * MIB].fill(i);
-        let (buf, done) = copy_and_wait(&s, &dst, buf, 8 * MIB);
-        buf.retire(done);
+        let done = copy_and_wait(&s, &dst, buf, 8 * MIB);
+        pool.release(done);
     }
     let st = pool.stats();
     assert_eq!((st.pinned_alloc_calls, st.pinned_reuses, st.pinned_free_calls), (1, 63, 0), "{st:?}");
@@ -51,8 +51,8 @@ fn smallest_fit_is_handed_out_and_larger_requests_allocate() {
     let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
     let bufs: Vec<_> = [4 * MIB, MIB, 2 * MIB].iter().map(|&n| pool.acquire(n).unwrap()).collect();
     for b in bufs {
-        let (b, w) = copy_and_wait(&s, &dst, b, 4096);
-        b.retire(w);
+        let w = copy_and_wait(&s, &dst, b, 4096);
+        pool.release(w);
     }
     assert_eq!(pool.stats().retained_buffers, 3);
     let b = pool.acquire(MIB + 1).unwrap();
@@ -76,8 +76,8 @@ fn buffer_bound_frees_the_return_that_would_breach_it() {
     let frees_before = d.driver_counts().pinned_free_calls;
     let bufs: Vec<_> = (0..3).map(|_| pool.acquire(MIB).unwrap()).collect();
     for b in bufs {
-        let (b, w) = copy_and_wait(&s, &dst, b, 4096);
-        b.retire(w);
+        let w = copy_and_wait(&s, &dst, b, 4096);
+        pool.release(w);
     }
     let st = pool.stats();
     assert_eq!((st.retained_buffers, st.pinned_free_calls), (2, 1), "{st:?}");
@@ -92,16 +92,16 @@ fn byte_bound_frees_the_return_that_would_breach_it() {
     let pool = PinnedStagingPool::new(&d, PoolConfig { max_buffers: 8, max_bytes: 3 * MIB }).unwrap();
     let (a, b, c) = (pool.acquire(2 * MIB).unwrap(), pool.acquire(2 * MIB).unwrap(), pool.acquire(MIB).unwrap());
     for buf in [a, b, c] {
-        let (buf, w) = copy_and_wait(&s, &dst, buf, 4096);
-        buf.retire(w);
+        let w = copy_and_wait(&s, &dst, buf, 4096);
+        pool.release(w);
     }
     let st = pool.stats();
     // 2 MiB kept, the second 2 MiB would make 4 > 3: freed; 1 MiB fits (3 MiB).
     assert_eq!((st.retained_buffers, st.retained_bytes, st.pinned_free_calls), (2, 3 * MIB as u64, 1), "{st:?}");
     // A single buffer larger than the byte bound is never retained.
     let big = pool.acquire(4 * MIB).unwrap();
-    let (big, w) = copy_and_wait(&s, &dst, big, 4096);
-    big.retire(w);
+    let w = copy_and_wait(&s, &dst, big, 4096);
+    pool.release(w);
     assert_eq!(pool.stats().retained_bytes, 3 * MIB as u64);
     assert_eq!(pool.trim(), 2);
     assert_eq!(pool.stats().retained_buffers, 0);
@@ -142,10 +142,10 @@ fn eight_threads_lose_and_duplicate_nothing() {
                     let addr = buf.as_ptr() as usize;
                     assert!(live.lock().unwrap().insert(addr), "buffer {addr:#x} handed to two holders");
                     buf[..4096].fill(t as u8);
-                    let (buf, w) = copy_and_wait(&s, &dst, buf, 4096);
-                    assert!(buf[..4096].iter().all(|&b| b == t as u8), "another thread wrote our buffer");
+                    let w = copy_and_wait(&s, &dst, buf, 4096);
+                    assert!(w[..4096].iter().all(|&b| b == t as u8), "another thread wrote our buffer");
                     assert!(live.lock().unwrap().remove(&addr));
-                    buf.retire(w);
+                    pool.release(w);
                 }
             })
         })
@@ -171,24 +171,27 @@ fn try_complete_is_pending_while_the_copy_waits_behind_work() {
     let s = Stream::new(&d).unwrap();
     let dst = DeviceBuffer::new(&d, 4096).unwrap();
     let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
-    d.spin_async(300_000, s.raw()).unwrap();
+    // The copy sits behind a gate only this test opens: pending is certain,
+    // however slow the host.
+    let gate = Gate::new();
+    d.hold_async(s.raw(), &gate).unwrap();
     let f = fence::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
-    let mut f = match f.try_complete().unwrap() {
+    let f = match f.try_complete().unwrap() {
         TryComplete::Pending(f) => f,
-        TryComplete::Done(..) => panic!("copy reported complete while 300 ms of work precede it"),
+        TryComplete::Done(..) => panic!("copy reported complete while held behind a closed gate"),
     };
-    let t0 = Instant::now();
-    let (buf, done) = loop {
-        match f.try_complete().unwrap() {
-            TryComplete::Done(b, w) => break (b, w),
-            TryComplete::Pending(p) => {
-                assert!(t0.elapsed() < Duration::from_secs(30), "copy never completed");
-                std::thread::sleep(Duration::from_millis(5));
-                f = p;
-            }
-        }
+    let f = match f.try_complete().unwrap() {
+        TryComplete::Pending(f) => f,
+        TryComplete::Done(..) => panic!("copy reported complete while held behind a closed gate"),
     };
-    buf.retire(done);
+    assert_eq!(pool.stats().retained_buffers, 0, "the copy still owns its buffer");
+    gate.open();
+    s.synchronize().unwrap();
+    let done = match f.try_complete().unwrap() {
+        TryComplete::Done(w) => w,
+        TryComplete::Pending(_) => panic!("copy still pending after its stream synchronized"),
+    };
+    pool.release(done);
     assert_eq!(pool.stats().retained_buffers, 1);
 }
 
@@ -199,14 +202,41 @@ fn dropping_an_in_flight_copy_waits_for_it_then_frees_the_buffer() {
     let dst = DeviceBuffer::new(&d, 4096).unwrap();
     let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
     let live_before = d.live_counts().pinned_buffers;
-    d.spin_async(200_000, s.raw()).unwrap();
+    // Only the watchdog opens the gate, so a drop that waits for the copy
+    // returns after it fired; one that freed at once would return before.
+    let gate = Gate::new();
+    let wd = gate.watchdog(Duration::from_millis(100));
+    d.hold_async(s.raw(), &gate).unwrap();
     let f = fence::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
-    let t0 = Instant::now();
     drop(f);
-    // Freeing at once would have returned in microseconds; the copy sat
-    // behind 200 ms of work.
-    assert!(t0.elapsed() >= Duration::from_millis(100), "drop returned after {:?}", t0.elapsed());
+    assert!(wd.fired(), "dropping the in-flight copy returned while the copy was held");
     let st = pool.stats();
     assert_eq!((st.retained_buffers, st.pinned_free_calls), (0, 1), "freed, never recycled: {st:?}");
     assert_eq!(d.live_counts().pinned_buffers, live_before);
+}
+
+#[test]
+fn a_buffer_goes_back_to_the_pool_it_came_from() {
+    let d = dev();
+    let s = Stream::new(&d).unwrap();
+    let dst = DeviceBuffer::new(&d, 4096).unwrap();
+    let (a, b) = (
+        PinnedStagingPool::new(&d, PoolConfig::default()).unwrap(),
+        PinnedStagingPool::new(&d, PoolConfig::default()).unwrap(),
+    );
+    let done = copy_and_wait(&s, &dst, a.acquire(4096).unwrap(), 4096);
+    b.release(done);
+    assert_eq!((a.stats().retained_buffers, b.stats().retained_buffers), (1, 0));
+}
+
+#[test]
+fn a_witness_spent_with_into_buffer_leaves_a_buffer_that_is_freed_not_recycled() {
+    let d = dev();
+    let s = Stream::new(&d).unwrap();
+    let dst = DeviceBuffer::new(&d, 4096).unwrap();
+    let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
+    let buf = copy_and_wait(&s, &dst, pool.acquire(4096).unwrap(), 4096).into_buffer();
+    drop(buf);
+    let st = pool.stats();
+    assert_eq!((st.retained_buffers, st.pinned_free_calls), (0, 1), "{st:?}");
 }

@@ -111,10 +111,10 @@ fn pool_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {
     assert!(st.held.lock().unwrap().insert(addr), "staging buffer {addr:#x} handed out twice");
     let data = pattern(len, r.next());
     buf[..len].copy_from_slice(&data);
-    let (buf, done) = fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
+    let done = fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
     assert!(read(&st.d, s, dst.ptr(), len) == data, "pool copy of {len} bytes");
     assert!(st.held.lock().unwrap().remove(&addr));
-    buf.retire(done);
+    st.pool.release(done);
 }
 
 fn engine_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {

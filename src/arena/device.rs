@@ -1,5 +1,6 @@
 //! The device arena: one VA reservation, committed chunk by chunk.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use super::suballoc::SubAlloc;
@@ -17,6 +18,10 @@ struct Inner {
     users: Vec<u32>,
     va: VaRange,
     stats: ArenaStats,
+    /// Offsets of live allocations owned by a residency `DeviceBlock`: they
+    /// go back only through [`DeviceArena::free_owned`] (the block's
+    /// `ReadsDone`, or its synchronizing drop), never by address.
+    owned: HashSet<usize>,
 }
 
 /// Device memory for resident weights and ONNX Runtime tensors. See [`super`].
@@ -52,6 +57,7 @@ impl DeviceArena {
                 users: vec![0; n],
                 va,
                 stats,
+                owned: HashSet::new(),
             }),
         })
     }
@@ -91,20 +97,45 @@ impl DeviceArena {
         Ok(())
     }
 
-    fn decommit(&self, g: &mut Inner, c: usize) -> Result<()> {
-        if g.chunks[c].is_none() {
-            return Ok(());
+    /// An allocation owned by a typed handle (a residency `DeviceBlock`):
+    /// [`Arena::free`] by address refuses it, so safe code cannot recycle a
+    /// block's memory behind its read fence; [`Self::free_owned`] frees it.
+    pub(crate) fn alloc_owned(&self, bytes: usize, align: usize) -> Result<u64> {
+        self.alloc_marked(bytes, align, true)
+    }
+
+    /// Free an allocation made by [`Self::alloc_owned`].
+    pub(crate) fn free_owned(&self, addr: u64) -> Result<()> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let off = addr.checked_sub(g.va.base()).map(|o| o as usize);
+        crate::ensure!(
+            off.is_some_and(|o| g.owned.remove(&o)),
+            InvalidArgument,
+            "address {addr:#x} is not an owned allocation of this device arena"
+        );
+        self.free_locked(g, addr)
+    }
+
+    fn free_locked(&self, g: &mut Inner, addr: u64) -> Result<()> {
+        let base = g.va.base();
+        crate::ensure!(
+            addr >= base && addr < base + g.sub.capacity() as u64,
+            InvalidArgument,
+            "address {addr:#x} is not inside this device arena"
+        );
+        let live = g.sub.free((addr - base) as usize)?;
+        let (start, span) = live.span();
+        for c in self.chunk_span(start, span) {
+            g.users[c] -= 1;
         }
-        g.va.unmap(c * self.chunk, self.chunk)?;
-        drop(g.chunks[c].take());
-        g.stats.driver_free_calls += 1;
-        g.stats.committed_bytes -= self.chunk as u64;
+        g.stats.free_calls += 1;
         Ok(())
     }
-}
 
-impl Arena for DeviceArena {
-    fn alloc(&self, bytes: usize, align: usize) -> Result<u64> {
+    /// `owned`: the allocation is marked as a typed handle's (see `alloc_owned`)
+    /// under the same lock, so no address-level free can slip in between.
+    fn alloc_marked(&self, bytes: usize, align: usize, owned: bool) -> Result<u64> {
         crate::ensure!(
             align <= self.chunk,
             InvalidArgument,
@@ -128,25 +159,41 @@ impl Arena for DeviceArena {
             g.users[c] += 1;
         }
         g.stats.alloc_calls += 1;
+        if owned {
+            g.owned.insert(off);
+        }
         Ok(g.va.base() + off as u64)
+    }
+
+    fn decommit(&self, g: &mut Inner, c: usize) -> Result<()> {
+        if g.chunks[c].is_none() {
+            return Ok(());
+        }
+        g.va.unmap(c * self.chunk, self.chunk)?;
+        drop(g.chunks[c].take());
+        g.stats.driver_free_calls += 1;
+        g.stats.committed_bytes -= self.chunk as u64;
+        Ok(())
+    }
+}
+
+impl Arena for DeviceArena {
+    fn alloc(&self, bytes: usize, align: usize) -> Result<u64> {
+        self.alloc_marked(bytes, align, false)
     }
 
     fn free(&self, addr: u64) -> Result<()> {
         let mut g = self.lock();
         let g = &mut *g;
-        let base = g.va.base();
-        crate::ensure!(
-            addr >= base && addr < base + g.sub.capacity() as u64,
-            InvalidArgument,
-            "address {addr:#x} is not inside this device arena"
-        );
-        let live = g.sub.free((addr - base) as usize)?;
-        let (start, span) = live.span();
-        for c in self.chunk_span(start, span) {
-            g.users[c] -= 1;
+        if let Some(off) = addr.checked_sub(g.va.base()) {
+            crate::ensure!(
+                !g.owned.contains(&(off as usize)),
+                InvalidArgument,
+                "address {addr:#x} belongs to a resident weight's block: it goes back through its read \
+                 fence (ReadsDone), not by address"
+            );
         }
-        g.stats.free_calls += 1;
-        Ok(())
+        self.free_locked(g, addr)
     }
 
     fn size_of(&self, addr: u64) -> Option<usize> {

@@ -78,8 +78,9 @@ pub trait Arena: Send + Sync + std::fmt::Debug {
     /// Commits a chunk if the range lands in uncommitted memory.
     fn alloc(&self, bytes: usize, align: usize) -> Result<u64>;
     /// Free an address returned by `alloc`. A foreign or already-freed
-    /// address is [`crate::EpmStatus::InvalidArgument`]. The caller
-    /// guarantees no queued work still uses it.
+    /// address is [`crate::EpmStatus::InvalidArgument`], and so is one
+    /// owned by a resident weight's block (it goes back through its read
+    /// fence). The caller guarantees no queued work still uses it.
     fn free(&self, addr: u64) -> Result<()>;
     /// The size requested for a live allocation.
     fn size_of(&self, addr: u64) -> Option<usize>;

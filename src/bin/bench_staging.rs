@@ -146,8 +146,8 @@ fn fill_under_dma(
     }
     let ms = t.elapsed().as_secs_f64() * 1e3;
     let (buf, overlapped) = match dma.try_complete()? {
-        fence::TryComplete::Done(buf, _done) => (buf, false),
-        fence::TryComplete::Pending(dma) => (dma.wait()?.0, true),
+        fence::TryComplete::Done(done) => (done.into_buffer(), false),
+        fence::TryComplete::Pending(dma) => (dma.wait()?.into_buffer(), true),
     };
     *dma_src = Some(buf);
     Ok(overlapped.then(|| gbps(plan.ceiling_fill as u64, ms)))
@@ -246,9 +246,9 @@ fn run(args: &BenchArgs) -> Res<()> {
         let t0 = Instant::now();
         let buf = c.pool.acquire(4096)?;
         let acquire = t0.elapsed();
-        let (buf, done) = fence::enqueue_htod(&c.stream, lat_dst.ptr(), buf, 4096, None)?.wait()?;
+        let done = fence::enqueue_htod(&c.stream, lat_dst.ptr(), buf, 4096, None)?.wait()?;
         let t1 = Instant::now();
-        buf.retire(done);
+        c.pool.release(done);
         let release = t1.elapsed();
         if i >= 100 {
             lat.push((acquire + release).as_secs_f64() * 1e6);
@@ -272,15 +272,13 @@ fn run(args: &BenchArgs) -> Res<()> {
         let a = rate(&plan, n, || {
             let mut buf = PinnedBuffer::new(&dev, n)?;
             c.fill.copy(&mut buf, src.as_slice())?;
-            let (buf, _done) = fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?;
-            drop(buf);
+            drop(fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?);
             Ok(())
         })?;
         let b = rate(&plan, n, || {
             let mut buf = c.pool.acquire(n)?;
             c.fill.copy(&mut buf[..n], src.as_slice())?;
-            let (buf, done) = fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?;
-            buf.retire(done);
+            c.pool.release(fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?);
             Ok(())
         })?;
         // (c): warm-up inside `rate` first, then count allocations over the measured runs.
@@ -301,7 +299,7 @@ fn run(args: &BenchArgs) -> Res<()> {
         let mut device_ms = Vec::new();
         let e = rate(&plan, n, || {
             let Some(buf) = peak_buf.take() else { epmem::bail!(Internal, "peak buffer lost") };
-            let (buf, _done) = fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, Some(&timing))?.wait()?;
+            let buf = fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, Some(&timing))?.wait()?.into_buffer();
             if let Some(ms) = timing.elapsed_ms()? {
                 device_ms.push(f64::from(ms));
             }

@@ -265,6 +265,9 @@ impl Device for FaultyDevice {
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.inner.spin_async(micros, s)
     }
+    fn hold_async(&self, s: RawStream, gate: &crate::device::Gate) -> Result<()> {
+        self.inner.hold_async(s, gate)
+    }
     fn vmm_granularity(&self) -> usize {
         self.inner.vmm_granularity()
     }

@@ -10,23 +10,30 @@
 //!    way to release the buffer except [`InFlight::wait`] and
 //!    [`InFlight::try_complete`], and both give it back only after the copy's
 //!    event was observed complete.
-//! 2. **The witness.** Those two calls hand back, with the buffer, a
-//!    [`CopyCompleted`]: a zero-sized, move-only token whose constructor is
-//!    private to this module. Returning a buffer to the staging pool consumes
-//!    one, so the pool's reuse path is unreachable without proof.
+//! 2. **The witness.** Those two calls hand the buffer back *inside* a
+//!    [`CopyCompleted<T>`]: a move-only value whose constructor is private to
+//!    this module and which owns the very buffer whose copy it witnesses.
+//!    Returning a pooled buffer to the staging pool takes a
+//!    `CopyCompleted<PooledStaging>` ([`crate::staging::PooledStaging`] alone
+//!    has no way back), so the pool's reuse path is unreachable without proof.
 //!
-//! Because the witness comes out of the same call as its buffer, a witness for
-//! copy A cannot be presented while copy B still owns buffer B: B is not in
-//! anyone's hands until its own fence mints its own witness.
+//! Why the witness owns its buffer instead of travelling beside it: a
+//! free-standing proof ("some copy completed") fits any buffer, so the proof
+//! of copy A could retire buffer B. Binding them at run time (an id compared
+//! on retire) would turn a logic error into a run-time failure; binding them
+//! by ownership makes the mismatch unwritable. There is no witness that is
+//! not its buffer's: `CopyCompleted` gives the buffer out only by shared
+//! reference ([`std::ops::Deref`]) or by [`CopyCompleted::into_buffer`],
+//! which spends the proof.
 //!
 //! # What the compiler rejects
 //!
-//! Each `compile_fail` block below differs from the compiling block before it
-//! by exactly one line, so it fails for the reason named and nothing else.
-//! (Stable rustdoc ignores the error codes — only nightly checks them — so
-//! `tests/staging_doctest_twins.rs` enforces the one-line structure.)
-//!
-//! The legitimate path compiles and runs (on the host device in CI):
+//! The refusals (forging, cloning, `Default`, swapping another buffer in,
+//! retiring a bare buffer or a buffer of another kind, touching a buffer in
+//! flight) are compiled by `tests/compile_fail.rs`, which checks each error
+//! code and the name it points at; every case there is one line away from a
+//! program that compiles. The legitimate path compiles and runs (on the host
+//! device in CI):
 //! ```
 //! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
 //! # fn main() -> epmem::Result<()> {
@@ -36,196 +43,54 @@
 //! let mut buf = PinnedBuffer::new(&dev, 4096)?;
 //! buf.fill(7);
 //! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = "the copy owns the buffer now";
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = done;
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
+//! let done: CopyCompleted<PinnedBuffer> = in_flight.wait()?;
+//! assert_eq!(done[0], 7);
+//! let buf: PinnedBuffer = done.into_buffer();
+//! # drop(buf);
 //! # Ok(()) }
 //! ```
-//!
-//! A witness cannot be forged outside the device layer (private field):
-//! ```compile_fail,E0451
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = "the copy owns the buffer now";
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = CopyCompleted { _sealed: () };
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! …nor through its constructor (private to this module):
-//! ```compile_fail,E0624
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = "the copy owns the buffer now";
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = CopyCompleted::mint();
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! …nor cloned (no `Clone`):
-//! ```compile_fail,E0599
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = "the copy owns the buffer now";
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = done.clone();
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! …nor copied (no `Copy`: a second use of a moved witness):
-//! ```compile_fail,E0382
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = "the copy owns the buffer now";
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = done;
-//! let spare: CopyCompleted = done;
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! …nor conjured from `Default`:
-//! ```compile_fail,E0277
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = "the copy owns the buffer now";
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = Default::default();
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! A buffer in flight cannot be touched through the `InFlight` (no `Deref`/`Index`):
-//! ```compile_fail,E0608
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = in_flight[0];
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = done;
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! …nor through the name it had before the copy took it (moved):
-//! ```compile_fail,E0382
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = { buf[0] = 9; "written while the DMA reads it" };
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = done;
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! …and it cannot be released (freed) while in flight either:
-//! ```compile_fail,E0382
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let mut buf = PinnedBuffer::new(&dev, 4096)?;
-//! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
-//! let note = drop(buf);
-//! let (buf, done) = in_flight.wait()?;
-//! let witness: CopyCompleted = done;
-//! let spare = ();
-//! assert_eq!(buf[0], 7);
-//! # let _ = (note, witness, spare);
-//! # Ok(()) }
-//! ```
-//!
-//! Retiring a *pooled* buffer without a witness is rejected too; those
-//! doctests live with the pool (`epmem::staging::PooledStaging::retire`).
 
 use std::fmt;
 
 use super::{DevicePtr, Event, HostRange, PinnedBuffer, Stream};
 use crate::error::Result;
 
-/// Proof that one copy's event was observed complete.
+/// A buffer together with the proof that the copy which last used it was
+/// observed complete.
 ///
-/// Zero-sized and move-only: no `Clone`, `Copy` or `Default`, and its only
-/// constructor is private to this module, where it is called only after an
-/// event query returned true or an event synchronize returned. One witness
-/// authorizes exactly one buffer's return to the staging pool.
-#[must_use = "a CopyCompleted proves a staging buffer may be reused: retire the buffer with it"]
-pub struct CopyCompleted {
-    _sealed: (),
+/// Move-only: no `Clone`, `Copy` or `Default`, and its only constructor is
+/// private to this module, where it is called only after an event query
+/// returned true or an event synchronize returned, with the buffer that
+/// copy owned. The buffer is readable through `Deref`, never replaceable
+/// (no `DerefMut`), so the proof cannot be moved onto another buffer.
+#[must_use = "a CopyCompleted holds its buffer: retire it to the pool, or into_buffer() it"]
+pub struct CopyCompleted<T: PinnedOwner> {
+    proven: T,
 }
 
-impl CopyCompleted {
-    /// Only this module mints witnesses, and only after observing completion.
-    fn mint() -> Self {
-        CopyCompleted { _sealed: () }
+impl<T: PinnedOwner> CopyCompleted<T> {
+    /// Only this module mints witnesses, and only after observing completion
+    /// of the copy that owned `buf`.
+    fn mint(buf: T) -> Self {
+        CopyCompleted { proven: buf }
+    }
+    /// The buffer, without the proof: what is left can be read, refilled and
+    /// copied again, or dropped (a pooled one is then freed, not recycled).
+    pub fn into_buffer(self) -> T {
+        self.proven
     }
 }
 
-impl fmt::Debug for CopyCompleted {
+impl<T: PinnedOwner> std::ops::Deref for CopyCompleted<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.proven
+    }
+}
+
+impl<T: PinnedOwner> fmt::Debug for CopyCompleted<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("CopyCompleted")
+        write!(f, "CopyCompleted({} bytes)", self.proven.pinned().len())
     }
 }
 
@@ -315,8 +180,8 @@ impl<T: PinnedOwner> fmt::Debug for InFlight<T> {
 /// The result of [`InFlight::try_complete`].
 #[derive(Debug)]
 pub enum TryComplete<T: PinnedOwner> {
-    /// The copy completed: the buffer and its witness.
-    Done(T, CopyCompleted),
+    /// The copy completed: its buffer, inside its witness.
+    Done(CopyCompleted<T>),
     /// Still running: the copy keeps its buffer.
     Pending(InFlight<T>),
 }
@@ -327,21 +192,21 @@ impl<T: PinnedOwner> InFlight<T> {
         self.bytes
     }
 
-    /// Block until the copy completes; return the buffer and its witness.
+    /// Block until the copy completes; return the buffer inside its witness.
     ///
     /// On error (the device failed, e.g. a lost context) the buffer is not
     /// returned: `self` is dropped, which synchronizes again and leaks the
     /// buffer if that fails too.
-    pub fn wait(mut self) -> Result<(T, CopyCompleted)> {
+    pub fn wait(mut self) -> Result<CopyCompleted<T>> {
         self.done.synchronize()?;
-        Ok((self.take_buf(), CopyCompleted::mint()))
+        Ok(CopyCompleted::mint(self.take_buf()))
     }
 
-    /// Never blocks: the buffer and its witness if the copy has completed,
+    /// Never blocks: the buffer inside its witness if the copy has completed,
     /// else `Pending(self)`. A failing query is an error (as in [`Self::wait`]).
     pub fn try_complete(mut self) -> Result<TryComplete<T>> {
         if self.done.query()? {
-            Ok(TryComplete::Done(self.take_buf(), CopyCompleted::mint()))
+            Ok(TryComplete::Done(CopyCompleted::mint(self.take_buf())))
         } else {
             Ok(TryComplete::Pending(self))
         }

@@ -376,14 +376,22 @@ mod tests {
     #[test]
     fn the_workers_finish_the_copy_while_the_caller_is_busy() {
         // The caller's `during` waits until the workers have written the
-        // first and the last byte: were any piece reserved for the caller
-        // (as the first one used to be), this would time out.
+        // first and the last byte, or until every worker is asleep with an
+        // empty inbox: were any piece reserved for the caller (as the first
+        // one used to be), the workers would go idle with it unwritten. Both
+        // are events, so no clock decides the outcome.
         let fill = FillThreads::new(4).unwrap();
         let n = 4 << 20;
         let src = random_bytes(3, n);
         let mut dst: Vec<u8> = src.iter().map(|b| b.wrapping_add(1)).collect();
         let base = dst.as_ptr() as usize;
-        let t0 = Instant::now();
+        let mailboxes = fill.mailboxes.clone();
+        let idle = move || {
+            mailboxes.iter().all(|mb| {
+                let inbox = mb.inbox.lock().unwrap_or_else(|p| p.into_inner());
+                inbox.sleeping && inbox.jobs.is_empty()
+            })
+        };
         let written = fill
             .copy_with(&mut dst, &src, || {
                 let at = |i: usize| {
@@ -391,13 +399,22 @@ mod tests {
                     // workers write; a torn or stale read only delays the loop.
                     unsafe { std::ptr::read_volatile((base + i) as *const u8) }
                 };
-                while (at(0) != src[0] || at(n - 1) != src[n - 1]) && t0.elapsed() < Duration::from_secs(5) {
+                let ends = || at(0) == src[0] && at(n - 1) == src[n - 1];
+                loop {
+                    if ends() {
+                        break true;
+                    }
+                    // A worker goes to sleep (under its inbox lock) only
+                    // after its last write, so the ends read after seeing
+                    // every worker idle are final.
+                    if idle() {
+                        break ends();
+                    }
                     std::thread::yield_now();
                 }
-                at(0) == src[0] && at(n - 1) == src[n - 1]
             })
             .unwrap();
-        assert!(written, "the workers left the first or last piece to the caller");
+        assert!(written, "the workers went idle leaving the first or last piece to the caller");
         assert!(dst == src);
     }
 

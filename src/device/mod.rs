@@ -27,11 +27,13 @@ pub mod cuda;
 pub mod fault;
 pub mod fence;
 pub mod fill;
+pub mod gate;
 pub mod host;
 pub mod hostreg;
 pub mod ntcopy;
 pub mod objects;
 
+pub use gate::Gate;
 pub use objects::*;
 
 /// A device virtual address. On the host device it is a host address.
@@ -268,6 +270,10 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// A kernel that keeps the stream busy for about `micros` microseconds
     /// (the fixed "compute" of benchmarks and overlap tests).
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()>;
+    /// Hold `s`: work queued on it after this call runs only once `gate` is
+    /// opened (or dropped). For tests that must order a check before queued
+    /// work by an event, not by a wall-clock spin. See [`gate`].
+    fn hold_async(&self, s: RawStream, gate: &Gate) -> Result<()>;
 
     // ---- VMM -----------------------------------------------------------
     /// Physical allocation granularity in bytes.

@@ -16,6 +16,7 @@ use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::residency::EpmResidency;
 use crate::ffi::stream::{EpmStream, same_device};
+use crate::ffi::handle;
 
 /// Queue a kernel that writes the 64-bit checksum of device bytes
 /// `[ptr, ptr+bytes)` to the 8 device bytes at `out_dev_ptr`; the same value
@@ -113,4 +114,57 @@ pub extern "C" fn epm_testing_panic_kv_arena(arena: *mut EpmKvArena) -> EpmStatu
         let _books = arena.lock()?;
         panic!("epm_testing_panic_kv_arena: a panic on purpose, holding the arena's lock")
     }
+}
+
+/// A gate a stream is held on (`epm_device_hold_async`): test machinery,
+/// next to `epm_device_spin_async`.
+pub struct EpmGate {
+    _opaque: [u8; 0],
+}
+impl_handle!(EpmGate => crate::device::Gate, tag = 0x04);
+
+/// Hold `stream`: work queued on it after this call runs only once the gate
+/// returned in `*out` is opened (`epm_gate_open`) or destroyed. For tests
+/// that must check something before queued work runs, ordered by an event
+/// they control instead of a spin of N ms; on CUDA the hold is a host
+/// function (cuLaunchHostFunc) that blocks the stream until opened.
+///
+/// Ownership: `*out` is a new handle the caller destroys with
+/// `epm_gate_destroy`, which opens the gate first: a stream is never held
+/// past its gate's handle. NULL: `dev`/`stream` are INVALID_HANDLE, `out` is
+/// NULL_POINTER. Errors: INVALID_ARGUMENT for a stream of another device.
+/// Threading: safe from any thread; the gate may be opened from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_device_hold_async(dev: *mut EpmDevice, stream: *mut EpmStream, out: *mut *mut EpmGate) -> EpmStatus {
+    ffi_boundary! {
+        let dev = try_handle!(dev);
+        let stream = try_handle!(stream);
+        let out = try_out!(out);
+        same_device(&dev, stream.device(), "dev and stream")?;
+        let gate = std::sync::Arc::new(crate::device::Gate::new());
+        dev.hold_async(stream.raw(), &gate)?;
+        out.set(handle::register::<EpmGate>(gate)?);
+        Ok(())
+    }
+}
+
+/// Open a gate: the streams held on it run on. Idempotent.
+///
+/// NULL: INVALID_HANDLE. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_gate_open(gate: *mut EpmGate) -> EpmStatus {
+    ffi_boundary! {
+        try_handle!(gate).open();
+        Ok(())
+    }
+}
+
+/// Destroy a gate handle, opening the gate if it is still closed.
+///
+/// NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+/// wrong-typed or garbage handle. Threading: safe from any thread; the
+/// handle must not be used after this call.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_gate_destroy(gate: *mut EpmGate) -> EpmStatus {
+    ffi_boundary! { handle::destroy(gate) }
 }

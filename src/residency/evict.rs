@@ -97,8 +97,8 @@ impl ResidencyManager {
             st.c.wasted_prefetches += 1;
         }
         let len = fenced.len();
-        let (block, done, spent) = match fenced.try_retire()? {
-            Retire::Done(b, d, s) => (b, d, s),
+        let (done, spent) = match fenced.try_retire()? {
+            Retire::Done(d, s) => (d, s),
             Retire::Pending(f) => {
                 st.c.eviction_waits += 1;
                 let t = Instant::now();
@@ -107,7 +107,7 @@ impl ResidencyManager {
                 r
             }
         };
-        block.free(done);
+        done.free();
         st.spare.extend(spent);
         self.forget(st, v, len);
         Ok(())

@@ -5,18 +5,36 @@
 //! every kernel launched between `acquire` and `release`. Each of those is
 //! ordered by an event: the page-in's completion [`Fence`], and one event per
 //! `release` recorded on the releasing stream. A [`Fenced`] block owns the
-//! memory together with those events; the only ways back to the bare
-//! [`DeviceBlock`] are [`Fenced::try_retire`] (never blocks) and
-//! [`Fenced::wait`], and both return it with a [`ReadsDone`] — a zero-sized,
-//! move-only token whose constructor is private to this module and is called
-//! only after every event was observed complete. Giving the memory back to
-//! the arena ([`DeviceBlock::free`]) consumes the token.
+//! memory together with those events; the only ways out are
+//! [`Fenced::try_retire`] (never blocks) and [`Fenced::wait`], and both return
+//! the block *inside* a [`ReadsDone`]: a move-only value whose constructor is
+//! private to this module, called only after every event was observed
+//! complete, and which owns the very block it vouches for. The memory goes
+//! back to the arena through [`ReadsDone::free`] (or by dropping the
+//! `ReadsDone`), so a witness for block A cannot free block B: there is no
+//! witness apart from its block.
 //!
-//! Holding and moving one compiles (the twin of the blocks below, which each
-//! change one thing):
+//! A bare [`DeviceBlock`] has no such proof: its address may have been handed
+//! to any stream. So its `Drop` never silently recycles the memory: it
+//! synchronizes the whole device first (every stream of the context, the
+//! only observation that covers work queued on streams it does not know),
+//! and frees only if that succeeded; if it failed (a lost context), the
+//! memory is leaked, and dropping never panics. The usual paths never get
+//! there: a block filled by a page-in lives in a `Fenced`, and leaves it only
+//! inside a `ReadsDone`. What does is a page-in that failed part-way (some
+//! chunks of its copy may be queued): the synchronize is what makes that
+//! safe. [`DeviceArena`]'s stats count these in `free_calls` like any free.
+//! Nor can safe code free a block's memory by address: the arena marks a
+//! block's allocation as owned, and its address-level `free` (the C and
+//! ONNX Runtime path) refuses it with `InvalidArgument`.
+//!
+//! The refusals (forging, cloning, `Default`, freeing a bare block, taking
+//! the block out) are compiled, with their error codes checked, by
+//! `tests/compile_fail.rs`. Holding and moving a witness compiles:
 //! ```
-//! fn pass(w: epmem::residency::fence::ReadsDone) -> epmem::residency::fence::ReadsDone {
-//!     w
+//! use epmem::residency::fence::ReadsDone;
+//! fn pass(w: ReadsDone) -> (u64, ReadsDone) {
+//!     (w.addr(), w)
 //! }
 //! ```
 //! One exception keeps the host from waiting where the device can order the
@@ -26,54 +44,66 @@
 //! `Reused` can do is be the destination of a copy issued after that stream
 //! ([`Reused::fill`]), so the copy cannot start before the readers end. The
 //! memory never passes through the arena while readers may be running.
-//!
-//! A witness cannot be forged outside this module:
-//! ```compile_fail,E0451
-//! let w = epmem::residency::fence::ReadsDone { _sealed: () };
-//! ```
-//! …nor cloned or copied:
-//! ```compile_fail,E0599
-//! fn dup(w: epmem::residency::fence::ReadsDone) -> (epmem::residency::fence::ReadsDone, epmem::residency::fence::ReadsDone) {
-//!     (w.clone(), w)
-//! }
-//! ```
-//! …nor made from `Default`:
-//! ```compile_fail,E0277
-//! let w: epmem::residency::fence::ReadsDone = Default::default();
-//! ```
 
 use std::fmt;
 use std::sync::Arc;
 
-use crate::arena::{Arena, DeviceArena};
+use crate::arena::DeviceArena;
 use crate::device::{Event, HostRange, Stream};
 use crate::error::Result;
 use crate::staging::{CopyEngine, Fence};
 
-/// Proof that every event fencing one block was observed complete.
-#[must_use = "a ReadsDone proves a block may be given back: free the block with it"]
+/// A block together with the proof that every event fencing it was observed
+/// complete. Move-only; minted only in this module. Dropping it frees the
+/// block, as [`ReadsDone::free`] does.
+#[must_use = "a ReadsDone holds its block: free it"]
 pub struct ReadsDone {
-    _sealed: (),
+    block: DeviceBlock,
 }
 
 impl ReadsDone {
-    fn mint() -> Self {
-        ReadsDone { _sealed: () }
+    /// Only this module mints witnesses, after observing `block`'s fences.
+    fn mint(block: DeviceBlock) -> Self {
+        ReadsDone { block }
+    }
+    /// The block's device address (no work may be queued on it any more).
+    pub fn addr(&self) -> u64 {
+        self.block.addr
+    }
+    pub fn len(&self) -> usize {
+        self.block.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.block.len == 0
+    }
+    /// Give the block's memory back to its arena (no driver call).
+    pub fn free(self) {
+        drop(self)
+    }
+}
+
+impl Drop for ReadsDone {
+    fn drop(&mut self) {
+        if let Some(arena) = self.block.arena.take() {
+            crate::device::objects::log_drop_error("device arena free", arena.free_owned(self.block.addr));
+        }
     }
 }
 
 impl fmt::Debug for ReadsDone {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("ReadsDone")
+        write!(f, "ReadsDone({:?})", self.block)
     }
 }
 
 /// Device-arena memory holding one resident weight. Not `Clone`.
 ///
-/// Dropping it gives the memory back: a bare block is either fresh (nothing
-/// queued on it yet) or came out of a [`Fenced`] with a witness.
+/// The way back to the arena is through a [`Fenced`] and its [`ReadsDone`].
+/// Dropped bare, it synchronizes the device before freeing, or leaks if that
+/// fails (see the module docs): never a silent recycle.
 pub struct DeviceBlock {
-    arena: Arc<DeviceArena>,
+    /// `None` once the memory went back (through a `ReadsDone`).
+    arena: Option<Arc<DeviceArena>>,
     addr: u64,
     len: usize,
 }
@@ -88,8 +118,8 @@ impl DeviceBlock {
     /// Allocate `len` bytes from `arena`.
     pub fn alloc(arena: &Arc<DeviceArena>, len: usize) -> Result<Self> {
         Ok(Self {
-            addr: arena.alloc(len, 0)?,
-            arena: arena.clone(),
+            addr: arena.alloc_owned(len, 0)?,
+            arena: Some(arena.clone()),
             len,
         })
     }
@@ -102,15 +132,26 @@ impl DeviceBlock {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Give the memory back to the arena (no driver call).
-    pub fn free(self, _done: ReadsDone) {
-        drop(self)
+}
+
+impl DeviceBlock {
+    /// Keep the memory allocated for good (it may still be in use by work
+    /// nobody can observe any more); the arena handle is let go.
+    fn leak(mut self) {
+        self.arena = None;
     }
 }
 
 impl Drop for DeviceBlock {
     fn drop(&mut self) {
-        crate::device::objects::log_drop_error("device arena free", self.arena.free(self.addr));
+        let Some(arena) = self.arena.take() else { return };
+        match arena.device().synchronize() {
+            Ok(()) => crate::device::objects::log_drop_error("device arena free", arena.free_owned(self.addr)),
+            Err(e) => log::error!(
+                "epmem: leaking {self:?}: dropped without a read fence, and the device synchronize \
+                 that would prove it idle failed ({e})"
+            ),
+        }
     }
 }
 
@@ -126,8 +167,8 @@ pub struct Fenced {
 /// The result of [`Fenced::try_retire`].
 #[derive(Debug)]
 pub enum Retire {
-    /// Every event completed: the block, its witness, and the spent events (for reuse).
-    Done(DeviceBlock, ReadsDone, Vec<Event>),
+    /// Every event completed: the block inside its witness, and the spent events (for reuse).
+    Done(ReadsDone, Vec<Event>),
     /// Still running.
     Pending(Fenced),
 }
@@ -208,16 +249,15 @@ impl Fenced {
     pub fn try_retire(mut self) -> Result<Retire> {
         let spent = self.prune()?;
         if self.events.is_empty() && self.page_in_done()? {
-            let block = self.take();
-            Ok(Retire::Done(block, ReadsDone::mint(), spent))
+            Ok(Retire::Done(ReadsDone::mint(self.take()), spent))
         } else {
             // Completed events are spent either way; keep only the pending ones.
             drop(spent);
             Ok(Retire::Pending(self))
         }
     }
-    /// Block until every event completes; the block, its witness and the spent events.
-    pub fn wait(mut self) -> Result<(DeviceBlock, ReadsDone, Vec<Event>)> {
+    /// Block until every event completes; the block inside its witness, and the spent events.
+    pub fn wait(mut self) -> Result<(ReadsDone, Vec<Event>)> {
         if let Some(f) = self.page_in.take() {
             f.wait()?;
         }
@@ -225,7 +265,7 @@ impl Fenced {
             e.synchronize()?;
         }
         let events = std::mem::take(&mut self.events);
-        Ok((self.take(), ReadsDone::mint(), events))
+        Ok((ReadsDone::mint(self.take()), events))
     }
     fn take(&mut self) -> DeviceBlock {
         match self.block.take() {
@@ -325,16 +365,72 @@ impl Drop for Fenced {
         let Some(block) = self.block.take() else { return };
         if let Some(Err(err)) = self.page_in.as_ref().map(|f| f.wait()) {
             log::error!("epmem: leaking {block:?}: its page-in could not be observed ({err})");
-            std::mem::forget(block);
+            block.leak();
             return;
         }
         for e in &self.events {
             if let Err(err) = e.synchronize() {
                 log::error!("epmem: leaking {block:?}: its read fence could not be observed ({err})");
-                std::mem::forget(block);
+                block.leak();
                 return;
             }
         }
+        ReadsDone::mint(block).free();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::arena::{Arena, ArenaConfig};
+    use crate::device::{self, DeviceSelect, Gate};
+    use crate::staging::{EngineConfig, PinnedStagingPool, PoolConfig};
+
+    fn setup() -> (Arc<dyn device::Device>, Arc<DeviceArena>) {
+        let d = device::open(DeviceSelect::Host, 0).unwrap();
+        let arena = Arc::new(DeviceArena::new(&d, ArenaConfig::with_capacity(64 << 20)).unwrap());
+        (d, arena)
+    }
+
+    #[test]
+    fn a_bare_block_dropped_waits_for_the_device_before_freeing() {
+        let (d, arena) = setup();
+        let block = DeviceBlock::alloc(&arena, 4096).unwrap();
+        let s = Stream::new(&d).unwrap();
+        // Work on the block is held; only the watchdog opens the gate, so a
+        // drop that synchronizes returns after it fired, one that recycled
+        // at once would return before.
+        let gate = Gate::new();
+        let wd = gate.watchdog(Duration::from_millis(100));
+        d.hold_async(s.raw(), &gate).unwrap();
+        d.memset_d8_async(block.addr(), 7, 4096, s.raw()).unwrap();
         drop(block);
+        assert!(wd.fired(), "a bare block went back to the arena while work queued on it was held");
+        assert_eq!(arena.stats().live_allocations, 0, "freed after the synchronize");
+    }
+
+    #[test]
+    fn a_witness_frees_its_own_block_and_no_other() {
+        let (d, arena) = setup();
+        let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
+        let engine = CopyEngine::new(&pool, EngineConfig { fill_threads: 1, ..EngineConfig::default() }).unwrap();
+        let (a, b) = (DeviceBlock::alloc(&arena, 4096).unwrap(), DeviceBlock::alloc(&arena, 4096).unwrap());
+        let (a_addr, b_addr) = (a.addr(), b.addr());
+        let src = HostRange::from_static(&[5u8; 4096]);
+        let fenced = Fenced::new(a, engine.htod(a_addr, src, None).unwrap());
+        let (done, _spent) = fenced.wait().unwrap();
+        assert_eq!(done.addr(), a_addr);
+        done.free();
+        assert_eq!(arena.size_of(a_addr), None, "A's witness freed A");
+        assert_eq!(arena.size_of(b_addr), Some(4096), "and left B alone");
+        // Nor can B be freed by address behind its fence.
+        assert_eq!(arena.free(b_addr).unwrap_err().status(), crate::EpmStatus::InvalidArgument);
+        assert_eq!(arena.size_of(b_addr), Some(4096));
+        // A fenced block dropped waits for its fences, then frees through its witness.
+        let fenced_b = Fenced::new(b, engine.htod(b_addr, src, None).unwrap());
+        drop(fenced_b);
+        assert_eq!(arena.stats().live_allocations, 0);
     }
 }

@@ -396,9 +396,9 @@ impl CopyEngine {
         while st.ring.len() + usize::from(holding) + 1 > self.cfg.slots {
             let Some(oldest) = st.ring.pop_front() else { break };
             let t0 = Instant::now();
-            let (buf, done) = oldest.wait()?;
+            let done = oldest.wait()?;
             stats::add_time(&self.counters.slot_wait_ns, t0.elapsed());
-            buf.retire(done);
+            done.retire();
         }
         self.pool.acquire(self.cfg.chunk_bytes)
     }
@@ -409,7 +409,7 @@ impl CopyEngine {
     fn reap(&self, st: &mut State, all: bool) -> Result<()> {
         while let Some(f) = st.ring.pop_front() {
             match f.try_complete()? {
-                TryComplete::Done(buf, done) => buf.retire(done),
+                TryComplete::Done(done) => done.retire(),
                 TryComplete::Pending(f) => {
                     st.ring.push_front(f);
                     break;
@@ -467,7 +467,7 @@ impl Drop for CopyEngine {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         while let Some(f) = st.ring.pop_front() {
             match f.wait() {
-                Ok((buf, done)) => buf.retire(done),
+                Ok(done) => done.retire(),
                 Err(e) => log::error!("epmem: copy engine teardown: a staging copy failed: {e}"),
             }
         }

@@ -7,12 +7,17 @@
 //! pool never trades an unbounded amount of it for speed.
 //!
 //! Reuse is safe only after the buffer's copy has completed. The pool's one
-//! way back in, [`PooledStaging::retire`], therefore consumes a
-//! [`CopyCompleted`] witness (see [`crate::device::fence`]). A pooled buffer
-//! dropped without being retired is freed, never recycled.
+//! way back in is [`PinnedStagingPool::release`] (or
+//! [`CopyCompleted::retire`]), which takes the buffer *inside* the
+//! [`CopyCompleted`] witness that only [`InFlight::wait`] /
+//! [`InFlight::try_complete`] of that buffer's own copy produce (see
+//! [`crate::device::fence`]): a witness is its buffer, so the proof of copy A
+//! cannot retire buffer B. A [`PooledStaging`] alone has no way back: dropped
+//! (un-retired), it is freed, never recycled.
 //!
-//! The compile-time guarantees, each `compile_fail` one line away from the
-//! compiling twin. Two buffers; A's copy is done, B's is in flight:
+//! The refusals are compiled, with their error codes checked, by
+//! `tests/compile_fail.rs`. The path that compiles — two buffers, A's copy
+//! done, B's in flight:
 //! ```
 //! # use epmem::device::{self, fence, DeviceBuffer, Stream};
 //! # use epmem::staging::{PinnedStagingPool, PoolConfig};
@@ -22,68 +27,17 @@
 //! # let dst = DeviceBuffer::new(&dev, 4096)?;
 //! let pool = PinnedStagingPool::new(&dev, PoolConfig::default())?;
 //! let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
-//! let (a, a_done) = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
+//! let a_done = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
 //! let b_flight = fence::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
-//! a.retire(a_done);
-//! let (b, b_done) = b_flight.wait()?;
-//! b.retire(b_done);
+//! pool.release(a_done);
+//! let b_done = b_flight.wait()?;
+//! pool.release(b_done);
 //! assert_eq!(pool.stats().retained_buffers, 2);
 //! # Ok(()) }
 //! ```
-//! A's witness cannot retire B while B's copy owns it (B was moved into the copy):
-//! ```compile_fail,E0382
-//! # use epmem::device::{self, fence, DeviceBuffer, Stream};
-//! # use epmem::staging::{PinnedStagingPool, PoolConfig};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let pool = PinnedStagingPool::new(&dev, PoolConfig::default())?;
-//! let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
-//! let (a, a_done) = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
-//! let b_flight = fence::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
-//! b.retire(a_done);
-//! let (b, b_done) = b_flight.wait()?;
-//! b.retire(b_done);
-//! assert_eq!(pool.stats().retained_buffers, 2);
-//! # Ok(()) }
-//! ```
-//! Nor can the in-flight copy itself be retired:
-//! ```compile_fail,E0599
-//! # use epmem::device::{self, fence, DeviceBuffer, Stream};
-//! # use epmem::staging::{PinnedStagingPool, PoolConfig};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let pool = PinnedStagingPool::new(&dev, PoolConfig::default())?;
-//! let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
-//! let (a, a_done) = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
-//! let b_flight = fence::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
-//! b_flight.retire(a_done);
-//! let (b, b_done) = b_flight.wait()?;
-//! b.retire(b_done);
-//! assert_eq!(pool.stats().retained_buffers, 2);
-//! # Ok(()) }
-//! ```
-//! Retiring always takes a witness:
-//! ```compile_fail,E0061
-//! # use epmem::device::{self, fence, DeviceBuffer, Stream};
-//! # use epmem::staging::{PinnedStagingPool, PoolConfig};
-//! # fn main() -> epmem::Result<()> {
-//! # let dev = device::open_from_env(0)?;
-//! # let stream = Stream::new(&dev)?;
-//! # let dst = DeviceBuffer::new(&dev, 4096)?;
-//! let pool = PinnedStagingPool::new(&dev, PoolConfig::default())?;
-//! let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
-//! let (a, a_done) = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
-//! let b_flight = fence::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
-//! a.retire();
-//! let (b, b_done) = b_flight.wait()?;
-//! b.retire(b_done);
-//! assert_eq!(pool.stats().retained_buffers, 2);
-//! # Ok(()) }
-//! ```
+//!
+//! [`InFlight::wait`]: crate::device::fence::InFlight::wait
+//! [`InFlight::try_complete`]: crate::device::fence::InFlight::try_complete
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -242,6 +196,14 @@ impl PinnedStagingPool {
         n
     }
 
+    /// Return a buffer whose last copy completed — the buffer inside that
+    /// copy's witness. The buffer goes back to the pool it came from (a
+    /// buffer is never moved between pools); if keeping it would breach a
+    /// bound, it is freed instead (outside the pool's lock).
+    pub fn release(&self, done: CopyCompleted<PooledStaging>) {
+        done.retire();
+    }
+
     pub fn stats(&self) -> PoolStats {
         let (retained_bytes, retained_buffers) = {
             let free = self.shared.lock();
@@ -260,10 +222,11 @@ impl PinnedStagingPool {
 /// A staging buffer on loan from a [`PinnedStagingPool`]. Derefs to its bytes
 /// (its whole capacity, which may exceed the length asked for).
 ///
-/// Give it back with [`PooledStaging::retire`], which needs the witness of
-/// the copy that last read it. Dropped without retiring, it is freed.
+/// It goes back to the pool only inside the witness of the copy that last
+/// used it ([`PinnedStagingPool::release`], [`CopyCompleted::retire`]).
+/// Dropped any other way, it is freed.
 pub struct PooledStaging {
-    /// Some until `retire` or drop takes it.
+    /// Some until retiring or drop takes it.
     buf: Option<PinnedBuffer>,
     pool: Arc<Shared>,
 }
@@ -279,17 +242,20 @@ impl PooledStaging {
     pub fn capacity(&self) -> usize {
         self.pinned().len()
     }
+}
 
-    /// Return the buffer to its pool, proving with `witness` that its last
-    /// copy completed. If keeping it would breach a bound of the pool, it is
-    /// freed instead (outside the pool's lock).
-    pub fn retire(mut self, witness: CopyCompleted) {
-        // The witness is spent here: one completed copy, one return.
-        drop(witness);
-        let Some(buf) = self.buf.take() else { return };
-        let cfg = self.pool.cfg;
+impl CopyCompleted<PooledStaging> {
+    /// Return the buffer to its pool: the witness is the proof that its last
+    /// copy completed, and is spent here (one completed copy, one return).
+    /// If keeping it would breach a bound of the pool, it is freed instead
+    /// (outside the pool's lock).
+    pub fn retire(self) {
+        let mut staging = self.into_buffer();
+        let Some(buf) = staging.buf.take() else { return };
+        let pool = &staging.pool;
+        let cfg = pool.cfg;
         let rejected = {
-            let mut free = self.pool.lock();
+            let mut free = pool.lock();
             if free.buffers.len() < cfg.max_buffers && free.bytes + buf.len() <= cfg.max_bytes {
                 free.bytes += buf.len();
                 let i = free.buffers.partition_point(|b| b.len() < buf.len());
@@ -300,7 +266,7 @@ impl PooledStaging {
             }
         };
         if let Some(buf) = rejected {
-            self.pool.free_calls.fetch_add(1, Ordering::Relaxed);
+            pool.free_calls.fetch_add(1, Ordering::Relaxed);
             drop(buf);
         }
     }
@@ -311,7 +277,7 @@ impl PinnedOwner for PooledStaging {
     fn pinned(&self) -> &PinnedBuffer {
         match &self.buf {
             Some(b) => b,
-            // `buf` is None only inside `retire`/`drop`, which consume self.
+            // `buf` is None only inside `retire`/`drop`, which consume it.
             None => unreachable!("PooledStaging used after retire"),
         }
     }

@@ -34,7 +34,7 @@ pub fn leak_range(bytes: Vec<u8>) -> HostRange {
 /// Read `len` bytes of device memory back, ordered after the work on `s`.
 pub fn read_back(dev: &Arc<dyn Device>, s: &Stream, src: DevicePtr, len: usize) -> Vec<u8> {
     let buf = PinnedBuffer::new(dev, len.max(1)).expect("pinned read-back buffer");
-    let (buf, _done) = fence::enqueue_dtoh(s, buf, src, len, None).expect("enqueue d2h").wait().expect("d2h");
+    let buf = fence::enqueue_dtoh(s, buf, src, len, None).expect("enqueue d2h").wait().expect("d2h");
     buf[..len].to_vec()
 }
 

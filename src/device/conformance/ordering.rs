@@ -8,15 +8,18 @@ use super::{SplitMix, assert_same, download, no_leaks, random_bytes};
 use crate::device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
 use crate::error::{EpmStatus, Result};
 
-/// A spin long enough that "still pending right after enqueue" is certain
-/// even on a loaded machine, short enough to keep the suite quick.
+/// The spin whose elapsed time is measured. "Still pending" is not left to
+/// it: the stream is held on a gate the check opens itself (a spin alone
+/// made pending a race with the scheduler of a loaded machine).
 const LONG_SPIN_US: u32 = 300_000;
-/// A host call that does not wait returns far sooner than this.
-const NON_BLOCKING_BOUND: Duration = Duration::from_millis(150);
+/// Opens a check's gate only if a call that must not block did block: the
+/// check then fails (`Watchdog::fired`) instead of hanging.
+const WATCHDOG: Duration = Duration::from_secs(60);
 
-/// Stream A spins, then copies 64 MiB and records an event; stream B waits
-/// on the event and reads A's destination. B must see A's data (it would see
-/// zeros if it ran early), and the wait must not block the host.
+/// Stream A is held on a gate, then copies 64 MiB and records an event;
+/// stream B waits on the event and reads A's destination. B must see A's
+/// data (it would see zeros if it ran early), B's work must still be pending
+/// while A is held, and the wait must not block the host.
 pub fn events_order_work_across_streams(dev: &Arc<dyn Device>) -> Result<()> {
     no_leaks(dev, "events_order_work_across_streams", || {
         let n = 64 << 20;
@@ -30,17 +33,21 @@ pub fn events_order_work_across_streams(dev: &Arc<dyn Device>) -> Result<()> {
         let mut dst = PinnedBuffer::new(dev, n)?;
         let ev = Event::new(dev, false)?;
 
-        dev.spin_async(LONG_SPIN_US, a.raw())?;
+        let gate = crate::device::Gate::new();
+        let wd = gate.watchdog(WATCHDOG);
+        dev.hold_async(a.raw(), &gate)?;
         // SAFETY: `src` and `dst` live until both streams are synchronized below.
         unsafe { dev.memcpy_htod_async(buf.ptr(), src.as_ptr(), n, a.raw())? };
         ev.record(&a)?;
-        let t = Instant::now();
         b.wait_event(&ev)?;
-        let waited = t.elapsed();
         dev.memcpy_dtod_async(copy.ptr(), buf.ptr(), n, b.raw())?;
         // SAFETY: as above.
         unsafe { dev.memcpy_dtoh_async(dst.as_mut_ptr(), copy.ptr(), n, b.raw())? };
-        assert!(waited < NON_BLOCKING_BOUND, "stream_wait_event blocked the host for {waited:?}");
+        let b_done = Event::new(dev, false)?;
+        b_done.record(&b)?;
+        assert!(!wd.fired(), "stream_wait_event blocked the host until the watchdog opened A's gate");
+        assert!(!b_done.query()?, "stream B's work completed while the event it waits on was held");
+        gate.open();
         b.synchronize()?;
         assert!(ev.query()?, "stream B finished but the event it waited on is not complete");
         assert_same("stream B's copy of stream A's 64 MiB", &dst, &src);
@@ -59,24 +66,26 @@ pub fn event_query_synchronize_elapsed(dev: &Arc<dyn Device>) -> Result<()> {
         never.synchronize()?;
 
         let (start, end) = (Event::new(dev, true)?, Event::new(dev, true)?);
+        let gate = crate::device::Gate::new();
+        let wd = gate.watchdog(WATCHDOG);
         start.record(&s)?;
+        dev.hold_async(s.raw(), &gate)?;
         dev.spin_async(LONG_SPIN_US, s.raw())?;
         end.record(&s)?;
-        assert!(!end.query()?, "an event behind a {LONG_SPIN_US} µs spin completed at once");
-        let t = Instant::now();
-        let early = end.elapsed_since(&start);
-        let took = t.elapsed();
-        let still_pending = !end.query()?;
-        assert!(took < NON_BLOCKING_BOUND, "event_elapsed_ms blocked for {took:?}");
-        match &early {
-            Ok(ms) => assert!(!still_pending, "elapsed returned {ms} ms for an event still pending"),
+        assert!(!end.query()?, "an event behind a closed gate completed");
+        match end.elapsed_since(&start) {
+            Ok(ms) => panic!("elapsed returned {ms} ms for an event behind a closed gate"),
             Err(e) => assert_eq!(e.status(), EpmStatus::NotReady, "elapsed on a pending event: {e}"),
         }
+        assert!(!wd.fired(), "query or elapsed blocked until the watchdog opened the gate");
+        gate.open();
         end.synchronize()?;
         assert!(end.query()? && start.query()?, "events not complete after event_synchronize");
         let ms = end.elapsed_since(&start)?;
         let want = LONG_SPIN_US as f32 / 1000.0;
-        assert!(ms >= 0.7 * want && ms < 20.0 * want + 1000.0, "elapsed {ms} ms around a {want} ms spin");
+        // The span also covers the gate's wait (host time): only the floor is
+        // the spin's, the ceiling is a sanity bound.
+        assert!(ms >= 0.7 * want && ms < 60_000.0 + 20.0 * want, "elapsed {ms} ms around a {want} ms spin");
 
         // Re-recording captures the newer work.
         start.record(&s)?;
@@ -164,5 +173,36 @@ pub fn adopted_native_streams_are_forgotten_not_destroyed(dev: &Arc<dyn Device>)
         assert!(dev.stream_synchronize(adopted).is_err(), "a forgotten adopted stream is still usable");
         assert_same("a copy on an adopted stream", &download(dev, &owner, buf.ptr(), n)?, &data);
         Ok(())
+    })
+}
+
+/// A hold orders by an event the test controls: work queued behind it (and
+/// on a stream waiting on an event behind it) stays pending, with its data
+/// not yet written, until the gate opens; then it completes. No wall clock
+/// decides the outcome (the watchdog only turns a wrongly blocking call into
+/// a failure instead of a hang).
+pub fn hold_keeps_work_pending_until_opened(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "hold_keeps_work_pending_until_opened", || {
+        let (a, b) = (Stream::new(dev)?, Stream::new(dev)?);
+        let n = 4096;
+        let buf = DeviceBuffer::new(dev, n)?;
+        dev.memset_d8_async(buf.ptr(), 1, n, a.raw())?;
+        a.synchronize()?;
+        let gate = crate::device::Gate::new();
+        let wd = gate.watchdog(Duration::from_secs(60));
+        dev.hold_async(a.raw(), &gate)?;
+        dev.memset_d8_async(buf.ptr(), 2, n, a.raw())?;
+        let (on_a, on_b) = (Event::new(dev, false)?, Event::new(dev, false)?);
+        on_a.record(&a)?;
+        b.wait_event(&on_a)?;
+        on_b.record(&b)?;
+        assert!(!on_a.query()?, "an event behind a closed gate completed");
+        assert!(!on_b.query()?, "an event ordered after a closed gate completed");
+        gate.open();
+        on_b.synchronize()?;
+        assert!(on_a.query()?, "b passed its wait before a's event completed");
+        assert_eq!(download(dev, &b, buf.ptr(), n)?, vec![2u8; n], "the memset behind the gate ran once opened");
+        assert!(!wd.fired(), "a query or record blocked on the held stream until the watchdog opened it");
+        a.synchronize()
     })
 }

@@ -65,6 +65,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuModuleGetFunction",
     "cuModuleUnload",
     "cuLaunchKernel",
+    "cuLaunchHostFunc",
     "cuMemGetAllocationGranularity",
     "cuMemCreate",
     "cuMemRelease",

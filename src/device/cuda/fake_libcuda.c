@@ -5,7 +5,11 @@
 // tests fail. Device memory is host memory (so device pointers are host
 // pointers), VMM is memfd + mmap + mprotect, copies and the checksum kernel
 // run synchronously, and the spin kernel advances a per-stream "busy until"
-// clock that events, queries and synchronizes honour.
+// clock that events, queries and synchronizes honour. A host function
+// (cuLaunchHostFunc, the gate of Device::hold_async) runs on its own thread
+// and holds its stream: events recorded behind it stay NOT_READY, and waits
+// on them block, until it returns. (Copies still run at enqueue: the fake
+// orders completion, not data.)
 //
 // Built and used by the test `fake_driver_runs_the_gpu_tests` (tests.rs).
 // It proves the plumbing (symbols, argument order, layouts, kernel
@@ -15,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <time.h>
@@ -22,8 +27,10 @@
 typedef int CUresult;
 typedef int CUdevice;
 typedef void* CUcontext;
-typedef struct { uint64_t busy_until; } Stream;
-typedef struct { uint64_t at; int flags; int recorded; } Event;
+typedef void (*HostFn)(void *);
+typedef struct { HostFn fn; void *data; int done; } Hold;
+typedef struct { uint64_t busy_until; Hold *hold; } Stream;
+typedef struct { uint64_t at; int flags; int recorded; Hold *hold; } Event;
 typedef void* CUmodule;
 typedef void* CUfunction;
 typedef unsigned long long CUdeviceptr;
@@ -75,15 +82,38 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, Stream *st) {
 CUresult cuStreamCreate(Stream **s, unsigned f) { NEED_CTX(); if (f != 1) BAD("stream flags %u", f); *s = calloc(1, sizeof(Stream)); return 0; }
 CUresult cuStreamDestroy_v2(Stream *s) { NEED_CTX(); free(s); return 0; }
 static void wait_until(uint64_t t) { while (now_ns() < t) usleep(100); }
-CUresult cuStreamSynchronize(Stream *s) { NEED_CTX(); if ((uintptr_t)s > 2) wait_until(s->busy_until); return 0; }
-CUresult cuStreamWaitEvent(Stream *s, Event *e, unsigned f) { NEED_CTX(); if (f) BAD("wait flags"); if ((uintptr_t)s > 2 && e->at > s->busy_until) s->busy_until = e->at; return 0; }
+// A hold that has not returned yet (NULL if none or done). Holds are never
+// freed: a test process makes a handful.
+static Hold *pending(Hold *h) { return h && !__atomic_load_n(&h->done, __ATOMIC_ACQUIRE) ? h : NULL; }
+static void wait_hold(Hold *h) { while (pending(h)) usleep(100); }
+static void *run_hold(void *p) { Hold *h = p; h->fn(h->data); __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE); return NULL; }
+CUresult cuLaunchHostFunc(Stream *s, HostFn fn, void *data) {
+  NEED_CTX();
+  if ((uintptr_t)s <= 2 || !fn) BAD("host func on the legacy stream or without a function");
+  Hold *h = calloc(1, sizeof(Hold)); pthread_t t;
+  if (!h) return 2;
+  h->fn = fn; h->data = data;
+  if (pthread_create(&t, NULL, run_hold, h)) { free(h); return 2; }
+  pthread_detach(t);
+  s->hold = h; return 0;
+}
+CUresult cuStreamSynchronize(Stream *s) { NEED_CTX(); if ((uintptr_t)s > 2) { wait_hold(s->hold); wait_until(s->busy_until); } return 0; }
+CUresult cuStreamWaitEvent(Stream *s, Event *e, unsigned f) {
+  NEED_CTX(); if (f) BAD("wait flags");
+  if ((uintptr_t)s > 2) { if (e->at > s->busy_until) s->busy_until = e->at; if (pending(e->hold)) s->hold = e->hold; }
+  return 0;
+}
 CUresult cuStreamGetCtx(Stream *s, CUcontext *c) { (void)s; *c = current; return 0; }
 CUresult cuEventCreate(Event **e, unsigned f) { NEED_CTX(); if (f != 0 && f != 2) BAD("event flags %u", f); *e = calloc(1, sizeof(Event)); (*e)->flags = f; return 0; }
 CUresult cuEventDestroy_v2(Event *e) { NEED_CTX(); free(e); return 0; }
-CUresult cuEventRecord(Event *e, Stream *s) { NEED_CTX(); uint64_t t = now_ns(); if ((uintptr_t)s > 2 && s->busy_until > t) t = s->busy_until; e->at = t; e->recorded = 1; return 0; }
-CUresult cuEventQuery(Event *e) { NEED_CTX(); return now_ns() >= e->at ? 0 : 600; }
-CUresult cuEventSynchronize(Event *e) { NEED_CTX(); wait_until(e->at); return 0; }
-static CUresult elapsed(float *ms, Event *a, Event *b) { NEED_CTX(); if ((a->flags | b->flags) & 2) return 400; if (now_ns() < a->at || now_ns() < b->at) BAD("elapsed on a pending event"); *ms = (float)((double)((int64_t)(b->at - a->at)) / 1e6); return 0; }
+CUresult cuEventRecord(Event *e, Stream *s) {
+  NEED_CTX(); uint64_t t = now_ns();
+  if ((uintptr_t)s > 2 && s->busy_until > t) t = s->busy_until;
+  e->at = t; e->recorded = 1; e->hold = (uintptr_t)s > 2 ? pending(s->hold) : NULL; return 0;
+}
+CUresult cuEventQuery(Event *e) { NEED_CTX(); return !pending(e->hold) && now_ns() >= e->at ? 0 : 600; }
+CUresult cuEventSynchronize(Event *e) { NEED_CTX(); wait_hold(e->hold); wait_until(e->at); return 0; }
+static CUresult elapsed(float *ms, Event *a, Event *b) { NEED_CTX(); if ((a->flags | b->flags) & 2) return 400; if (pending(a->hold) || pending(b->hold)) return 600; if (now_ns() < a->at || now_ns() < b->at) BAD("elapsed on a pending event"); *ms = (float)((double)((int64_t)(b->at - a->at)) / 1e6); return 0; }
 CUresult cuEventElapsedTime(float *ms, Event *a, Event *b) { return elapsed(ms, a, b); }
 CUresult cuEventElapsedTime_v2(float *ms, Event *a, Event *b) { return elapsed(ms, a, b); }
 static int MOD, F_SUM, F_SPIN;

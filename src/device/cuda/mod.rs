@@ -330,6 +330,9 @@ impl Device for CudaDevice {
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.cu_spin(micros, s)
     }
+    fn hold_async(&self, s: RawStream, gate: &crate::device::Gate) -> Result<()> {
+        self.cu_hold(s, gate)
+    }
 
     fn vmm_granularity(&self) -> usize {
         self.info.granularity

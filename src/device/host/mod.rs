@@ -360,6 +360,10 @@ impl Device for HostDevice {
         self.stream(s)?.push(Op::Spin(Duration::from_micros(micros.into())))?;
         Ok(())
     }
+    fn hold_async(&self, s: RawStream, gate: &crate::device::Gate) -> Result<()> {
+        self.stream(s)?.push(Op::Hold(gate.shared()))?;
+        Ok(())
+    }
 
     // ---- VMM -----------------------------------------------------------
     fn vmm_granularity(&self) -> usize {

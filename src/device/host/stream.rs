@@ -41,6 +41,8 @@ pub(super) enum Op {
         checks: Vec<(DevicePtr, usize, Need)>,
     },
     Spin(Duration),
+    /// Blocks the stream until the gate opens (tests).
+    Hold(Arc<crate::device::gate::GateShared>),
     Mark {
         ev: Arc<EventShared>,
         generation: u64,
@@ -174,6 +176,10 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
         }
         Op::Spin(d) => {
             spin(d);
+            Ok(())
+        }
+        Op::Hold(g) => {
+            g.wait();
             Ok(())
         }
         Op::Mark { ev, generation } => {

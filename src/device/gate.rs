@@ -1,0 +1,148 @@
+//! A gate a stream can be held on: work queued after
+//! [`Device::hold_async`](super::Device::hold_async) runs only once the
+//! gate is opened.
+//!
+//! Why: tests that need "this copy has not run yet" used to queue a spin of
+//! N ms and assume the host would get its checks done within it, which a
+//! loaded 2-core CI machine does not promise. A gate orders the check before
+//! the work by an event the test controls, so such a test cannot pass or
+//! fail by timing. On the host device the hold is a queued op; on CUDA a
+//! host function (`cuLaunchHostFunc`) that blocks the stream until opened.
+//!
+//! Dropping a [`Gate`] opens it, so a test that fails (panics) between hold
+//! and open never leaves a stream blocked forever.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The shared state a held stream waits on.
+#[derive(Debug, Default)]
+pub(crate) struct GateShared {
+    open: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl GateShared {
+    /// Block the calling (stream) thread until the gate opens.
+    pub(crate) fn wait(&self) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        while !*open {
+            open = self.cv.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+    /// Wait up to `limit` for the gate to open; whether it did.
+    fn wait_for(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        while !*open {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            open = self.cv.wait_timeout(open, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        true
+    }
+    fn set_open(&self) {
+        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.cv.notify_all();
+    }
+}
+
+/// See the module docs. Not `Clone`: one owner opens it.
+#[derive(Debug, Default)]
+pub struct Gate {
+    shared: Arc<GateShared>,
+}
+
+impl Gate {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Let every stream held on this gate run on. Idempotent.
+    pub fn open(&self) {
+        self.shared.set_open();
+    }
+    /// Open the gate after `limit` unless it is opened before. For the
+    /// failure path only: code under test that wrongly blocks on the held
+    /// stream would otherwise hang the test; with a watchdog it returns once
+    /// the watchdog fires, and [`Watchdog::fired`] says so. A test that
+    /// passes never waits for it.
+    pub fn watchdog(&self, limit: Duration) -> Watchdog {
+        let (shared, fired) = (self.shared.clone(), Arc::new(AtomicBool::new(false)));
+        let flag = fired.clone();
+        std::thread::spawn(move || {
+            if !shared.wait_for(limit) {
+                flag.store(true, Ordering::SeqCst);
+                shared.set_open();
+            }
+        });
+        Watchdog { fired }
+    }
+    pub(crate) fn shared(&self) -> Arc<GateShared> {
+        self.shared.clone()
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.shared.set_open();
+    }
+}
+
+/// See [`Gate::watchdog`].
+#[derive(Debug)]
+pub struct Watchdog {
+    fired: Arc<AtomicBool>,
+}
+
+impl Watchdog {
+    /// Whether the watchdog had to open the gate (the test's own `open`
+    /// never came first).
+    pub fn fired(&self) -> bool {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{self, Event, Stream};
+
+    #[test]
+    fn a_held_stream_runs_nothing_until_the_gate_opens() {
+        let d = device::open(device::DeviceSelect::Host, 0).unwrap();
+        let s = Stream::new(&d).unwrap();
+        let gate = Gate::new();
+        let wd = gate.watchdog(Duration::from_secs(30));
+        d.hold_async(s.raw(), &gate).unwrap();
+        let e = Event::new(&d, false).unwrap();
+        e.record(&s).unwrap();
+        assert!(!e.query().unwrap(), "an event behind a closed gate completed");
+        gate.open();
+        e.synchronize().unwrap();
+        assert!(!wd.fired());
+    }
+
+    #[test]
+    fn a_watchdog_opens_a_gate_nobody_opened_and_says_so() {
+        let d = device::open(device::DeviceSelect::Host, 0).unwrap();
+        let s = Stream::new(&d).unwrap();
+        let gate = Gate::new();
+        let wd = gate.watchdog(Duration::from_millis(20));
+        d.hold_async(s.raw(), &gate).unwrap();
+        s.synchronize().unwrap();
+        assert!(wd.fired());
+    }
+
+    #[test]
+    fn dropping_the_gate_releases_its_stream() {
+        let d = device::open(device::DeviceSelect::Host, 0).unwrap();
+        let s = Stream::new(&d).unwrap();
+        let gate = Gate::new();
+        d.hold_async(s.raw(), &gate).unwrap();
+        drop(gate);
+        s.synchronize().unwrap();
+    }
+}
