@@ -416,3 +416,79 @@ fn releasing_a_slot_fences_queued_work_before_remapping() {
     a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();
     assert_eq!(a.stats().counters.fences, fences + 1);
 }
+
+#[test]
+fn a_failed_driver_call_never_leaves_a_slot_unmapped_or_the_ledger_wrong() {
+    use epmem::device::fault::{FaultKind, FaultyDevice};
+    let inner = dev();
+    let l = qwen14b();
+    let bpt = l.bytes_per_token();
+    let baseline = inner.live_counts();
+    let mut injected = 0;
+    for kind in [FaultKind::Map, FaultKind::SetAccess, FaultKind::VmmCreate, FaultKind::Copy] {
+        for n in 1..=4 {
+            let fd = Arc::new(FaultyDevice::new(inner.clone()));
+            let d: Arc<dyn Device> = fd.clone();
+            let s = Stream::new(&d).unwrap();
+            let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+            let g = a.granule() as u64;
+            let b = a.create_batch(&l, 32, 4).unwrap();
+            let bi = a.batch_info(b).unwrap();
+            let o = a.take_slot(b, SlotChoice::Index(0), AdmitMode::OnDemand).unwrap();
+            a.prepare_append(o, 16, s.raw()).unwrap();
+            let prompt = pattern(6, (16 * bpt) as usize);
+            write(&d, &s, bi.base, &prompt).unwrap();
+            let p = a.pin_prefix(o, 16, s.raw()).unwrap();
+            let mut live = vec![o];
+            fd.fail_nth(kind, n);
+            // Each step may absorb the fault; a failing step must leave the batch whole.
+            let r = a.take_shared_slot(b, SlotChoice::Any, p, 16, AdmitMode::OnDemand, s.raw());
+            if let Ok(q) = r {
+                live.push(q);
+                let _ = a.prepare_append(q, 2, s.raw()); // COW of the boundary
+            }
+            let _ = a.prepare_append(o, 20, s.raw()); // the origin's COW + a fresh granule
+            if live.len() > 1 {
+                let _ = a.release_slot(live[1], s.raw());
+            }
+            injected += fd.injected();
+            fd.clear();
+            let live: Vec<u64> = (0..4).filter_map(|i| a.slot_sequence(b, i).unwrap()).collect();
+            let what = format!("{} fault at call {n}", kind.name());
+            // The whole range is mapped and reads back: the prompt where it is
+            // shared, zeros in every free slot.
+            for idx in 0..4u32 {
+                let base = bi.base + idx as u64 * bi.slot_stride;
+                match a.slot_sequence(b, idx).unwrap() {
+                    Some(q) => {
+                        let len = a.sequence_info(q).unwrap().len_tokens.min(16);
+                        let n = (len * bpt) as usize;
+                        assert_eq!(read(&d, &s, base, n), prompt[..n], "{what}: slot {idx}");
+                    }
+                    None => {
+                        for k in 0..bi.slot_stride / g {
+                            assert!(read(&d, &s, base + k * g, 4096).iter().all(|&x| x == 0), "{what}: free slot {idx}");
+                        }
+                    }
+                }
+            }
+            let private: u64 = live.iter().map(|&q| a.sequence_info(q).unwrap().private_granules).sum();
+            let pinned = a.prefix_info(p).unwrap().granules;
+            assert_eq!(a.stats().ledger.owned_bytes, g * (1 + pinned + private), "{what}: the ledger");
+            // And everything still works, then tears down to nothing.
+            let q = a.take_shared_slot(b, SlotChoice::Any, p, 16, AdmitMode::OnDemand, s.raw()).unwrap();
+            a.prepare_append(q, 1, s.raw()).unwrap();
+            for q in a.batch_info(b).map(|_| (0..4).filter_map(|i| a.slot_sequence(b, i).unwrap()).collect::<Vec<_>>()).unwrap() {
+                a.release_slot(q, s.raw()).unwrap();
+            }
+            a.unpin_prefix(p).unwrap();
+            a.destroy_batch(b).unwrap();
+            assert_eq!(a.stats().ledger.owned_bytes, g, "{what}");
+            drop(a);
+            drop(s);
+        }
+    }
+    assert!(injected >= 8, "only {injected} faults were injected: the steps did not reach the driver calls");
+    let after = inner.live_counts();
+    assert_eq!((after.va_reservations, after.mappings, after.physical_handles), (baseline.va_reservations, baseline.mappings, baseline.physical_handles));
+}

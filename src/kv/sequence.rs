@@ -101,6 +101,18 @@ impl Sequence {
     }
 }
 
+/// Map the dummy back at granule `i` of a batch slot. The batch's range must
+/// stay mapped for kernels that read all of it, so a refused map is tried once
+/// more before the error is returned; a hole that remains is repaired by the
+/// next take of the slot (`build_in` maps the dummy wherever nothing is).
+fn map_dummy(pool: &GranulePool, dummy: GranuleId, va: &Window, i: usize) -> Result<()> {
+    let p = pool.phys(dummy)?;
+    va.map(i, p, Access::ReadOnly).or_else(|e| {
+        log::warn!("epmem: KV batch: mapping the dummy back failed ({e}); retrying once");
+        va.map(i, p, Access::ReadOnly)
+    })
+}
+
 /// Slots of `max_tokens` tokens of `layout` at granule `g`, or an error naming the overflow.
 pub(crate) fn reservation_bytes(layout: &KvLayout, max_tokens: u64, g: u64) -> Result<u64> {
     crate::ensure!(max_tokens > 0, InvalidArgument, "KV sequence: max_tokens is 0");
@@ -213,8 +225,7 @@ impl KvArena {
                         }
                         if let Err(e) = seq.map_slot(&mut self.pool, i, gid, Access::ReadOnly, true) {
                             if seq.batch.is_some() {
-                                // A batch slot is never left unmapped.
-                                seq.map_slot(&mut self.pool, i, dummy, Access::ReadOnly, false)?;
+                                map_dummy(&self.pool, dummy, &seq.va, i)?;
                             }
                             return Err(e);
                         }
@@ -408,7 +419,7 @@ impl KvArena {
                 Slot::Shared(gid) | Slot::Private(gid) => {
                     keep(seq.va.unmap(i));
                     if in_batch {
-                        keep(self.pool.phys(self.dummy).and_then(|p| seq.va.map(i, p, Access::ReadOnly)));
+                        keep(map_dummy(&self.pool, self.dummy, &seq.va, i));
                     }
                     keep(self.pool.release(gid));
                 }
