@@ -86,8 +86,10 @@ def main():
         d = lib.desc(batch)
         view = E.batch_view(torch, d)
         view.copy_(torch.randn(view.shape, dtype=torch.bfloat16, device="cuda"))
-        dense = view.contiguous()
-        assert torch.equal(dense, view)
+        # clone, not contiguous(): with slot_stride == T × token_stride the
+        # view is already contiguous and contiguous() would return the batch itself.
+        dense = view.clone(memory_format=torch.contiguous_format)
+        assert dense.data_ptr() != view.data_ptr() and torch.equal(dense, view)
         q = torch.randn(b, HEADS, 1, DIM, dtype=torch.bfloat16, device="cuda")
         mask = torch.ones(b, 1, 1, t, dtype=torch.bool, device="cuda")
         out_b, out_d = step(view, q, mask), step(dense, q, mask)

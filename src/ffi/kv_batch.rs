@@ -334,10 +334,14 @@ pub extern "C" fn epm_kv_batch_release_slot(seq: *mut EpmKvSeq, stream: *mut Epm
         let stream = try_handle!(stream);
         let (arena, id) = seq_of(&s);
         let raw = raw_stream(arena, stream)?;
-        lock(arena).release_slot(id, raw)?;
-        // Released in the arena: the handle goes too (its Drop finds the id gone).
-        drop(handle::remove(seq)?);
-        Ok(())
+        let r = lock(arena).release_slot(id, raw);
+        // Once the arena has let the sequence go (released, or a device error
+        // part-way through its teardown) the handle goes too; a refusal
+        // (not a slot, a failed wait) leaves both usable.
+        if lock(arena).sequence_info(id).is_err() {
+            drop(handle::remove(seq)?);
+        }
+        r
     }
 }
 
