@@ -2,8 +2,8 @@
 //! sequences and prefixes built from them.
 //!
 //! Sequence operations are in [`super::sequence`], prefix operations in
-//! [`super::prefix`], batch operations in [`super::batch`]. The arena is single-owner (`&mut self`); the C layer
-//! puts it behind a mutex.
+//! [`super::prefix`], batch operations in [`super::batch`]. The arena is
+//! single-owner (`&mut self`); the C layer puts it behind a mutex.
 
 use std::sync::Arc;
 
