@@ -92,6 +92,21 @@
 #define EPM_KV_REQUEST_COST_SIZE_V1 32
 
 /**
+ * `slot` argument of the take functions: the lowest free slot.
+ */
+#define EPM_KV_BATCH_ANY_SLOT 4294967295
+
+/**
+ * `sizeof(EpmKvBatchDesc)` in its first published version (frozen).
+ */
+#define EPM_KV_BATCH_DESC_SIZE_V1 104
+
+/**
+ * `sizeof(EpmKvBatchSlotInfo)` in its first published version (frozen).
+ */
+#define EPM_KV_BATCH_SLOT_INFO_SIZE_V1 72
+
+/**
  * `EpmResidencyConfig::policy`: farthest next use under the declared cycle
  * (Belady's choice for a decode step); weights outside the cycle go first,
  * least recently used first. The default.
@@ -337,6 +352,11 @@ typedef struct EpmHostRegistration EpmHostRegistration;
  * A KV arena: granule pool, ledger (budget) and dummy granule.
  */
 typedef struct EpmKvArena EpmKvArena;
+
+/**
+ * A batch reservation: slots at a fixed stride behind one base pointer.
+ */
+typedef struct EpmKvBatch EpmKvBatch;
 
 /**
  * A pinned shared prefix.
@@ -652,6 +672,88 @@ typedef struct EpmKvRequestCost {
    */
   uint64_t unshared_bytes;
 } EpmKvRequestCost;
+
+/**
+ * A batch's layout descriptor, filled by `epm_kv_batch_get_desc`. K/V
+ * element `i` of (slot, token, layer, kv, head) lives at
+ * `base + slot*slot_stride + token*token_stride + layer*layer_stride +
+ *  kv*kv_stride + head*head_stride + i*elem_bytes` (kv = 0 for K, 1 for V).
+ *
+ * Versioned by size: set `size = sizeof(EpmKvBatchDesc)`; the smallest size
+ * accepted is `EPM_KV_BATCH_DESC_SIZE_V1`. Fields are only ever added at the end.
+ */
+typedef struct EpmKvBatchDesc {
+  size_t size;
+  /**
+   * Device address of slot 0, token 0 (a `CUdeviceptr` on CUDA); a
+   * multiple of `granule_bytes`.
+   */
+  uint64_t base;
+  /**
+   * Bytes from one slot to the next: max_tokens × token_stride rounded up
+   * to the granule (so every slot is granule-aligned).
+   */
+  uint64_t slot_stride;
+  uint32_t max_slots;
+  uint32_t layers;
+  /**
+   * Tokens per slot.
+   */
+  uint64_t max_tokens;
+  uint64_t token_stride;
+  uint64_t layer_stride;
+  /**
+   * Bytes from K to V of the same (layer, token, head).
+   */
+  uint64_t kv_stride;
+  uint64_t head_stride;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  /**
+   * Bytes per element (2 for fp16/bf16).
+   */
+  uint32_t elem_bytes;
+  /**
+   * Slots taken now.
+   */
+  uint32_t live_slots;
+  uint64_t granule_bytes;
+  /**
+   * max_slots × slot_stride: the range a kernel may read.
+   */
+  uint64_t reserved_bytes;
+} EpmKvBatchDesc;
+
+/**
+ * One slot's state, filled by `epm_kv_batch_slot_get_info`. Versioned by
+ * size: set `size = sizeof(EpmKvBatchSlotInfo)`; the smallest size accepted
+ * is `EPM_KV_BATCH_SLOT_INFO_SIZE_V1`.
+ */
+typedef struct EpmKvBatchSlotInfo {
+  size_t size;
+  /**
+   * Device address of the slot's token 0: the batch's base + slot × slot_stride.
+   */
+  uint64_t base;
+  /**
+   * Tokens made writable so far (shared prefix tokens included).
+   */
+  uint64_t len_tokens;
+  /**
+   * Leading tokens whose granules are committed (shared or private):
+   * appending up to here changes no mapping (no host wait, no driver call).
+   */
+  uint64_t committed_tokens;
+  uint64_t max_tokens;
+  uint64_t shared_granules;
+  uint64_t private_granules;
+  uint64_t promised_granules;
+  /**
+   * The slot's index in its batch.
+   */
+  uint32_t slot;
+  uint32_t max_slots;
+} EpmKvBatchSlotInfo;
 
 /**
  * A host log sink. `message` is a NUL-terminated UTF-8 string valid only
@@ -1412,6 +1514,148 @@ enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
                                    uint64_t prefix_tokens,
                                    uint64_t max_tokens,
                                    struct EpmKvRequestCost *out);
+
+/**
+ * Create a batch of `max_slots` slots of up to `max_tokens` tokens of
+ * `layout` in `arena`. Its whole range (max_slots × slot_stride bytes) maps
+ * the arena's zeroed dummy granule read-only until slots commit granules.
+ * Charges nothing to the budget: slots are admitted as they are taken.
+ *
+ * Ownership: `*out` is a new handle; destroy it with `epm_kv_batch_destroy`.
+ * It keeps the arena alive. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+ * are NULL_POINTER. Errors: INVALID_ARGUMENT (max_tokens or max_slots 0,
+ * max_slots EPM_KV_BATCH_ANY_SLOT, a range that overflows, a layout that is
+ * not token-major); device errors (VA exhausted).
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_create(struct EpmKvArena *arena,
+                                   const struct EpmKvLayout *layout,
+                                   uint64_t max_tokens,
+                                   uint32_t max_slots,
+                                   struct EpmKvBatch **out);
+
+/**
+ * Destroy a batch: unmap its range and free its VA. Refused with
+ * INVALID_STATE while any slot is taken (release them first); the handle
+ * then stays valid. NULL is a no-op; a destroyed handle is INVALID_HANDLE.
+ * The caller guarantees no queued kernel still reads the range.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_destroy(struct EpmKvBatch *batch);
+
+/**
+ * Fill `*out` with the batch's layout descriptor.
+ *
+ * Set `out->size = sizeof(EpmKvBatchDesc)` first; epmem writes at most that
+ * many bytes and sets `out->size` to the number written. NULL: `batch` is
+ * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
+ * below EPM_KV_BATCH_DESC_SIZE_V1.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_get_desc(struct EpmKvBatch *batch, struct EpmKvBatchDesc *out);
+
+/**
+ * Take slot `slot` (or the lowest free one: EPM_KV_BATCH_ANY_SLOT) for a
+ * new, empty sequence of the batch's layout and max_tokens. Its granules
+ * keep mapping the dummy until `epm_kv_seq_prepare_append`; nothing is
+ * remapped here, so nothing waits.
+ *
+ * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND, as for
+ * `epm_kv_seq_create`. Ownership: `*out` is a new sequence handle; give the
+ * slot back with `epm_kv_batch_release_slot` (or `epm_kv_seq_destroy`).
+ * NULL: `batch` is INVALID_HANDLE, `out` is NULL_POINTER. Errors:
+ * INVALID_ARGUMENT (slot ≥ max_slots, bad admit mode), INVALID_STATE (the
+ * slot is taken), ALL_IN_USE (EPM_KV_BATCH_ANY_SLOT and every slot is
+ * taken), OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_take_slot(struct EpmKvBatch *batch,
+                                      uint32_t slot,
+                                      uint32_t admit,
+                                      struct EpmKvSeq **out);
+
+/**
+ * Take slot `slot` (or EPM_KV_BATCH_ANY_SLOT) for a sequence whose first
+ * `n_tokens` tokens map `prefix` read-only at the slot's start: no copy,
+ * and the ledger charges nothing (as `epm_kv_commit_shared_prefix`). The
+ * slot's `len` starts at `n_tokens`; its first append into the prefix's
+ * boundary granule copies it.
+ *
+ * The slot's dummy mappings are replaced, and a kernel or graph queued on
+ * `stream` may be reading them: the host waits for `stream` first. Work on
+ * other streams that reads the batch must be ordered before `stream`.
+ *
+ * NULL: `batch`, `prefix`, `stream` are INVALID_HANDLE; `out` is
+ * NULL_POINTER. Errors: as `epm_kv_batch_take_slot`, plus INVALID_ARGUMENT
+ * if the prefix is of another arena or layout, `n_tokens` is 0 or beyond the
+ * prefix or the batch's max_tokens, or the stream is on another device.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_take_shared_slot(struct EpmKvBatch *batch,
+                                             uint32_t slot,
+                                             struct EpmKvPrefix *prefix,
+                                             uint64_t n_tokens,
+                                             uint32_t admit,
+                                             struct EpmStream *stream,
+                                             struct EpmKvSeq **out);
+
+/**
+ * Take slot `slot` (or EPM_KV_BATCH_ANY_SLOT) for a sequence that declares
+ * its prompt `tokens[0..n_tokens)`: if a live prefix of the arena begins
+ * with the same tokens (whole 16-token blocks, confirmed token by token),
+ * its longest match is shared as `epm_kv_batch_take_shared_slot` and
+ * `*shared_tokens` says how many tokens are already in the cache (skip their
+ * prefill); otherwise the slot is empty and `*shared_tokens` is 0.
+ *
+ * NULL: `tokens` may be NULL only when `n_tokens` is 0; `shared_tokens` may
+ * be NULL; `stream` is INVALID_HANDLE. Errors: as
+ * `epm_kv_batch_take_shared_slot`, plus INVALID_ARGUMENT if `n_tokens`
+ * exceeds the batch's max_tokens. Out-params are written only on success.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_take_slot_for_tokens(struct EpmKvBatch *batch,
+                                                 uint32_t slot,
+                                                 const uint32_t *tokens,
+                                                 size_t n_tokens,
+                                                 uint32_t admit,
+                                                 struct EpmStream *stream,
+                                                 struct EpmKvSeq **out,
+                                                 uint64_t *shared_tokens);
+
+/**
+ * Give a slot back to its batch: the host waits for `stream` (a kernel or
+ * graph queued there may still read the slot), the dummy is mapped back
+ * over the slot's granules, the granules return to the pool (the ledger is
+ * credited for those nobody else maps) and the unused promise is returned.
+ * The slot reads zeros again and may be taken by a new sequence; every other
+ * slot keeps its addresses and bytes. The handle is invalid from now on.
+ *
+ * A slot that committed nothing releases without waiting. NULL: `seq`,
+ * `stream` are INVALID_HANDLE. Errors: INVALID_ARGUMENT if `seq` is not a
+ * batch slot or the stream is on another device; a destroyed handle is
+ * INVALID_HANDLE. (`epm_kv_seq_destroy` also releases a slot, without the
+ * wait: like cuMemFree, the caller then guarantees nothing queued reads it.)
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_release_slot(struct EpmKvSeq *seq, struct EpmStream *stream);
+
+/**
+ * Fill `*out` with a slot's state and index.
+ *
+ * Set `out->size = sizeof(EpmKvBatchSlotInfo)` first. NULL: `seq` is
+ * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if `seq`
+ * is not a batch slot, or for a size below EPM_KV_BATCH_SLOT_INFO_SIZE_V1.
+ *
+ * Threading: safe from any thread; calls on one arena are serialized.
+ */
+enum EpmStatus epm_kv_batch_slot_get_info(struct EpmKvSeq *seq, struct EpmKvBatchSlotInfo *out);
 
 /**
  * Route epmem's log records to `callback` (or, with NULL, back to stderr

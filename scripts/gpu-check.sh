@@ -95,6 +95,13 @@ fi
 # 5. ONNX Runtime plugin EP against the machine's onnxruntime.
 [ -x scripts/ort-test.sh ] && step ort 'passed|failed|PASS|FAIL' scripts/ort-test.sh --no-install
 
+# 5b. KV batch: batched SDPA over the batch view and CUDA graph replay through
+# torch and plain ctypes (tests/gpu/kv_batch_attention.py), when torch imports.
+if python3 -c 'import torch' >/dev/null 2>&1; then
+  step py-kv_batch_attention 'passed|failed' env EPMEM_LIB=.carry/lib/libepmem.so python3 tests/gpu/kv_batch_attention.py
+  [ $BENCH = 1 ] && step py-bench_kv_batch 'target|ratio' env EPMEM_LIB=.carry/lib/libepmem.so python3 scripts/bench_kv_batch.py --json "$OUT/bench_kv_batch.json"
+fi
+
 # 6. Benchmarks.
 if [ $BENCH = 1 ]; then
   for b in .carry/bin/bench_*; do

@@ -12,13 +12,16 @@
 //! token prefixes × 2/4/8/16 sharers on qwen14b- and qwen2.5-0.5b-shaped
 //! layouts, from the ledger and from the driver's free memory, next to the
 //! seed's figures.
+//! Part 3 (issue 14): a batch of 8/32/128 slots, one prompt pinned from slot 0
+//! and mapped into the others, against every slot holding a private copy —
+//! bytes from the ledger and from the driver's free memory.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::bench_support::{BenchArgs, Report, Scenario, median, repeat};
 use epmem::device::{self, Access, Device, DeviceBuffer, Stream};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape, admissible, request_cost};
+use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape, SlotChoice, admissible, request_cost};
 
 const MIB: f64 = 1024.0 * 1024.0;
 const GIB: u64 = 1 << 30;
@@ -273,6 +276,65 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
     }
 }
 
+/// Owned bytes (ledger, dummy excluded) and driver-visible bytes of a batch of
+/// `slots` slots each holding `prefix` tokens: mapped from one pinned copy
+/// (`share`) or each its own.
+fn batch_footprint(dev: &Arc<dyn Device>, l: &KvLayout, prefix: u64, slots: u32, share: bool) -> (u64, i64) {
+    let s = Stream::new(dev).unwrap();
+    let g = dev.vmm_granularity() as u64;
+    let mut a = KvArena::new(dev, KvConfig::new(u64::MAX / 4)).unwrap();
+    let free0 = dev.mem_get_info().map_or(0, |m| m.0) as i64;
+    let b = a.create_batch(l, prefix, slots).unwrap();
+    let o = a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();
+    a.prepare_append(o, prefix, s.raw()).unwrap();
+    let p = share.then(|| a.pin_prefix(o, prefix, s.raw()).unwrap());
+    for _ in 1..slots {
+        match p {
+            Some(p) => {
+                a.take_shared_slot(b, SlotChoice::Any, p, prefix, AdmitMode::OnDemand, s.raw()).unwrap();
+            }
+            None => {
+                let q = a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();
+                a.prepare_append(q, prefix, s.raw()).unwrap();
+            }
+        }
+    }
+    let free1 = dev.mem_get_info().map_or(0, |m| m.0) as i64;
+    (a.stats().ledger.owned_bytes - g, free0 - free1)
+}
+
+fn part3(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
+    let g = dev.vmm_granularity() as u64;
+    let models = layouts();
+    let (name, l, prefix) = if quick { (models[1].0, models[1].1, 512) } else { (models[0].0, models[0].1, 2048) };
+    let slot_counts: &[u32] = if quick { &[8] } else { &[8, 32, 128] };
+    let driver = dev.info().kind == device::DeviceKind::Cuda;
+    r.markdown.push_str(&format!(
+        "\n### Batch of slots sharing one {prefix}-token prompt ({name}), MiB\n\n\
+         | slots | private copies: ledger | shared: ledger | saved: arithmetic | saved: ledger | saved: driver free memory |\n|---|---|---|---|---|---|\n"
+    ));
+    for &n in slot_counts {
+        let p = request_cost(&l, g, prefix, prefix).prefix_bytes;
+        let (own_u, drv_u) = batch_footprint(dev, &l, prefix, n, false);
+        let (own_s, drv_s) = batch_footprint(dev, &l, prefix, n, true);
+        let led = (own_u - own_s) as f64 / MIB;
+        // The host device's free memory is the machine's RAM, which other
+        // processes move: only the driver's figure on CUDA means anything.
+        let drv = if driver { format!("{:.0}", (drv_u - drv_s) as f64 / MIB) } else { "n/a (host)".into() };
+        r.markdown.push_str(&format!(
+            "| {n} | {:.0} | {:.0} | {:.0} | {led:.0} | {drv} |\n",
+            own_u as f64 / MIB,
+            own_s as f64 / MIB,
+            (n as u64 - 1) as f64 * p as f64 / MIB
+        ));
+        r.scenarios.push(Scenario::new("batch_saved", &format!("batch_saved_mib/{name}/{prefix}/{n}"), "MiB", true, vec![led]).at(n as f64));
+        if driver {
+            r.scenarios.push(Scenario::new("batch_saved", &format!("batch_saved_driver_mib/{name}/{prefix}/{n}"), "MiB", true, vec![(drv_u - drv_s) as f64 / MIB]).at(n as f64));
+        }
+    }
+    r.markdown.push('\n');
+}
+
 fn main() {
     let args = BenchArgs::parse();
     // --quick only shrinks the sizes: in CI (no GPU) EPM_DEVICE=auto is the host device.
@@ -289,6 +351,7 @@ fn main() {
     r.markdown.push_str(&format!("## bench_kv on {} (granule {} KiB)\n\n", info.name, info.granularity / 1024));
     part1(&dev, &mut r, args.quick, warmup, runs);
     part2(&dev, &mut r, args.quick);
+    part3(&dev, &mut r, args.quick);
     print!("{}", r.markdown);
     if let Some(p) = &args.json {
         if let Err(e) = r.write_json(p) {

@@ -775,3 +775,34 @@ pub extern "C" fn epm_kv_request_cost(
         write_versioned(out, v, "EpmKvRequestCost")
     }
 }
+
+/// What `src/ffi/kv_batch.rs` shares with this file: a batch slot is an
+/// `EpmKvSeq`, so the batch functions build and read sequence handles.
+pub(crate) mod for_batch {
+    use super::*;
+
+    pub(crate) fn lock(a: &ArenaObj) -> Result<MutexGuard<'_, KvArena>> {
+        a.lock()
+    }
+    pub(crate) fn seq_of(s: &SeqObj) -> (&Arc<ArenaObj>, u64) {
+        (&s.arena, s.id)
+    }
+    pub(crate) fn prefix_of(p: &PrefixObj) -> (&Arc<ArenaObj>, u64) {
+        (&p.arena, p.id)
+    }
+    pub(crate) fn layout(p: *const EpmKvLayout) -> Result<KvLayout> {
+        layout_from_c(p)
+    }
+    pub(crate) fn admit(v: u32) -> Result<AdmitMode> {
+        admit_mode(v)
+    }
+    pub(crate) fn token_ids<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
+        tokens(p, n)
+    }
+    pub(crate) fn raw_stream(a: &ArenaObj, s: Arc<Stream>) -> Result<RawStream> {
+        stream_of(a, s)
+    }
+    pub(crate) fn register_seq(a: &Arc<ArenaObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+        new_seq(a, id, out)
+    }
+}

@@ -51,6 +51,7 @@ pub mod device;
 pub mod event;
 pub mod handle;
 pub mod kv;
+pub mod kv_batch;
 pub mod log;
 pub mod memory;
 pub mod panic;

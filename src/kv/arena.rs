@@ -2,11 +2,12 @@
 //! sequences and prefixes built from them.
 //!
 //! Sequence operations are in [`super::sequence`], prefix operations in
-//! [`super::prefix`]. The arena is single-owner (`&mut self`); the C layer
-//! puts it behind a mutex.
+//! [`super::prefix`], batch operations in [`super::batch`]. The arena is
+//! single-owner (`&mut self`); the C layer puts it behind a mutex.
 
 use std::sync::Arc;
 
+use super::batch::Batch;
 use super::granule::{GranuleId, GranulePool, PoolStats};
 use super::hash::PrefixIndex;
 use super::ledger::LedgerStats;
@@ -66,6 +67,7 @@ pub struct KvStats {
     pub sequences: u64,
     pub prefixes: u64,
     pub pinned_prefixes: u64,
+    pub batches: u64,
     /// Granule bytes mapped read-write or read-only into sequences (the dummy
     /// excluded): what the sequences would own without sharing.
     pub mapped_bytes: u64,
@@ -79,6 +81,7 @@ pub struct KvArena {
     pub(crate) dummy: GranuleId,
     pub(crate) seqs: Slab<Sequence>,
     pub(crate) prefixes: Slab<Prefix>,
+    pub(crate) batches: Slab<Batch>,
     pub(crate) index: PrefixIndex<u64>,
     pub(crate) fence_event: Event,
     pub(crate) counters: KvCounters,
@@ -98,6 +101,7 @@ impl KvArena {
             dummy,
             seqs: Slab::new("KV sequence"),
             prefixes: Slab::new("KV prefix"),
+            batches: Slab::new("KV batch"),
             index: PrefixIndex::new(),
             fence_event: Event::new(dev, false)?,
             counters: KvCounters::default(),
@@ -168,6 +172,7 @@ impl KvArena {
             sequences: self.seqs.len() as u64,
             prefixes: self.prefixes.len() as u64,
             pinned_prefixes: pinned as u64,
+            batches: self.batches.len() as u64,
             mapped_bytes: mapped,
         }
     }
@@ -189,6 +194,13 @@ impl KvArena {
         }
         for id in self.prefixes.ids() {
             let r = self.destroy_prefix(id);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        // After their slots' sequences: unmap the dummies, free the VA.
+        for id in self.batches.ids() {
+            let r = self.destroy_batch(id);
             if first.is_ok() {
                 first = r;
             }

@@ -12,19 +12,24 @@
 //! - [`prefix`]: pinned prefixes, `commit_shared_prefix`, content-hash detection;
 //! - [`hash`]: the block-chain hash and its index;
 //! - [`admission`]: admissible-concurrency arithmetic;
+//! - [`reservation`]: VA reservations as granule mapping tables, and windows;
+//! - [`batch`]: batch reservations, many sequences at a fixed slot stride;
 //! - [`arena`]: the object that ties them together.
 
 pub mod admission;
 pub mod arena;
+pub mod batch;
 pub mod granule;
 pub mod hash;
 pub mod layout;
 pub mod ledger;
 pub mod prefix;
+mod reservation;
 pub mod sequence;
 mod slab;
 
 pub use admission::{Admission, RequestCost, admissible, request_cost};
+pub use batch::{BatchInfo, SlotChoice, SlotInfo};
 pub use arena::{AdmitMode, KvArena, KvConfig, KvCounters, KvStats};
 pub use granule::PoolStats;
 pub use layout::{Kv, KvLayout, KvShape};

@@ -96,7 +96,7 @@ impl KvArena {
         let mut failed = None;
         for i in 0..k {
             if let Slot::Private(gid) = seq.slots[i] {
-                if let Err(e) = seq.va.set_access(i * g as usize, g as usize, Access::ReadOnly) {
+                if let Err(e) = seq.va.set_access(i, Access::ReadOnly) {
                     failed = Some(e);
                     break;
                 }
@@ -110,7 +110,7 @@ impl KvArena {
             // and the promise returns (found by tests/fault_injection.rs).
             for &i in &switched {
                 if let Slot::Shared(gid) = seq.slots[i] {
-                    seq.va.set_access(i * g as usize, g as usize, Access::ReadWrite)?;
+                    seq.va.set_access(i, Access::ReadWrite)?;
                     seq.slots[i] = Slot::Private(gid);
                 }
             }

@@ -14,7 +14,8 @@
 use super::arena::{AdmitMode, KvArena};
 use super::granule::{GranuleId, GranulePool};
 use super::layout::{KvLayout, round_up};
-use crate::device::{Access, DevicePtr, Event, RawStream, VaRange};
+use super::reservation::Window;
+use crate::device::{Access, DevicePtr, Event, RawStream};
 use crate::error::Result;
 
 /// What a slot of a reservation maps.
@@ -31,8 +32,13 @@ pub(crate) struct Sequence {
     pub max_tokens: u64,
     /// Tokens made writable so far (prefix tokens included).
     pub len: u64,
-    pub va: VaRange,
+    /// The reservation: the sequence's own, or its slot of a batch.
+    pub va: Window,
+    /// The mapping table: what each granule of `va` maps.
     pub slots: Vec<Slot>,
+    /// (batch, slot index) when `va` is a slot of a batch: the batch owns the
+    /// VA and the dummy mappings, which stay when the sequence goes.
+    pub batch: Option<(u64, u32)>,
     /// The prefix whose view backs this sequence's shared slots (the source
     /// of their copy-on-write), if any.
     pub prefix: Option<u64>,
@@ -87,13 +93,24 @@ impl Sequence {
 
     /// Map `gid` at slot `i` with `access`, counting the mapping as a reference.
     pub fn map_slot(&mut self, pool: &mut GranulePool, i: usize, gid: GranuleId, access: Access, own_ref: bool) -> Result<()> {
-        let g = pool.granule();
-        self.va.map(i * g, g, pool.phys(gid)?, 0, access)?;
+        self.va.map(i, pool.phys(gid)?, access)?;
         if own_ref {
             pool.add_ref(gid)?;
         }
         Ok(())
     }
+}
+
+/// Map the dummy back at granule `i` of a batch slot. The batch's range must
+/// stay mapped for kernels that read all of it, so a refused map is tried once
+/// more before the error is returned; a hole that remains is repaired by the
+/// next take of the slot (`build_in` maps the dummy wherever nothing is).
+fn map_dummy(pool: &GranulePool, dummy: GranuleId, va: &Window, i: usize) -> Result<()> {
+    let p = pool.phys(dummy)?;
+    va.map(i, p, Access::ReadOnly).or_else(|e| {
+        log::warn!("epmem: KV batch: mapping the dummy back failed ({e}); retrying once");
+        va.map(i, p, Access::ReadOnly)
+    })
 }
 
 /// Slots of `max_tokens` tokens of `layout` at granule `g`, or an error naming the overflow.
@@ -126,6 +143,22 @@ impl KvArena {
         max_tokens: u64,
         shared: Option<(u64, u64)>,
         mode: AdmitMode,
+    ) -> Result<u64> {
+        self.build_in(layout, max_tokens, shared, mode, None)
+    }
+
+    /// Build a sequence in its own reservation (`slot` None) or in slot
+    /// `slot.1` of batch `slot.0`, whose window is already mapped (the dummy,
+    /// or whatever a failed teardown left: repaired here). Mapping the prefix
+    /// into a batch slot replaces dummy mappings a queued kernel may read:
+    /// the caller fences first.
+    pub(crate) fn build_in(
+        &mut self,
+        layout: &KvLayout,
+        max_tokens: u64,
+        shared: Option<(u64, u64)>,
+        mode: AdmitMode,
+        slot: Option<(u64, u32)>,
     ) -> Result<u64> {
         layout.validate()?;
         let g = self.granule() as u64;
@@ -160,11 +193,15 @@ impl KvArena {
         } as u64;
         self.pool.ledger_mut().promise(need * g)?;
         self.pool.trim_to_budget();
+        let va = match slot {
+            None => Window::reserve(&self.dev, total),
+            Some((bid, idx)) => self.batches.get(bid).and_then(|b| b.window(idx, total)),
+        };
         let mut seq = Sequence {
             layout: *layout,
             max_tokens,
             len: n_tokens,
-            va: match VaRange::reserve(&self.dev, bytes as usize) {
+            va: match va {
                 Ok(v) => v,
                 Err(e) => {
                     self.pool.ledger_mut().unpromise(need * g)?;
@@ -172,20 +209,32 @@ impl KvArena {
                 }
             },
             slots: Vec::with_capacity(total),
+            batch: slot,
             prefix: shared.map(|(pid, _)| pid),
             tokens: Vec::new(),
             promise: need,
             cow_done: None,
         };
+        let dummy = self.dummy;
         let mapped = (|| {
             for i in 0..total {
                 match shared_granules.get(i) {
                     Some(&gid) => {
-                        seq.map_slot(&mut self.pool, i, gid, Access::ReadOnly, true)?;
+                        if seq.va.is_mapped(i) {
+                            seq.va.unmap(i)?; // a batch slot's dummy
+                        }
+                        if let Err(e) = seq.map_slot(&mut self.pool, i, gid, Access::ReadOnly, true) {
+                            if seq.batch.is_some() {
+                                map_dummy(&self.pool, dummy, &seq.va, i)?;
+                            }
+                            return Err(e);
+                        }
                         seq.slots.push(Slot::Shared(gid));
                     }
                     None => {
-                        seq.map_slot(&mut self.pool, i, self.dummy, Access::ReadOnly, false)?;
+                        if !seq.va.is_mapped(i) {
+                            seq.map_slot(&mut self.pool, i, dummy, Access::ReadOnly, false)?;
+                        }
                         seq.slots.push(Slot::Dummy);
                     }
                 }
@@ -200,7 +249,11 @@ impl KvArena {
         if let Some((pid, _)) = shared {
             self.prefixes.get_mut(pid)?.sharers += 1;
         }
-        Ok(self.seqs.insert(seq))
+        let id = self.seqs.insert(seq);
+        if let Some((bid, idx)) = slot {
+            self.batches.get_mut(bid)?.slots[idx as usize] = Some(id);
+        }
+        Ok(id)
     }
 
     /// Make the slots that tokens `[len, len + n_tokens)` fall in private and
@@ -273,7 +326,7 @@ impl KvArena {
                 Slot::Shared(o) => o,
                 _ => self.dummy,
             };
-            if let Err(e) = seq.va.unmap(off, g as usize) {
+            if let Err(e) = seq.va.unmap(i) {
                 give_back(&mut self.pool, seq)?;
                 return Err(e);
             }
@@ -293,7 +346,7 @@ impl KvArena {
                 // copy must not leave an uncopied private granule behind.
                 let r = self.dev.memcpy_dtod_async(seq.va.base() + off as u64, src + off as u64, g as usize, stream);
                 if let Err(e) = r {
-                    seq.va.unmap(off, g as usize)?;
+                    seq.va.unmap(i)?;
                     seq.map_slot(&mut self.pool, i, back, Access::ReadOnly, false)?;
                     give_back(&mut self.pool, seq)?;
                     return Err(e);
@@ -336,11 +389,20 @@ impl KvArena {
     pub fn destroy_sequence(&mut self, seq_id: u64) -> Result<()> {
         self.unlink(seq_id)?;
         let seq = self.seqs.remove(seq_id)?;
-        self.teardown(seq)
+        let slot = seq.batch;
+        let r = self.teardown(seq);
+        if let Some((bid, idx)) = slot
+            && let Ok(b) = self.batches.get_mut(bid)
+        {
+            b.slots[idx as usize] = None;
+        }
+        r
     }
 
     /// Unmap → release → free VA, then return the promise. Best effort: every
-    /// step runs, the first error is returned.
+    /// step runs, the first error is returned. A batch slot's granules map the
+    /// dummy again instead (the batch's whole range stays mapped, and the VA
+    /// is the batch's to free).
     fn teardown(&mut self, mut seq: Sequence) -> Result<()> {
         let g = self.granule();
         let mut first = seq.wait_cow();
@@ -349,10 +411,18 @@ impl KvArena {
                 first = r;
             }
         };
+        let in_batch = seq.batch.is_some();
         for (i, slot) in seq.slots.iter().enumerate() {
-            keep(seq.va.unmap(i * g, g));
-            if let Slot::Shared(gid) | Slot::Private(gid) = *slot {
-                keep(self.pool.release(gid));
+            match *slot {
+                Slot::Dummy if in_batch => {}
+                Slot::Dummy => keep(seq.va.unmap(i)),
+                Slot::Shared(gid) | Slot::Private(gid) => {
+                    keep(seq.va.unmap(i));
+                    if in_batch {
+                        keep(map_dummy(&self.pool, self.dummy, &seq.va, i));
+                    }
+                    keep(self.pool.release(gid));
+                }
             }
         }
         keep(self.pool.ledger_mut().unpromise(seq.promise * g as u64));
