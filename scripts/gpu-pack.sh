@@ -10,6 +10,8 @@ rm -rf .carry && mkdir -p .carry/lib .carry/tests .carry/bin
 cargo build --release --bins --lib
 # The static library stays behind: nothing on the GPU machine links it, and it is large.
 cp target/release/libepmem.so .carry/lib/
+# Its SONAME: what a program linked against it there asks the loader for.
+ln -sf libepmem.so .carry/lib/libepmem.so.0
 for b in target/release/bench_* target/release/kv_churn; do
   [ -x "$b" ] && [ -f "$b" ] && cp "$b" .carry/bin/
 done
