@@ -8,7 +8,7 @@
 #   make demo                  build and run the demo against an installed copy
 #
 # The C tests link target/release/libepmem.so with an rpath relative to the
-# binary, so target/ffi-tests/ and target/release/ can be shipped together to
+# binary (they record its SONAME; build.rs puts the libepmem.so.0 link there), so target/ffi-tests/ and target/release/ can be shipped together to
 # a GPU machine and run there with EPM_DEVICE=cuda (see scripts/gpu-check.sh).
 
 PREFIX   ?= /usr/local
@@ -52,7 +52,12 @@ build:
 # (/usr/local, /usr) gets no rpath and is found through ldconfig's cache,
 # which install refreshes when it may (root, no DESTDIR) or says how to.
 LOADER_DIRS = $$(ldconfig -N -v 2>/dev/null | sed -n 's|^\(/[^:]*\):.*|\1|p' | xargs -r realpath -m 2>/dev/null)
-install: build
+# `make build && sudo make install`: root's PATH often has no cargo, so
+# install rebuilds only where cargo is found and otherwise installs what is built.
+HAVE_CARGO := $(shell command -v $(CARGO) 2>/dev/null)
+install: $(if $(HAVE_CARGO),build)
+	@[ -f $(LIB_DIR)/libepmem.so ] && [ -f $(LIB_DIR)/libepmem.a ] || \
+	  { echo "install: no $(LIB_DIR)/libepmem.so or libepmem.a: run make build first"; exit 1; }
 	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(LIBDIR)/cmake/epmem $(DESTDIR)$(INCDIR)
 	install -m 755 $(LIB_DIR)/libepmem.so $(DESTDIR)$(LIBDIR)/$(REALNAME)
 	ln -sfn $(REALNAME) $(DESTDIR)$(LIBDIR)/$(SONAME)
@@ -74,7 +79,9 @@ install: build
 	elif [ -n "$(DESTDIR)" ]; then \
 	  echo "install: staged under DESTDIR; run ldconfig once the files are in $(LIBDIR)"; \
 	elif [ "$$(id -u)" = 0 ]; then \
-	  ldconfig && echo "install: ran ldconfig: the loader finds $(SONAME) in $(LIBDIR)"; \
+	  ldconfig; if ldconfig -p | grep -q "=> $$libdir/$(SONAME)\$$"; then \
+	    echo "install: ran ldconfig: the loader finds $(SONAME) in $(LIBDIR)"; \
+	  else echo "install: ran ldconfig, but its cache has no $$libdir/$(SONAME): check /etc/ld.so.conf"; fi; \
 	else \
 	  echo "install: run 'sudo ldconfig' so the loader finds $(SONAME) in $(LIBDIR)"; \
 	fi
