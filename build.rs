@@ -28,7 +28,9 @@ fn main() {
     // <target>/<profile>/build/epmem-<hash>/out, so the profile directory is
     // three levels up; the link dangles until the library is linked.
     let Ok(out) = std::env::var("OUT_DIR") else { return };
-    let Some(profile_dir) = Path::new(&out).ancestors().nth(3) else { return };
+    let Some(profile_dir) = Path::new(&out).ancestors().nth(3) else {
+        return;
+    };
     let link = profile_dir.join(&soname);
     if std::fs::symlink_metadata(&link).is_err() {
         if let Err(e) = std::os::unix::fs::symlink("libepmem.so", &link) {

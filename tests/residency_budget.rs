@@ -154,7 +154,11 @@ fn device_memory_of_a_residency_manager_stays_within_the_documented_bound() {
             "{}: budget {} B, device memory peak {} B, bound {} B, committed {} B, resident peak {} B, evictions {}",
             c.name, c.budget, peak, bound, s.arena.committed_bytes, s.peak_resident_bytes, s.evictions
         );
-        assert!(s.evictions > 0, "{}: the workload must overflow the budget to test it", c.name);
+        assert!(
+            s.evictions > 0,
+            "{}: the workload must overflow the budget to test it",
+            c.name
+        );
         assert!(
             s.peak_resident_bytes <= c.budget as u64,
             "{}: resident peak {} over the budget {}",
