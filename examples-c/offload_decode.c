@@ -193,8 +193,8 @@ int main(int argc, char **argv) {
     printf("device: %s: no GPU; the CPU plays one, so every time and GB/s below measures this machine's\n"
            "    memory copies and means nothing about a GPU (run with EPM_DEVICE=cuda on a GPU machine)\n", info.name);
   else
-    printf("device: %s (CUDA %" PRIu32 ".%" PRIu32 ", pci %s)\n", info.name, info.compute_capability_major,
-           info.compute_capability_minor, info.pci_bus_id);
+    printf("device: %s (CUDA, compute capability %" PRIu32 ".%" PRIu32 ", pci %s)\n", info.name,
+           info.compute_capability_major, info.compute_capability_minor, info.pci_bus_id);
 
   t_start = now_ms();
   for (uint32_t step = 0; step < o.steps; step++) {
