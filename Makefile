@@ -208,6 +208,9 @@ test-examples: build
 	  elif readelf -d $$b/epmem_hello | grep -q libepmem; then echo "static epmem_hello needs libepmem.so"; exit 1; fi; \
 	  env -u LD_LIBRARY_PATH $$b/epmem_hello; \
 	done; \
+	cmake -S examples-cmake -B $$work/cmake-var $$cmpath -Depmem_USE_STATIC=ON 2>&1 | grep -q -- '-- epmem $(VERSION) (static)' || \
+	  { echo "epmem_USE_STATIC=ON did not make epmem::epmem the static library"; exit 1; }; \
+	echo "== epmem_USE_STATIC=ON selects the static library too"; \
 	if cmake -S examples-cmake -B $$work/cmake-v1 $$cmpath -DEPMEM_HELLO_REQUIRE=1.0 >$$work/cmake-v1.log 2>&1 || \
 	   ! grep -q 'version: $(VERSION)' $$work/cmake-v1.log; then \
 	  cat $$work/cmake-v1.log; echo "find_package(epmem 1.0) did not refuse epmem $(VERSION) for its version"; exit 1; fi; \
