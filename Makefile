@@ -8,8 +8,9 @@
 #   make demo                  build and run the demo against an installed copy
 #
 # The C tests link target/release/libepmem.so with an rpath relative to the
-# binary (they record its SONAME; build.rs puts the libepmem.so.0 link there), so target/ffi-tests/ and target/release/ can be shipped together to
+# binary, so target/ffi-tests/ and target/release/ can be shipped together to
 # a GPU machine and run there with EPM_DEVICE=cuda (see scripts/gpu-check.sh).
+# They record its SONAME, libepmem.so.0: build.rs puts that link beside it.
 
 PREFIX   ?= /usr/local
 CC       ?= cc
