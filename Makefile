@@ -1,7 +1,9 @@
 # epmem: build, install, test, demo.
 #
 #   make build                 cargo build --release (libepmem.so, libepmem.a)
-#   make install PREFIX=/opt   lib/libepmem.{so,a}, include/epmem.h, lib/pkgconfig/epmem.pc
+#   make install PREFIX=/opt   lib/libepmem.so.X.Y.Z (+ .so.X, .so links), lib/libepmem.a,
+#                              include/epmem.h, lib/pkgconfig/epmem.pc, lib/cmake/epmem/
+#   make uninstall PREFIX=/opt what install put there
 #   make test                  everything CI runs (the README's test command)
 #   make demo                  build and run the demo against an installed copy
 #
@@ -13,11 +15,20 @@
 # target/ffi-tests/ and target/testing/release/ can be shipped together to a
 # GPU machine (see scripts/gpu-pack.sh, scripts/gpu-check.sh). `make install`
 # ships the default build only, and only include/epmem.h.
+# Programs linked against libepmem.so record its SONAME, libepmem.so.0:
+# build.rs puts that link beside it in the build tree.
 
 PREFIX   ?= /usr/local
 CC       ?= cc
 CARGO    ?= cargo
 VERSION  := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+# SONAME libepmem.so.$(MAJOR): every 0.x is ABI-compatible with the one before
+# (build.rs says why); the real file carries the full version.
+MAJOR    := $(word 1,$(subst ., ,$(VERSION)))
+SONAME   := libepmem.so.$(MAJOR)
+REALNAME := libepmem.so.$(VERSION)
+LIBDIR   ?= $(PREFIX)/lib
+INCDIR   ?= $(PREFIX)/include
 
 WARN      := -Wall -Wextra -Werror
 TEST_CFLAGS ?= -std=c11 $(WARN) -O1 -g -fno-omit-frame-pointer -pthread
@@ -48,17 +59,54 @@ build-testing:
 	CARGO_TARGET_DIR=target/testing $(CARGO) build --release --lib --features testing
 	cp $(TESTING_LIB_DIR)/libepmem.so $(TESTING_LIB)
 
-install: build
-	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
-	install -m 755 $(LIB_DIR)/libepmem.so $(DESTDIR)$(PREFIX)/lib/libepmem.so
-	install -m 644 $(LIB_DIR)/libepmem.a $(DESTDIR)$(PREFIX)/lib/libepmem.a
-	install -m 644 include/epmem.h $(DESTDIR)$(PREFIX)/include/epmem.h
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' epmem.pc.in \
-	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/epmem.pc
+
+# The .pc file's Libs carry -Wl,-rpath,<libdir> only when <libdir> is not a
+# directory the loader searches (ldconfig's list): then the README's build
+# line, `cc app.c $(pkg-config --cflags --libs epmem)`, gives a program that
+# starts with no LD_LIBRARY_PATH from any prefix, while a system prefix
+# (/usr/local, /usr) gets no rpath and is found through ldconfig's cache,
+# which install refreshes when it may (root, no DESTDIR) or says how to.
+LOADER_DIRS = $$(ldconfig -N -v 2>/dev/null | sed -n 's|^\(/[^:]*\):.*|\1|p' | xargs -r realpath -m 2>/dev/null)
+# `make build && sudo make install`: root's PATH often has no cargo, so
+# install rebuilds only where cargo is found and otherwise installs what is built.
+HAVE_CARGO := $(shell command -v $(CARGO) 2>/dev/null)
+install: $(if $(HAVE_CARGO),build)
+	@[ -f $(LIB_DIR)/libepmem.so ] && [ -f $(LIB_DIR)/libepmem.a ] || \
+	  { echo "install: no $(LIB_DIR)/libepmem.so or libepmem.a: run make build first"; exit 1; }
+	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(LIBDIR)/cmake/epmem $(DESTDIR)$(INCDIR)
+	install -m 755 $(LIB_DIR)/libepmem.so $(DESTDIR)$(LIBDIR)/$(REALNAME)
+	ln -sfn $(REALNAME) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sfn $(SONAME) $(DESTDIR)$(LIBDIR)/libepmem.so
+	install -m 644 $(LIB_DIR)/libepmem.a $(DESTDIR)$(LIBDIR)/libepmem.a
+	install -m 644 include/epmem.h $(DESTDIR)$(INCDIR)/epmem.h
+	@libdir=$$(realpath -m $(LIBDIR)); system=0; \
+	for d in $(LOADER_DIRS); do [ "$$d" = "$$libdir" ] && system=1; done; \
+	if [ $$system = 1 ]; then rpath=""; else rpath=' -Wl,-rpath,$${libdir}'; fi; \
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCDIR@|$(INCDIR)|g' \
+	    -e 's|@VERSION@|$(VERSION)|g' -e "s|@RPATH@|$$rpath|g" epmem.pc.in \
+	  > $(DESTDIR)$(LIBDIR)/pkgconfig/epmem.pc; \
+	for f in epmemConfig.cmake epmemConfigVersion.cmake; do \
+	  sed -e 's|@VERSION@|$(VERSION)|g' -e 's|@MAJOR@|$(MAJOR)|g' -e 's|@SONAME@|$(SONAME)|g' \
+	      -e 's|@REALNAME@|$(REALNAME)|g' cmake/$$f.in > $(DESTDIR)$(LIBDIR)/cmake/epmem/$$f; \
+	done; \
+	if [ $$system = 0 ]; then \
+	  echo "install: $(LIBDIR) is not on the loader's path; programs built with pkg-config or CMake carry an rpath to it"; \
+	elif [ -n "$(DESTDIR)" ]; then \
+	  echo "install: staged under DESTDIR; run ldconfig once the files are in $(LIBDIR)"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  ldconfig; if ldconfig -p | grep -q "=> $$libdir/$(SONAME)\$$"; then \
+	    echo "install: ran ldconfig: the loader finds $(SONAME) in $(LIBDIR)"; \
+	  else echo "install: ran ldconfig, but its cache has no $$libdir/$(SONAME): check /etc/ld.so.conf"; fi; \
+	else \
+	  echo "install: run 'sudo ldconfig' so the loader finds $(SONAME) in $(LIBDIR)"; \
+	fi
 
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/lib/libepmem.so $(DESTDIR)$(PREFIX)/lib/libepmem.a \
-	  $(DESTDIR)$(PREFIX)/include/epmem.h $(DESTDIR)$(PREFIX)/lib/pkgconfig/epmem.pc
+	rm -f $(DESTDIR)$(LIBDIR)/$(REALNAME) $(DESTDIR)$(LIBDIR)/$(SONAME) $(DESTDIR)$(LIBDIR)/libepmem.so \
+	  $(DESTDIR)$(LIBDIR)/libepmem.a $(DESTDIR)$(INCDIR)/epmem.h $(DESTDIR)$(LIBDIR)/pkgconfig/epmem.pc \
+	  $(DESTDIR)$(LIBDIR)/cmake/epmem/epmemConfig.cmake $(DESTDIR)$(LIBDIR)/cmake/epmem/epmemConfigVersion.cmake
+	@rmdir $(DESTDIR)$(LIBDIR)/cmake/epmem 2>/dev/null || true
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && ldconfig -p | grep -q '$(LIBDIR)/$(SONAME)'; then ldconfig; fi
 
 # ---- C tests ---------------------------------------------------------------
 
@@ -124,16 +172,37 @@ test-long: build
 	@scripts/long-run.sh --quick > target/long-run.log 2>&1 || { cat target/long-run.log; exit 1; }; \
 	sed -n '/^== long-run verdicts/,$$p' target/long-run.log
 
-# Install into a throw-away prefix and build every example the way a user
-# would: through pkg-config, nothing from this tree.
+# Install, then build every example exactly as the README says,
+# `cc app.c $(pkg-config --cflags --libs epmem)` (warnings as errors added),
+# with nothing from this tree, and run it with no LD_LIBRARY_PATH; then the
+# CMake example (examples-cmake/, find_package(epmem)), shared and static.
+# By default into a throw-away prefix, which the .pc file's rpath serves;
+# EXAMPLE_PREFIX=/usr/local (.ci/run, as root on a fresh machine) tests the
+# README's default install with ldconfig, and uninstalls afterwards.
+# readelf checks the SONAME, the links, and that each program records it.
+EXAMPLE_PREFIX ?=
 test-examples: build
-	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
-	$(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
+	@set -e; work=$$(mktemp -d); \
+	if [ -n "$(EXAMPLE_PREFIX)" ]; then prefix=$(EXAMPLE_PREFIX); \
+	  trap '$(MAKE) --no-print-directory uninstall PREFIX=$(EXAMPLE_PREFIX) >/dev/null; rm -rf "$$work"' EXIT; \
+	else prefix=$$work/prefix; trap 'rm -rf "$$work"' EXIT; fi; \
+	$(MAKE) --no-print-directory install PREFIX=$$prefix >$$work/install.log 2>&1 || { cat $$work/install.log; exit 1; }; \
+	grep '^install:' $$work/install.log || true; \
+	lib=$$prefix/lib; \
+	soname=$$(readelf -d $$lib/$(REALNAME) | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p'); \
+	[ "$$soname" = "$(SONAME)" ] || { echo "SONAME of $(REALNAME) is '$$soname', not $(SONAME)"; exit 1; }; \
+	[ "$$(readlink $$lib/$(SONAME))" = "$(REALNAME)" ] && [ "$$(readlink $$lib/libepmem.so)" = "$(SONAME)" ] || \
+	  { echo "expected libepmem.so -> $(SONAME) -> $(REALNAME) in $$lib:"; ls -l $$lib; exit 1; }; \
+	echo "== $$lib/$(REALNAME): SONAME $$soname, links libepmem.so -> $(SONAME) -> $(REALNAME)"; \
+	pcpath=""; [ "$$prefix" = /usr/local ] || pcpath="PKG_CONFIG_PATH=$$lib/pkgconfig"; \
 	for ex in $(EXAMPLES); do \
-	  name=$$(basename $$ex .c); echo "== example $$name"; \
-	  PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -o $$prefix/$$name $$ex \
-	    $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
-	  $$prefix/$$name; \
+	  name=$$(basename $$ex .c); \
+	  echo "== example $$name: $${pcpath:+$$pcpath }cc $$name.c \$$(pkg-config --cflags --libs epmem) -> $$(env $$pcpath pkg-config --cflags --libs epmem)"; \
+	  cp $$ex $$work/$$name.c; \
+	  (cd $$work && env $$pcpath $(CC) $(WARN) $$name.c $$(env $$pcpath pkg-config --cflags --libs epmem) -o $$name); \
+	  readelf -d $$work/$$name | grep -q "(NEEDED).*\[$(SONAME)\]" || \
+	    { echo "$$name does not record NEEDED $(SONAME):"; readelf -d $$work/$$name | grep NEEDED; exit 1; }; \
+	  env -u LD_LIBRARY_PATH $$work/$$name; \
 	done; \
 	echo "== the installed library has no test machinery"; \
 	if nm -D --defined-only $$prefix/lib/libepmem.so | grep -E ' (epm_device_spin_async|epm_device_checksum_async|epm_checksum_host|epm_testing_[a-z_]*)$$'; then \
@@ -141,13 +210,34 @@ test-examples: build
 	if [ -e $$prefix/include/epmem_testing.h ]; then echo "epmem_testing.h was installed"; exit 1; fi; \
 	EPM_FAULT=warp:1 $$prefix/device_info >/dev/null 2>&1 || { echo "the installed library honoured EPM_FAULT"; exit 1; }; \
 	echo "== example device_info, linked statically (libepmem.a + Libs.private)"; \
-	$(CC) -std=c11 $(WARN) -o $$prefix/device_info_static examples-c/device_info.c \
-	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags epmem) \
-	  -L$$prefix/lib -Wl,-Bstatic -lepmem -Wl,-Bdynamic \
-	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --static --libs-only-l epmem | sed 's/-lepmem//'); \
-	if ldd $$prefix/device_info_static | grep -q libepmem; then \
-	  echo "device_info_static links libepmem.so: the static library was not used"; exit 1; fi; \
-	$$prefix/device_info_static >/dev/null
+	$(CC) -std=c11 $(WARN) -o $$work/device_info_static examples-c/device_info.c \
+	  $$(env $$pcpath pkg-config --cflags epmem) \
+	  -L$$lib -Wl,-Bstatic -lepmem -Wl,-Bdynamic \
+	  $$(env $$pcpath pkg-config --static --libs-only-l epmem | sed 's/-lepmem//'); \
+	if readelf -d $$work/device_info_static | grep -q libepmem; then \
+	  echo "device_info_static needs libepmem.so: the static library was not used"; exit 1; fi; \
+	$$work/device_info_static >/dev/null; \
+	if ! command -v cmake >/dev/null 2>&1; then \
+	  echo "test-examples: cmake not installed, CMake example skipped (.ci/run installs it)"; exit 0; fi; \
+	cmpath=""; [ "$$prefix" = /usr/local ] || cmpath="-DCMAKE_PREFIX_PATH=$$prefix"; \
+	for kind in shared static; do \
+	  b=$$work/cmake-$$kind; st=OFF; [ $$kind = shared ] || st=ON; \
+	  echo "== CMake example (examples-cmake/), $$kind: cmake -S examples-cmake -B build $$cmpath -DEPMEM_HELLO_STATIC=$$st"; \
+	  { cmake -S examples-cmake -B $$b $$cmpath -DEPMEM_HELLO_STATIC=$$st && cmake --build $$b; } >$$b.log 2>&1 || \
+	    { cat $$b.log; exit 1; }; \
+	  grep -- '-- epmem ' $$b.log; \
+	  if [ $$kind = shared ]; then readelf -d $$b/epmem_hello | grep -q "(NEEDED).*\[$(SONAME)\]" || \
+	    { echo "epmem_hello does not record NEEDED $(SONAME)"; exit 1; }; \
+	  elif readelf -d $$b/epmem_hello | grep -q libepmem; then echo "static epmem_hello needs libepmem.so"; exit 1; fi; \
+	  env -u LD_LIBRARY_PATH $$b/epmem_hello; \
+	done; \
+	cmake -S examples-cmake -B $$work/cmake-var $$cmpath -Depmem_USE_STATIC=ON 2>&1 | grep -q -- '-- epmem $(VERSION) (static)' || \
+	  { echo "epmem_USE_STATIC=ON did not make epmem::epmem the static library"; exit 1; }; \
+	echo "== epmem_USE_STATIC=ON selects the static library too"; \
+	if cmake -S examples-cmake -B $$work/cmake-v1 $$cmpath -DEPMEM_HELLO_REQUIRE=1.0 >$$work/cmake-v1.log 2>&1 || \
+	   ! grep -q 'version: $(VERSION)' $$work/cmake-v1.log; then \
+	  cat $$work/cmake-v1.log; echo "find_package(epmem 1.0) did not refuse epmem $(VERSION) for its version"; exit 1; fi; \
+	echo "== find_package(epmem 1.0) refuses $(VERSION), as it must"
 
 test:
 	$(MAKE) test-rust
@@ -170,7 +260,7 @@ demo: build
 	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
 	$(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
 	PKG_CONFIG_PATH=$$prefix/lib/pkgconfig $(CC) -std=c11 $(WARN) -O2 -o $$prefix/$(DEMO) examples-c/$(DEMO).c \
-	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS) -Wl,-rpath,$$prefix/lib; \
+	  $$(PKG_CONFIG_PATH=$$prefix/lib/pkgconfig pkg-config --cflags --libs epmem) $(EX_LIBS); \
 	$$prefix/$(DEMO)
 
 clean-c:

@@ -1,9 +1,10 @@
 /*
  * device_info: open a device and print what it is.
  *
- * Build and run against an installed epmem (make install PREFIX=$HOME/.local):
+ * Build and run against an installed epmem (make install, or make install
+ * PREFIX=$HOME/.local and PKG_CONFIG_PATH=$HOME/.local/lib/pkgconfig):
  *   cc -std=c11 device_info.c $(pkg-config --cflags --libs epmem) -o device_info
- *   LD_LIBRARY_PATH=$HOME/.local/lib ./device_info
+ *   ./device_info
  * EPM_DEVICE=auto|cuda|host picks the device (default auto: CUDA if present).
  * `make test` builds and runs it this way from a temporary prefix.
  */
@@ -35,8 +36,11 @@ int main(void) {
   if (st != EPM_STATUS_OK) goto cleanup;
 
   printf("epmem %s\n", epm_version_string());
-  printf("device %" PRIu32 ": %s (%s)\n", info.ordinal, info.name,
-         info.kind == EPM_DEVICE_KIND_CUDA ? "cuda" : "host");
+  /* The host device's name already says what it is ("host (memfd VMM)"). */
+  if (info.kind == EPM_DEVICE_KIND_CUDA)
+    printf("device %" PRIu32 ": %s (CUDA)\n", info.ordinal, info.name);
+  else
+    printf("device %" PRIu32 ": %s, no GPU: the CPU stands in for one\n", info.ordinal, info.name);
   printf("  memory       %.1f GiB total, %.1f GiB free\n", (double)total_bytes / (1 << 30),
          (double)free_bytes / (1 << 30));
   printf("  granularity  %" PRIu64 " KiB (VMM)\n", info.granularity >> 10);

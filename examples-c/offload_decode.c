@@ -8,22 +8,27 @@
  * host memory on the same stream, where a kernel of yours would read it), and
  * releases it. At the end of each token the samples are compared with the
  * host weights: a staging buffer or a device block reused too early would
- * show as a mismatch. It uses only the stable API (include/epmem.h). It then prints tokens/s, the
+ * show as a mismatch. It uses only the stable API (include/epmem.h). It
+ * then prints tokens/s, the
  * residency stats, and the streamed GB/s against the pinned H2D peak measured
- * here with a quick copy from pinned memory.
+ * here with a quick copy from pinned memory. Each figure is followed by a line
+ * saying what it means; the last line is the verdict: PASS when every weight
+ * a kernel read was bit-exact and residency stayed within the budget.
  *
- * Build and run against an installed epmem (make install PREFIX=$HOME/.local):
+ * Build and run against an installed epmem (make install, or make install
+ * PREFIX=$HOME/.local and PKG_CONFIG_PATH=$HOME/.local/lib/pkgconfig):
  *   cc -std=c11 -O2 offload_decode.c $(pkg-config --cflags --libs epmem) -o offload_decode
- *   LD_LIBRARY_PATH=$HOME/.local/lib ./offload_decode
+ *   ./offload_decode
  * `make demo` does exactly that from a temporary prefix. EPM_DEVICE=auto|cuda|host
- * picks the device (auto: CUDA if present, else the host device).
+ * picks the device (auto: CUDA if present, else the host device, whose
+ * timings are the CPU's and say nothing about a GPU).
  *
  * Options (defaults finish in seconds on a small machine):
  *   --layers N        layers (48)              --layer-kib K   bytes per layer (512 KiB)
  *   --budget-pct P    VRAM budget, % of model (50)
  *   --steps S         decode steps (8)
  *   --prefetch D      prefetch depth (1)       --policy cyclic|lru
- *   --register memlock|never|always            --sync          the seed's synchronous page-ins
+ *   --register memlock|never|always            --sync          the host waits for every page-in
  * On the H200:  EPM_DEVICE=cuda ./offload_decode --layer-kib 65536 --steps 16
  */
 #define _POSIX_C_SOURCE 200809L
@@ -31,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,6 +53,9 @@ static double now_ms(void) {
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
 }
+
+/* One line under a figure saying what it means. */
+static void means(const char *what) { printf(what[0] == ' ' ? "    %s\n" : "    - %s\n", what); }
 
 static int parse(int argc, char **argv, Options *o) {
   *o = (Options){.layers = 48, .steps = 8, .prefetch = 1, .budget_pct = 50,
@@ -147,7 +156,7 @@ int main(int argc, char **argv) {
   EpmStatus st = EPM_STATUS_OK;
   uint64_t mismatches = 0;
   double peak = 0, t_start = 0, t_decode = 0;
-  int rc = 1;
+  int rc = 1, host = 1;
 
   if (parse(argc, argv, &o)) return 2;
   size_t stride = (o.layer_bytes + 4095) & ~(size_t)4095; /* page-aligned layers */
@@ -193,9 +202,15 @@ int main(int argc, char **argv) {
   }
   if ((st = epm_residency_declare_cycle(res, ids, o.layers))) goto cleanup;
 
-  printf("offload_decode on %s (%s): %" PRIu32 " layers x %zu KiB = %.1f MiB, budget %.1f MiB (%" PRIu32 "%%)\n",
-         info.name, info.kind == EPM_DEVICE_KIND_CUDA ? "cuda" : "host", o.layers, o.layer_bytes >> 10,
-         total / 1048576.0, budget / 1048576.0, o.budget_pct);
+  host = info.kind != EPM_DEVICE_KIND_CUDA;
+  printf("offload_decode: %" PRIu32 " layers x %zu KiB = %.1f MiB of weights, budget %.1f MiB (%" PRIu32 "%%), %" PRIu32
+         " steps\n", o.layers, o.layer_bytes >> 10, total / 1048576.0, budget / 1048576.0, o.budget_pct, o.steps);
+  if (host)
+    printf("device: %s: no GPU; the CPU plays one, so every time and GB/s below measures this machine's\n"
+           "    memory copies and means nothing about a GPU (run with EPM_DEVICE=cuda on a GPU machine)\n", info.name);
+  else
+    printf("device: %s (CUDA, compute capability %" PRIu32 ".%" PRIu32 ", pci %s)\n", info.name,
+           info.compute_capability_major, info.compute_capability_minor, info.pci_bus_id);
 
   t_start = now_ms();
   for (uint32_t step = 0; step < o.steps; step++) {
@@ -233,32 +248,79 @@ int main(int argc, char **argv) {
   if ((st = measure_peak(dev, stream, o.layer_bytes, &peak))) goto cleanup;
 
   double gbps = (double)stats.htod_bytes / (t_decode * 1e-3) / 1e9;
+  uint64_t expected = (uint64_t)o.steps * o.layers;
+  double chunk_mib = 16.0 * (double)info.granularity / 1048576.0; /* the arena's default growth step */
+  struct rlimit memlock;
+  char limit[64] = "unknown";
+  if (getrlimit(RLIMIT_MEMLOCK, &memlock) == 0) {
+    if (memlock.rlim_cur == RLIM_INFINITY) snprintf(limit, sizeof limit, "unlimited");
+    else snprintf(limit, sizeof limit, "%.1f MiB", (double)memlock.rlim_cur / 1048576.0);
+  }
+
   printf("decoded %" PRIu32 " tokens in %.1f ms: %.2f tokens/s\n", o.steps, t_decode, o.steps / (t_decode * 1e-3));
   printf("verified %" PRIu64 " acquires on the device (%d samples of %d bytes each): %" PRIu64 " mismatches\n",
          stats.acquires, SAMPLES, SAMPLE_BYTES, mismatches);
+  means("a token is one pass over every layer: acquire it (paging it in if absent), read samples of the device");
+  means("  copy on the stream, release it");
+  means("the samples (head to tail of each weight) are compared with the host weight; a mismatch means corrupt");
+  means("  or too-early reused memory");
   printf("page_ins %" PRIu64 " (prefetch %" PRIu64 ", bypassed %" PRIu64 ", staged %" PRIu64 "), hits %" PRIu64
          ", hit_rate %.3f, evictions %" PRIu64 " (handed on behind readers %" PRIu64 ", host waited %" PRIu64 ")\n",
          stats.page_ins, stats.prefetch_page_ins, stats.bypassed_page_ins, stats.staged_page_ins, stats.hits,
          stats.hit_rate, stats.evictions, stats.ordered_reuses, stats.eviction_waits);
+  means("page_ins: copies to the device (prefetch: ahead of use; bypassed: straight from registered memory;");
+  means("  staged: through pinned buffers); hits: acquires already resident; hit_rate: hits / acquires;");
+  means("  evictions: weights dropped to make room (handed on: their block reused with no host wait)");
   printf("coalesced weights %" PRIu64 "\n", stats.coalesced_weights);
+  means("weights under 1 MiB adjacent in memory and in the cycle, paged in as one unit (copies of a few hundred");
+  means("  KiB never reach the link's peak)");
   printf("sources registered %" PRIu64 " (refused %" PRIu64 ", %.1f MiB), pinned_alloc_calls %" PRIu64
          ", pinned_reuses %" PRIu64 "\n",
          stats.source_registrations, stats.register_refusals, stats.registered_bytes / 1048576.0,
          stats.pinned_alloc_calls, stats.pinned_reuses);
+  if (o.reg == EPM_REGISTER_NEVER)
+    means("registration is off (--register never): every page-in is staged through pinned buffers");
+  else
+    printf("    - registered weights are page-locked and copied directly; refused: registering more would pass the locked-memory\n"
+           "      limit (RLIMIT_MEMLOCK, `ulimit -l`, here %s) or the device said no, so those are staged (slower on a GPU)\n",
+           limit);
+  means("pinned_alloc_calls: staging buffers allocated (flat after warm-up); pinned_reuses: times one was used again");
   printf("htod %.1f MiB: fill_ms %.1f, htod_ms %.1f, stall_ms %.1f (device %.1f, host %.1f)\n",
          stats.htod_bytes / 1048576.0, stats.fill_ms, stats.htod_ms, stats.stall_ms, stats.device_stall_ms,
          stats.host_stall_ms);
+  means("htod: bytes copied to the device; fill_ms: CPU time filling staging buffers; htod_ms: device time of the");
+  means("  copies; stall_ms: time work waited for a page-in (device: a stream waited; host: the caller blocked)");
   printf("resident %.1f MiB (peak %.1f of %.1f), arena: %" PRIu64 " driver allocs, %.1f MiB committed, "
          "fragmentation %.3f\n",
          stats.resident_bytes / 1048576.0, stats.peak_resident_bytes / 1048576.0, stats.budget_bytes / 1048576.0,
          stats.arena_driver_alloc_calls, stats.arena_committed_bytes / 1048576.0, stats.arena_fragmentation);
+  printf("    - resident: weight bytes on the device (never above the budget); the arena they live in commits device memory\n"
+         "      in %.0f MiB chunks, so committed can exceed the budget (the bound is under budget_bytes in epmem.h);\n"
+         "      driver allocs: chunks committed (flat after warm-up); fragmentation: 1 - largest free range / free bytes\n",
+         chunk_mib);
   printf("streamed %.2f GB/s over the decode = %.0f%% of the pinned H2D peak %.2f GB/s measured here\n", gbps,
          100.0 * gbps / peak, peak);
-  rc = mismatches ? 3 : 0;
+  means("bytes copied to the device / decode time, against back-to-back copies from pinned memory timed just");
+  means("  now; hits copy nothing, so this is below the peak whenever the decode does other work");
+
+  if (mismatches)
+    printf("FAIL: %" PRIu64 " of %" PRIu64 " weight reads on the device differed from the host weights\n", mismatches,
+           stats.acquires);
+  else if (stats.acquires != expected)
+    printf("FAIL: the manager counted %" PRIu64 " acquires, the demo made %" PRIu64 "\n", stats.acquires, expected);
+  else if (stats.peak_resident_bytes > stats.budget_bytes)
+    printf("FAIL: resident weights peaked at %" PRIu64 " bytes, over the budget of %" PRIu64 "\n",
+           stats.peak_resident_bytes, stats.budget_bytes);
+  else
+    printf("PASS: all %" PRIu64 " weight reads on the device were bit-exact, resident bytes stayed within the budget%s\n",
+           stats.acquires, host ? " (host device: the speeds above are this CPU's, not a GPU's)" : "");
+  rc = mismatches || stats.acquires != expected || stats.peak_resident_bytes > stats.budget_bytes ? 3 : 0;
 
 cleanup:
-  if (st != EPM_STATUS_OK)
+  if (st != EPM_STATUS_OK) {
     fprintf(stderr, "offload_decode: %s: %s\n", epm_status_name((int)st), epm_last_error_message());
+    printf("FAIL: epmem returned %s before the decode finished: %s\n", epm_status_name((int)st), epm_last_error_message());
+  }
   if (samples_addr) epm_arena_free(pinned, samples_addr);
   epm_arena_destroy(pinned);
   epm_residency_destroy(res);

@@ -29,6 +29,8 @@ done
 export EPM_DEVICE=${EPM_DEVICE:-cuda}
 export LD_LIBRARY_PATH=$ROOT/.carry/lib:${LD_LIBRARY_PATH:-}
 [ -f .carry/lib/libepmem.so ] || { echo "no .carry/lib/libepmem.so: run scripts/gpu-pack.sh first and carry .carry" >&2; exit 2; }
+# Programs linked with -lepmem record its SONAME, libepmem.so.0 (a carried tree may have lost the link).
+[ -e .carry/lib/libepmem.so.0 ] || ln -sf libepmem.so .carry/lib/libepmem.so.0
 
 ROWS=()
 FAILS=0

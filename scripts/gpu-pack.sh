@@ -11,6 +11,8 @@ rm -rf .carry && mkdir -p .carry/lib .carry/lib-testing .carry/tests .carry/bin
 cargo build --release --bins --lib
 # The static library stays behind: nothing on the GPU machine links it, and it is large.
 cp target/release/libepmem.so .carry/lib/
+# Its SONAME: what a program linked against it there asks the loader for.
+ln -sf libepmem.so .carry/lib/libepmem.so.0
 make --no-print-directory build-testing
 cp target/testing/release/libepmem_testing.so .carry/lib-testing/
 for b in target/release/bench_* target/release/kv_churn; do

@@ -29,6 +29,8 @@ QUICK=0
 if [ -f target/release/libepmem.so ]; then LIB=$ROOT/target/release; else LIB=$ROOT/.carry/lib; fi
 if [ -x target/release/kv_churn ]; then CHURN=$ROOT/target/release/kv_churn; else CHURN=$ROOT/.carry/bin/kv_churn; fi
 [ -f "$LIB/libepmem.so" ] || { echo "long-run: no libepmem.so in .carry/lib or target/release" >&2; exit 2; }
+# Programs linked with -lepmem need the SONAME link (a carried tree may have lost it).
+[ -e "$LIB/libepmem.so.0" ] || ln -sf libepmem.so "$LIB/libepmem.so.0"
 [ -x "$CHURN" ] || { echo "long-run: no kv_churn in .carry/bin or target/release" >&2; exit 2; }
 export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
 echo "long-run: EPM_DEVICE=${EPM_DEVICE:-auto}, library $LIB, churn $CHURN, logs $OUT"

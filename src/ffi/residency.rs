@@ -55,6 +55,18 @@ pub struct EpmResidencyConfig {
     /// `sizeof(EpmResidencyConfig)` as the caller compiled it.
     pub size: usize,
     /// Most bytes of weights resident at once. Required (default 0).
+    ///
+    /// The device memory the manager holds can exceed it: resident weights
+    /// live in a device arena that reserves `budget_bytes + budget_bytes / 8`
+    /// plus two VMM granules of address space (slack for rounding and the
+    /// holes uneven sizes leave), rounded up to whole chunks of 16 granules,
+    /// and commits physical memory a chunk at a time only inside it. So the
+    /// manager never holds more device memory than that reservation
+    /// (`arena_reserved_bytes` in `EpmResidencyStats`): with 2 MiB granules
+    /// (the H200, the host device) less than 1.125 × budget + 36 MiB, and a
+    /// whole 32 MiB chunk even for a small budget. Staging buffers are pinned
+    /// host memory (`staging_pool_bytes`), not device memory.
+    /// tests/residency_budget.rs checks the bound.
     pub budget_bytes: u64,
     /// `EPM_POLICY_CYCLIC` (default) or `EPM_POLICY_LRU`.
     pub policy: u32,
