@@ -70,24 +70,28 @@ fn panic_error(payload: Box<dyn Any + Send>) -> Error {
     Error::new(EpmStatus::Panic, format!("a Rust panic was caught at the C boundary: {what}"))
 }
 
+/// The one panic boundary of every surface epmem exports (the C API here,
+/// the ONNX Runtime entry points in `crate::ort`): installs the logger, runs
+/// `body`, and turns a caught panic into an [`EpmStatus::Panic`] error with
+/// the panic message. Each surface then reports the error its own way.
+pub(crate) fn catch<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(|| {
+        crate::ffi::log::ensure_installed();
+        body()
+    }))
+    .unwrap_or_else(|payload| Err(panic_error(payload)))
+}
+
 /// The fallible form of the boundary; use [`ffi_boundary!`].
 #[doc(hidden)]
 pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
     clear_last_error();
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        crate::ffi::log::ensure_installed();
-        body()
-    }));
-    match result {
-        Ok(Ok(())) => EpmStatus::Ok,
-        Ok(Err(e)) => {
+    match catch(body) {
+        Ok(()) => EpmStatus::Ok,
+        Err(e) => {
             set_last_error(&e);
             // An Error carrying Ok would read as success in C with a message set.
             if e.status() == EpmStatus::Ok { EpmStatus::Internal } else { e.status() }
-        }
-        Err(payload) => {
-            set_last_error(&panic_error(payload));
-            EpmStatus::Panic
         }
     }
 }

@@ -7,7 +7,6 @@
 //! be released after the library is unregistered.
 
 use std::ffi::c_void;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
@@ -256,12 +255,12 @@ unsafe fn me<'a>(this: *const OrtAllocator) -> &'a Allocator {
 
 unsafe extern "C" fn alloc(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: ORT passes the allocator it got from us.
-    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, false))).unwrap_or(std::ptr::null_mut())
+    super::value_boundary("OrtAllocator::Alloc", std::ptr::null_mut(), || unsafe { me(this) }.allocate(size, false))
 }
 
 unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: as in `alloc`.
-    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, true))).unwrap_or(std::ptr::null_mut())
+    super::value_boundary("OrtAllocator::Reserve", std::ptr::null_mut(), || unsafe { me(this) }.allocate(size, true))
 }
 
 unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, _stream: *mut OrtSyncStream) -> *mut c_void {
@@ -272,7 +271,7 @@ unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, _stre
 
 unsafe extern "C" fn free(this: *mut OrtAllocator, p: *mut c_void) {
     // SAFETY: as in `alloc`.
-    let _ = catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.deallocate(p)));
+    super::value_boundary("OrtAllocator::Free", (), || unsafe { me(this) }.deallocate(p));
 }
 
 unsafe extern "C" fn info_fn(this: *const OrtAllocator) -> *const OrtMemoryInfo {
