@@ -233,7 +233,17 @@ unsafe extern "C" fn get_version(this: *const OrtEpFactory) -> *const c_char {
 }
 
 unsafe extern "C" fn is_stream_aware(_this: *const OrtEpFactory) -> bool {
-    // Copies with no stream complete before CopyTensors returns.
+    // Deliberately false, also on CUDA. This flag is about the *EP's* streams
+    // (its nodes and copies), not about allocation: ORT's allocator adapter
+    // calls AllocOnStream on any OrtAllocator that has it, whatever the
+    // factory says, and that is how epmem's allocators see the CUDA EP's
+    // streams. A stream-aware factory makes ORT register a create-stream
+    // function for the GPU device type in every session that lists epmem's
+    // EP (PluginExecutionProvider::RegisterStreamHandlers); the registry
+    // keeps the first registration, so a session with epmem's EP and the
+    // CUDA EP could hand the CUDA EP's kernels a plugin stream where they
+    // expect a CudaStream. epmem's EP runs no kernels, so it needs no stream,
+    // and its copies complete before CopyTensors returns.
     false
 }
 

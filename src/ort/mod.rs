@@ -28,6 +28,7 @@ mod factory;
 mod logging;
 mod options;
 mod source;
+mod stream_order;
 #[cfg(test)]
 mod tests;
 
