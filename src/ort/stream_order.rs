@@ -155,6 +155,7 @@ impl StreamOrdered {
     }
 
     /// Whether `addr` is a live allocation.
+    #[cfg(test)]
     pub fn is_live(&self, addr: u64) -> bool {
         self.lock().live.contains_key(&addr)
     }
