@@ -15,12 +15,13 @@ own process, so memory figures start clean:
 Reported per allocator: latency per run (median, mean, total of the measured
 pass), device memory taken (driver free memory, cuMemGetInfo via torch,
 before the session vs after every run; peak, and peak above the initializers),
-and growth steps after warm-up: runs of the measured pass after which the
-driver's free memory dropped. Both allocators keep what they took (neither
-shrinks here), so every driver allocation that holds memory shows up as a
-step; a step counts at least one driver allocation (allocations that are
-freed again in the same run are invisible to this measure; the C test
-tests/ort/gpu/ort_cuda_c_test.c reads epmem's exact NumArenaExtensions).
+driver allocations in the warm-up and the measured pass, counted from each
+worker's ORT log at INFO (ORT's BFC arena logs "Extended allocation by" and
+"Reserving memory in BFCArena for Cuda" for every cudaMalloc of its Cuda
+arena; epmem logs "arena grew (N physical
+allocation(s) ...)"), and growth steps: measured runs after which the
+driver's free memory dropped (a cross-check that needs no log). Logging at
+INFO costs both processes the same.
 Outputs of every run are compared bit for bit across the two processes.
 Writes DIR/bench_ort.json and DIR/bench_ort_memory.png (matplotlib).
 """
@@ -28,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +44,8 @@ def worker(a):
     import onnxruntime as ort
 
     torch.cuda.init()
+    # INFO: ORT's BFC arena logs each extension, epmem each arena growth.
+    ort.set_default_logger_severity(1)
     free0, total = torch.cuda.mem_get_info()
     trace = json.load(open(a.trace))
     so = ort.SessionOptions()
@@ -60,6 +64,8 @@ def worker(a):
     pool = np.random.default_rng(7).standard_normal(2 * most).astype(np.float32)
     lat, taken, hashes = [], [], []
     for i, (b, t) in enumerate(trace + trace):
+        if i == len(trace):
+            print(MARK, file=sys.stderr, flush=True)
         off = (i % len(trace)) * 7919 % most
         x = pool[off:off + b * t * a.d_model].reshape(b, t, a.d_model)
         t1 = time.perf_counter()
@@ -83,6 +89,29 @@ def worker(a):
     json.dump(res, open(a.result, "w"))
 
 
+MARK = "epmem-bench-ort: measured pass begins"
+
+
+def driver_allocs(log_path):
+    """(warm-up, measured) driver allocations from the worker's log: ORT's
+    "Extended allocation by" lines of its Cuda arena, epmem's "arena grew (N ...)"."""
+    counts, phase, arena = [0, 0], 0, None
+    for line in open(log_path, errors="replace"):
+        if MARK in line:
+            phase = 1
+        m = re.search(r"Extending BFCArena for (\w+)", line)
+        if m:
+            arena = m.group(1)
+        if "Extended allocation by" in line and arena == "Cuda":
+            counts[phase] += 1
+        if "Reserving memory in BFCArena for Cuda " in line:  # Reserve: a cudaMalloc of its own
+            counts[phase] += 1
+        m = re.search(r"epmem: \S+ Device allocator: arena grew \((\d+) physical", line)
+        if m:
+            counts[phase] += int(m.group(1))
+    return counts
+
+
 def summarize(r, n, init_bytes):
     import statistics
 
@@ -96,6 +125,8 @@ def summarize(r, n, init_bytes):
         "peak_taken_mib": max(taken) / 2**20,
         "peak_above_init_mib": (max(taken) - init_bytes) / 2**20,
         "growth_steps_after_warmup": steps,
+        "driver_allocs_warmup": r["driver_allocs"][0],
+        "driver_allocs_after_warmup": r["driver_allocs"][1],
         "load_s": r["load_s"],
     }
 
@@ -141,9 +172,16 @@ def main():
         rpath = os.path.join(a.out, f"result_{w}.json")
         env = dict(os.environ, EPM_DEVICE=os.environ.get("EPM_DEVICE", "cuda"))
         t0 = time.time()
-        subprocess.run([sys.executable, __file__, "--worker", w, "--model", model, "--trace", tpath, "--result", rpath,
-                        "--lib", a.lib, "--d-model", str(a.d_model), "--provider", a.provider], check=True, env=env)
+        lpath = os.path.join(a.out, f"worker_{w}.log")
+        with open(lpath, "w") as log:
+            r = subprocess.run([sys.executable, __file__, "--worker", w, "--model", model, "--trace", tpath, "--result",
+                                rpath, "--lib", a.lib, "--d-model", str(a.d_model), "--provider", a.provider],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            sys.stdout.write(open(lpath, errors="replace").read()[-4000:])
+            sys.exit(f"the {w} worker failed (rc {r.returncode}); log {lpath}")
         results[w] = json.load(open(rpath))
+        results[w]["driver_allocs"] = driver_allocs(lpath)
         print(f"{w}: {time.time() - t0:.1f} s in its process", flush=True)
     n = len(trace)
     s = {w: summarize(results[w], n, init_bytes) for w in results}
@@ -153,18 +191,21 @@ def main():
     print(f"\nonnxruntime {results['ort']['onnxruntime']}, {a.layers} blocks d_model {a.d_model}, "
           f"{init_bytes / 2**20:.0f} MiB initializers, trace of {n} shapes (batch 1..{a.max_batch}, seq 1..{a.max_seq}), "
           f"warm-up pass + measured pass\n")
-    print("| allocator | median ms | mean ms | measured total s | peak taken MiB | peak above initializers MiB | growth steps after warm-up |")
-    print("|---|---|---|---|---|---|---|")
+    print("| allocator | median ms | mean ms | measured total s | peak taken MiB | peak above initializers MiB | "
+          "driver allocs warm-up | driver allocs after warm-up | growth steps after warm-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for w in ("ort", "epmem"):
         v = s[w]
         print(f"| {w} | {v['median_ms']:.3f} | {v['mean_ms']:.3f} | {v['total_s']:.3f} | {v['peak_taken_mib']:.0f} | "
-              f"{v['peak_above_init_mib']:.0f} | {v['growth_steps_after_warmup']} |")
+              f"{v['peak_above_init_mib']:.0f} | {v['driver_allocs_warmup']} | {v['driver_allocs_after_warmup']} | "
+              f"{v['growth_steps_after_warmup']} |")
     print(f"\noutputs bit-identical: {same}/{2 * n} runs")
     verdict = lambda ok: "MET" if ok else "MISSED"
     print(f"target latency <= 1.02x ORT: {lat_ratio:.3f}x {verdict(lat_ratio <= 1.02)}")
     print(f"target memory above initializers <= 0.6x ORT: {mem_ratio:.3f}x {verdict(mem_ratio <= 0.6)}")
-    print(f"target 0 growth steps after warm-up (epmem): {s['epmem']['growth_steps_after_warmup']} "
-          f"{verdict(s['epmem']['growth_steps_after_warmup'] == 0)}")
+    da = s["epmem"]["driver_allocs_after_warmup"]
+    print(f"target 0 driver allocations after warm-up (epmem, from its log): {da} {verdict(da == 0)}; "
+          f"growth steps in driver free memory: {s['epmem']['growth_steps_after_warmup']}")
     out = {"summary": s, "bit_identical_runs": same, "runs": 2 * n, "latency_ratio": lat_ratio,
            "memory_above_init_ratio": mem_ratio, "init_bytes": init_bytes, "trace": trace,
            "taken_bytes": {w: results[w]["taken_bytes"] for w in results},

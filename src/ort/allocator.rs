@@ -188,9 +188,20 @@ impl Allocator {
             );
             return std::ptr::null_mut();
         }
+        // Device-wide counters (atomics): any arena growth during this call
+        // is reported, so a host can count driver allocations from ORT's log.
+        let creates_before = self.dev.driver_counts().vmm_create_calls;
         match self.mem.alloc(bytes, stream) {
             Ok((addr, accounted)) => {
                 book.record(accounted, reserve);
+                let grew = self.dev.driver_counts().vmm_create_calls - creates_before;
+                if grew > 0 {
+                    log::info!(
+                        "epmem: {} {:?} allocator: arena grew ({grew} physical allocation(s) from the driver) for {bytes} bytes",
+                        self.device_label,
+                        self.kind
+                    );
+                }
                 addr as *mut c_void
             }
             Err(e) => {
