@@ -266,8 +266,10 @@ mod tests {
     }
 
     const MIB: usize = 1 << 20;
-    /// Long enough that the checks below run while it is still queued.
-    const LONG_US: u32 = 300_000;
+    /// Long enough that the checks below (microseconds of host work) run
+    /// while it is still queued even on a loaded CI host; each test asserts
+    /// that it did, so a stall shows as a failure, never as a silent pass.
+    const LONG_US: u32 = 1_000_000;
 
     #[test]
     fn a_block_freed_with_work_queued_is_not_given_to_another_stream_until_it_completes() {
@@ -289,8 +291,9 @@ mod tests {
         assert_eq!(l.order_stats().pending_blocks, 1);
         l.free(q).unwrap();
         l.free(r).unwrap();
-        // Once a's work completes the block is everyone's again.
-        dev.event_synchronize(done).unwrap();
+        // Once a's work completes the block is everyone's again (the free's
+        // own event is the last thing queued on a: wait for the stream).
+        dev.stream_synchronize(a).unwrap();
         dev.stream_synchronize(b).unwrap();
         let (s, _) = l.alloc(MIB, None).unwrap();
         assert_eq!(l.order_stats().pending_blocks, 0);
