@@ -267,6 +267,7 @@ impl Allocator {
             ("epmem.same_stream_reuses", o.same_stream_reuses.to_string()),
             ("epmem.deferred_frees", o.deferred_frees.to_string()),
             ("epmem.pending_blocks", o.pending_blocks.to_string()),
+            ("epmem.stream_events_recorded", o.events_recorded.to_string()),
             ("epmem.stream_events_created", o.events_created.to_string()),
             ("epmem.stream_waits", o.waits.to_string()),
         ];

@@ -6,15 +6,18 @@
 //! kernel using it is *queued* — its work may still be running. The
 //! invariant kept here: memory freed while work is queued on stream S is
 //! never handed to work on another stream (or to a stream-less `Alloc`)
-//! before that work completes. At `Free` an event is recorded on S and the
-//! block stays *pending*, out of the source, until the event completes; the
-//! next `AllocOnStream` on S itself may take a pending block of S at once,
-//! since S runs its work in order. Plain `Alloc` and other streams only see
-//! the source, which holds no pending block.
+//! before that work completes. A block freed on S stays *pending*, out of
+//! the source; the next `AllocOnStream` on S itself may take it at once,
+//! since S runs its work in order. It goes back to the source only after an
+//! event recorded on S after its free has completed.
 //!
-//! Cost in steady state: one event record per `Free` of a stream block and
-//! one event query per stream with pending blocks per allocation; events
-//! come from a pool, so no driver allocation happens once it is warm.
+//! Events are recorded lazily, one per stream for all the blocks freed there
+//! since the last one (an *epoch*): recording later than the free captures
+//! more work, never less, so it is just as safe. A `Free` makes no driver
+//! call; an allocation that its own stream cannot serve records at most one
+//! event per stream with new frees and queries the oldest epoch of each
+//! stream. Events come from a pool: once it is warm no driver allocation
+//! happens.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,18 +39,37 @@ struct Live {
     bytes: usize,
 }
 
-#[derive(Debug)]
-struct Pending {
+#[derive(Debug, Clone, Copy)]
+struct Block {
     addr: u64,
     bytes: usize,
+}
+
+/// Blocks freed on one stream before `event` was recorded there.
+#[derive(Debug)]
+struct Epoch {
     event: RawEvent,
+    blocks: Vec<Block>,
+}
+
+#[derive(Debug, Default)]
+struct StreamPending {
+    /// Freed since the last event on this stream (no event covers them yet).
+    open: Vec<Block>,
+    /// Oldest first; events on one stream complete in order.
+    sealed: VecDeque<Epoch>,
+}
+
+impl StreamPending {
+    fn is_empty(&self) -> bool {
+        self.open.is_empty() && self.sealed.is_empty()
+    }
 }
 
 #[derive(Default)]
 struct State {
     live: HashMap<u64, Live>,
-    /// Per stream, in free order (events on one stream complete in order).
-    pending: HashMap<u64, VecDeque<Pending>>,
+    pending: HashMap<u64, (RawStream, StreamPending)>,
     pending_addrs: HashSet<u64>,
     idle_events: Vec<RawEvent>,
     stats: OrderStats,
@@ -60,10 +82,12 @@ pub(crate) struct OrderStats {
     pub stream_allocs: u64,
     /// Of those, served by a pending block of the same stream.
     pub same_stream_reuses: u64,
-    /// Frees that recorded an event and left the block pending.
+    /// Frees of stream memory (each left the block pending).
     pub deferred_frees: u64,
     /// Blocks pending now.
     pub pending_blocks: u64,
+    /// Events recorded (one per epoch; driver calls).
+    pub events_recorded: u64,
     /// Events created (driver calls; pooled afterwards).
     pub events_created: u64,
     /// Times an allocation waited for pending work because the source was full.
@@ -95,15 +119,17 @@ impl StreamOrdered {
     /// returned). Returns the address and the bytes it accounts for.
     pub fn alloc(&self, bytes: usize, stream: Option<RawStream>) -> Result<(u64, usize)> {
         let mut g = self.lock();
-        self.reclaim_completed(&mut g)?;
         if let Some(s) = stream {
             g.stats.stream_allocs += 1;
-            if let Some(hit) = take_same_stream(&mut g, s, bytes) {
-                g.idle_events.push(hit.event);
+            if let Some(hit) = self.take_same_stream(&mut g, s, bytes) {
                 g.stats.same_stream_reuses += 1;
                 g.live.insert(hit.addr, Live { stream, bytes: hit.bytes });
                 return Ok((hit.addr, hit.bytes));
             }
+        }
+        if !g.pending_addrs.is_empty() {
+            self.seal_all(&mut g)?;
+            self.reclaim_completed(&mut g)?;
         }
         let addr = match self.src.alloc(bytes) {
             Ok(a) => a,
@@ -120,7 +146,8 @@ impl StreamOrdered {
     }
 
     /// Give back an allocation; returns the bytes it accounted for, or None
-    /// for an address that is not live (foreign, or freed already).
+    /// for an address that is not live (foreign, or freed already). Makes no
+    /// driver call.
     pub fn free(&self, addr: u64) -> Result<Option<usize>> {
         let mut g = self.lock();
         let Some(l) = g.live.remove(&addr) else { return Ok(None) };
@@ -128,29 +155,10 @@ impl StreamOrdered {
             self.src.free(addr)?;
             return Ok(Some(l.bytes));
         };
-        let event = match g.idle_events.pop() {
-            Some(e) => e,
-            None => {
-                g.stats.events_created += 1;
-                self.dev.event_create(false)?
-            }
-        };
-        if let Err(e) = self.dev.event_record(event, s) {
-            // The stream is gone (destroyed with work maybe still queued):
-            // nothing to order against but the whole device.
-            log::debug!("epmem: recording a free on stream {} failed ({e}); synchronizing the device", s.0);
-            g.idle_events.push(event);
-            self.dev.synchronize()?;
-            self.src.free(addr)?;
-            return Ok(Some(l.bytes));
-        }
         g.stats.deferred_frees += 1;
         g.pending_addrs.insert(addr);
-        g.pending.entry(s.0).or_default().push_back(Pending {
-            addr,
-            bytes: l.bytes,
-            event,
-        });
+        let entry = g.pending.entry(s.0).or_insert_with(|| (s, StreamPending::default()));
+        entry.1.open.push(Block { addr, bytes: l.bytes });
         Ok(Some(l.bytes))
     }
 
@@ -160,11 +168,12 @@ impl StreamOrdered {
         self.lock().live.contains_key(&addr)
     }
 
-    /// Return completed pending blocks to the source, then give the source's
-    /// unused memory back to the driver. Bytes given back.
+    /// Wait for the work still using pending blocks, return them all to the
+    /// source, then give the source's unused memory back to the driver.
+    /// Bytes given back.
     pub fn trim(&self) -> Result<usize> {
         let mut g = self.lock();
-        self.reclaim_completed(&mut g)?;
+        self.drain_all(&mut g)?;
         self.src.trim()
     }
 
@@ -184,8 +193,52 @@ impl StreamOrdered {
         self.src.name()
     }
 
-    /// Pending blocks whose event completed go back to the source; only the
-    /// head of each stream's queue needs a query (later ones complete later).
+    fn event(&self, g: &mut State) -> Result<RawEvent> {
+        match g.idle_events.pop() {
+            Some(e) => Ok(e),
+            None => {
+                g.stats.events_created += 1;
+                self.dev.event_create(false)
+            }
+        }
+    }
+
+    /// Record one event on every stream with open blocks, sealing them into
+    /// an epoch. A stream that cannot take an event any more (destroyed,
+    /// perhaps with work still queued) is ordered against the whole device.
+    fn seal_all(&self, g: &mut State) -> Result<()> {
+        let streams: Vec<u64> = g
+            .pending
+            .iter()
+            .filter(|(_, (_, p))| !p.open.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
+        for k in streams {
+            let event = self.event(g)?;
+            let (s, p) = g.pending.get_mut(&k).expect("listed above");
+            let blocks = std::mem::take(&mut p.open);
+            match self.dev.event_record(event, *s) {
+                Ok(()) => {
+                    p.sealed.push_back(Epoch { event, blocks });
+                    g.stats.events_recorded += 1;
+                }
+                Err(e) => {
+                    log::debug!("epmem: recording on stream {} failed ({e}); synchronizing the device", s.0);
+                    g.idle_events.push(event);
+                    self.dev.synchronize()?;
+                    for b in blocks {
+                        g.pending_addrs.remove(&b.addr);
+                        self.src.free(b.addr)?;
+                    }
+                }
+            }
+        }
+        g.pending.retain(|_, (_, p)| !p.is_empty());
+        Ok(())
+    }
+
+    /// Epochs whose event completed go back to the source; only the oldest
+    /// of each stream needs a query (later ones complete later).
     fn reclaim_completed(&self, g: &mut State) -> Result<()> {
         let State {
             pending,
@@ -193,49 +246,80 @@ impl StreamOrdered {
             idle_events,
             ..
         } = g;
-        for q in pending.values_mut() {
-            while let Some(head) = q.front() {
+        for (_, p) in pending.values_mut() {
+            while let Some(head) = p.sealed.front() {
                 if !self.dev.event_query(head.event)? {
                     break;
                 }
-                let p = q.pop_front().expect("front exists");
-                pending_addrs.remove(&p.addr);
-                idle_events.push(p.event);
-                self.src.free(p.addr)?;
+                let ep = p.sealed.pop_front().expect("front exists");
+                idle_events.push(ep.event);
+                for b in ep.blocks {
+                    pending_addrs.remove(&b.addr);
+                    self.src.free(b.addr)?;
+                }
             }
         }
-        pending.retain(|_, q| !q.is_empty());
+        pending.retain(|_, (_, p)| !p.is_empty());
         Ok(())
     }
 
     /// Wait for every pending block's work and return them all to the source.
     fn drain_all(&self, g: &mut State) -> Result<()> {
+        self.seal_all(g)?;
         let pending = std::mem::take(&mut g.pending);
-        for (_, q) in pending {
-            for p in q {
-                self.dev.event_synchronize(p.event)?;
-                g.pending_addrs.remove(&p.addr);
-                g.idle_events.push(p.event);
-                self.src.free(p.addr)?;
+        for (_, (_, p)) in pending {
+            for ep in p.sealed {
+                self.dev.event_synchronize(ep.event)?;
+                g.idle_events.push(ep.event);
+                for b in ep.blocks {
+                    g.pending_addrs.remove(&b.addr);
+                    self.src.free(b.addr)?;
+                }
             }
         }
         Ok(())
     }
-}
 
-/// The smallest pending block of stream `s` that fits `bytes` without
-/// wasting more than [`REUSE_SLACK`] times it.
-fn take_same_stream(g: &mut State, s: RawStream, bytes: usize) -> Option<Pending> {
-    let q = g.pending.get_mut(&s.0)?;
-    let best = q
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.bytes >= bytes && p.bytes <= bytes.saturating_mul(REUSE_SLACK))
-        .min_by_key(|(_, p)| p.bytes)
-        .map(|(i, _)| i)?;
-    let p = q.remove(best)?;
-    g.pending_addrs.remove(&p.addr);
-    Some(p)
+    /// The smallest pending block of stream `s` (open or sealed) that fits
+    /// `bytes` without wasting more than [`REUSE_SLACK`] times it.
+    fn take_same_stream(&self, g: &mut State, s: RawStream, bytes: usize) -> Option<Block> {
+        let (_, p) = g.pending.get_mut(&s.0)?;
+        let fits = |b: &Block| b.bytes >= bytes && b.bytes <= bytes.saturating_mul(REUSE_SLACK);
+        // Candidates as (size, epoch index or None for open, index in it).
+        let mut best: Option<(usize, Option<usize>, usize)> = None;
+        let mut consider = |size: usize, ep: Option<usize>, i: usize| {
+            if best.is_none_or(|(bs, _, _)| size < bs) {
+                best = Some((size, ep, i));
+            }
+        };
+        for (i, b) in p.open.iter().enumerate().filter(|(_, b)| fits(b)) {
+            consider(b.bytes, None, i);
+        }
+        for (e, ep) in p.sealed.iter().enumerate() {
+            for (i, b) in ep.blocks.iter().enumerate().filter(|(_, b)| fits(b)) {
+                consider(b.bytes, Some(e), i);
+            }
+        }
+        let (_, ep, i) = best?;
+        let b = match ep {
+            None => p.open.swap_remove(i),
+            Some(e) => {
+                let blk = p.sealed[e].blocks.swap_remove(i);
+                // An epoch left empty is dropped; its event goes back to the
+                // pool (recording it again later is allowed at any time).
+                if p.sealed[e].blocks.is_empty() {
+                    let ep = p.sealed.remove(e).expect("index in range");
+                    g.idle_events.push(ep.event);
+                }
+                blk
+            }
+        };
+        if g.pending.get(&s.0).is_some_and(|(_, p)| p.is_empty()) {
+            g.pending.remove(&s.0);
+        }
+        g.pending_addrs.remove(&b.addr);
+        Some(b)
+    }
 }
 
 impl Drop for StreamOrdered {
@@ -352,24 +436,50 @@ mod tests {
     }
 
     #[test]
-    fn events_are_pooled_and_frees_are_checked() {
+    fn steady_state_reuse_on_one_stream_makes_no_driver_call() {
         let (dev, l) = layer(64 * MIB as u64);
         let a = dev.stream_create().unwrap();
+        let before = dev.driver_counts();
         for _ in 0..50 {
             let (p, _) = l.alloc(4096, Some(a)).unwrap();
+            let (q, _) = l.alloc(8192, Some(a)).unwrap();
             l.free(p).unwrap();
-            dev.stream_synchronize(a).unwrap();
+            l.free(q).unwrap();
         }
         let s = l.order_stats();
-        assert!(s.events_created <= 2, "events must come from a pool: {s:?}");
-        assert_eq!(s.deferred_frees, 50);
+        assert_eq!((s.stream_allocs, s.same_stream_reuses, s.deferred_frees), (100, 98, 100));
+        assert_eq!((s.events_recorded, s.events_created), (0, 0), "frees and same-stream hits record nothing: {s:?}");
+        assert_eq!(dev.driver_counts().vmm_create_calls, before.vmm_create_calls + 1, "one chunk committed, once");
+        dev.stream_synchronize(a).unwrap();
+        dev.stream_destroy(a).unwrap();
+    }
+
+    #[test]
+    fn events_are_pooled_and_frees_are_checked() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let (a, b) = (dev.stream_create().unwrap(), dev.stream_create().unwrap());
+        for i in 0..50 {
+            // Free on a, then allocate a different size on b: every round
+            // seals a's frees with one event, reclaimed once a is idle.
+            let (p, _) = l.alloc(4096, Some(a)).unwrap();
+            l.free(p).unwrap();
+            let (q, _) = l.alloc(3 * 4096 + i, Some(b)).unwrap();
+            l.free(q).unwrap();
+            dev.stream_synchronize(a).unwrap();
+            dev.stream_synchronize(b).unwrap();
+        }
+        let s = l.order_stats();
+        assert!(s.events_recorded >= 50, "{s:?}");
+        assert!(s.events_created <= 3, "events must come from a pool: {s:?}");
         assert_eq!(l.free(0xdead_0000).unwrap(), None, "a foreign address is refused");
         let (p, _) = l.alloc(4096, Some(a)).unwrap();
         assert!(l.is_live(p));
         l.free(p).unwrap();
         assert!(!l.is_live(p));
         assert_eq!(l.free(p).unwrap(), None, "a double free of a pending block is refused");
-        dev.stream_synchronize(a).unwrap();
-        dev.stream_destroy(a).unwrap();
+        for st in [a, b] {
+            dev.stream_synchronize(st).unwrap();
+            dev.stream_destroy(st).unwrap();
+        }
     }
 }

@@ -145,9 +145,10 @@ static void test_session_memory_goes_through_epmem(const OrtEpDevice* dev, const
   long long allocs1 = stat(a, "NumAllocs"), committed1 = stat(a, "epmem.committed_bytes");
   long long ext1 = stat(a, "NumArenaExtensions"), stream_allocs = stat(a, "epmem.stream_allocs");
   printf("  NumAllocs %lld -> %lld -> %lld, committed %lld -> %lld bytes, NumArenaExtensions %lld -> %lld, "
-         "stream_allocs %lld, same_stream_reuses %lld, deferred_frees %lld, events %lld, waits %lld\n",
+         "stream_allocs %lld, same_stream_reuses %lld, deferred_frees %lld, events recorded %lld created %lld, waits %lld\n",
          allocs0, allocs_w, allocs1, committed_w, committed1, ext_w, ext1, stream_allocs,
-         stat(a, "epmem.same_stream_reuses"), stat(a, "epmem.deferred_frees"), stat(a, "epmem.stream_events_created"),
+         stat(a, "epmem.same_stream_reuses"), stat(a, "epmem.deferred_frees"), stat(a, "epmem.stream_events_recorded"),
+         stat(a, "epmem.stream_events_created"),
          stat(a, "epmem.stream_waits"));
   CHECK(allocs_w > allocs0 && allocs1 > allocs_w, "the session's allocations did not go through epmem");
   CHECK(stream_allocs > 0, "ORT never called AllocOnStream: frees are not stream-ordered");
