@@ -289,6 +289,11 @@ impl Drop for Allocator {
                 self.kind
             );
         }
+        // Pending frees are sealed with events on their streams: do it while
+        // the adopted streams are still known to the device.
+        if let Err(e) = self.mem.drain() {
+            log::warn!("epmem: {} {:?} allocator: waiting for pending frees failed: {e}", self.device_label, self.kind);
+        }
         // Adopted streams are ORT's: forgetting them destroys nothing.
         let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()));
         for (_, r) in streams {

@@ -177,6 +177,13 @@ impl StreamOrdered {
         self.src.trim()
     }
 
+    /// Wait for the work still using pending blocks and return them all to
+    /// the source (before the streams they were freed on are forgotten).
+    pub fn drain(&self) -> Result<()> {
+        let mut g = self.lock();
+        self.drain_all(&mut g)
+    }
+
     pub fn source_stats(&self) -> SourceStats {
         self.src.stats()
     }
@@ -373,16 +380,16 @@ mod tests {
         assert_ne!(q, p, "stream b got memory stream a's queued work still uses");
         assert_ne!(r, p, "a stream-less Alloc got memory with work queued on it");
         assert_eq!(l.order_stats().pending_blocks, 1);
-        l.free(q).unwrap();
-        l.free(r).unwrap();
-        // Once a's work completes the block is everyone's again (the free's
-        // own event is the last thing queued on a: wait for the stream).
+        // Once a's work completes the block is everyone's again (its event
+        // was recorded after the spin, when b missed: wait for the stream).
         dev.stream_synchronize(a).unwrap();
-        dev.stream_synchronize(b).unwrap();
         let (s, _) = l.alloc(MIB, None).unwrap();
         assert_eq!(l.order_stats().pending_blocks, 0);
         assert_eq!(s, p, "a completed block must return to the source");
-        l.free(s).unwrap();
+        for x in [q, r, s] {
+            l.free(x).unwrap();
+        }
+        dev.stream_synchronize(b).unwrap();
         for st in [a, b] {
             dev.stream_destroy(st).unwrap();
         }
@@ -422,7 +429,7 @@ mod tests {
         // Fill most of it, free on a busy stream, then ask on another stream
         // for more than is left.
         let (p, _) = l.alloc(20 * MIB, Some(a)).unwrap();
-        dev.spin_async(50_000, a).unwrap();
+        dev.spin_async(LONG_US, a).unwrap();
         l.free(p).unwrap();
         let (q, _) = l.alloc(20 * MIB, Some(b)).unwrap();
         let s = l.order_stats();
