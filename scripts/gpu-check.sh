@@ -104,6 +104,20 @@ if python3 -c 'import torch' >/dev/null 2>&1; then
   [ $BENCH = 1 ] && step py-bench_kv_batch 'target|ratio' env EPMEM_LIB=.carry/lib/libepmem.so python3 scripts/bench_kv_batch.py --json "$OUT/bench_kv_batch.json"
 fi
 
+# 5c. ORT's own CUDA EP on epmem memory: needs onnxruntime-gpu (unpacked in
+# $ORT_GPU_DIR, put first on PYTHONPATH by the script); with --bench also the
+# allocator benchmark against ORT's BFC arena.
+if [ -x scripts/ort-gpu-test.sh ] && echo ort-gpu | grep -Eq "$ONLY"; then
+  if probe=$(scripts/ort-gpu-test.sh --probe 2>&1); then
+    step ort-gpu 'passed|failed|PASS|FAIL' scripts/ort-gpu-test.sh
+    [ $BENCH = 1 ] && step bench-ort 'target|bit-identical' env PYTHONPATH="${ORT_GPU_DIR:+$ORT_GPU_DIR:}${PYTHONPATH:-}" \
+      python3 scripts/bench_ort.py --out "$OUT/bench_ort"
+  else
+    echo "== ort-gpu: not run: $probe" >&2
+    echo "ort-gpu: not run ($probe)" >"$OUT/ort-gpu-not-run.txt"
+  fi
+fi
+
 # 6. Benchmarks.
 if [ $BENCH = 1 ]; then
   for b in .carry/bin/bench_*; do

@@ -4,6 +4,11 @@
 //! first `epm_*` call (the panic boundary does it). By default records go to
 //! stderr, filtered by `EPM_LOG` (error|warn|info|debug|trace|off; unset:
 //! off). `epm_set_log_callback` routes them to the host instead.
+//!
+//! A framework that loaded epmem as a plugin (ONNX Runtime) may install a
+//! *framework sink* ([`set_framework_sink`]): records go there while the host
+//! has set no callback and `EPM_LOG` is unset. Precedence: host callback,
+//! then `EPM_LOG` (stderr), then the framework sink.
 
 use std::cell::Cell;
 use std::ffi::{CString, c_char, c_void};
@@ -51,11 +56,34 @@ unsafe impl Sync for Sink {}
 
 struct State {
     sink: Sink,
+    /// The host callback's filter (meaningful while `sink` is a callback).
+    cb_level: LevelFilter,
     /// The `EPM_LOG` level, restored when the callback is removed.
     env_level: LevelFilter,
+    /// Whether `EPM_LOG` is set at all: an explicit setting beats the framework sink.
+    env_set: bool,
+    /// The framework's sink and the level it asked for.
+    framework: Option<(Sink, LevelFilter)>,
 }
 
-static STATE: RwLock<State> = RwLock::new(State { sink: Sink::Stderr, env_level: LevelFilter::Off });
+impl State {
+    /// Where records go now, and the level that filters them.
+    fn route(&self) -> (Sink, LevelFilter) {
+        match (self.sink, self.framework) {
+            (Sink::Callback { .. }, _) => (self.sink, self.cb_level),
+            (Sink::Stderr, Some(fw)) if !self.env_set => fw,
+            (Sink::Stderr, _) => (Sink::Stderr, self.env_level),
+        }
+    }
+}
+
+static STATE: RwLock<State> = RwLock::new(State {
+    sink: Sink::Stderr,
+    cb_level: LevelFilter::Off,
+    env_level: LevelFilter::Off,
+    env_set: false,
+    framework: None,
+});
 static INSTALL: Once = Once::new();
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
@@ -92,9 +120,11 @@ fn level_from_env() -> LevelFilter {
 pub(crate) fn ensure_installed() {
     INSTALL.call_once(|| {
         let level = level_from_env();
-        write_state().env_level = level;
+        let mut state = write_state();
+        state.env_level = level;
+        state.env_set = std::env::var_os("EPM_LOG").is_some();
         if log::set_logger(&LOGGER).is_ok() {
-            log::set_max_level(level);
+            log::set_max_level(state.route().1);
             INSTALLED.store(true, Ordering::Release);
         }
     });
@@ -141,16 +171,17 @@ impl Log for Logger {
             return;
         }
         let state = STATE.read().unwrap_or_else(|p| p.into_inner());
-        match state.sink {
+        match state.route().0 {
             Sink::Stderr => {
                 let _ = writeln!(std::io::stderr(), "[epmem {} {}] {}", r.level(), r.target(), r.args());
             }
             Sink::Callback { cb, user_data } => {
                 let text = CString::new(r.args().to_string().replace('\0', "\\0")).unwrap_or_default();
                 IN_CALLBACK.with(|f| f.set(true));
-                // SAFETY: the host installed `cb` with `user_data` and promised
-                // both stay valid until the callback is replaced; holding the read
-                // lock keeps epm_set_log_callback from returning meanwhile.
+                // SAFETY: the host (or framework) installed `cb` with `user_data`
+                // and promised both stay valid until the callback is replaced;
+                // holding the read lock keeps epm_set_log_callback and
+                // set_framework_sink from returning meanwhile.
                 unsafe { cb(user_data, to_c_level(r.level()), text.as_ptr()) };
                 IN_CALLBACK.with(|f| f.set(false));
             }
@@ -188,16 +219,38 @@ pub extern "C" fn epm_set_log_callback(callback: EpmLogCallback, user_data: *mut
         match callback {
             Some(cb) => {
                 state.sink = Sink::Callback { cb, user_data };
-                log::set_max_level(level);
+                state.cb_level = level;
             }
-            None => {
-                state.sink = Sink::Stderr;
-                log::set_max_level(state.env_level);
-            }
+            None => state.sink = Sink::Stderr,
         }
+        log::set_max_level(state.route().1);
         Ok(())
     }
 }
+
+/// A framework's log sink (ONNX Runtime's logger when epmem is loaded as its
+/// plugin), used while no host callback is set and `EPM_LOG` is unset; `None`
+/// removes it. The callback follows [`EpmLogCallback`]'s contract; once this
+/// returns after removing it, it is not called again. Returns false if
+/// another logger owns the `log` facade.
+pub(crate) fn set_framework_sink(
+    sink: Option<(unsafe extern "C" fn(*mut c_void, EpmLogLevel, *const c_char), *mut c_void, EpmLogLevel)>,
+) -> bool {
+    if !installed() {
+        return false;
+    }
+    let mut state = write_state();
+    state.framework = sink.map(|(cb, user_data, level)| {
+        let filter = filter_from_u32(level as u32).unwrap_or(LevelFilter::Off);
+        (Sink::Callback { cb, user_data }, filter)
+    });
+    log::set_max_level(state.route().1);
+    true
+}
+
+/// Tests that change the process-wide routing hold this (they run in parallel).
+#[cfg(test)]
+pub(crate) static TEST_ROUTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[cfg(test)]
 mod tests {
@@ -215,6 +268,7 @@ mod tests {
 
     #[test]
     fn callback_receives_records_up_to_max_level_and_null_restores() {
+        let _g = TEST_ROUTING.lock().unwrap_or_else(|p| p.into_inner());
         let ud = std::ptr::without_provenance_mut(0x5eed);
         assert_eq!(epm_set_log_callback(Some(record), ud, EpmLogLevel::Info as u32), EpmStatus::Ok);
         log::info!("ffi-log-test info {}", 1);

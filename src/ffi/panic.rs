@@ -78,10 +78,18 @@ fn panic_error(payload: Box<dyn Any + Send>) -> Error {
     Error::new(EpmStatus::Panic, format!("a Rust panic was caught at the C boundary: {what}"))
 }
 
-/// The fallible form of the boundary; use [`ffi_boundary!`].
-#[doc(hidden)]
-pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
-    clear_last_error();
+/// The one panic boundary of every surface epmem exports (the C API here,
+/// the ONNX Runtime entry points in `crate::ort`): installs the logger, runs
+/// `body`, and turns a caught panic into an [`EpmStatus::Panic`] error with
+/// the panic message. Each surface then reports the error its own way.
+/// A handle the body looked up before it panicked is poisoned: its object
+/// may hold half-updated state, so later calls on it are refused.
+pub(crate) fn catch<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_value(body).unwrap_or_else(|payload| Err(panic_error(payload)))
+}
+
+/// [`catch`] for a body that returns a value: the panic payload on a panic.
+fn catch_value<T>(body: impl FnOnce() -> T) -> std::thread::Result<T> {
     let scope = crate::ffi::handle::CallScope::enter();
     let result = catch_unwind(AssertUnwindSafe(|| {
         crate::ffi::log::ensure_installed();
@@ -90,17 +98,19 @@ pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
     if result.is_err() {
         scope.poison_used();
     }
-    drop(scope);
-    match result {
-        Ok(Ok(())) => EpmStatus::Ok,
-        Ok(Err(e)) => {
+    result
+}
+
+/// The fallible form of the boundary; use [`ffi_boundary!`].
+#[doc(hidden)]
+pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
+    clear_last_error();
+    match catch(body) {
+        Ok(()) => EpmStatus::Ok,
+        Err(e) => {
             set_last_error(&e);
             // An Error carrying Ok would read as success in C with a message set.
             if e.status() == EpmStatus::Ok { EpmStatus::Internal } else { e.status() }
-        }
-        Err(payload) => {
-            set_last_error(&panic_error(payload));
-            EpmStatus::Panic
         }
     }
 }
@@ -108,16 +118,7 @@ pub fn status_boundary(body: impl FnOnce() -> Result<()>) -> EpmStatus {
 /// The infallible form of the boundary; use [`ffi_boundary!`].
 #[doc(hidden)]
 pub fn value_boundary<T: PanicValue>(body: impl FnOnce() -> T) -> T {
-    let scope = crate::ffi::handle::CallScope::enter();
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        crate::ffi::log::ensure_installed();
-        body()
-    }));
-    if result.is_err() {
-        scope.poison_used();
-    }
-    drop(scope);
-    result.unwrap_or_else(|payload| {
+    catch_value(body).unwrap_or_else(|payload| {
         set_last_error(&panic_error(payload));
         T::panic_value()
     })

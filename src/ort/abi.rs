@@ -86,6 +86,13 @@ pub type OrtDeviceMemoryType = c_int;
 pub const DEVICE_MEMORY_DEFAULT: OrtDeviceMemoryType = 0;
 pub const DEVICE_MEMORY_HOST_ACCESSIBLE: OrtDeviceMemoryType = 5;
 
+/// `OrtLoggingLevel`.
+pub type OrtLoggingLevel = c_int;
+pub const LOGGING_VERBOSE: OrtLoggingLevel = 0;
+pub const LOGGING_INFO: OrtLoggingLevel = 1;
+pub const LOGGING_WARNING: OrtLoggingLevel = 2;
+pub const LOGGING_ERROR: OrtLoggingLevel = 3;
+
 /// `OrtAllocatorType`.
 pub type OrtAllocatorType = c_int;
 pub const ALLOCATOR_DEVICE: OrtAllocatorType = 0;
@@ -328,6 +335,11 @@ pub mod api_slot {
     pub const GET_KEY_VALUE: usize = 297;
     pub const GET_KEY_VALUE_PAIRS: usize = 298;
     pub const RELEASE_KEY_VALUE_PAIRS: usize = 300;
+    pub const LOGGER_LOG_MESSAGE: usize = 247;
+    pub const LOGGER_GET_LOGGING_SEVERITY_LEVEL: usize = 248;
+    /// `void* SyncStream_GetHandle(OrtSyncStream*)`: the native stream
+    /// (`cudaStream_t` for the CUDA EP's streams), 1.23.
+    pub const SYNC_STREAM_GET_HANDLE: usize = 384;
     pub const HARDWARE_DEVICE_TYPE: usize = 307;
     pub const HARDWARE_DEVICE_VENDOR_ID: usize = 308;
     pub const HARDWARE_DEVICE_METADATA: usize = 311;

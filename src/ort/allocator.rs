@@ -6,14 +6,17 @@
 //! independent, and each keeps its factory alive so it may
 //! be released after the library is unregistered.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
 use super::factory::{EpmDevice, Factory};
 use super::options::AllocatorOptions;
-use super::source::{self, MemKind, MemorySource};
+use super::source::{self, MemKind};
+use super::stream_order::StreamOrdered;
+use crate::device::{Device, RawStream};
 use crate::error::Result;
 
 /// Accounting for one allocator in ORT's terms (requested bytes; the
@@ -72,8 +75,14 @@ pub(crate) struct Allocator {
     info: *const OrtMemoryInfo,
     device_label: String,
     kind: MemKind,
-    source: Box<dyn MemorySource>,
+    dev: Arc<dyn Device>,
+    /// The arena behind a stream-ordering layer (see `stream_order`).
+    mem: StreamOrdered,
     book: Mutex<Book>,
+    /// ORT's native streams (`SyncStream_GetHandle`) adopted by the device,
+    /// one driver call each the first time a stream is seen.
+    streams: Mutex<HashMap<u64, RawStream>>,
+    warned_unordered: AtomicBool,
 }
 
 impl Allocator {
@@ -114,8 +123,11 @@ impl Allocator {
             info,
             device_label: dev.label(),
             kind,
-            source: source::open(&dev.dev, kind, limit)?,
+            dev: dev.dev.clone(),
+            mem: StreamOrdered::new(dev.dev.clone(), source::open(&dev.dev, kind, limit)?),
             book: Mutex::new(Book::new(limit)),
+            streams: Mutex::new(HashMap::new()),
+            warned_unordered: AtomicBool::new(false),
         });
         Ok(Box::into_raw(a) as *mut OrtAllocator)
     }
@@ -133,7 +145,35 @@ impl Allocator {
         self.book.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn allocate(&self, size: usize, reserve: bool) -> *mut c_void {
+    /// The device's handle for ORT's stream, adopted on first sight. None
+    /// when the device cannot adopt it (the host device has no native
+    /// streams): the allocation is then not stream-ordered, as before 1.23.
+    fn stream_for(&self, stream: *mut OrtSyncStream) -> Option<RawStream> {
+        // SAFETY: ORT passes a live OrtSyncStream (its own Stream object).
+        let native = unsafe { (self.factory.api.sync_stream_get_handle)(stream) } as u64;
+        let mut m = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = m.get(&native) {
+            return Some(*r);
+        }
+        match self.dev.stream_wrap_native(native) {
+            Ok(r) => {
+                m.insert(native, r);
+                Some(r)
+            }
+            Err(e) => {
+                if !self.warned_unordered.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "epmem: {} {:?} allocator: cannot order frees after ORT's stream {native:#x} ({e}); its allocations are not stream-ordered",
+                        self.device_label,
+                        self.kind
+                    );
+                }
+                None
+            }
+        }
+    }
+
+    fn allocate(&self, size: usize, reserve: bool, stream: Option<RawStream>) -> *mut c_void {
         // ORT may ask for 0 bytes; a distinct non-NULL pointer is what it expects.
         let bytes = size.max(1);
         let mut book = self.book();
@@ -148,9 +188,20 @@ impl Allocator {
             );
             return std::ptr::null_mut();
         }
-        match self.source.alloc(bytes) {
-            Ok(addr) => {
-                book.record(bytes, reserve);
+        // Device-wide counters (atomics): any arena growth during this call
+        // is reported, so a host can count driver allocations from ORT's log.
+        let creates_before = self.dev.driver_counts().vmm_create_calls;
+        match self.mem.alloc(bytes, stream) {
+            Ok((addr, accounted)) => {
+                book.record(accounted, reserve);
+                let grew = self.dev.driver_counts().vmm_create_calls - creates_before;
+                if grew > 0 {
+                    log::info!(
+                        "epmem: {} {:?} allocator: arena grew ({grew} physical allocation(s) from the driver) for {bytes} bytes",
+                        self.device_label,
+                        self.kind
+                    );
+                }
                 addr as *mut c_void
             }
             Err(e) => {
@@ -171,23 +222,21 @@ impl Allocator {
         }
         let addr = p as u64;
         let mut book = self.book();
-        let Some(bytes) = self.source.size_of(addr) else {
-            log::warn!(
+        match self.mem.free(addr) {
+            Ok(Some(bytes)) => book.release(bytes),
+            Ok(None) => log::warn!(
                 "epmem: {} {:?} allocator: Free of {addr:#x}, which it did not allocate (or freed already); ignored",
                 self.device_label,
                 self.kind
-            );
-            return;
-        };
-        match self.source.free(addr) {
-            Ok(()) => book.release(bytes),
+            ),
             Err(e) => log::warn!("epmem: freeing {addr:#x} failed: {e}"),
         }
     }
 
     fn stats(&self) -> Vec<(&'static str, String)> {
         let b = self.book();
-        let s = self.source.stats();
+        let s = self.mem.source_stats();
+        let o = self.mem.order_stats();
         let mut v = vec![
             ("Limit", b.limit.to_string()),
             ("InUse", b.in_use.to_string()),
@@ -207,13 +256,20 @@ impl Allocator {
                 }
                 .to_string(),
             ),
-            ("epmem.source", self.source.name().to_string()),
+            ("epmem.source", self.mem.source_name().to_string()),
             ("epmem.committed_bytes", s.committed_bytes.to_string()),
             ("epmem.reserved_bytes", s.reserved_bytes.to_string()),
             ("epmem.fragmentation", format!("{:.4}", s.fragmentation)),
             ("epmem.live_allocations", b.live().to_string()),
             ("epmem.frees", b.frees.to_string()),
             ("epmem.failed_allocs", b.failed_allocs.to_string()),
+            ("epmem.stream_allocs", o.stream_allocs.to_string()),
+            ("epmem.same_stream_reuses", o.same_stream_reuses.to_string()),
+            ("epmem.deferred_frees", o.deferred_frees.to_string()),
+            ("epmem.pending_blocks", o.pending_blocks.to_string()),
+            ("epmem.stream_events_recorded", o.events_recorded.to_string()),
+            ("epmem.stream_events_created", o.events_created.to_string()),
+            ("epmem.stream_waits", o.waits.to_string()),
         ];
         v.extend(self.factory.copies.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
         v.extend(self.factory.engines.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
@@ -232,6 +288,16 @@ impl Drop for Allocator {
                 self.device_label,
                 self.kind
             );
+        }
+        // Pending frees are sealed with events on their streams: do it while
+        // the adopted streams are still known to the device.
+        if let Err(e) = self.mem.drain() {
+            log::warn!("epmem: {} {:?} allocator: waiting for pending frees failed: {e}", self.device_label, self.kind);
+        }
+        // Adopted streams are ORT's: forgetting them destroys nothing.
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()));
+        for (_, r) in streams {
+            crate::device::objects::log_drop_error("forgetting an adopted stream", self.dev.stream_destroy(r));
         }
     }
 }
@@ -256,23 +322,29 @@ unsafe fn me<'a>(this: *const OrtAllocator) -> &'a Allocator {
 
 unsafe extern "C" fn alloc(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: ORT passes the allocator it got from us.
-    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, false))).unwrap_or(std::ptr::null_mut())
+    super::value_boundary("OrtAllocator::Alloc", std::ptr::null_mut(), || unsafe { me(this) }.allocate(size, false, None))
 }
 
 unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_void {
     // SAFETY: as in `alloc`.
-    catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.allocate(size, true))).unwrap_or(std::ptr::null_mut())
+    super::value_boundary("OrtAllocator::Reserve", std::ptr::null_mut(), || unsafe { me(this) }.allocate(size, true, None))
 }
 
-unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, _stream: *mut OrtSyncStream) -> *mut c_void {
-    // Not stream aware: memory is usable on any stream once Alloc returns.
-    // SAFETY: as in `alloc`.
-    unsafe { alloc(this, size) }
+/// ORT (1.23+) calls this for any allocator that has it, with the stream of
+/// the kernel that will use the memory (NULL: none). Frees of such memory are
+/// ordered after that stream's work (see `stream_order`).
+unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, stream: *mut OrtSyncStream) -> *mut c_void {
+    super::value_boundary("OrtAllocator::AllocOnStream", std::ptr::null_mut(), || {
+        // SAFETY: as in `alloc`.
+        let a = unsafe { me(this) };
+        let s = if stream.is_null() { None } else { a.stream_for(stream) };
+        a.allocate(size, false, s)
+    })
 }
 
 unsafe extern "C" fn free(this: *mut OrtAllocator, p: *mut c_void) {
     // SAFETY: as in `alloc`.
-    let _ = catch_unwind(AssertUnwindSafe(|| unsafe { me(this) }.deallocate(p)));
+    super::value_boundary("OrtAllocator::Free", (), || unsafe { me(this) }.deallocate(p));
 }
 
 unsafe extern "C" fn info_fn(this: *const OrtAllocator) -> *const OrtMemoryInfo {
@@ -299,7 +371,7 @@ unsafe extern "C" fn shrink(this: *mut OrtAllocator) -> *mut OrtStatus {
     // SAFETY: as in `alloc`.
     let a = unsafe { me(this) };
     super::status_boundary(&a.factory.api, "OrtAllocator::Shrink", || {
-        let given = a.source.trim()?;
+        let given = a.mem.trim()?;
         log::debug!(
             "epmem: {} {:?} allocator gave back {given} bytes",
             a.device_label,

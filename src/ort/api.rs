@@ -21,7 +21,7 @@ pub(crate) struct Api {
     pub version: u32,
     create_status: StatusFn,
     get_error_message: unsafe extern "C" fn(*const OrtStatus) -> *const c_char,
-    release_status: unsafe extern "C" fn(*mut OrtStatus),
+    pub release_status: unsafe extern "C" fn(*mut OrtStatus),
     release_memory_info: unsafe extern "C" fn(*mut OrtMemoryInfo),
     create_kvp: unsafe extern "C" fn(*mut *mut OrtKeyValuePairs),
     add_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs, *const c_char, *const c_char),
@@ -74,7 +74,21 @@ pub(crate) struct Api {
         ) -> *mut OrtStatus,
     >,
     pub release_hardware_device: Option<unsafe extern "C" fn(*mut OrtHardwareDevice)>,
+    pub logger_log_message: unsafe extern "C" fn(
+        *const OrtLogger,
+        OrtLoggingLevel,
+        *const c_char,
+        *const c_char,
+        std::ffi::c_int,
+        *const c_char,
+    ) -> *mut OrtStatus,
+    pub logger_get_severity: unsafe extern "C" fn(*const OrtLogger, *mut OrtLoggingLevel) -> *mut OrtStatus,
+    pub sync_stream_get_handle: unsafe extern "C" fn(*mut OrtSyncStream) -> *mut c_void,
 }
+
+/// Test hook: make [`Api::load`] panic, as a bug in it would.
+#[cfg(test)]
+pub(crate) static PANIC_IN_LOAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Read slot `idx` of a function table as a typed function pointer.
 ///
@@ -110,6 +124,10 @@ impl Api {
     /// `base` is the `OrtApiBase` ORT passed to `CreateEpFactories`.
     pub unsafe fn load(base: *const OrtApiBase) -> Result<Api> {
         crate::ensure!(!base.is_null(), NullPointer, "OrtApiBase is NULL");
+        #[cfg(test)]
+        if PANIC_IN_LOAD.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("test: Api::load panicked");
+        }
         // SAFETY: ORT passes a valid OrtApiBase.
         let base = unsafe { &*base };
         // SAFETY: plain ORT calls with no arguments / a version number.
@@ -137,6 +155,13 @@ impl Api {
                 create_status: slot(t, s::CREATE_STATUS, "CreateStatus")?,
                 get_error_message: slot(t, s::GET_ERROR_MESSAGE, "GetErrorMessage")?,
                 release_status: slot(t, s::RELEASE_STATUS, "ReleaseStatus")?,
+                logger_log_message: slot(t, s::LOGGER_LOG_MESSAGE, "Logger_LogMessage")?,
+                logger_get_severity: slot(
+                    t,
+                    s::LOGGER_GET_LOGGING_SEVERITY_LEVEL,
+                    "Logger_GetLoggingSeverityLevel",
+                )?,
+                sync_stream_get_handle: slot(t, s::SYNC_STREAM_GET_HANDLE, "SyncStream_GetHandle")?,
                 release_memory_info: slot(t, s::RELEASE_MEMORY_INFO, "ReleaseMemoryInfo")?,
                 create_kvp: slot(t, s::CREATE_KEY_VALUE_PAIRS, "CreateKeyValuePairs")?,
                 add_kvp: slot(t, s::ADD_KEY_VALUE_PAIR, "AddKeyValuePair")?,

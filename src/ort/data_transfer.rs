@@ -238,7 +238,9 @@ unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
 unsafe extern "C" fn release(this: *mut OrtDataTransferImpl) {
     if !this.is_null() {
         // SAFETY: ORT releases the transfer we gave it, once.
-        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(this as *mut DataTransfer) }));
+        super::value_boundary("OrtDataTransferImpl::Release", (), || {
+            drop(unsafe { Box::from_raw(this as *mut DataTransfer) })
+        });
     }
 }
 
@@ -247,7 +249,7 @@ unsafe extern "C" fn can_copy_fn(
     src: *const OrtMemoryDevice,
     dst: *const OrtMemoryDevice,
 ) -> bool {
-    std::panic::catch_unwind(|| {
+    super::value_boundary("OrtDataTransferImpl::CanCopy", false, || {
         if src.is_null() || dst.is_null() {
             return false;
         }
@@ -258,7 +260,6 @@ unsafe extern "C" fn can_copy_fn(
         };
         can_copy(classify(&t.factory, &s), classify(&t.factory, &d))
     })
-    .unwrap_or(false)
 }
 
 unsafe extern "C" fn copy_tensors(

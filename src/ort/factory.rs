@@ -7,6 +7,7 @@
 //! creating its factory releases exactly that factory.
 
 use std::ffi::{CString, c_char};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
@@ -62,6 +63,9 @@ pub(crate) struct Factory {
     pub copies: CopyCounters,
     /// The staging copy engines of host → device copies, one per device.
     pub engines: Engines,
+    /// This factory holds a reference on ORT's logger (`logging::attach`),
+    /// dropped when ORT releases the factory.
+    logs_to_ort: AtomicBool,
 }
 
 impl Factory {
@@ -86,7 +90,7 @@ impl Drop for Factory {
 
 impl Factory {
     /// Open the devices `EPM_DEVICE` selects and build a factory for them.
-    pub fn create(api: Api, registered_name: &str) -> Result<*mut OrtEpFactory> {
+    pub fn create(api: Api, registered_name: &str, logs_to_ort: bool) -> Result<*mut OrtEpFactory> {
         crate::ensure!(
             !registered_name.is_empty(),
             InvalidArgument,
@@ -119,6 +123,7 @@ impl Factory {
             created_hw: Mutex::new(Vec::new()),
             copies: CopyCounters::default(),
             engines: Engines::new(n_devices),
+            logs_to_ort: AtomicBool::new(logs_to_ort),
             base: OrtEpFactory {
                 ort_version_supported: ORT_VERSION_SUPPORTED,
                 GetName: Some(get_name),
@@ -150,7 +155,12 @@ impl Factory {
     /// `p` came from [`Factory::create`] and ORT does not use it afterwards.
     pub unsafe fn release(p: *mut OrtEpFactory) {
         // SAFETY: per the caller, p is the Arc we leaked in `create`.
-        drop(unsafe { Arc::from_raw(p as *const Factory) });
+        let f = unsafe { Arc::from_raw(p as *const Factory) };
+        // After ReleaseEpFactory ORT's environment (and its logger) may go away.
+        if f.logs_to_ort.swap(false, Ordering::AcqRel) {
+            super::logging::detach();
+        }
+        drop(f);
     }
 
     /// A new reference for an object made from the factory ORT calls through.
@@ -223,7 +233,17 @@ unsafe extern "C" fn get_version(this: *const OrtEpFactory) -> *const c_char {
 }
 
 unsafe extern "C" fn is_stream_aware(_this: *const OrtEpFactory) -> bool {
-    // Copies with no stream complete before CopyTensors returns.
+    // Deliberately false, also on CUDA. This flag is about the *EP's* streams
+    // (its nodes and copies), not about allocation: ORT's allocator adapter
+    // calls AllocOnStream on any OrtAllocator that has it, whatever the
+    // factory says, and that is how epmem's allocators see the CUDA EP's
+    // streams. A stream-aware factory makes ORT register a create-stream
+    // function for the GPU device type in every session that lists epmem's
+    // EP (PluginExecutionProvider::RegisterStreamHandlers); the registry
+    // keeps the first registration, so a session with epmem's EP and the
+    // CUDA EP could hand the CUDA EP's kernels a plugin stream where they
+    // expect a CudaStream. epmem's EP runs no kernels, so it needs no stream,
+    // and its copies complete before CopyTensors returns.
     false
 }
 
@@ -300,7 +320,7 @@ unsafe extern "C" fn create_ep(
 unsafe extern "C" fn release_ep(_this: *mut OrtEpFactory, ep: *mut OrtEp) {
     if !ep.is_null() {
         // SAFETY: ep came from our CreateEp.
-        let _ = std::panic::catch_unwind(|| unsafe { Ep::destroy(ep) });
+        super::value_boundary("ReleaseEp", (), || unsafe { Ep::destroy(ep) });
     }
 }
 
@@ -344,7 +364,7 @@ unsafe extern "C" fn create_allocator(
 unsafe extern "C" fn release_allocator(_this: *mut OrtEpFactory, a: *mut OrtAllocator) {
     if !a.is_null() {
         // SAFETY: a came from our CreateAllocator.
-        let _ = std::panic::catch_unwind(|| unsafe { Allocator::destroy(a) });
+        super::value_boundary("ReleaseAllocator", (), || unsafe { Allocator::destroy(a) });
     }
 }
 

@@ -7,14 +7,15 @@
 //! HOST_ACCESSIBLE (pinned) allocator for each, copies tensors to and from
 //! them, and claims no nodes. See docs/ORT.md.
 //!
-//! Nothing here unwinds into ORT: every entry point runs inside
-//! `catch_unwind`, and errors become `OrtStatus*` made by the host's own
-//! `CreateStatus`.
+//! Nothing here unwinds into ORT: every entry point runs inside the one
+//! panic boundary the C API uses too (`crate::ffi::panic::catch`), and
+//! errors become `OrtStatus*` made by the host's own `CreateStatus`. Log
+//! records go to ORT's logger while ORT has the library loaded (`logging`).
 
 use std::ffi::{CStr, c_char};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::error::{EpmStatus, Error, Result};
+use crate::error::{Error, Result};
+use crate::ffi::panic::catch;
 
 mod abi;
 mod allocator;
@@ -24,8 +25,10 @@ mod device_match;
 mod ep;
 mod ep_devices;
 mod factory;
+mod logging;
 mod options;
 mod source;
+mod stream_order;
 #[cfg(test)]
 mod tests;
 
@@ -33,18 +36,23 @@ use abi::{OrtApiBase, OrtEpFactory, OrtLogger, OrtStatus};
 use api::Api;
 use factory::Factory;
 
-/// Run `f`, turning an error or a panic into an `OrtStatus*` (NULL = success).
+/// Run `f` inside the panic boundary, turning an error or a panic into an
+/// `OrtStatus*` (NULL = success).
 pub(crate) fn status_boundary(api: &Api, what: &str, f: impl FnOnce() -> Result<()>) -> *mut OrtStatus {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(e)) => api.status(&e.context(what)),
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            api.status(&Error::new(EpmStatus::Panic, format!("{what} panicked: {msg}")))
+    match catch(f) {
+        Ok(()) => std::ptr::null_mut(),
+        Err(e) => api.status(&e.context(what)),
+    }
+}
+
+/// Run `f` inside the panic boundary where ORT takes no status (`Alloc`,
+/// `Free`, releases): an error or panic is logged and `fallback` returned.
+pub(crate) fn value_boundary<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch(|| Ok(f())) {
+        Ok(v) => v,
+        Err(e) => {
+            log::error!("epmem: {what}: {e}");
+            fallback
         }
     }
 }
@@ -99,32 +107,35 @@ fn pin_library() {
 
 /// ORT's entry point: create this registration's factory.
 ///
+/// `*num_factories` is 0 until a factory is made, whatever fails (written
+/// first). Errors, including a panic while reading ORT's API, are an
+/// `OrtStatus` made by ORT's `CreateStatus`; only when ORT offers no API at
+/// all to make one (`api_base` NULL, or `GetApi(1)` NULL) is NULL returned,
+/// with 0 factories, and the reason logged.
+///
 /// # Safety
 /// Called by ONNX Runtime with the arguments its plugin-EP ABI documents.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn CreateEpFactories(
     registered_name: *const c_char,
     api_base: *const OrtApiBase,
-    _default_logger: *const OrtLogger,
+    default_logger: *const OrtLogger,
     factories: *mut *mut OrtEpFactory,
     max_factories: usize,
     num_factories: *mut usize,
 ) -> *mut OrtStatus {
-    let loaded = catch_unwind(|| {
+    if !num_factories.is_null() {
+        // SAFETY: non-NULL out-param. Written before anything can fail, so
+        // no path reports factories it did not make.
+        unsafe { *num_factories = 0 };
+    }
+    let api = match catch(|| {
         // SAFETY: ORT passes its OrtApiBase.
         unsafe { Api::load(api_base) }
-    });
-    let api = match loaded {
-        Ok(Ok(api)) => api,
-        Ok(Err(e)) => {
-            if !num_factories.is_null() {
-                // SAFETY: non-NULL out-param.
-                unsafe { *num_factories = 0 };
-            }
-            // SAFETY: ORT passes its OrtApiBase (or NULL, handled inside).
-            return unsafe { status_without_api(api_base, &e) };
-        }
-        Err(_) => return std::ptr::null_mut(),
+    }) {
+        Ok(api) => api,
+        // SAFETY: ORT passes its OrtApiBase (or NULL, handled inside).
+        Err(e) => return unsafe { status_without_api(api_base, &e.context("CreateEpFactories")) },
     };
     status_boundary(&api, "CreateEpFactories", || {
         crate::ensure!(
@@ -139,7 +150,16 @@ pub unsafe extern "C" fn CreateEpFactories(
             .to_string_lossy()
             .into_owned();
         pin_library();
-        let f = Factory::create(api, &name)?;
+        let logs_to_ort = logging::attach(&api, default_logger);
+        let f = match Factory::create(api, &name, logs_to_ort) {
+            Ok(f) => f,
+            Err(e) => {
+                if logs_to_ort {
+                    logging::detach();
+                }
+                return Err(e);
+            }
+        };
         // SAFETY: non-NULL out-params with room for at least one factory.
         unsafe {
             *factories = f;
@@ -158,7 +178,7 @@ pub unsafe extern "C" fn ReleaseEpFactory(factory: *mut OrtEpFactory) -> *mut Or
     if !factory.is_null() {
         // SAFETY: per the caller. Objects made by the factory keep its shared
         // state alive, so they may outlive it.
-        let _ = catch_unwind(|| unsafe { Factory::release(factory) });
+        value_boundary("ReleaseEpFactory", (), || unsafe { Factory::release(factory) });
     }
     std::ptr::null_mut()
 }

@@ -36,9 +36,6 @@ pub(crate) trait MemorySource: Send + Sync {
     /// Give back an address from [`MemorySource::alloc`]. No queued work may
     /// still use it.
     fn free(&self, addr: u64) -> Result<()>;
-    /// The size requested for a live allocation; None for an address that
-    /// is not one (foreign, or freed already).
-    fn size_of(&self, addr: u64) -> Option<usize>;
     /// Return memory no allocation uses to the driver; bytes given back.
     fn trim(&self) -> Result<usize>;
     fn stats(&self) -> SourceStats;
@@ -83,9 +80,6 @@ impl<A: Arena> MemorySource for ArenaSource<A> {
     }
     fn free(&self, addr: u64) -> Result<()> {
         self.arena.free(addr)
-    }
-    fn size_of(&self, addr: u64) -> Option<usize> {
-        self.arena.size_of(addr)
     }
     fn trim(&self) -> Result<usize> {
         self.arena.trim()

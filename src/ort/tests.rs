@@ -126,5 +126,115 @@ fn the_boundary_turns_errors_and_panics_into_statuses() {
     assert!(s.msg.contains("Thing: bad size 7"), "{}", s.msg);
     let s = take(status_boundary(&api, "Other", || panic!("boom {}", 3)));
     assert_eq!(s.code, ORT_FAIL);
-    assert!(s.msg.contains("Other panicked: boom 3"), "{}", s.msg);
+    assert!(s.msg.contains("Other: ") && s.msg.contains("panic") && s.msg.contains("boom 3"), "{}", s.msg);
+    assert!(s.msg.contains("(Panic)"), "{}", s.msg);
+}
+
+#[test]
+fn a_panic_while_loading_the_api_is_an_error_status_with_no_factories() {
+    let _g = LOCK.lock().unwrap();
+    let base = install(23, true);
+    super::api::PANIC_IN_LOAD.store(true, Ordering::SeqCst);
+    let (st, n) = create(&base);
+    super::api::PANIC_IN_LOAD.store(false, Ordering::SeqCst);
+    let s = take(st);
+    assert_eq!(n, 0, "num_factories must be written");
+    assert!(s.msg.contains("Api::load panicked"), "{}", s.msg);
+}
+
+unsafe extern "C" fn get_no_api(_v: u32) -> *const OrtApi {
+    std::ptr::null()
+}
+
+#[test]
+fn an_api_base_offering_no_api_reports_no_factories() {
+    let _g = LOCK.lock().unwrap();
+    let base = OrtApiBase {
+        GetApi: get_no_api,
+        GetVersionString: version_string,
+    };
+    let (st, n) = create(&base);
+    assert!(st.is_null(), "no CreateStatus to make an error with");
+    assert_eq!(n, 0);
+}
+
+#[test]
+fn a_late_failure_still_writes_zero_factories() {
+    let _g = LOCK.lock().unwrap();
+    let base = install(23, true);
+    let mut f: *mut OrtEpFactory = std::ptr::null_mut();
+    let mut n = 99usize;
+    // SAFETY: as in `create`, with a NULL name (refused after the API loaded).
+    let st = unsafe { CreateEpFactories(std::ptr::null(), &base, std::ptr::null(), &mut f, 4, &mut n) };
+    let s = take(st);
+    assert_eq!(n, 0);
+    assert!(s.msg.contains("registered_name"), "{}", s.msg);
+}
+
+// ---- ORT's logger -------------------------------------------------------
+
+static LOGGED: Mutex<Vec<(OrtLoggingLevel, String)>> = Mutex::new(Vec::new());
+const FAKE_LOGGER: usize = 0x10ce;
+
+unsafe extern "C" fn fake_log_message(
+    logger: *const OrtLogger,
+    sev: OrtLoggingLevel,
+    msg: *const c_char,
+    _file: *const c_char,
+    _line: std::ffi::c_int,
+    _func: *const c_char,
+) -> *mut OrtStatus {
+    assert_eq!(logger as usize, FAKE_LOGGER);
+    // SAFETY: epmem passes a NUL-terminated message.
+    let m = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+    LOGGED.lock().unwrap_or_else(|p| p.into_inner()).push((sev, m));
+    std::ptr::null_mut()
+}
+unsafe extern "C" fn fake_severity(_logger: *const OrtLogger, out: *mut OrtLoggingLevel) -> *mut OrtStatus {
+    // SAFETY: epmem passes a valid out-param.
+    unsafe { *out = LOGGING_INFO };
+    std::ptr::null_mut()
+}
+
+#[test]
+fn records_go_to_orts_logger_while_a_factory_holds_it() {
+    let _g = LOCK.lock().unwrap();
+    let _r = crate::ffi::log::TEST_ROUTING.lock().unwrap_or_else(|p| p.into_inner());
+    let base = install(23, true);
+    // SAFETY: the fake table installed above.
+    unsafe {
+        let t = TABLE.load(Ordering::SeqCst) as *mut usize;
+        *t.add(api_slot::LOGGER_LOG_MESSAGE) = fake_log_message as *const () as usize;
+        *t.add(api_slot::LOGGER_GET_LOGGING_SEVERITY_LEVEL) = fake_severity as *const () as usize;
+    }
+    // SAFETY: a complete fake table.
+    let api = unsafe { Api::load(&base) }.unwrap();
+    let ours = || -> Vec<(OrtLoggingLevel, String)> {
+        LOGGED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, m)| m.starts_with("ort-log-test"))
+            .cloned()
+            .collect()
+    };
+    assert!(super::logging::attach(&api, FAKE_LOGGER as *const OrtLogger));
+    log::info!("ort-log-test info");
+    log::debug!("ort-log-test debug (below ORT's INFO)");
+    log::warn!("ort-log-test warn");
+    super::logging::detach();
+    log::warn!("ort-log-test after detach");
+    let env_set = std::env::var_os("EPM_LOG").is_some();
+    if env_set {
+        // EPM_LOG set explicitly wins: records go to stderr, not to ORT.
+        assert!(ours().is_empty(), "{:?}", ours());
+    } else {
+        assert_eq!(
+            ours(),
+            vec![
+                (LOGGING_INFO, "ort-log-test info".to_string()),
+                (LOGGING_WARNING, "ort-log-test warn".to_string())
+            ]
+        );
+    }
 }

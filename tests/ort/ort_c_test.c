@@ -114,6 +114,17 @@ static void test_shared_allocator_options_and_stats(void) {
   }
   CHECK(stat(a, "NumArenaExtensions") == 1, "64 small allocations went to the driver: extensions=%lld",
         stat(a, "NumArenaExtensions"));
+  /* AllocOnStream with no stream is a plain allocation (nothing to order after). */
+  CHECK(a->AllocOnStream != NULL, "no AllocOnStream");
+  if (a->AllocOnStream) {
+    void* q = a->AllocOnStream(a, 2048, NULL);
+    CHECK(q != NULL && stat(a, "InUse") == 4096 + 2048, "AllocOnStream(NULL stream): %p, InUse=%lld", q, stat(a, "InUse"));
+    if (q) a->Free(a, q);
+    CHECK(stat(a, "epmem.stream_allocs") == 0 && stat(a, "epmem.deferred_frees") == 0 &&
+              stat(a, "epmem.pending_blocks") == 0,
+          "a stream-less allocation was stream-ordered: stream_allocs=%lld deferred_frees=%lld",
+          stat(a, "epmem.stream_allocs"), stat(a, "epmem.deferred_frees"));
+  }
   void* big = a->Alloc(a, 2 << 20);
   CHECK(big == NULL, "Alloc past the 1 MiB limit succeeded");
   CHECK(stat(a, "epmem.failed_allocs") == 1, "failed_allocs=%lld", stat(a, "epmem.failed_allocs"));

@@ -8,6 +8,8 @@ machine has no pytest. EPM_DEVICE selects the device epmem reports
 """
 
 import os
+import re
+import subprocess
 import sys
 import unittest
 
@@ -221,11 +223,53 @@ class PluginTests(unittest.TestCase):
         del v  # frees through an allocator whose library was unregistered
 
 
+# Registers the library in a fresh process at a given ORT log severity.
+_LOG_CHILD = """
+import sys, onnxruntime as ort
+ort.set_default_logger_severity(int(sys.argv[2]))
+ort.register_execution_provider_library("epmem_log", sys.argv[1])
+ort.unregister_execution_provider_library("epmem_log")
+"""
+# What ORT's own logger prints for a record at INFO: "... [I:onnxruntime:<logid>, <where>] <message>".
+_ORT_INFO_LINE = re.compile(r"\[I:onnxruntime:[^\]]*\].*epmem: ONNX Runtime API 1\.\d+: registering")
+
+
+def _register_logged(severity, epm_log=None):
+    env = dict(os.environ)
+    env.pop("EPM_LOG", None)
+    if epm_log is not None:
+        env["EPM_LOG"] = epm_log
+    r = subprocess.run([sys.executable, "-c", _LOG_CHILD, LIB, str(severity)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout + r.stderr
+
+
+class LoggingTests(unittest.TestCase):
+    """epmem's records reach ORT's logger; EPM_LOG still works under ORT."""
+
+    def test_records_go_to_orts_logger_at_its_severity(self):
+        out = _register_logged(1)  # ORT at INFO
+        self.assertRegex(out, _ORT_INFO_LINE)
+        self.assertNotIn("[epmem ", out, "without EPM_LOG nothing goes to epmem's own stderr sink")
+
+    def test_orts_severity_filters_epmem_records(self):
+        out = _register_logged(3)  # ORT at ERROR
+        self.assertNotRegex(out, _ORT_INFO_LINE)
+        self.assertNotIn("registering", out)
+
+    def test_epm_log_works_under_ort(self):
+        out = _register_logged(3, epm_log="info")
+        self.assertRegex(out, r"\[epmem INFO [^\]]*\] epmem: ONNX Runtime API 1\.\d+: registering")
+
+
 def main():
     if not LIB:
         sys.exit("set EPMEM_LIB to the absolute path of libepmem.so")
     print(f"onnxruntime {ort.__version__}, EPM_DEVICE={EXPECT}, library {LIB}", flush=True)
-    res = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(unittest.defaultTestLoader.loadTestsFromTestCase(PluginTests))
+    load = unittest.defaultTestLoader.loadTestsFromTestCase
+    res = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(
+        unittest.TestSuite([load(PluginTests), load(LoggingTests)]))
     failed = len(res.failures) + len(res.errors)
     skipped = len(res.skipped)
     passed = res.testsRun - failed - skipped
