@@ -366,6 +366,10 @@ class Objects(unittest.TestCase):
         self.assertTrue(os.path.isabs(path))
         self.assertTrue(os.path.isfile(path))
         self.assertEqual(path, epmem.lib().path)
+        if os.environ.get("EPMEM_USE_INSTALLED") == "1" and not os.environ.get("EPMEM_LIB"):
+            # The wheel's own copy, next to the installed package (not this tree's python/).
+            self.assertEqual(path, os.path.join(os.path.dirname(epmem.__file__), "lib", "libepmem.so"))
+            self.assertFalse(epmem.__file__.startswith(os.path.join(ROOT, "python")))
 
 
 if __name__ == "__main__":
