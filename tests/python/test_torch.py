@@ -2,7 +2,7 @@
 torch tensors. Runs on the host device in CI (CPU torch) and on CUDA on the GPU
 machine (EPM_DEVICE=cuda): the model lives where epmem's device is."""
 
-import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -310,6 +310,36 @@ class Offload(unittest.TestCase):
             self.assertEqual(greedy(self.model), self.ref)  # nothing stayed acquired
         finally:
             h.remove()
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class BenchSmoke(unittest.TestCase):
+    def test_bench_torch_quick(self):
+        """scripts/bench_torch.py --quick: every row decodes the resident run's tokens,
+        and the epmem rows stream what the budget cannot hold."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "bench.json")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_torch.py"), "--quick",
+                                "--json", out, "--no-accelerate"], capture_output=True, text=True, env=env,
+                               timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            with open(out) as f:
+                res = json.load(f)
+        self.assertIn("tokens identical in every row", p.stdout)
+        self.assertTrue(res["tokens_identical"])
+        sh = res["shapes"][0]
+        self.assertEqual(len(sh["rows"]), 6)
+        for r in sh["rows"]:
+            self.assertTrue(r["tokens_identical"])
+            self.assertEqual(r["tokens_compared"], res["tokens"])
+            self.assertGreaterEqual(r["streamed_bytes_per_token"], sh["offloaded_bytes"] - r["budget_bytes"])
+            self.assertLessEqual(r["streamed_bytes_per_token"], sh["offloaded_bytes"])
+            if r["method"] == "staged":
+                self.assertEqual(r["bypassed_page_ins"], 0)
+            else:
+                self.assertEqual(r["staged_page_ins"], 0)
+        self.assertIn("| 50% | registered |", p.stdout)
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
