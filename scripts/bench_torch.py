@@ -326,10 +326,13 @@ def main():
             torch.cuda.empty_cache()
     result["wall_s"] = time.perf_counter() - t_start
     result["tokens_identical"] = not mismatches
-    print_table(result)
+    table = table_md(result)
+    print(table)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
+        with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
+            f.write(table)
     plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else None)
     if plot:
         write_plot(result, plot)
@@ -344,36 +347,39 @@ def fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
 
-def print_table(res):
-    print(f"\n# bench_torch: {res['gpu']}, torch {res['torch']}, epmem {res['epmem']}, "
+def table_md(res):
+    lines = []
+    out = lines.append
+    out(f"\n# bench_torch: {res['gpu']}, torch {res['torch']}, epmem {res['epmem']}, "
           f"pinned H2D peak {res['h2d_peak_bytes_per_s'] / 1e9:.1f} GB/s\n")
     for sh in res["shapes"]:
         r0 = sh["resident"]
-        print(f"## {sh['name']}: {sh['model']}, {sh['blocks']} blocks {sh['hidden']}/{sh['intermediate']}, "
+        out(f"## {sh['name']}: {sh['model']}, {sh['blocks']} blocks {sh['hidden']}/{sh['intermediate']}, "
               f"{sh['offloaded_bytes'] / GiB:.2f} GiB offloaded (decoder-layer linears); "
               f"resident {r0['tok_s']:.2f} tok/s ({r0['ms_per_token']:.1f} ms/token)\n")
-        print("| budget | method | tok/s | ms/token | streamed MiB/token | floor tok/s | × floor | × accelerate "
+        out("| budget | method | tok/s | ms/token | streamed MiB/token | floor tok/s | × floor | × accelerate "
               "| host stall ms/token | tokens |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        out("|---|---|---|---|---|---|---|---|---|---|")
         for r in sh["rows"]:
             streamed = r.get("streamed_bytes_per_token")
-            print(f"| {r['budget_pct']}% | {r['method']} | {r['tok_s']:.3f} | {r['ms_per_token']:.1f} | "
+            out(f"| {r['budget_pct']}% | {r['method']} | {r['tok_s']:.3f} | {r['ms_per_token']:.1f} | "
                   f"{fmt(streamed and streamed / 2**20, '.1f')} | {fmt(r['floor_tok_s'], '.3f')} | "
                   f"{fmt(r['ratio_to_floor'], '.2f')} | {fmt(r['ratio_to_accelerate'], '.1f')} | "
                   f"{fmt(r.get('host_stall_ms_per_token'), '.1f')} | "
                   f"{'identical' if r['tokens_identical'] else 'DIFFER'} ({r['tokens_compared']}) |")
-        print()
+        out("")
         by = {(r["budget_pct"], r["method"]): r for r in sh["rows"]}
         for pct in sorted({r["budget_pct"] for r in sh["rows"]}):
             reg, stg, acc = by.get((pct, "registered")), by.get((pct, "staged")), by.get((pct, "accelerate"))
             if reg and acc:
                 v = reg["tok_s"] / acc["tok_s"]
-                print(f"target {sh['name']} {pct}%: epmem >= 5x accelerate: {v:.1f}x {'met' if v >= 5 else 'MISSED'}")
+                out(f"target {sh['name']} {pct}%: epmem >= 5x accelerate: {v:.1f}x {'met' if v >= 5 else 'MISSED'}")
             if reg and stg:
                 v = stg["tok_s"] / reg["tok_s"]
-                print(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
+                out(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
                       f"{'met' if v >= 0.8 else 'MISSED'}")
-        print()
+        out("")
+    return "\n".join(lines) + "\n"
 
 
 def write_plot(res, path):

@@ -94,6 +94,13 @@ fi
 # 5. ONNX Runtime plugin EP against the machine's onnxruntime.
 [ -x scripts/ort-test.sh ] && step ort 'passed|failed|PASS|FAIL' scripts/ort-test.sh --no-install
 
+# 5b. The Python package: the wheel built from .carry/lib (no Rust needed), installed
+# to a temp dir, and tests/python/ with EPM_DEVICE=cuda on the machine's python3/torch:
+# the binding, epmem.torch (offload on CUDA, default and non-default streams, zero-copy
+# tensors), the transformers Llama test (resident vs offload at 50%, greedy and
+# generate()), and bench_torch.py --quick.
+[ -x scripts/python-test.sh ] && step python 'passed|failed' env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" scripts/python-test.sh --no-install
+
 # 6. Benchmarks.
 if [ $BENCH = 1 ]; then
   for b in .carry/bin/bench_*; do
@@ -101,6 +108,9 @@ if [ $BENCH = 1 ]; then
     n=$(basename "$b")
     step "$n" 'target|TARGET|peak' "$b" --json "$OUT/$n.json"
   done
+  # The end-to-end PyTorch benchmark (docs/PYTHON.md): JSON, table and PNG in $OUT.
+  [ -f scripts/bench_torch.py ] && step bench_torch 'tokens identical|TOKENS DIFFER' \
+    env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" python3 scripts/bench_torch.py --json "$OUT/bench_torch.json"
 fi
 
 # One archive of the logs: only a few files come back from a GPU machine.
