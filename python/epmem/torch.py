@@ -226,7 +226,8 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
     if policy not in ("cyclic", "lru"):
         raise ValueError(f"policy must be 'cyclic' or 'lru', not {policy!r}")
     if getattr(module, "_epmem_offload", None) is not None:
-        raise OffloadError(f"{type(module).__name__} is offloaded already: remove() the first offload first")
+        raise OffloadError(f"{type(module).__name__} is offloaded already: remove() the first offload first "
+                           "(epmem.torch.offload_of(module) finds it)")
     if module.training:
         raise OffloadError("offload() is for inference: the module is in training mode (call module.eval() "
                            "first; weights paged in are read-only copies, gradients would not reach them)")
@@ -341,6 +342,13 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
             dev.close()
         raise
     return Offload(st)
+
+
+def offload_of(module):
+    """The Offload handle of an offloaded module (e.g. when the one offload()
+    returned was dropped), or None."""
+    st = getattr(module, "_epmem_offload", None)
+    return Offload(st) if isinstance(st, _State) and not st.removed else None
 
 
 class _State:

@@ -229,9 +229,12 @@ class Offload(unittest.TestCase):
                 et.offload(self.model, self.offloaded)
             with self.assertRaisesRegex(et.OffloadError, "offloaded already"):
                 et.offload(self.model.model, self.offloaded, blocks=self.model.model.layers)
+            self.assertIsNone(et.offload_of(self.model.model))
+            self.assertEqual(et.offload_of(self.model).stats()["weights"], 18)
             self.assertEqual(greedy(self.model), self.ref)
         finally:
             h.remove()
+        self.assertIsNone(et.offload_of(self.model))
         self.assert_usable()
 
     def test_refuses_device_mismatch(self):
