@@ -46,6 +46,10 @@ class OffloadError(RuntimeError):
     """offload() refused or a hook could not run; the module is left usable."""
 
 
+def _itemsize(dtype):
+    return getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
+
+
 def _round_up(x, a):
     return (x + a - 1) // a * a
 
@@ -78,7 +82,7 @@ def as_tensor(ptr, shape, dtype, device, owner=None, strides=None):
     elements. `owner` is kept alive as long as the tensor (e.g. the arena or
     block the memory comes from)."""
     shape = tuple(int(s) for s in shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize(dtype)
     if strides is None:
         extent = 1
         for s in shape:
@@ -109,7 +113,7 @@ def empty(arena, shape, dtype):
     numel = 1
     for s in shape:
         numel *= int(s)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize(dtype)
     block = _SyncedBlock(arena, max(numel * itemsize, 1))
     dev = arena.device
     if arena.pinned:
@@ -138,7 +142,7 @@ def kv_seq_tensor(seq, dtype, tokens=None):
     segmentation fault, on CUDA a device fault)."""
     info = seq.info_struct()
     lay = info.layout
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize(dtype)
     if itemsize != lay.elem_bytes:
         raise ValueError(f"dtype {dtype} has {itemsize} bytes per element; the layout has {lay.elem_bytes}")
     n = info.len_tokens if tokens is None else int(tokens)

@@ -132,6 +132,14 @@ class Offload(unittest.TestCase):
             self.assertEqual(h.stats()["device"], "cuda" if self.dev.type == "cuda" else "host")
         self.assertEqual(greedy(m), ref)
 
+    def test_inference_mode(self):
+        ids = torch.tensor([[1, 2, 3]], device=self.dev)
+        with torch.inference_mode():
+            ref = self.model(ids)
+        with et.offload(self.model, self.offloaded // 2) as h, torch.inference_mode():
+            self.assertTrue(torch.equal(self.model(ids), ref))
+            self.assertEqual(h.stats()["acquires"], 18)
+
     def test_block_granularity_falls_back_to_linear_when_a_block_does_not_fit(self):
         one_block = block_linear_bytes(self.model) // 6
         h = et.offload(self.model, one_block // 2 + 4096)
