@@ -204,12 +204,13 @@ def run_accelerate(model, prompt, steps, dev, budget, host_copy):
     from accelerate import dispatch_model
     from accelerate.hooks import remove_hook_from_submodules
     linears = offloaded_linears(model)
+    main = dev.index if dev.type == "cuda" else "cpu"  # "cpu": a smoke run of this code only
     device_map, used = {}, 0
     for name, m in linears:
         nb = sum(p.numel() * p.element_size() for p in m.parameters())
         on_gpu = used + nb <= budget
         used += nb if on_gpu else 0
-        device_map[name] = dev.index if on_gpu else "cpu"
+        device_map[name] = main if on_gpu else "cpu"
         if not on_gpu:
             for pn, p in m.named_parameters(recurse=False):
                 m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"], requires_grad=False)
@@ -218,10 +219,11 @@ def run_accelerate(model, prompt, steps, dev, budget, host_copy):
     for name, m in model.named_modules():
         if name and name not in device_map and (next(m.parameters(recurse=False), None) is not None
                                                 or next(m.buffers(recurse=False), None) is not None):
-            device_map[name] = dev.index
+            device_map[name] = main
     gc.collect()
-    torch.cuda.empty_cache()
-    dispatch_model(model, device_map=device_map, main_device=dev.index)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    dispatch_model(model, device_map=device_map, main_device=main)
     try:
         decode(model, prompt, 1, dev)
         toks, secs = decode(model, prompt, steps, dev)
@@ -229,7 +231,9 @@ def run_accelerate(model, prompt, steps, dev, budget, host_copy):
         remove_hook_from_submodules(model)
         for name, m in linears:
             for pn, p in list(m.named_parameters(recurse=False)):
-                m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"].to(dev), requires_grad=False)
+                m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"].to(dev, copy=True), requires_grad=False)
+        if hasattr(model, "hf_device_map"):
+            del model.hf_device_map
         gc.collect()
     return {"tokens": toks, "seconds": secs, "resident_bytes": used}
 
