@@ -46,6 +46,19 @@ class HeaderAgreement(unittest.TestCase):
         declared = set(re.findall(r"typedef struct (Epm\w+) \{", text))
         self.assertEqual(declared, {s.__name__ for s in L.STRUCTS})
 
+    def test_every_header_constant_is_declared(self):
+        text = re.sub(r"/\*.*?\*/", "", header_text(), flags=re.S)
+        defines = set(re.findall(r"#define\s+(EPM_\w+)\s+\S", text))
+        enum_values = dict(re.findall(r"^\s*(EPM_\w+)\s*=\s*(\d+)\s*,", text, re.M))
+        statuses = {n for n in enum_values if n.startswith("EPM_STATUS_") and n != "EPM_STATUS_OK"}
+        others = set(enum_values) - statuses
+        self.assertGreater(len(defines), 10)
+        self.assertEqual(sorted((defines | others) - set(L.CONSTANTS)), [],
+                         "constants in include/epmem.h missing from _lib.py")
+        by_value = {c.status: c for c in epmem.errors.BY_STATUS.values()}
+        for name in statuses:
+            self.assertIn(int(enum_values[name]), by_value, f"{name} has no exception class in errors.py")
+
     def test_the_loaded_library_exports_every_binding(self):
         self.assertEqual(epmem.lib().missing, [])
 
