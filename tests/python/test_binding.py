@@ -374,6 +374,21 @@ class Objects(unittest.TestCase):
         self.assertEqual(p.stdout.strip(), "ok")
         self.assertNotIn("Traceback", p.stderr)
 
+    def test_onnxruntime_registers_the_packaged_library(self):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            self.skipTest("onnxruntime is not installed")
+        name = f"epmem_pkg_{os.getpid()}"
+        ort.register_execution_provider_library(name, epmem.get_library_path())
+        try:
+            devs = [d for d in ort.get_ep_devices() if d.ep_name == name]
+            self.assertTrue(devs, "no OrtEpDevice from the packaged library")
+            self.assertEqual(devs[0].ep_vendor, "epmem")
+            self.assertEqual(devs[0].ep_metadata.get("epmem.device"), self.dev.kind)
+        finally:
+            ort.unregister_execution_provider_library(name)
+
     def test_library_path(self):
         path = epmem.get_library_path()
         self.assertTrue(os.path.isabs(path))
