@@ -244,9 +244,13 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         blocks, blocks_name = list(blocks), "blocks"
 
     # ---- choose the weights (nothing changes until every check has passed) ----
-    owners = {}  # id(param) -> [qualified names] over the whole module
-    for name, p in module.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
+    # Parameters held by modules outside the blocks (tied embeddings, a shared head).
+    in_blocks = {id(m) for blk in blocks for m in blk.modules()}
+    outside = {}
+    for mname, m in module.named_modules(remove_duplicate=False):
+        if id(m) not in in_blocks:
+            for pname, p in m.named_parameters(recurse=False):
+                outside.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
     chosen, seen, units_b, units_l = [], {}, [], []
     for bi, blk in enumerate(blocks):
         ub = _Unit(blk, f"{blocks_name}.{bi}", len(units_b))
@@ -259,10 +263,13 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
                     continue
                 qual = f"{blocks_name}.{bi}.{sname}.{pname}".replace("..", ".")
                 if id(p) in seen:
-                    if seen[id(p)][0] == bi:
-                        continue  # the same parameter reached twice inside one block
-                    raise OffloadError(f"parameter {qual} is shared with {seen[id(p)][1]} (another block): "
+                    # (Within one block too: with granularity="linear" the other
+                    # user would read the host copy.)
+                    raise OffloadError(f"parameter {qual} is shared with {seen[id(p)][1]}: "
                                        "a shared parameter cannot be offloaded")
+                if id(p) in outside:
+                    raise OffloadError(f"parameter {qual} is also {outside[id(p)]} (tied/shared outside the "
+                                       "blocks): a shared parameter cannot be offloaded")
                 if getattr(p, "_epmem_offloaded", False):
                     raise OffloadError(f"parameter {qual} is offloaded already (by another offload())")
                 w = _Weight()
@@ -280,16 +287,9 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
     if not chosen:
         raise OffloadError(f"no parameters to offload: no submodule of the {len(blocks)} blocks matched "
                            f"({'nn.Linear' if include is _is_default_include else 'include'})")
-    n_params_in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
     for w in chosen:
-        names = owners.get(id(w.param), [])
-        outside = [n for n in names if not any(n.startswith(f"{blocks_name}.{i}.") for i in range(len(blocks)))]
-        if outside and blocks_name != "blocks":
-            raise OffloadError(f"parameter {w.name} is also {outside[0]} (tied/shared outside the blocks): "
-                               "a shared parameter cannot be offloaded")
         if w.nbytes == 0:
             raise OffloadError(f"parameter {w.name} is empty")
-    del n_params_in_blocks
 
     devices = {w.device for w in chosen}
     if len(devices) != 1:

@@ -216,6 +216,18 @@ class Offload(unittest.TestCase):
         with self.assertRaisesRegex(et.OffloadError, "tied"):
             et.offload(m, 10 * MiB)
 
+    def test_refuses_sharing_inside_a_block_and_with_explicit_blocks(self):
+        m = Tiny(d=64, f=64, vocab=64).to(self.dev).eval()
+        blk = m.model.layers[2]
+        saved = blk.down.weight
+        blk.down.weight = blk.up.weight  # 64x64 both, inside one block
+        with self.assertRaisesRegex(et.OffloadError, "shared"):
+            et.offload(m, 10 * MiB)
+        blk.down.weight = saved
+        m.lm_head.weight = m.model.layers[0].up.weight
+        with self.assertRaisesRegex(et.OffloadError, "tied"):
+            et.offload(m, 10 * MiB, blocks=list(m.model.layers))
+
     def test_refuses_budget_below_largest_weight(self):
         with self.assertRaisesRegex(et.OffloadError, "smaller than the largest weight"):
             et.offload(self.model, 1000)
