@@ -165,7 +165,7 @@ class _Weight:
 class _Unit:
     """What one pair of hooks acquires: a block's weights, or one module's."""
 
-    __slots__ = ("module", "weights", "index", "acquired", "stream", "bridged", "name")
+    __slots__ = ("module", "weights", "index", "acquired", "stream", "bridged", "name", "skip_post")
 
     def __init__(self, module, name, index):
         self.module, self.name, self.index = module, name, index
@@ -173,6 +173,7 @@ class _Unit:
         self.acquired = []
         self.stream = None
         self.bridged = False
+        self.skip_post = 0  # pre-hooks that raised: their always_call post-hook must not release
 
 
 def _find_blocks(module):
@@ -423,11 +424,13 @@ class _State:
         for w in self.weights:
             w.param.data = w.host
             w.param._epmem_offloaded = True
+        self.always_call = True
         for u in self.units:
             self.hooks.append(u.module.register_forward_pre_hook(self._pre_hook(u)))
             try:
                 self.hooks.append(u.module.register_forward_hook(self._post_hook(u), always_call=True))
-            except TypeError:  # torch < 2.1
+            except TypeError:  # torch < 2.1: no post-hook when forward raises
+                self.always_call = False
                 self.hooks.append(u.module.register_forward_hook(self._post_hook(u)))
         self.module._epmem_offload = self
         if self.tdev.type == "cuda":
@@ -464,7 +467,15 @@ class _State:
         return s, False
 
     def _pre_hook(self, unit):
-        def hook(_mod, _args):
+        def hook(mod, args):
+            try:
+                return pre(mod, args)
+            except BaseException:
+                if self.always_call:
+                    unit.skip_post += 1
+                raise
+
+        def pre(_mod, _args):
             if self.removed:
                 raise OffloadError("this offload was removed")
             if unit.acquired:
@@ -502,6 +513,9 @@ class _State:
 
     def _post_hook(self, unit):
         def hook(_mod, _args, _out):
+            if unit.skip_post:
+                unit.skip_post -= 1
+                return None
             if not unit.acquired:
                 return None
             stream = unit.stream

@@ -334,6 +334,23 @@ class Offload(unittest.TestCase):
         finally:
             h.remove()
 
+    def test_reentrant_block_call_is_refused_and_releases_cleanly(self):
+        h = et.offload(self.model, self.offloaded)
+        blk = self.model.model.layers[1]
+        orig = blk.down.forward
+        blk.down.forward = lambda x: blk(x[..., :64])  # the block inside its own forward
+        try:
+            with torch.no_grad(), self.assertRaisesRegex(et.OffloadError, "re-entrant"):
+                self.model(torch.tensor([[1]], device=self.dev))
+        finally:
+            blk.down.forward = orig
+        try:
+            st = h.stats()
+            self.assertEqual(st["acquires"], 2 * 3)  # blocks 0 and 1, once each
+            self.assertEqual(greedy(self.model), self.ref)
+        finally:
+            h.remove()
+
 
 @unittest.skipIf(torch is None, "torch is not installed")
 class BenchSmoke(unittest.TestCase):
