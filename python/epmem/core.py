@@ -39,8 +39,11 @@ def host_address(obj):
         return ctypes.cast(keep, c_void_p).value, keep
     mv = memoryview(obj)
     if mv.readonly:
-        keep = ctypes.c_char_p(mv.tobytes())  # a copy: only for reading
-        return ctypes.cast(keep, c_void_p).value, keep
+        # A copy would dangle once the call returns (epmem keeps reading
+        # registered or in-flight sources), and stdlib Python cannot take the
+        # address of a read-only buffer without one.
+        raise TypeError(f"read-only {type(obj).__name__} buffer: pass bytes, a writable buffer "
+                        "(bytearray, mmap), a numpy array, a CPU tensor or an int address")
     arr = (ctypes.c_uint8 * mv.nbytes).from_buffer(mv.cast("B"))
     return ctypes.addressof(arr), arr
 

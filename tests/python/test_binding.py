@@ -140,6 +140,19 @@ class Errors(unittest.TestCase):
         with self.assertRaises(epmem.InvalidConfig):
             epmem.Device("gpu-of-the-future")
 
+    def test_host_buffers(self):
+        ro = memoryview(b"abcd" * 1024).toreadonly()
+        with self.assertRaises(TypeError):
+            epmem.checksum_host(ro)
+        data = bytearray(b"\x01\x00\x00\x00" * 4)
+        # w[i] * (2i + 1) summed over 4 words of 1: 1 + 3 + 5 + 7
+        self.assertEqual(epmem.checksum_host(data), 16)
+        self.assertEqual(epmem.checksum_host(bytes(data)), 16)
+        self.assertEqual(epmem.checksum_host(mmap.mmap(-1, 4096)), 0)
+        arr = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+        self.assertEqual(epmem.checksum_host(arr), 16)
+        self.assertEqual(epmem.checksum_host(ctypes.addressof(arr), 16), 16)
+
     def test_closed_handle_is_a_clean_error(self):
         s = self.dev.stream()
         s.close()
