@@ -457,7 +457,8 @@ class _State:
             return self.private, True
         s = self.wrapped.get(native)
         if s is None:
-            if len(self.wrapped) > 64:
+            if len(self.wrapped) > 64 and not any(u.acquired for u in self.units):
+                # (Never while a unit holds weights: its release needs its stream.)
                 for old in self.wrapped.values():
                     old.close()
                 self.wrapped.clear()
