@@ -49,7 +49,7 @@ EX_LIBS   := -pthread -lm
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
 
-.PHONY: build build-testing install uninstall test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
+.PHONY: build build-testing install uninstall wheel test-python test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
 
 build:
 	$(CARGO) build --release
@@ -246,6 +246,7 @@ test:
 	$(MAKE) test-long
 	$(MAKE) test-examples
 	$(MAKE) test-ort
+	$(MAKE) test-python
 	@echo "make test: all suites passed"
 
 # The ONNX Runtime plugin EP against real onnxruntime wheels from PyPI (a venv
@@ -253,6 +254,15 @@ test:
 # scripts/ort-test.sh --no-install.
 test-ort: build
 	scripts/ort-test.sh
+
+# The Python package (python/epmem) as a wheel bundling libepmem.so, and its
+# tests (binding, epmem.torch) against that wheel installed, with torch from
+# PyPI in .venv/torch (installed once, ~2-3 min; docs/PYTHON.md).
+wheel: build
+	python3 scripts/build_wheel.py --lib $(LIB_DIR)/libepmem.so --out target/wheels
+
+test-python: build
+	scripts/python-test.sh
 
 # ---- demo --------------------------------------------------------------------
 

@@ -97,6 +97,13 @@ fi
 # 5. ONNX Runtime plugin EP against the machine's onnxruntime.
 [ -x scripts/ort-test.sh ] && step ort 'passed|failed|PASS|FAIL' scripts/ort-test.sh --no-install
 
+# 5a. The Python package: the wheel built from .carry/lib (no Rust needed), installed
+# to a temp dir, and tests/python/ with EPM_DEVICE=cuda on the machine's python3/torch:
+# the binding, epmem.torch (offload on CUDA, default and non-default streams, zero-copy
+# tensors), the transformers Llama test (resident vs offload at 50%, greedy and
+# generate()), and bench_torch.py --quick.
+[ -x scripts/python-test.sh ] && step python 'passed|failed' env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" scripts/python-test.sh --no-install
+
 # 5b. KV batch: batched SDPA over the batch view and CUDA graph replay through
 # torch and plain ctypes (tests/gpu/kv_batch_attention.py), when torch imports.
 if python3 -c 'import torch' >/dev/null 2>&1; then
@@ -125,6 +132,9 @@ if [ $BENCH = 1 ]; then
     n=$(basename "$b")
     step "$n" 'target|TARGET|peak' "$b" --json "$OUT/$n.json"
   done
+  # The end-to-end PyTorch benchmark (docs/PYTHON.md): JSON, table and PNG in $OUT.
+  [ -f scripts/bench_torch.py ] && step bench_torch 'tokens identical|TOKENS DIFFER' \
+    env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" python3 scripts/bench_torch.py --json "$OUT/bench_torch.json"
 fi
 
 # One archive of the logs: only a few files come back from a GPU machine.

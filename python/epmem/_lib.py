@@ -1,0 +1,352 @@
+"""ctypes declarations of include/epmem.h: every struct once, every function once.
+
+Nothing here is compiled: the library is loaded with ctypes from
+`epmem.get_library_path()`. tests/python/test_binding.py checks every struct's
+size and field offsets against the header (by compiling a C program generated
+from these declarations) and that every `epm_*` function the header declares
+has a line in FUNCTIONS below.
+
+Adding a C function is one line in FUNCTIONS: (name, restype, argtypes).
+A function whose restype is STATUS raises the EpmError subclass of its status
+(see errors.py) instead of returning it.
+"""
+
+import ctypes
+import os
+import threading
+from ctypes import (
+    CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_float, c_int,
+    c_size_t, c_uint8, c_uint32, c_uint64, c_void_p,
+)
+
+from . import errors
+
+# ---- constants (checked against the header's #defines by the tests) ----------
+
+EPM_DEVICE_NAME_LEN = 256
+EPM_PCI_BUS_ID_LEN = 32
+EPM_EVENT_TIMING = 1
+EPM_KV_ADMIT_RESERVE = 0
+EPM_KV_ADMIT_ON_DEMAND = 1
+EPM_POLICY_CYCLIC = 0
+EPM_POLICY_LRU = 1
+EPM_REGISTER_WITHIN_MEMLOCK = 0
+EPM_REGISTER_NEVER = 1
+EPM_REGISTER_ALWAYS = 2
+EPM_COPY_ENGINE_NO_TIMING = 1
+EPM_COPY_ENGINE_NO_DIRECT = 2
+EPM_VERSION_MAJOR = 0
+EPM_VERSION_MINOR = 1
+EPM_VERSION_PATCH = 0
+EPM_VERSION = (EPM_VERSION_MAJOR << 16) | (EPM_VERSION_MINOR << 8) | EPM_VERSION_PATCH
+
+EPM_STATUS_OK = 0
+
+EPM_DEVICE_KIND_CUDA = 1
+EPM_DEVICE_KIND_HOST = 2
+
+EPM_LOG_LEVEL_OFF = 0
+EPM_LOG_LEVEL_ERROR = 1
+EPM_LOG_LEVEL_WARN = 2
+EPM_LOG_LEVEL_INFO = 3
+EPM_LOG_LEVEL_DEBUG = 4
+EPM_LOG_LEVEL_TRACE = 5
+
+# Names the tests compare with the header (enum values and #defines alike).
+CONSTANTS = [n for n in list(globals()) if n.startswith("EPM_")]
+
+# ---- scalar typedefs ------------------------------------------------------------
+
+EpmDevicePtr = c_uint64
+EpmWeightId = c_uint32
+EpmHostRangeId = c_uint32
+EpmLogCallback = CFUNCTYPE(None, c_void_p, c_int, c_char_p)
+
+# Opaque handles travel as void*.
+HANDLE = c_void_p
+OUT_HANDLE = POINTER(c_void_p)
+
+
+# ---- structs (field order and types exactly as in the header) ------------------
+
+class EpmArenaConfig(Structure):
+    _fields_ = [("size", c_size_t), ("capacity_bytes", c_uint64), ("chunk_bytes", c_uint64),
+                ("max_allocations", c_uint32)]
+
+
+class EpmArenaStats(Structure):
+    _fields_ = [("size", c_size_t), ("driver_alloc_calls", c_uint64), ("driver_free_calls", c_uint64),
+                ("reserved_bytes", c_uint64), ("committed_bytes", c_uint64), ("in_use_bytes", c_uint64),
+                ("peak_in_use_bytes", c_uint64), ("live_allocations", c_uint64), ("alloc_calls", c_uint64),
+                ("free_calls", c_uint64), ("fragmentation", c_double)]
+
+
+class EpmDeviceInfo(Structure):
+    _fields_ = [("size", c_size_t), ("kind", c_int), ("ordinal", c_uint32), ("total_memory", c_uint64),
+                ("granularity", c_uint64), ("compute_capability_major", c_uint32),
+                ("compute_capability_minor", c_uint32), ("driver_version", c_uint32),
+                ("name", c_char * EPM_DEVICE_NAME_LEN), ("pci_bus_id", c_char * EPM_PCI_BUS_ID_LEN)]
+
+
+class EpmKvLayout(Structure):
+    _fields_ = [("size", c_size_t), ("layers", c_uint32), ("kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("elem_bytes", c_uint32), ("token_stride", c_uint64), ("layer_stride", c_uint64),
+                ("kv_stride", c_uint64), ("head_stride", c_uint64)]
+
+
+class EpmKvStats(Structure):
+    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
+        "budget_bytes", "owned_bytes", "promised_bytes", "peak_owned_bytes", "owned_granules", "charges",
+        "credits", "refusals", "granule_bytes", "pool_created", "pool_released", "pool_reused",
+        "pool_retained", "sequences", "prefixes", "pinned_prefixes", "mapped_bytes", "cow_granules",
+        "committed_granules", "fences", "hash_hits")]
+
+
+class EpmKvSeqInfo(Structure):
+    _fields_ = [("size", c_size_t), ("layout", EpmKvLayout), ("base", c_uint64), ("max_tokens", c_uint64),
+                ("len_tokens", c_uint64), ("reserved_bytes", c_uint64), ("shared_granules", c_uint64),
+                ("private_granules", c_uint64), ("promised_granules", c_uint64)]
+
+
+class EpmKvPrefixInfo(Structure):
+    _fields_ = [("size", c_size_t), ("n_tokens", c_uint64), ("granules", c_uint64), ("sharers", c_uint32),
+                ("pinned", c_bool), ("view_base", c_uint64)]
+
+
+class EpmKvAdmission(Structure):
+    _fields_ = [("size", c_size_t), ("without_sharing", c_uint64), ("with_sharing", c_uint64),
+                ("seed_formula", c_uint64)]
+
+
+class EpmKvRequestCost(Structure):
+    _fields_ = [("size", c_size_t), ("prefix_bytes", c_uint64), ("private_bytes", c_uint64),
+                ("unshared_bytes", c_uint64)]
+
+
+class EpmResidencyConfig(Structure):
+    _fields_ = [("size", c_size_t), ("budget_bytes", c_uint64), ("policy", c_uint32),
+                ("register_sources", c_uint32), ("prefetch_depth", c_uint32), ("sync_page_in", c_uint32),
+                ("staging_slots", c_uint32), ("fill_threads", c_uint32), ("staging_chunk_bytes", c_uint64),
+                ("staging_pool_bytes", c_uint64), ("coalesce_below_bytes", c_uint64),
+                ("coalesce_max_bytes", c_uint64)]
+
+
+class EpmResidencyStats(Structure):
+    _fields_ = [("size", c_size_t), ("acquires", c_uint64), ("hits", c_uint64), ("hit_rate", c_double)] + [
+        (n, c_uint64) for n in (
+            "page_ins", "prefetch_page_ins", "pending_prefetches", "wasted_prefetches", "evictions",
+            "eviction_waits", "bypassed_page_ins", "staged_page_ins", "source_registrations",
+            "register_refusals", "registered_bytes", "htod_bytes", "pinned_alloc_calls", "pinned_reuses")
+    ] + [(n, c_double) for n in ("fill_ms", "htod_ms", "stall_ms", "device_stall_ms", "host_stall_ms")] + [
+        (n, c_uint64) for n in (
+            "resident_bytes", "peak_resident_bytes", "resident_weights", "registered_weights", "budget_bytes",
+            "arena_driver_alloc_calls", "arena_driver_free_calls", "arena_reserved_bytes",
+            "arena_committed_bytes", "arena_in_use_bytes")
+    ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64)]
+
+
+class EpmStagingStats(Structure):
+    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
+        "pinned_alloc_calls", "pinned_free_calls", "pinned_reuses", "retained_bytes", "retained_buffers",
+        "copies", "bypassed", "htod_bytes", "chunks")] + [
+        ("fill_ms", c_double), ("slot_wait_ms", c_double), ("htod_ms", c_double), ("timed_copies", c_uint64)]
+
+
+class EpmCopyEngineConfig(Structure):
+    _fields_ = [("size", c_size_t), ("slots", c_uint32), ("fill_threads", c_uint32), ("chunk_bytes", c_uint64),
+                ("flags", c_uint32), ("target_chunks", c_uint32)]
+
+
+STRUCTS = [EpmArenaConfig, EpmArenaStats, EpmDeviceInfo, EpmKvLayout, EpmKvStats, EpmKvSeqInfo,
+           EpmKvPrefixInfo, EpmKvAdmission, EpmKvRequestCost, EpmResidencyConfig, EpmResidencyStats,
+           EpmStagingStats, EpmCopyEngineConfig]
+
+
+def new(struct_type, **fields):
+    """A zeroed struct with `size` set to its size, then `fields`."""
+    s = struct_type()
+    s.size = ctypes.sizeof(struct_type)
+    for k, v in fields.items():
+        setattr(s, k, v)
+    return s
+
+
+def to_dict(s):
+    """A struct's fields (less `size`) as a dict; nested structs and char arrays converted."""
+    out = {}
+    for name, _ in s._fields_:
+        if name == "size":
+            continue
+        v = getattr(s, name)
+        if isinstance(v, Structure):
+            v = to_dict(v)
+        elif isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        out[name] = v
+    return out
+
+
+# ---- functions --------------------------------------------------------------------
+
+STATUS = "status"  # restype marker: c_int, raising on a non-OK status
+P = POINTER
+u32, u64, size_t, vp = c_uint32, c_uint64, c_size_t, c_void_p
+H, OH = HANDLE, OUT_HANDLE
+
+FUNCTIONS = [
+    # arena
+    ("epm_arena_config_default", STATUS, [P(EpmArenaConfig)]),
+    ("epm_arena_create_device", STATUS, [H, P(EpmArenaConfig), OH]),
+    ("epm_arena_create_pinned", STATUS, [H, P(EpmArenaConfig), OH]),
+    ("epm_arena_alloc", STATUS, [H, size_t, size_t, P(u64)]),
+    ("epm_arena_free", STATUS, [H, u64]),
+    ("epm_arena_trim", STATUS, [H, P(u64)]),
+    ("epm_arena_get_stats", STATUS, [H, P(EpmArenaStats)]),
+    ("epm_arena_destroy", STATUS, [H]),
+    # device
+    ("epm_device_open", STATUS, [u32, OH]),
+    ("epm_device_open_select", STATUS, [c_char_p, u32, OH]),
+    ("epm_device_get_info", STATUS, [H, P(EpmDeviceInfo)]),
+    ("epm_device_mem_info", STATUS, [H, P(u64), P(u64)]),
+    ("epm_device_synchronize", STATUS, [H]),
+    ("epm_device_destroy", STATUS, [H]),
+    ("epm_device_alloc", STATUS, [H, size_t, P(EpmDevicePtr)]),
+    ("epm_device_free", STATUS, [H, EpmDevicePtr]),
+    ("epm_memcpy_htod", STATUS, [H, EpmDevicePtr, vp, size_t]),
+    ("epm_memcpy_dtoh", STATUS, [H, vp, EpmDevicePtr, size_t]),
+    ("epm_memcpy_htod_async", STATUS, [H, EpmDevicePtr, vp, size_t, H]),
+    ("epm_memcpy_dtoh_async", STATUS, [H, vp, EpmDevicePtr, size_t, H]),
+    ("epm_memcpy_dtod_async", STATUS, [H, EpmDevicePtr, EpmDevicePtr, size_t, H]),
+    ("epm_memset_d8_async", STATUS, [H, EpmDevicePtr, c_uint8, size_t, H]),
+    ("epm_device_checksum_async", STATUS, [H, EpmDevicePtr, size_t, H, EpmDevicePtr]),
+    ("epm_checksum_host", u64, [vp, size_t]),
+    ("epm_device_spin_async", STATUS, [H, u32, H]),
+    # events and streams
+    ("epm_event_create", STATUS, [H, u32, OH]),
+    ("epm_event_record", STATUS, [H, H]),
+    ("epm_event_query", STATUS, [H]),
+    ("epm_event_synchronize", STATUS, [H]),
+    ("epm_event_elapsed_ms", STATUS, [H, H, P(c_float)]),
+    ("epm_event_destroy", STATUS, [H]),
+    ("epm_stream_create", STATUS, [H, OH]),
+    ("epm_stream_wrap_native", STATUS, [H, vp, OH]),
+    ("epm_stream_native", STATUS, [H, P(vp)]),
+    ("epm_stream_synchronize", STATUS, [H]),
+    ("epm_stream_wait_event", STATUS, [H, H]),
+    ("epm_stream_destroy", STATUS, [H]),
+    # kv
+    ("epm_kv_layout_token_major", STATUS, [u32, u32, u32, u32, P(EpmKvLayout)]),
+    ("epm_kv_arena_create", STATUS, [H, u64, OH]),
+    ("epm_kv_arena_destroy", STATUS, [H]),
+    ("epm_kv_arena_get_stats", STATUS, [H, P(EpmKvStats)]),
+    ("epm_kv_seq_create", STATUS, [H, P(EpmKvLayout), u64, u32, OH]),
+    ("epm_kv_seq_create_for_tokens", STATUS, [H, P(EpmKvLayout), u64, P(u32), size_t, u32, OH, P(u64)]),
+    ("epm_kv_seq_destroy", STATUS, [H]),
+    ("epm_kv_seq_get_info", STATUS, [H, P(EpmKvSeqInfo)]),
+    ("epm_kv_seq_prepare_append", STATUS, [H, u64, H]),
+    ("epm_kv_seq_declare_tokens", STATUS, [H, P(u32), size_t]),
+    ("epm_kv_prefix_pin", STATUS, [H, u64, H, OH]),
+    ("epm_kv_prefix_unpin", STATUS, [H]),
+    ("epm_kv_prefix_get_info", STATUS, [H, P(EpmKvPrefixInfo)]),
+    ("epm_kv_commit_shared_prefix", STATUS, [H, u64, u64, u32, OH]),
+    ("epm_kv_find_prefix", STATUS, [H, P(EpmKvLayout), P(u32), size_t, P(u64)]),
+    ("epm_kv_admissible", STATUS, [u64, u64, u64, P(EpmKvAdmission)]),
+    ("epm_kv_request_cost", STATUS, [H, P(EpmKvLayout), u64, u64, P(EpmKvRequestCost)]),
+    # logging
+    ("epm_set_log_callback", STATUS, [EpmLogCallback, vp, u32]),
+    # residency
+    ("epm_residency_config_default", STATUS, [P(EpmResidencyConfig)]),
+    ("epm_residency_create", STATUS, [H, P(EpmResidencyConfig), OH]),
+    ("epm_residency_destroy", STATUS, [H]),
+    ("epm_residency_register_weight", STATUS, [H, vp, size_t, P(EpmWeightId)]),
+    ("epm_residency_unregister_weight", STATUS, [H, EpmWeightId]),
+    ("epm_residency_register_host_range", STATUS, [H, vp, size_t, P(EpmHostRangeId)]),
+    ("epm_residency_unregister_host_range", STATUS, [H, EpmHostRangeId]),
+    ("epm_residency_declare_cycle", STATUS, [H, P(EpmWeightId), size_t]),
+    ("epm_residency_prefetch", STATUS, [H, P(EpmWeightId), size_t, P(size_t)]),
+    ("epm_residency_acquire", STATUS, [H, EpmWeightId, H, P(EpmDevicePtr)]),
+    ("epm_residency_release", STATUS, [H, EpmWeightId, H]),
+    ("epm_residency_synchronize", STATUS, [H]),
+    ("epm_residency_get_stats", STATUS, [H, P(EpmResidencyStats)]),
+    # staging pool, copy engine, fences
+    ("epm_staging_pool_create", STATUS, [H, size_t, size_t, OH]),
+    ("epm_staging_pool_trim", STATUS, [H, P(size_t)]),
+    ("epm_staging_pool_get_stats", STATUS, [H, P(EpmStagingStats)]),
+    ("epm_staging_pool_destroy", STATUS, [H]),
+    ("epm_copy_engine_config_default", STATUS, [P(EpmCopyEngineConfig)]),
+    ("epm_copy_engine_create", STATUS, [H, P(EpmCopyEngineConfig), OH]),
+    ("epm_copy_engine_htod", STATUS, [H, EpmDevicePtr, vp, size_t, H, OH]),
+    ("epm_copy_engine_register", STATUS, [H, vp, size_t, OH]),
+    ("epm_host_registration_destroy", STATUS, [H]),
+    ("epm_copy_engine_synchronize", STATUS, [H]),
+    ("epm_copy_engine_get_stats", STATUS, [H, P(EpmStagingStats)]),
+    ("epm_copy_engine_destroy", STATUS, [H]),
+    ("epm_fence_query", STATUS, [H]),
+    ("epm_fence_wait", STATUS, [H]),
+    ("epm_fence_stream_wait", STATUS, [H, H]),
+    ("epm_fence_destroy", STATUS, [H]),
+    # errors and version (never fail)
+    ("epm_last_error_message", c_char_p, []),
+    ("epm_status_name", c_char_p, [c_int]),
+    ("epm_version", u32, []),
+    ("epm_version_string", c_char_p, []),
+]
+
+
+class _Lib:
+    """The loaded library: each FUNCTIONS entry as an attribute (`lib.epm_device_open`)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.cdll = ctypes.CDLL(path)
+        self.missing = []
+        for name, restype, argtypes in FUNCTIONS:
+            try:
+                fn = getattr(self.cdll, name)
+            except AttributeError:
+                # An older library: the binding stays usable for what it has;
+                # calling the missing function raises AttributeError by name.
+                self.missing.append(name)
+                continue
+            fn.argtypes = argtypes
+            if restype is STATUS:
+                fn.restype = c_int
+                fn.errcheck = self._check
+            else:
+                fn.restype = restype
+            setattr(self, name, fn)
+
+    def _check(self, result, func, args):
+        if result != 0:
+            # Read the message first: it is thread-local and valid until the
+            # next epm_* call on this thread (epm_status_name does not reset it).
+            msg = self.cdll.epm_last_error_message()
+            name = self.cdll.epm_status_name(result)
+            raise errors.from_status(result, name.decode() if name else "?",
+                                     msg.decode("utf-8", "replace") if msg else "", func.__name__)
+        return result
+
+
+_loaded = None
+_lock = threading.Lock()
+
+
+def library_path():
+    env = os.environ.get("EPMEM_LIB")
+    if env:
+        return os.path.abspath(env)
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libepmem.so")
+
+
+def lib():
+    """The library, loaded on first use from `library_path()`."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                path = library_path()
+                if not os.path.isfile(path):
+                    raise OSError(f"epmem: no library at {path} (build the wheel with `make wheel`, "
+                                  "or set EPMEM_LIB to a libepmem.so)")
+                _loaded = _Lib(path)
+    return _loaded

@@ -1,0 +1,627 @@
+"""PyTorch integration: offload a model's weights through an epmem residency
+manager, and hand epmem memory to torch as tensors without copies.
+
+    import epmem.torch as et
+    model.eval()
+    h = et.offload(model, budget_bytes=8 << 30)   # decoder-layer linears to host RAM
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=32)
+    print(h.stats()["htod_bytes"])
+    h.remove()                                     # weights back on the GPU, hooks gone
+
+What the hooks do: before a block runs, each of its offloaded weights is
+acquired on torch's *current* stream (wrapped with epm_stream_wrap_native), so
+the block's kernels wait on the device for a page-in and the host never
+waits; the parameters then point at the device copy (a tensor over epmem's
+memory, no copy). After the block, the parameters point back at the host copy
+and the weights are released on the same stream: epmem evicts a weight only
+after the work queued so far on that stream has completed. torch's legacy
+default stream (handle 0) cannot be adopted, so on it epmem acquires on a
+private stream that the default stream then waits for (two event
+record/waits per block). On the host device (EPM_DEVICE=host, CPU tensors)
+the host waits for the page-ins, since CPU kernels run synchronously.
+See docs/PYTHON.md.
+"""
+
+import ctypes
+import mmap
+import warnings
+
+import torch
+from torch import nn
+
+from . import _lib as L
+from . import core, errors
+
+PAGE = 4096
+# Small weights are packed at this alignment (and registered with their
+# padding) so that runs of them are exactly adjacent in host memory, which is
+# what epmem's coalescing needs; large ones start on their own page.
+SMALL_ALIGN = 256
+SOURCES = ("registered", "staged", "pinned")
+GRANULARITIES = ("block", "linear")
+
+
+class OffloadError(RuntimeError):
+    """offload() refused or a hook could not run; the module is left usable."""
+
+
+def _itemsize(dtype):
+    return getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
+
+
+def _round_up(x, a):
+    return (x + a - 1) // a * a
+
+
+# ---- epmem memory as torch tensors -------------------------------------------------
+
+_INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
+class _CudaArray:
+    """A __cuda_array_interface__ (v3) over `ptr`; torch keeps it (and `owner`)
+    alive as long as the tensor made from it. No "stream" key: ordering is the
+    caller's (epmem acquires on the stream that will read)."""
+
+    def __init__(self, ptr, shape, itemsize, strides, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": _INT_TYPESTR[itemsize], "data": (int(ptr), False),
+            "strides": None if strides is None else tuple(s * itemsize for s in strides), "version": 3,
+        }
+
+
+def as_tensor(ptr, shape, dtype, device, owner=None, strides=None):
+    """A torch tensor over epmem memory at `ptr` (no copy).
+
+    `device`: the epmem.Device the memory belongs to. On CUDA the tensor is a
+    CUDA tensor (through the CUDA array interface; dtypes without a typestr,
+    such as bfloat16, go through an integer view of the same width); on the host
+    device it is a CPU tensor over the host-device mapping. `strides` are in
+    elements. `owner` is kept alive as long as the tensor (e.g. the arena or
+    block the memory comes from)."""
+    shape = tuple(int(s) for s in shape)
+    itemsize = _itemsize(dtype)
+    if strides is None:
+        extent = 1
+        for s in shape:
+            extent *= s
+    else:
+        extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
+    if device.is_cuda:
+        if not torch.cuda.is_available():
+            raise OffloadError("epmem's device is CUDA but this torch has no CUDA (a CPU-only build?)")
+        t = torch.as_tensor(_CudaArray(ptr, shape, itemsize, strides, owner), device=f"cuda:{device.ordinal}")
+        if t.data_ptr() != ptr:
+            raise OffloadError("torch copied the CUDA array instead of wrapping it")
+        return t.view(dtype)
+    nbytes = extent * itemsize
+    arr = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)
+    arr.owner = owner  # ctypes arrays take attributes: the buffer keeps the owner alive
+    flat = torch.frombuffer(arr, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    flat = flat.view(dtype)
+    if strides is None:
+        return flat.view(shape)
+    return flat.as_strided(shape, strides)
+
+
+def empty(arena, shape, dtype):
+    """A tensor over a new allocation of `arena` (device or pinned), freed when
+    the tensor is. Freeing first synchronizes the device (the arena needs no
+    queued work to still use it), so this is for setup and tests, not hot loops."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    itemsize = _itemsize(dtype)
+    block = _SyncedBlock(arena, max(numel * itemsize, 1))
+    dev = arena.device
+    if arena.pinned:
+        # Pinned-arena addresses are host addresses on every device.
+        arr = (ctypes.c_uint8 * block.nbytes).from_address(block.ptr)
+        arr.owner = block
+        return torch.frombuffer(arr, dtype=torch.uint8, count=numel * itemsize).view(dtype).view(tuple(shape))
+    return as_tensor(block.ptr, shape, dtype, dev, owner=block)
+
+
+class _SyncedBlock(core.ArenaBlock):
+    def _release(self):
+        try:
+            self.arena.device.synchronize()
+        finally:
+            super()._release()
+
+
+def kv_seq_tensor(seq, dtype, tokens=None):
+    """A KV sequence as a tensor view in its layout, no copy:
+    [tokens, layers, 2 (K, V), kv_heads, head_dim], strides from EpmKvSeqInfo.
+
+    `tokens` defaults to the tokens prepared so far (`len_tokens`). Write only
+    tokens made private by `prepare_append`: a shared prefix and the tokens not
+    prepared yet are mapped read-only (on the host device a write there is a
+    segmentation fault, on CUDA a device fault)."""
+    info = seq.info_struct()
+    lay = info.layout
+    itemsize = _itemsize(dtype)
+    if itemsize != lay.elem_bytes:
+        raise ValueError(f"dtype {dtype} has {itemsize} bytes per element; the layout has {lay.elem_bytes}")
+    n = info.len_tokens if tokens is None else int(tokens)
+    if n > info.max_tokens:
+        raise ValueError(f"{n} tokens > the sequence's max_tokens {info.max_tokens}")
+    strides = [lay.token_stride, lay.layer_stride, lay.kv_stride, lay.head_stride, lay.elem_bytes]
+    if any(s % itemsize for s in strides):
+        raise ValueError("layout strides are not multiples of the element size")
+    shape = (n, lay.layers, 2, lay.kv_heads, lay.head_dim)
+    return as_tensor(info.base, shape, dtype, seq.arena.device, owner=seq,
+                     strides=[s // itemsize for s in strides])
+
+
+# ---- offload -------------------------------------------------------------------------
+
+class _Weight:
+    __slots__ = ("param", "name", "shape", "dtype", "nbytes", "reg_bytes", "offset", "host", "id", "device")
+
+
+class _Unit:
+    """What one pair of hooks acquires: a block's weights, or one module's."""
+
+    __slots__ = ("module", "weights", "index", "acquired", "stream", "bridged", "name", "skip_post")
+
+    def __init__(self, module, name, index):
+        self.module, self.name, self.index = module, name, index
+        self.weights = []
+        self.acquired = []
+        self.stream = None
+        self.bridged = False
+        self.skip_post = 0  # pre-hooks that raised: their always_call post-hook must not release
+
+
+def _find_blocks(module):
+    inner = getattr(module, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return list(layers), "model.layers"
+    best = None
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m):
+            size = sum(p.numel() * p.element_size() for p in m.parameters())
+            if size and (best is None or size > best[0]):
+                best = (size, name, m)
+    if best is None:
+        raise OffloadError(f"{type(module).__name__} has no nn.ModuleList of blocks with parameters: "
+                           "pass blocks=[...] (the modules whose weights to offload, in forward order)")
+    return list(best[2]), best[1]
+
+
+def _is_default_include(_name, sub):
+    return isinstance(sub, nn.Linear)
+
+
+def offload(module, budget_bytes, *, blocks=None, include=None, sources="registered", granularity="block",
+            device=None, prefetch_depth=1, policy="cyclic", **residency_config):
+    """Offload the weights of `module`'s repeated blocks to host RAM and page them
+    into a VRAM budget of `budget_bytes` through an epmem residency manager.
+
+    blocks: the modules to offload, in forward order (default: `module.model.layers`,
+        else the nn.ModuleList holding the most parameter bytes).
+    include: `include(name, submodule) -> bool` picks the submodules inside a
+        block whose parameters (weight, bias, ...) are offloaded (default: nn.Linear).
+    sources: "registered" (default: pageable host memory page-locked with the
+        device once, so page-ins copy directly), "staged" (pageable, every
+        page-in staged through pinned buffers), or "pinned" (host memory from an
+        epmem pinned arena).
+    granularity: "block" (default; a block's weights are acquired together, so
+        the budget must hold the largest block) or "linear" (one pair of hooks
+        per included submodule; the budget need only hold the largest weight).
+        "block" falls back to "linear" when the budget cannot hold a block.
+    device: an epmem.Device, or "cuda"/"host"/"auto" (default: EPM_DEVICE, on the
+        ordinal of the module's CUDA device).
+    prefetch_depth, policy ("cyclic" or "lru"), **residency_config: EpmResidencyConfig fields.
+
+    Returns an Offload handle (stats(), remove()). Refuses (OffloadError, with
+    the module left as it was): a module in training mode, a parameter shared
+    between blocks or with the rest of the model, CPU-only torch when epmem's
+    device is CUDA, a budget smaller than the largest weight, no matching
+    parameters, a module (or parameter) offloaded already, a device mismatch.
+    """
+    if sources not in SOURCES:
+        raise ValueError(f"sources must be one of {SOURCES}, not {sources!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
+    if policy not in ("cyclic", "lru"):
+        raise ValueError(f"policy must be 'cyclic' or 'lru', not {policy!r}")
+    if getattr(module, "_epmem_offload", None) is not None:
+        raise OffloadError(f"{type(module).__name__} is offloaded already: remove() the first offload first "
+                           "(epmem.torch.offload_of(module) finds it)")
+    if module.training:
+        raise OffloadError("offload() is for inference: the module is in training mode (call module.eval() "
+                           "first; weights paged in are read-only copies, gradients would not reach them)")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int, not {budget_bytes!r}")
+    include = include or _is_default_include
+    if blocks is None:
+        blocks, blocks_name = _find_blocks(module)
+    else:
+        blocks, blocks_name = list(blocks), "blocks"
+
+    # ---- choose the weights (nothing changes until every check has passed) ----
+    # Parameters held by modules outside the blocks (tied embeddings, a shared head).
+    in_blocks = {id(m) for blk in blocks for m in blk.modules()}
+    outside = {}
+    for mname, m in module.named_modules(remove_duplicate=False):
+        if id(m) not in in_blocks:
+            for pname, p in m.named_parameters(recurse=False):
+                outside.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
+    chosen, seen, units_b, units_l = [], {}, [], []
+    for bi, blk in enumerate(blocks):
+        ub = _Unit(blk, f"{blocks_name}.{bi}", len(units_b))
+        for sname, sub in blk.named_modules():
+            if not include(sname, sub):
+                continue
+            ul = _Unit(sub, f"{blocks_name}.{bi}.{sname}", 0)
+            for pname, p in sub.named_parameters(recurse=False):
+                if p is None:
+                    continue
+                qual = f"{blocks_name}.{bi}.{sname}.{pname}".replace("..", ".")
+                if id(p) in seen:
+                    # (Within one block too: with granularity="linear" the other
+                    # user would read the host copy.)
+                    raise OffloadError(f"parameter {qual} is shared with {seen[id(p)][1]}: "
+                                       "a shared parameter cannot be offloaded")
+                if id(p) in outside:
+                    raise OffloadError(f"parameter {qual} is also {outside[id(p)]} (tied/shared outside the "
+                                       "blocks): a shared parameter cannot be offloaded")
+                if getattr(p, "_epmem_offloaded", False):
+                    raise OffloadError(f"parameter {qual} is offloaded already (by another offload())")
+                w = _Weight()
+                w.param, w.name, w.shape, w.dtype = p, qual, tuple(p.shape), p.dtype
+                w.nbytes = p.numel() * p.element_size()
+                w.device = p.device
+                seen[id(p)] = (bi, qual)
+                chosen.append(w)
+                ub.weights.append(w)
+                ul.weights.append(w)
+            if ul.weights:
+                units_l.append(ul)
+        if ub.weights:
+            units_b.append(ub)
+    if not chosen:
+        raise OffloadError(f"no parameters to offload: no submodule of the {len(blocks)} blocks matched "
+                           f"({'nn.Linear' if include is _is_default_include else 'include'})")
+    for w in chosen:
+        if w.nbytes == 0:
+            raise OffloadError(f"parameter {w.name} is empty")
+
+    devices = {w.device for w in chosen}
+    if len(devices) != 1:
+        raise OffloadError(f"the offloaded parameters are on several devices ({sorted(map(str, devices))}): "
+                           "move the module to one device first")
+    tdev = devices.pop()
+    if tdev.type not in ("cuda", "cpu"):
+        raise OffloadError(f"the module's parameters are on {tdev}: offload() needs them on cuda or cpu")
+    own_device = not isinstance(device, core.Device)
+    if own_device:
+        ordinal = tdev.index if tdev.type == "cuda" and tdev.index is not None else 0
+        if tdev.type == "cuda" and tdev.index is None:
+            ordinal = torch.cuda.current_device()
+        dev = core.Device(device, ordinal)
+    else:
+        dev = device
+    try:
+        if dev.is_cuda and not torch.cuda.is_available():
+            raise OffloadError("epmem's device is CUDA but this torch has no CUDA (a CPU-only build, or no GPU "
+                               "visible to torch): install a CUDA torch, or use EPM_DEVICE=host with a CPU module")
+        want = torch.device("cuda", dev.ordinal) if dev.is_cuda else torch.device("cpu")
+        if tdev != want:
+            raise OffloadError(f"device mismatch: the module's parameters are on {tdev} but epmem's device is "
+                               f"{dev.kind} (ordinal {dev.ordinal}), which serves {want}: move the module there "
+                               f"or open the matching epmem device (EPM_DEVICE)")
+        # Registered lengths: small weights padded to SMALL_ALIGN, packed; large ones page-aligned.
+        coalesce_below = residency_config.get("coalesce_below_bytes", None)
+        cfg_defaults = L.new(L.EpmResidencyConfig)
+        L.lib().epm_residency_config_default(ctypes.byref(cfg_defaults))
+        small = cfg_defaults.coalesce_below_bytes if coalesce_below is None else coalesce_below
+        off = 0
+        for w in chosen:
+            w.reg_bytes = _round_up(w.nbytes, SMALL_ALIGN)
+            if w.reg_bytes >= small:
+                off = _round_up(off, PAGE)
+            w.offset = off
+            off += w.reg_bytes
+        total = _round_up(off, PAGE)
+        largest = max(chosen, key=lambda x: x.reg_bytes)
+        if budget_bytes < largest.reg_bytes:
+            raise OffloadError(f"budget {budget_bytes} bytes is smaller than the largest weight, {largest.name} "
+                               f"({largest.reg_bytes} bytes): raise the budget")
+        largest_block = max(sum(w.reg_bytes for w in u.weights) for u in units_b)
+        if granularity == "block" and budget_bytes < largest_block:
+            granularity = "linear"  # a whole block could never be acquired at once
+        units = units_b if granularity == "block" else units_l
+        for i, u in enumerate(units):
+            u.index = i
+        st = _State(module, dev, own_device, tdev, chosen, units, budget_bytes, sources, granularity, total,
+                    dict(residency_config, prefetch_depth=prefetch_depth,
+                         policy=L.EPM_POLICY_CYCLIC if policy == "cyclic" else L.EPM_POLICY_LRU))
+    except BaseException:
+        if own_device:
+            dev.close()
+        raise
+    return Offload(st)
+
+
+def offload_of(module):
+    """The Offload handle of an offloaded module (e.g. when the one offload()
+    returned was dropped), or None."""
+    st = getattr(module, "_epmem_offload", None)
+    return Offload(st) if isinstance(st, _State) and not st.removed else None
+
+
+class _State:
+    """Everything an offload owns; the hooks and the Offload handle share it."""
+
+    def __init__(self, module, dev, own_device, tdev, weights, units, budget, sources, granularity, total, rcfg):
+        self.module, self.dev, self.own_device, self.tdev = module, dev, own_device, tdev
+        self.weights, self.units, self.budget = weights, units, budget
+        self.sources, self.granularity, self.total = sources, granularity, total
+        self.removed = False
+        self.hooks = []
+        self.cache = {}
+        self.wrapped = {}
+        self.counters = {"hook_calls": 0, "bridged_calls": 0, "wrapped_streams": 0}
+        self.host_range = None
+        self.host_range_error = None
+        self.pinned_arena = self.pinned_block = None
+        self.res = self.private = self.private_torch = None
+        originals = [(w.param, w.param.data) for w in weights]
+        try:
+            self._setup(rcfg)
+        except BaseException:
+            for p, data in originals:  # put every weight back as it was
+                p.data = data
+                if hasattr(p, "_epmem_offloaded"):
+                    del p._epmem_offloaded
+            self._teardown()
+            raise
+
+    def _setup(self, rcfg):
+        dev = self.dev
+        if self.sources == "pinned":
+            g = dev.info()["granularity"]
+            cap = _round_up(self.total, g) + g
+            self.pinned_arena = core.Arena.create_pinned(dev, cap, chunk_bytes=cap)
+            self.pinned_block = self.pinned_arena.block(self.total, PAGE)
+            arr = (ctypes.c_uint8 * self.total).from_address(self.pinned_block.ptr)
+            arr.owner = self.pinned_block
+            self.host_buf = torch.frombuffer(arr, dtype=torch.uint8)
+        else:
+            # Anonymous mmap: page-aligned pageable memory, returned to the OS when dropped.
+            self.host_buf = torch.frombuffer(mmap.mmap(-1, self.total), dtype=torch.uint8)
+        self.host_ptr = self.host_buf.data_ptr()
+        for w in self.weights:
+            w.host = self.host_buf[w.offset:w.offset + w.nbytes].view(w.dtype).view(w.shape)
+            w.host.copy_(w.param.data)
+        rcfg["register_sources"] = L.EPM_REGISTER_WITHIN_MEMLOCK if self.sources == "registered" \
+            else L.EPM_REGISTER_NEVER
+        self.res = core.Residency(dev, self.budget, **rcfg)
+        if self.sources == "registered":
+            try:
+                self.host_range = self.res.register_host_range(self.host_ptr, self.total)
+            except errors.EpmError as e:
+                # The device refused to page-lock the range (locked-memory limit,
+                # overlap): page-ins stage instead. Said, not hidden.
+                self.host_range_error = str(e)
+                warnings.warn(f"epmem.torch.offload: could not register the host copy ({e}); "
+                              "page-ins will be staged", RuntimeWarning, stacklevel=3)
+        for w in self.weights:
+            w.id = self.res.register_weight(self.host_ptr + w.offset, w.reg_bytes)
+        self.res.declare_cycle([w.id for u in self.units for w in u.weights])
+        if dev.is_cuda:
+            self.private = core.Stream(dev)
+            self.private_torch = torch.cuda.ExternalStream(self.private.native(), device=self.tdev)
+        else:
+            self.private = core.Stream(dev)
+        # Point the parameters at the host copy; the device copies go.
+        for w in self.weights:
+            w.param.data = w.host
+            w.param._epmem_offloaded = True
+        self.always_call = True
+        for u in self.units:
+            self.hooks.append(u.module.register_forward_pre_hook(self._pre_hook(u)))
+            try:
+                self.hooks.append(u.module.register_forward_hook(self._post_hook(u), always_call=True))
+            except TypeError:  # torch < 2.1: no post-hook when forward raises
+                self.always_call = False
+                self.hooks.append(u.module.register_forward_hook(self._post_hook(u)))
+        self.module._epmem_offload = self
+        if self.tdev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- tensors over device memory, cached by address (the arena's VA lives as long as the manager)
+    def _device_tensor(self, ptr, w):
+        key = (ptr, w.shape, w.dtype)
+        t = self.cache.get(key)
+        if t is None:
+            if len(self.cache) > 4 * len(self.weights) + 64:
+                self.cache.clear()
+            t = as_tensor(ptr, w.shape, w.dtype, self.dev, owner=self.res)
+            self.cache[key] = t
+        return t
+
+    def _stream(self, unit):
+        """The epmem stream to acquire on, and whether the default-stream bridge is used."""
+        if not self.dev.is_cuda:
+            return self.private, False
+        cur = torch.cuda.current_stream(self.tdev)
+        native = cur.cuda_stream
+        if native == 0:
+            return self.private, True
+        s = self.wrapped.get(native)
+        if s is None:
+            if len(self.wrapped) > 64 and not any(u.acquired for u in self.units):
+                # (Never while a unit holds weights: its release needs its stream.)
+                for old in self.wrapped.values():
+                    old.close()
+                self.wrapped.clear()
+            s = core.Stream.wrap_native(self.dev, native, owner=cur)
+            self.wrapped[native] = s
+            self.counters["wrapped_streams"] += 1
+        return s, False
+
+    def _pre_hook(self, unit):
+        def hook(mod, args):
+            try:
+                return pre(mod, args)
+            except BaseException:
+                if self.always_call:
+                    unit.skip_post += 1
+                raise
+
+        def pre(_mod, _args):
+            if self.removed:
+                raise OffloadError("this offload was removed")
+            if unit.acquired:
+                raise OffloadError(f"{unit.name} entered again before its forward finished (re-entrant call)")
+            if unit.module.training:
+                raise OffloadError(f"{unit.name} is in training mode: offloaded weights are for inference "
+                                   "(call model.eval())")
+            if torch.is_grad_enabled() and any(w.param.requires_grad for w in unit.weights):
+                raise OffloadError(f"{unit.name}: grad is enabled and its offloaded weights require grad; "
+                                   "offloaded weights are for inference: run under torch.no_grad() or "
+                                   "torch.inference_mode(), or call requires_grad_(False)")
+            stream, bridged = self._stream(unit)
+            self.counters["hook_calls"] += 1
+            try:
+                for w in unit.weights:
+                    ptr = self.res.acquire(w.id, stream)
+                    unit.acquired.append(w)
+                    w.param.data = self._device_tensor(ptr, w)
+            except BaseException as e:
+                for w in unit.acquired:
+                    w.param.data = w.host
+                    self.res.release(w.id, stream)
+                unit.acquired = []
+                if isinstance(e, errors.AllInUse):
+                    raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
+                                       f"in use ({e.message}); raise the budget or use granularity='linear'") from e
+                raise
+            unit.stream, unit.bridged = stream, bridged
+            if bridged:
+                self.counters["bridged_calls"] += 1
+                torch.cuda.current_stream(self.tdev).wait_stream(self.private_torch)
+            elif not self.dev.is_cuda:
+                stream.synchronize()  # CPU kernels run now, on this thread
+        return hook
+
+    def _post_hook(self, unit):
+        def hook(_mod, _args, _out):
+            if unit.skip_post:
+                unit.skip_post -= 1
+                return None
+            if not unit.acquired:
+                return None
+            stream = unit.stream
+            if unit.bridged:
+                self.private_torch.wait_stream(torch.cuda.current_stream(self.tdev))
+            err = None
+            for w in unit.acquired:
+                w.param.data = w.host
+                try:
+                    self.res.release(w.id, stream)
+                except errors.EpmError as e:
+                    err = err or e
+            unit.acquired = []
+            if err is not None:
+                raise err
+            return None
+        return hook
+
+    def _teardown(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if getattr(self.module, "_epmem_offload", None) is self:
+            del self.module._epmem_offload
+        self.cache.clear()
+        if self.res is not None:
+            try:
+                self.res.synchronize()
+            finally:
+                if self.host_range is not None:
+                    self.res.unregister_host_range(self.host_range)
+                    self.host_range = None
+                self.res.close()
+        for s in self.wrapped.values():
+            s.close()
+        self.wrapped.clear()
+        if self.private is not None:
+            self.private.close()
+        self.private_torch = None
+        if self.own_device:
+            self.dev.close()
+
+
+class Offload:
+    """What offload() returns: stats(), remove(), and a context manager (remove on exit)."""
+
+    def __init__(self, state):
+        self._st = state
+
+    def _state(self):
+        if self._st is None or self._st.removed:
+            raise OffloadError("this offload was removed")
+        return self._st
+
+    @property
+    def granularity(self):
+        return self._state().granularity
+
+    @property
+    def sources(self):
+        return self._state().sources
+
+    @property
+    def offloaded_bytes(self):
+        return sum(w.nbytes for w in self._state().weights)
+
+    def stats(self, synchronize=True):
+        """The residency counters (EpmResidencyStats fields; `htod_bytes` is what
+        was streamed) plus what offload() chose. synchronize=True waits for the
+        page-ins first so the times are final."""
+        st = self._state()
+        if synchronize:
+            st.res.synchronize()
+        d = st.res.stats()
+        d.update(st.counters)
+        d.update(offloaded_bytes=self.offloaded_bytes, weights=len(st.weights), units=len(st.units),
+                 granularity=st.granularity, sources=st.sources, device=st.dev.kind,
+                 host_range_registered=st.host_range is not None, host_range_error=st.host_range_error)
+        return d
+
+    def remove(self):
+        """Put every weight back on its original device, unhook, free epmem's memory."""
+        st = self._state()
+        if any(u.acquired for u in st.units):
+            raise OffloadError("remove() during a forward of an offloaded block")
+        st.res.synchronize()
+        for w in st.weights:
+            w.param.data = w.host.to(w.device, copy=True) if w.device.type != "cpu" else w.host.clone()
+            w.host = None
+            del w.param._epmem_offloaded
+        st.removed = True
+        st._teardown()
+        st.host_buf = None
+        st.pinned_block = st.pinned_arena = None
+        self._st = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._st is not None:
+            self.remove()
+
+    def __repr__(self):
+        if self._st is None:
+            return "<epmem.torch.Offload removed>"
+        return (f"<epmem.torch.Offload {len(self._st.weights)} weights, {self.offloaded_bytes} bytes, "
+                f"budget {self._st.budget}, {self._st.sources}, {self._st.granularity}>")

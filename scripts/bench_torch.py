@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""End-to-end PyTorch benchmark: a Llama-style decoder whose decoder-layer
+weights do not fit the VRAM budget, decoded greedily, side by side in one process:
+
+  resident     every weight on the GPU (the reference tokens and ms/token)
+  registered   epmem.torch.offload, sources="registered" (the default)
+  staged       epmem.torch.offload, sources="staged" (pageable, staged)
+  accelerate   accelerate.dispatch_model, the same bytes resident, the rest cpu-offloaded
+  floor        (offloaded bytes - budget) / pinned H2D peak (measured here, torch pinned->cuda copy)
+
+What is offloaded: every nn.Linear weight inside model.model.layers (q/k/v/o,
+gate/up/down). What stays resident in every row: the embedding, the norms, the
+rotary tables, lm_head (vocab 32000, so it is small next to the layers) and the
+KV cache. Budgets are 25/50/75% of the offloaded bytes. Tokens must be
+identical to the resident run's in every row (asserted; accelerate is compared on
+the tokens it decoded, the first --accelerate-tokens).
+
+    python3 scripts/bench_torch.py [--json PATH] [--plot PATH] [--tokens 32] [--shapes big,small]
+    python3 scripts/bench_torch.py --quick     # seconds, CPU + host device, tiny model (CI smoke)
+
+Needs torch (CUDA build for the real run), transformers (else a transformers-free
+stand-in decoder is used: --quick only), accelerate (its rows are skipped, with a
+note, when it is absent), matplotlib for the PNG (skipped when absent).
+Markdown table on stdout; exit 1 if any row's tokens differ.
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.environ.get("EPMEM_USE_INSTALLED") != "1":
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import epmem  # noqa: E402
+import epmem.torch as et  # noqa: E402
+
+GiB = 1 << 30
+SHAPES = {
+    # name: (blocks, hidden, intermediate, heads, kv_heads)
+    "big": (8, 8192, 28672, 64, 64),     # ~14.5 GiB of bf16 layer weights: PCIe-bound
+    "small": (16, 4096, 11008, 32, 32),  # ~6.0 GiB
+    "quick": (4, 128, 352, 4, 4),        # --quick
+}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---- models -------------------------------------------------------------------------
+
+class _StandInBlock(nn.Module):
+    """A decoder layer's linears (q, k, v, o, gate, up, down) with no attention:
+    deterministic, so tokens can be compared. Used only without transformers."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+        self.down = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.o(self.q(h) * torch.sigmoid(self.k(h)) + self.v(h))
+        h = self.norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class _StandIn(nn.Module):
+    def __init__(self, vocab, d, f, n):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, d)
+        self.model.layers = nn.ModuleList(_StandInBlock(d, f) for _ in range(n))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.model.embed_tokens(ids)
+        for blk in self.model.layers:
+            x = blk(x)
+        return self.lm_head(x)
+
+
+def make_model(shape, device, dtype, vocab, seed):
+    n, d, f, heads, kv = SHAPES[shape]
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            try:
+                from transformers import LlamaConfig, LlamaForCausalLM
+                cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=n,
+                                  num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
+                                  tie_word_embeddings=False)
+                model, kind = LlamaForCausalLM(cfg), "transformers LlamaForCausalLM"
+            except ImportError:
+                model, kind = _StandIn(vocab, d, f, n), "stand-in decoder (no transformers)"
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(dtype).eval().requires_grad_(False), kind
+
+
+def offloaded_linears(model):
+    return [(f"model.layers.{i}.{n}", m) for i, blk in enumerate(model.model.layers)
+            for n, m in blk.named_modules() if isinstance(m, nn.Linear)]
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def decode(model, prompt, steps, dev):
+    """Greedy: prefill `prompt`, then `steps` single-token steps (timed). Returns
+    (tokens of the timed steps, seconds of the timed steps)."""
+    hf = hasattr(model, "config")
+    with torch.no_grad():
+        if hf:
+            out = model(prompt, use_cache=True)
+            cache, logits = out.past_key_values, out.logits
+        else:
+            ids, logits = prompt, model(prompt)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        sync(dev)
+        toks, t0 = [], time.perf_counter()
+        for _ in range(steps):
+            if hf:
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits
+            else:
+                ids = torch.cat([ids, nxt], 1)[:, -8:]
+                logits = model(ids)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            toks.append(int(nxt.item()))
+        sync(dev)
+        return toks, time.perf_counter() - t0
+
+
+def h2d_peak(dev, nbytes):
+    """Pinned host -> device bytes/s, torch copies (the floor's denominator)."""
+    if dev.type != "cuda":
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        src.fill_(1)
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = max(best, nbytes / (time.perf_counter() - t0))
+        return best
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = 0.0
+    for _ in range(3):  # the first warms up
+        a.record()
+        for _ in range(4):
+            dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = max(best, 4 * nbytes / (a.elapsed_time(b) / 1e3))
+    del src, dst
+    return best
+
+
+# ---- rows -------------------------------------------------------------------------------
+
+def run_epmem(model, prompt, steps, dev, budget, sources):
+    h = et.offload(model, budget, sources=sources)
+    try:
+        decode(model, prompt, 2, dev)  # warm-up: first page-ins, registrations, kernels
+        s0 = h.stats()
+        toks, secs = decode(model, prompt, steps, dev)
+        s1 = h.stats()
+    finally:
+        h.remove()
+    # decode() includes one untimed prefill forward: count only the timed steps'
+    # bytes by subtracting a prefill's worth (one pass over the layers).
+    per_pass = (s1["htod_bytes"] - s0["htod_bytes"]) / (steps + 1)
+    return {
+        "tokens": toks, "seconds": secs, "streamed_bytes_per_token": per_pass,
+        "host_stall_ms_per_token": (s1["host_stall_ms"] - s0["host_stall_ms"]) / (steps + 1),
+        "device_stall_ms_per_token": (s1["device_stall_ms"] - s0["device_stall_ms"]) / (steps + 1),
+        "hit_rate": s1["hit_rate"], "granularity": s1["granularity"],
+        "bypassed_page_ins": s1["bypassed_page_ins"] - s0["bypassed_page_ins"],
+        "staged_page_ins": s1["staged_page_ins"] - s0["staged_page_ins"],
+        "host_range_registered": s1["host_range_registered"],
+    }
+
+
+def run_accelerate(model, prompt, steps, dev, budget, host_copy):
+    """dispatch_model with the first linears (in forward order) up to `budget`
+    bytes on the GPU and the rest cpu-offloaded (accelerate's AlignDevicesHook
+    moves them per forward). Restores the model afterwards."""
+    from accelerate import dispatch_model
+    from accelerate.hooks import remove_hook_from_submodules
+    linears = offloaded_linears(model)
+    main = dev.index if dev.type == "cuda" else "cpu"  # "cpu": a smoke run of this code only
+    device_map, used = {}, 0
+    for name, m in linears:
+        nb = sum(p.numel() * p.element_size() for p in m.parameters())
+        on_gpu = used + nb <= budget
+        used += nb if on_gpu else 0
+        device_map[name] = main if on_gpu else "cpu"
+        if not on_gpu:
+            for pn, p in m.named_parameters(recurse=False):
+                m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"], requires_grad=False)
+    # Every other module that holds tensors itself (embeddings, norms, rotary
+    # buffers, lm_head) stays on the GPU.
+    for name, m in model.named_modules():
+        if name and name not in device_map and (next(m.parameters(recurse=False), None) is not None
+                                                or next(m.buffers(recurse=False), None) is not None):
+            device_map[name] = main
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    dispatch_model(model, device_map=device_map, main_device=main)
+    try:
+        decode(model, prompt, 1, dev)
+        toks, secs = decode(model, prompt, steps, dev)
+    finally:
+        remove_hook_from_submodules(model)
+        for name, m in linears:
+            for pn, p in list(m.named_parameters(recurse=False)):
+                m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"].to(dev, copy=True), requires_grad=False)
+        if hasattr(model, "hf_device_map"):
+            del model.hf_device_map
+        gc.collect()
+    return {"tokens": toks, "seconds": secs, "resident_bytes": used}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="PNG of tok/s vs budget (default: next to --json)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--accelerate-tokens", type=int, default=8)
+    ap.add_argument("--budgets", default="25,50,75")
+    ap.add_argument("--shapes", default="big,small")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-accelerate", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
+    a = ap.parse_args()
+    budgets = [int(b) for b in a.budgets.split(",")]
+    shapes = a.shapes.split(",")
+    if a.quick:
+        shapes, a.tokens, a.accelerate_tokens, a.vocab = ["quick"], 6, 3, 512
+
+    with epmem.Device() as edev:
+        ekind = edev.kind
+    dev = torch.device("cuda", 0) if ekind == "cuda" else torch.device("cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_torch: epmem's device is CUDA but torch has no CUDA")
+    if dev.type == "cpu" and not a.quick:
+        sys.exit("bench_torch: no CUDA device (EPM_DEVICE=host): only --quick runs on the host device")
+    dtype = torch.bfloat16
+    have_acc = False
+    if not a.no_accelerate and dev.type == "cuda":
+        try:
+            import accelerate  # noqa: F401
+            have_acc = True
+        except ImportError:
+            log("accelerate is not installed: its rows are skipped")
+    peak = h2d_peak(dev, (64 << 20) if a.quick else GiB)
+    log(f"pinned H2D peak: {peak / 1e9:.1f} GB/s")
+    result = {"device": ekind, "torch": torch.__version__, "epmem": epmem.version_string(),
+              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "h2d_peak_bytes_per_s": peak, "tokens": a.tokens, "accelerate_tokens": a.accelerate_tokens,
+              "shapes": []}
+    mismatches = []
+    t_start = time.perf_counter()
+    for shape in shapes:
+        model, kind = make_model(shape, dev, dtype, a.vocab, a.seed)
+        off = sum(p.numel() * p.element_size() for _, m in offloaded_linears(model) for p in m.parameters())
+        n, d, f, heads, kv = SHAPES[shape]
+        log(f"== {shape}: {kind}, {n} blocks {d}/{f}, {off / GiB:.2f} GiB offloadable")
+        prompt = torch.tensor([[1, 15043, 29892, 590, 1024, 338, 263, 4086]], device=dev) % a.vocab
+        decode(model, prompt, 2, dev)
+        ref, secs = decode(model, prompt, a.tokens, dev)
+        sh = {"name": shape, "model": kind, "blocks": n, "hidden": d, "intermediate": f, "heads": heads,
+              "kv_heads": kv, "vocab": a.vocab, "offloaded_bytes": off,
+              "resident": {"tokens": ref, "ms_per_token": secs / a.tokens * 1e3, "tok_s": a.tokens / secs},
+              "rows": []}
+        log(f"   resident: {a.tokens / secs:.2f} tok/s")
+        host_copy = None
+        if have_acc:
+            host_copy = {f"{name}.{pn}": p.detach().to("cpu") for name, m in offloaded_linears(model)
+                         for pn, p in m.named_parameters(recurse=False)}
+        for pct in budgets:
+            budget = off * pct // 100
+            floor_s = (off - budget) / peak
+            rows = {}
+            for method in ("registered", "staged"):
+                r = run_epmem(model, prompt, a.tokens, dev, budget, method)
+                rows[method] = r
+                log(f"   {pct}% {method}: {a.tokens / r['seconds']:.2f} tok/s, "
+                    f"{r['streamed_bytes_per_token'] / GiB:.2f} GiB/token")
+            if have_acc:
+                r = run_accelerate(model, prompt, a.accelerate_tokens, dev, budget, host_copy)
+                rows["accelerate"] = r
+                log(f"   {pct}% accelerate: {a.accelerate_tokens / r['seconds']:.3f} tok/s")
+            acc_tok_s = (a.accelerate_tokens / rows["accelerate"]["seconds"]) if "accelerate" in rows else None
+            for method, r in rows.items():
+                steps = len(r["tokens"])
+                tok_s = steps / r["seconds"]
+                same = r["tokens"] == ref[:steps]
+                if not same:
+                    mismatches.append(f"{shape} {pct}% {method}")
+                row = {"budget_pct": pct, "budget_bytes": budget, "method": method, "tok_s": tok_s,
+                       "ms_per_token": r["seconds"] / steps * 1e3, "tokens_compared": steps,
+                       "tokens_identical": same, "floor_tok_s": 1 / floor_s if floor_s > 0 else None,
+                       "ratio_to_floor": tok_s * floor_s if floor_s > 0 else None,
+                       "ratio_to_accelerate": tok_s / acc_tok_s if acc_tok_s else None}
+                row.update({k: v for k, v in r.items() if k not in ("tokens", "seconds")})
+                sh["rows"].append(row)
+        result["shapes"].append(sh)
+        del model, host_copy
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    result["wall_s"] = time.perf_counter() - t_start
+    result["tokens_identical"] = not mismatches
+    table = table_md(result)
+    print(table)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
+            f.write(table)
+    plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else None)
+    if plot:
+        write_plot(result, plot)
+    if mismatches:
+        print(f"TOKENS DIFFER: {', '.join(mismatches)}")
+        return 1
+    print("tokens identical in every row")
+    return 0
+
+
+def fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def table_md(res):
+    lines = []
+    out = lines.append
+    out(f"\n# bench_torch: {res['gpu']}, torch {res['torch']}, epmem {res['epmem']}, "
+          f"pinned H2D peak {res['h2d_peak_bytes_per_s'] / 1e9:.1f} GB/s\n")
+    for sh in res["shapes"]:
+        r0 = sh["resident"]
+        out(f"## {sh['name']}: {sh['model']}, {sh['blocks']} blocks {sh['hidden']}/{sh['intermediate']}, "
+              f"{sh['offloaded_bytes'] / GiB:.2f} GiB offloaded (decoder-layer linears); "
+              f"resident {r0['tok_s']:.2f} tok/s ({r0['ms_per_token']:.1f} ms/token)\n")
+        out("| budget | method | tok/s | ms/token | streamed MiB/token | floor tok/s | × floor | × accelerate "
+              "| host stall ms/token | tokens |")
+        out("|---|---|---|---|---|---|---|---|---|---|")
+        for r in sh["rows"]:
+            streamed = r.get("streamed_bytes_per_token")
+            out(f"| {r['budget_pct']}% | {r['method']} | {r['tok_s']:.3f} | {r['ms_per_token']:.1f} | "
+                  f"{fmt(streamed and streamed / 2**20, '.1f')} | {fmt(r['floor_tok_s'], '.3f')} | "
+                  f"{fmt(r['ratio_to_floor'], '.2f')} | {fmt(r['ratio_to_accelerate'], '.1f')} | "
+                  f"{fmt(r.get('host_stall_ms_per_token'), '.1f')} | "
+                  f"{'identical' if r['tokens_identical'] else 'DIFFER'} ({r['tokens_compared']}) |")
+        out("")
+        by = {(r["budget_pct"], r["method"]): r for r in sh["rows"]}
+        for pct in sorted({r["budget_pct"] for r in sh["rows"]}):
+            reg, stg, acc = by.get((pct, "registered")), by.get((pct, "staged")), by.get((pct, "accelerate"))
+            if reg and acc:
+                v = reg["tok_s"] / acc["tok_s"]
+                out(f"target {sh['name']} {pct}%: epmem >= 5x accelerate: {v:.1f}x {'met' if v >= 5 else 'MISSED'}")
+            if reg and stg:
+                v = stg["tok_s"] / reg["tok_s"]
+                out(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
+                      f"{'met' if v >= 0.8 else 'MISSED'}")
+        out("")
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(res, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, len(res["shapes"]), figsize=(6 * len(res["shapes"]), 4.2), squeeze=False)
+    for ax, sh in zip(axes[0], res["shapes"]):
+        pcts = sorted({r["budget_pct"] for r in sh["rows"]})
+        for method in ("registered", "staged", "accelerate"):
+            ys = [next((r["tok_s"] for r in sh["rows"] if r["budget_pct"] == p and r["method"] == method), None)
+                  for p in pcts]
+            if any(y is not None for y in ys):
+                ax.plot(pcts, ys, marker="o", label=f"epmem {method}" if method != "accelerate" else method)
+        floors = [next(r["floor_tok_s"] for r in sh["rows"] if r["budget_pct"] == p) for p in pcts]
+        ax.plot(pcts, floors, linestyle="--", color="gray", label="floor (PCIe peak)")
+        ax.axhline(sh["resident"]["tok_s"], linestyle=":", color="black", label="all resident")
+        ax.set_yscale("log")
+        ax.set_xlabel("VRAM budget, % of offloaded bytes")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{sh['name']}: {sh['blocks']}x{sh['hidden']}/{sh['intermediate']}, "
+                     f"{sh['offloaded_bytes'] / GiB:.1f} GiB offloaded")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The Python package's tests (tests/python/) against the built wheel, installed.
+#
+#   scripts/python-test.sh               # CI: venv .venv/torch (torch + numpy from PyPI, kept
+#                                        # across runs), `make wheel`, install it, run the tests
+#   scripts/python-test.sh --no-install  # GPU machine: python3 as it is (its torch); the wheel
+#                                        # is built from .carry/lib/libepmem.so (no Rust there)
+#
+# Environment: EPM_DEVICE (host in CI, cuda on the GPU machine), PYTHON (default
+# python3), EPMEM_LIB (the library to bundle; default target/release, else .carry/lib),
+# EPMEM_TORCH_VENV (default .venv/torch). Closing line: "python: N passed, N failed, N skipped".
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+INSTALL=1
+for a in "$@"; do
+  case "$a" in
+    --no-install) INSTALL=0 ;;
+    *) echo "unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+lib=${EPMEM_LIB:-}
+if [ -z "$lib" ]; then
+  for c in target/release/libepmem.so .carry/lib/libepmem.so; do
+    [ -f "$c" ] && { lib=$c; break; }
+  done
+fi
+[ -n "$lib" ] && [ -f "$lib" ] || { echo "python-test: no libepmem.so (cargo build --release, or carry .carry/lib)" >&2; exit 2; }
+
+if [ $INSTALL = 1 ]; then
+  venv=${EPMEM_TORCH_VENV:-$ROOT/.venv/torch}
+  if [ ! -x "$venv/bin/python" ]; then
+    "$PY" -m venv "$venv" || { echo "python-test: cannot make a venv at $venv" >&2; exit 2; }
+  fi
+  if ! "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
+    t0=$SECONDS
+    echo "python-test: installing torch and numpy from PyPI into $venv (once; ~2-3 min, ~5 GB)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check torch numpy ||
+      { echo "python-test: pip could not install torch" >&2; exit 2; }
+    echo "python-test: torch installed in $((SECONDS - t0)) s"
+  fi
+  PY=$venv/bin/python
+fi
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/epmem-py.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+whl=$("$PY" scripts/build_wheel.py --lib "$lib" --out "$WORK/wheels" | tail -1) || { echo "python-test: wheel build failed" >&2; exit 2; }
+echo "python-test: $(basename "$whl") ($(du -k "$whl" | cut -f1) KiB), $("$PY" -c 'import sys; print(sys.version.split()[0])'), torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none), EPM_DEVICE=${EPM_DEVICE:-auto}"
+# Install the wheel where only these tests see it (no network, no deps).
+if ! "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$WORK/site" "$whl" 2>"$WORK/pip.log"; then
+  echo "python-test: pip cannot install here ($(tail -1 "$WORK/pip.log")); unpacking the wheel instead"
+  "$PY" -m zipfile -e "$whl" "$WORK/site" || exit 2
+fi
+[ -f "$WORK/site/epmem/lib/libepmem.so" ] || { echo "python-test: the wheel has no epmem/lib/libepmem.so" >&2; exit 1; }
+env -u EPMEM_LIB EPMEM_USE_INSTALLED=1 PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/python/run.py

@@ -1,0 +1,417 @@
+"""The ctypes binding against include/epmem.h and the library it loads."""
+
+import ctypes
+import gc
+import mmap
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+
+import epmem
+from epmem import _lib as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HEADER = os.path.join(ROOT, "include", "epmem.h")
+CC = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+MiB = 1 << 20
+
+
+def header_text():
+    with open(HEADER) as f:
+        return f.read()
+
+
+def header_functions():
+    """Names of every epm_* function the header declares (comments stripped)."""
+    text = re.sub(r"/\*.*?\*/", "", header_text(), flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return set(re.findall(r"\b(epm_\w+)\s*\(", text)) - set(re.findall(r"#define\s+(epm_\w+)", text))
+
+
+class HeaderAgreement(unittest.TestCase):
+    def test_every_header_function_has_a_binding(self):
+        declared = header_functions()
+        bound = {name for name, _, _ in L.FUNCTIONS}
+        self.assertGreater(len(declared), 50, "the header parse found too few functions")
+        self.assertEqual(sorted(declared - bound), [], "functions in include/epmem.h with no line in _lib.FUNCTIONS")
+        self.assertEqual(sorted(bound - declared), [], "bindings of functions the header does not declare")
+
+    def test_every_header_struct_is_declared(self):
+        text = header_text()
+        declared = set(re.findall(r"typedef struct (Epm\w+) \{", text))
+        self.assertEqual(declared, {s.__name__ for s in L.STRUCTS})
+
+    def test_every_header_constant_is_declared(self):
+        text = re.sub(r"/\*.*?\*/", "", header_text(), flags=re.S)
+        defines = set(re.findall(r"#define\s+(EPM_\w+)\s+\S", text))
+        enum_values = dict(re.findall(r"^\s*(EPM_\w+)\s*=\s*(\d+)\s*,", text, re.M))
+        statuses = {n for n in enum_values if n.startswith("EPM_STATUS_") and n != "EPM_STATUS_OK"}
+        others = set(enum_values) - statuses
+        self.assertGreater(len(defines), 10)
+        self.assertEqual(sorted((defines | others) - set(L.CONSTANTS)), [],
+                         "constants in include/epmem.h missing from _lib.py")
+        by_value = {c.status: c for c in epmem.errors.BY_STATUS.values()}
+        for name in statuses:
+            self.assertIn(int(enum_values[name]), by_value, f"{name} has no exception class in errors.py")
+
+    def test_the_loaded_library_exports_every_binding(self):
+        self.assertEqual(epmem.lib().missing, [])
+
+    def test_versions_agree(self):
+        self.assertEqual(epmem.version(), L.EPM_VERSION)
+        v = L.EPM_VERSION
+        self.assertEqual(epmem.version_string(), f"{v >> 16}.{(v >> 8) & 0xFF}.{v & 0xFF}")
+
+    @unittest.skipIf(CC is None, "no C compiler")
+    def test_struct_sizes_offsets_and_constants_match_the_header(self):
+        """Compile a C program generated from the ctypes declarations and compare
+        every sizeof/offsetof (and every constant) with what Python computes."""
+        lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "epmem.h"', "int main(void) {"]
+        expect = []
+        for s in L.STRUCTS:
+            n = s.__name__
+            lines.append(f'  printf("{n} %zu %zu\\n", sizeof({n}), _Alignof({n}));')
+            expect.append(f"{n} {ctypes.sizeof(s)} {ctypes.alignment(s)}")
+            for fname, ftype in s._fields_:
+                lines.append(f'  printf("{n}.{fname} %zu %zu\\n", offsetof({n}, {fname}), sizeof((({n} *)0)->{fname}));')
+                expect.append(f"{n}.{fname} {getattr(s, fname).offset} {ctypes.sizeof(ftype)}")
+        for c in L.CONSTANTS:
+            lines.append(f'  printf("{c} %lld\\n", (long long)({c}));')
+            expect.append(f"{c} {getattr(L, c)}")
+        for t, py in (("EpmDevicePtr", L.EpmDevicePtr), ("EpmWeightId", L.EpmWeightId),
+                      ("EpmHostRangeId", L.EpmHostRangeId), ("enum EpmStatus", ctypes.c_int)):
+            lines.append(f'  printf("sizeof {t} %zu\\n", sizeof({t}));')
+            expect.append(f"sizeof {t} {ctypes.sizeof(py)}")
+        lines += ["  return 0;", "}"]
+        with tempfile.TemporaryDirectory() as d:
+            src, exe = os.path.join(d, "layout.c"), os.path.join(d, "layout")
+            with open(src, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            subprocess.run([CC, "-std=c11", "-Wall", "-Werror", "-I", os.path.dirname(HEADER), src, "-o", exe],
+                           check=True, capture_output=True)
+            got = subprocess.run([exe], check=True, capture_output=True, text=True).stdout.split("\n")
+        mismatches = [(e, g) for e, g in zip(expect, got) if e != g]
+        self.assertEqual(len(got) - 1, len(expect))
+        self.assertEqual(mismatches, [], "ctypes declaration vs header (python, C)")
+
+    def test_status_classes_match_status_names(self):
+        for status, cls in epmem.errors.BY_STATUS.items():
+            name = epmem.status_name(status)
+            self.assertTrue(name.startswith("EPM_STATUS_"), name)
+            # InvalidArgument <-> EPM_STATUS_INVALID_ARGUMENT
+            self.assertEqual(re.sub(r"(?<!^)([A-Z])", r"_\1", cls.__name__).upper(), name[len("EPM_STATUS_"):])
+        self.assertEqual(epmem.status_name(12345), "EPM_STATUS_UNKNOWN")
+
+
+class Errors(unittest.TestCase):
+    def setUp(self):
+        self.dev = epmem.Device()
+
+    def tearDown(self):
+        self.dev.close()
+
+    def test_non_ok_status_raises_with_name_and_message(self):
+        with epmem.Arena.create_device(self.dev, 64 * MiB) as a:
+            with self.assertRaises(epmem.InvalidArgument) as cm:
+                a.free(0x1234)
+        e = cm.exception
+        self.assertIsInstance(e, epmem.EpmError)
+        self.assertEqual(e.status, 1)
+        self.assertEqual(e.name, "EPM_STATUS_INVALID_ARGUMENT")
+        self.assertEqual(e.function, "epm_arena_free")
+        self.assertIn("0x1234", e.message)
+        self.assertIn(e.message, str(e))
+
+    def test_null_out_pointer_from_raw_call(self):
+        with self.assertRaises(epmem.NullPointer) as cm:
+            epmem.lib().epm_device_open(0, None)
+        self.assertTrue(cm.exception.message)
+
+    def test_bad_config_fields_are_type_errors_and_bad_values_epm_errors(self):
+        with self.assertRaises(TypeError):
+            epmem.Residency(self.dev, MiB, no_such_field=1)
+        with self.assertRaises(epmem.EpmError):
+            epmem.Residency(self.dev, 0)
+        with self.assertRaises(epmem.InvalidConfig):
+            epmem.Device("gpu-of-the-future")
+
+    def test_host_buffers(self):
+        ro = memoryview(b"abcd" * 1024).toreadonly()
+        with self.assertRaises(TypeError):
+            epmem.checksum_host(ro)
+        data = bytearray(b"\x01\x00\x00\x00" * 4)
+        # w[i] * (2i + 1) summed over 4 words of 1: 1 + 3 + 5 + 7
+        self.assertEqual(epmem.checksum_host(data), 16)
+        self.assertEqual(epmem.checksum_host(bytes(data)), 16)
+        self.assertEqual(epmem.checksum_host(mmap.mmap(-1, 4096)), 0)
+        arr = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+        self.assertEqual(epmem.checksum_host(arr), 16)
+        self.assertEqual(epmem.checksum_host(ctypes.addressof(arr), 16), 16)
+
+    def test_closed_handle_is_a_clean_error(self):
+        s = self.dev.stream()
+        s.close()
+        s.close()  # twice is fine
+        self.assertTrue(s.closed)
+        with self.assertRaises(epmem.InvalidHandle):
+            s.synchronize()
+
+    def test_message_is_per_thread(self):
+        seen = {}
+
+        def worker():
+            try:
+                epmem.lib().epm_kv_admissible(1, 1, 1, None)
+            except epmem.NullPointer as e:
+                seen["msg"] = e.message
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        self.assertTrue(seen.get("msg"))
+
+
+class Objects(unittest.TestCase):
+    def setUp(self):
+        self.dev = epmem.Device()
+
+    def tearDown(self):
+        self.dev.close()
+
+    def test_device_info(self):
+        info = self.dev.info()
+        self.assertIn(info["kind"], ("cuda", "host"))
+        want = os.environ.get("EPM_DEVICE", "auto")
+        if want in ("cuda", "host"):
+            self.assertEqual(info["kind"], want)
+        self.assertGreater(info["granularity"], 0)
+        free, total = self.dev.mem_info()
+        self.assertTrue(0 < free <= total)
+
+    def test_copies_round_trip_and_checksum_agrees(self):
+        data = bytes(range(256)) * 1024
+        with self.dev.alloc(len(data)) as mem, self.dev.stream() as s:
+            self.dev.memcpy_htod(mem, data)
+            back = bytearray(len(data))
+            self.dev.memcpy_dtoh(back, mem)
+            self.assertEqual(bytes(back), data)
+            sums = self.dev.alloc(8)
+            self.dev.checksum_async(mem, len(data), s, sums)
+            self.dev.memset_d8_async(mem, 7, 4096, s)
+            s.synchronize()
+            out = bytearray(8)
+            self.dev.memcpy_dtoh(out, sums)
+            self.assertEqual(int.from_bytes(out, "little"), epmem.checksum_host(data))
+            self.dev.memcpy_dtoh(back, mem)
+            self.assertEqual(bytes(back[:4096]), b"\x07" * 4096)
+            self.assertEqual(bytes(back[4096:]), data[4096:])
+
+    def test_events_time_and_order_streams(self):
+        with self.dev.stream() as a, self.dev.stream() as b:
+            t0, t1 = self.dev.event(timing=True), self.dev.event(timing=True)
+            t0.record(a)
+            self.dev.spin_async(2000, a)
+            t1.record(a)
+            b.wait_event(t1)
+            b.synchronize()
+            self.assertTrue(t1.query())
+            self.assertGreater(t0.elapsed_ms(t1), 0.5)
+
+    def test_arena_alloc_free_stats(self):
+        with epmem.Arena.create_device(self.dev, 64 * MiB) as a:
+            x = a.alloc(MiB)
+            st = a.stats()
+            self.assertEqual(st["live_allocations"], 1)
+            self.assertGreaterEqual(st["in_use_bytes"], MiB)
+            a.free(x)
+            self.assertEqual(a.stats()["live_allocations"], 0)
+            self.assertGreaterEqual(a.trim(), 0)
+            with self.assertRaises(epmem.OutOfBudget):
+                a.alloc(128 * MiB)
+
+    def test_residency_acquire_release_gives_the_bytes(self):
+        weights = [bytes([i]) * (MiB // 2) for i in range(6)]
+        with epmem.Residency(self.dev, 2 * MiB, coalesce_below_bytes=0) as r, self.dev.stream() as s:
+            ids = [r.register_weight(w, len(w)) for w in weights]
+            r.declare_cycle(ids)
+            for _step in range(3):
+                for i, w in zip(ids, weights):
+                    p = r.acquire(i, s)
+                    out = bytearray(len(w))
+                    s.synchronize()
+                    self.dev.memcpy_dtoh(out, p)
+                    self.assertEqual(bytes(out), w)
+                    r.release(i, s)
+            r.synchronize()
+            st = r.stats()
+            self.assertEqual(st["acquires"], 18)
+            self.assertEqual(st["registered_weights"], 6)
+            self.assertLessEqual(st["peak_resident_bytes"], 2 * MiB)
+            with self.assertRaises(epmem.OutOfBudget):
+                r.register_weight(b"x" * (3 * MiB), 3 * MiB)
+            with self.assertRaises(epmem.InvalidState):
+                r.release(ids[0], s)
+            r.unregister_weight(ids[0])
+
+    def test_residency_host_range_and_prefetch(self):
+        buf = mmap.mmap(-1, 4 * MiB)
+        buf[:] = b"\x05" * (4 * MiB)
+        with epmem.Residency(self.dev, 4 * MiB) as r, self.dev.stream() as s:
+            rid = r.register_host_range(buf, len(buf))
+            w = r.register_weight(buf, MiB)
+            self.assertEqual(r.prefetch([w]), 1)
+            p = r.acquire(w, s)
+            s.synchronize()
+            out = bytearray(16)
+            self.dev.memcpy_dtoh(out, p)
+            self.assertEqual(bytes(out), b"\x05" * 16)
+            r.release(w, s)
+            r.synchronize()
+            self.assertEqual(r.stats()["bypassed_page_ins"], 1)
+            r.unregister_host_range(rid)
+            with self.assertRaises(epmem.InvalidArgument):
+                r.unregister_host_range(rid)
+
+    def test_copy_engine_and_staging_pool(self):
+        src = bytes(range(256)) * 8192
+        with epmem.StagingPool(self.dev) as pool, epmem.CopyEngine(pool, slots=2) as eng, \
+                self.dev.alloc(len(src)) as dst, self.dev.stream() as s:
+            f = eng.htod(dst, src, stream=s)
+            f.wait()
+            self.assertTrue(f.query())
+            f.stream_wait(s)
+            f.close()
+            eng.htod(dst, src, fence=False)
+            eng.synchronize()
+            back = bytearray(len(src))
+            self.dev.memcpy_dtoh(back, dst)
+            self.assertEqual(bytes(back), src)
+            st = eng.stats()
+            self.assertEqual(st["copies"], 2)
+            self.assertEqual(st["htod_bytes"], 2 * len(src))
+            self.assertGreaterEqual(pool.stats()["retained_buffers"], 1)
+            pool.trim()
+            reg_buf = mmap.mmap(-1, MiB)
+            with eng.register(reg_buf, MiB):
+                eng.htod(dst, reg_buf, MiB).wait()
+            with self.assertRaises(epmem.InvalidArgument):
+                epmem.CopyEngine(pool, flags=0x80)
+
+    def test_kv_sequences_prefixes_and_costs(self):
+        layout = epmem.kv_layout_token_major(4, 2, 64, 2)
+        self.assertEqual(layout.token_stride, 4 * 2 * 2 * 64 * 2)
+        g = self.dev.info()["granularity"]
+        with epmem.KvArena(self.dev, 64 * g) as arena, self.dev.stream() as s:
+            toks = list(range(100))
+            seq, shared = arena.seq_for_tokens(layout, 1024, toks)
+            self.assertEqual(shared, 0)
+            seq.prepare_append(100, s)
+            info = seq.info()
+            self.assertEqual(info["len_tokens"], 100)
+            self.assertEqual(info["layout"]["head_dim"], 64)
+            pre = seq.pin(64, s)
+            self.assertTrue(pre.info()["pinned"])
+            self.assertEqual(arena.find_prefix(layout, toks), 64)
+            seq2, shared2 = arena.seq_for_tokens(layout, 1024, toks)
+            self.assertEqual(shared2, 64)
+            seq3 = pre.commit(64, 512)
+            self.assertEqual(seq3.info()["len_tokens"], 64)
+            seq3.declare_tokens([1, 2, 3])
+            cost = arena.request_cost(layout, 64, 1024)
+            self.assertGreater(cost["unshared_bytes"], 0)
+            st = arena.stats()
+            self.assertEqual(st["sequences"], 3)
+            self.assertGreaterEqual(st["hash_hits"], 1)
+            adm = epmem.kv_admissible(100, 10, 10)
+            self.assertEqual(adm["with_sharing"], 9)
+            pre.unpin()
+            for x in (seq3, seq2, seq):
+                x.close()
+            self.assertEqual(arena.stats()["sequences"], 0)
+
+    def test_children_keep_parents_alive(self):
+        dev = epmem.Device()
+        s = dev.stream()
+        a = epmem.Arena.create_device(dev, 32 * MiB)
+        del dev
+        gc.collect()
+        s.synchronize()  # the Device object is still referenced by the stream
+        x = a.alloc(4096)
+        a.free(x)
+        a.close()
+        s.close()
+
+    def test_native_stream_wrapping(self):
+        if self.dev.is_cuda:
+            with self.dev.stream() as s:
+                native = s.native()
+                self.assertNotEqual(native, 0)
+                with epmem.Stream.wrap_native(self.dev, native) as w:
+                    self.assertEqual(w.native(), native)
+                    w.synchronize()
+        else:
+            with self.assertRaises(epmem.Unsupported):
+                epmem.Stream.wrap_native(self.dev, 0x1000)
+        with self.assertRaises(epmem.NullPointer):
+            epmem.Stream.wrap_native(self.dev, 0)
+
+    def test_log_callback_receives_records(self):
+        got = []
+        epmem.set_log_callback(lambda level, msg: got.append((level, msg)), epmem.EPM_LOG_LEVEL_TRACE)
+        try:
+            epmem.Device().close()  # opening logs at info/debug level
+        finally:
+            epmem.set_log_callback(None, epmem.EPM_LOG_LEVEL_WARN)
+        self.assertTrue(got, "no log record reached the callback")
+        self.assertTrue(all(isinstance(m, str) and 0 < lv <= 5 for lv, m in got))
+        with self.assertRaises(epmem.InvalidArgument):
+            epmem.set_log_callback(None, 99)
+
+    def test_destructors_at_interpreter_exit_are_safe(self):
+        code = ("import epmem, mmap\n"
+                "d = epmem.Device(); s = d.stream(); a = epmem.Arena.create_device(d, 1 << 26)\n"
+                "r = epmem.Residency(d, 1 << 22); b = mmap.mmap(-1, 1 << 20)\n"
+                "w = r.register_weight(b, 1 << 20); r.acquire(w, s)\n"
+                "k = epmem.KvArena(d, 16 * d.info()['granularity'])\n"
+                "epmem.set_log_callback(lambda l, m: None, epmem.EPM_LOG_LEVEL_TRACE)\n"
+                "ev = d.event(); ev.record(s)\n"
+                "print('ok')\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.strip(), "ok")
+        self.assertNotIn("Traceback", p.stderr)
+
+    def test_onnxruntime_registers_the_packaged_library(self):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            self.skipTest("onnxruntime is not installed")
+        name = f"epmem_pkg_{os.getpid()}"
+        ort.register_execution_provider_library(name, epmem.get_library_path())
+        try:
+            devs = [d for d in ort.get_ep_devices() if d.ep_name == name]
+            self.assertTrue(devs, "no OrtEpDevice from the packaged library")
+            self.assertEqual(devs[0].ep_vendor, "epmem")
+            self.assertEqual(devs[0].ep_metadata.get("epmem.device"), self.dev.kind)
+        finally:
+            ort.unregister_execution_provider_library(name)
+
+    def test_library_path(self):
+        path = epmem.get_library_path()
+        self.assertTrue(os.path.isabs(path))
+        self.assertTrue(os.path.isfile(path))
+        self.assertEqual(path, epmem.lib().path)
+        if os.environ.get("EPMEM_USE_INSTALLED") == "1" and not os.environ.get("EPMEM_LIB"):
+            # The wheel's own copy, next to the installed package (not this tree's python/).
+            self.assertEqual(path, os.path.join(os.path.dirname(epmem.__file__), "lib", "libepmem.so"))
+            self.assertFalse(epmem.__file__.startswith(os.path.join(ROOT, "python")))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,458 @@
+"""epmem.torch: offload() on a tiny transformers-free model, and epmem memory as
+torch tensors. Runs on the host device in CI (CPU torch) and on CUDA on the GPU
+machine (EPM_DEVICE=cuda): the model lives where epmem's device is."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+try:
+    import torch
+    from torch import nn
+except ImportError:  # the tests below skip themselves
+    torch = None
+
+import epmem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MiB = 1 << 20
+
+if torch is not None:
+    import epmem.torch as et
+
+    class Block(nn.Module):
+        def __init__(self, d, f):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.up = nn.Linear(d, f)
+            self.down = nn.Linear(f, d, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(self.norm(x))))
+
+    class Inner(nn.Module):
+        def __init__(self, vocab, d, f, n):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList([Block(d, f) for _ in range(n)])
+
+    class Tiny(nn.Module):
+        """embed -> n blocks of (norm, linear up, relu, linear down) -> lm_head, like a
+        decoder's shape: `model.layers` holds the repeated blocks."""
+
+        def __init__(self, vocab=97, d=64, f=256, n=6, seed=0, dtype=None):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.model = Inner(vocab, d, f, n)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            if dtype is not None:
+                self.to(dtype)
+
+        def forward(self, ids):
+            x = self.model.embed(ids)
+            for blk in self.model.layers:
+                x = blk(x)
+            return self.lm_head(x)
+
+    def greedy(model, steps=8, start=(1, 2, 3)):
+        ids = torch.tensor([list(start)], device=next(model.lm_head.parameters()).device)
+        with torch.no_grad():
+            for _ in range(steps):
+                nxt = model(ids)[:, -1].float().argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], 1)
+        return ids[0].tolist()
+
+
+def torch_device():
+    return torch.device("cuda", 0) if os.environ.get("EPM_DEVICE") == "cuda" else torch.device("cpu")
+
+
+def block_linear_bytes(model):
+    return sum(p.numel() * p.element_size() for blk in model.model.layers
+               for m in blk.modules() if isinstance(m, nn.Linear) for p in m.parameters())
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class Offload(unittest.TestCase):
+    def setUp(self):
+        self.dev = torch_device()
+        self.model = Tiny().to(self.dev).eval()
+        self.ref = greedy(self.model)
+        self.offloaded = block_linear_bytes(self.model)
+
+    def assert_usable(self):
+        """The module still decodes exactly as before (nothing was left half-changed)."""
+        self.assertEqual(greedy(self.model), self.ref)
+        self.assertIsNone(getattr(self.model, "_epmem_offload", None))
+        for p in self.model.parameters():
+            self.assertEqual(p.device.type, self.dev.type)
+
+    def test_identical_tokens_at_every_budget_source_and_granularity(self):
+        for sources in et.SOURCES:
+            for gran in et.GRANULARITIES:
+                for pct in (25, 50, 100):
+                    with self.subTest(sources=sources, granularity=gran, pct=pct):
+                        budget = self.offloaded * pct // 100
+                        h = et.offload(self.model, budget, sources=sources, granularity=gran)
+                        try:
+                            self.assertEqual(greedy(self.model), self.ref)
+                            st = h.stats()
+                            self.assertEqual(st["weights"], 6 * 3)  # up.weight, up.bias, down.weight
+                            self.assertEqual(st["offloaded_bytes"], self.offloaded)
+                            self.assertGreater(st["page_ins"], 0)
+                            self.assertGreater(st["htod_bytes"], 0)
+                            self.assertLessEqual(st["peak_resident_bytes"], budget)
+                            # greedy(): 8 forwards, each acquiring all 18 weights once.
+                            self.assertEqual(st["acquires"], 8 * 18)
+                            self.assertEqual(st["hook_calls"], 8 * len(h._st.units))
+                            if pct < 100:
+                                self.assertGreater(st["evictions"], 0)
+                                # Every decode step streams what the budget cannot hold.
+                                self.assertGreaterEqual(st["htod_bytes"], 8 * (self.offloaded - budget) * 0.9)
+                            if sources == "staged":
+                                self.assertEqual(st["bypassed_page_ins"], 0)
+                                self.assertGreater(st["staged_page_ins"], 0)
+                            else:
+                                self.assertEqual(st["staged_page_ins"], 0, st)
+                            # At rest the offloaded parameters are host tensors.
+                            self.assertEqual(self.model.model.layers[0].up.weight.device.type, "cpu")
+                        finally:
+                            h.remove()
+                        self.assert_usable()
+
+    def test_bf16_model(self):
+        m = Tiny(dtype=torch.bfloat16).to(self.dev).eval()
+        ref = greedy(m)
+        with et.offload(m, block_linear_bytes(m) // 2) as h:
+            self.assertEqual(greedy(m), ref)
+            self.assertEqual(h.stats()["device"], "cuda" if self.dev.type == "cuda" else "host")
+        self.assertEqual(greedy(m), ref)
+
+    def test_inference_mode(self):
+        ids = torch.tensor([[1, 2, 3]], device=self.dev)
+        with torch.inference_mode():
+            ref = self.model(ids)
+        with et.offload(self.model, self.offloaded // 2) as h, torch.inference_mode():
+            self.assertTrue(torch.equal(self.model(ids), ref))
+            self.assertEqual(h.stats()["acquires"], 18)
+
+    def test_block_granularity_falls_back_to_linear_when_a_block_does_not_fit(self):
+        one_block = block_linear_bytes(self.model) // 6
+        h = et.offload(self.model, one_block // 2 + 4096)
+        try:
+            self.assertEqual(h.granularity, "linear")
+            self.assertEqual(greedy(self.model), self.ref)
+        finally:
+            h.remove()
+        with et.offload(self.model, one_block * 3) as h:
+            self.assertEqual(h.granularity, "block")
+
+    def test_remove_restores_weights_and_unhooks(self):
+        before = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        ids_before = {n: id(p) for n, p in self.model.named_parameters()}
+        h = et.offload(self.model, self.offloaded // 3)
+        greedy(self.model)
+        h.remove()
+        for n, p in self.model.named_parameters():
+            self.assertEqual(id(p), ids_before[n], "the Parameter objects are kept")
+            self.assertEqual(p.device.type, self.dev.type)
+            self.assertTrue(torch.equal(p, before[n]), n)
+        for blk in self.model.model.layers:
+            self.assertEqual(len(blk._forward_pre_hooks), 0)
+            self.assertEqual(len(blk._forward_hooks), 0)
+        self.assert_usable()
+        with self.assertRaisesRegex(et.OffloadError, "removed"):
+            h.stats()
+        with self.assertRaisesRegex(et.OffloadError, "removed"):
+            h.remove()
+        # and offloading again after a remove works
+        with et.offload(self.model, self.offloaded // 2):
+            self.assertEqual(greedy(self.model), self.ref)
+
+    def test_refuses_training_mode(self):
+        self.model.train()
+        with self.assertRaisesRegex(et.OffloadError, "training mode"):
+            et.offload(self.model, self.offloaded)
+        self.model.eval()
+        self.assert_usable()
+
+    def test_refuses_grad_in_forward_and_stays_usable(self):
+        h = et.offload(self.model, self.offloaded // 2)
+        try:
+            ids = torch.tensor([[1, 2, 3]], device=self.dev)
+            with self.assertRaisesRegex(et.OffloadError, "no_grad"):
+                self.model(ids)
+            self.assertEqual(greedy(self.model), self.ref)
+            self.assertEqual(h.stats()["acquires"], h.stats()["hook_calls"] * 3)
+            # .train() after offload is refused at the block
+            self.model.train()
+            with torch.no_grad(), self.assertRaisesRegex(et.OffloadError, "training mode"):
+                self.model(ids)
+            self.model.eval()
+            self.assertEqual(greedy(self.model), self.ref)
+        finally:
+            h.remove()
+        self.assert_usable()
+
+    def test_refuses_parameter_shared_by_two_blocks(self):
+        layers = self.model.model.layers
+        saved = layers[3].up.weight
+        layers[3].up.weight = layers[1].up.weight
+        try:
+            with self.assertRaisesRegex(et.OffloadError, "shared"):
+                et.offload(self.model, self.offloaded)
+            self.assertEqual(getattr(self.model.model.layers[1].up.weight, "_epmem_offloaded", False), False)
+        finally:
+            layers[3].up.weight = saved
+        self.assert_usable()
+
+    def test_refuses_parameter_tied_outside_the_blocks(self):
+        m = Tiny(d=64, f=64, vocab=64).to(self.dev).eval()
+        m.lm_head.weight = m.model.layers[0].up.weight  # 64x64 both
+        with self.assertRaisesRegex(et.OffloadError, "tied"):
+            et.offload(m, 10 * MiB)
+
+    def test_refuses_sharing_inside_a_block_and_with_explicit_blocks(self):
+        m = Tiny(d=64, f=64, vocab=64).to(self.dev).eval()
+        blk = m.model.layers[2]
+        saved = blk.down.weight
+        blk.down.weight = blk.up.weight  # 64x64 both, inside one block
+        with self.assertRaisesRegex(et.OffloadError, "shared"):
+            et.offload(m, 10 * MiB)
+        blk.down.weight = saved
+        m.lm_head.weight = m.model.layers[0].up.weight
+        with self.assertRaisesRegex(et.OffloadError, "tied"):
+            et.offload(m, 10 * MiB, blocks=list(m.model.layers))
+
+    def test_refuses_budget_below_largest_weight(self):
+        with self.assertRaisesRegex(et.OffloadError, "smaller than the largest weight"):
+            et.offload(self.model, 1000)
+        self.assert_usable()
+        with self.assertRaises(ValueError):
+            et.offload(self.model, 0)
+
+    def test_refuses_module_with_no_matching_parameters(self):
+        with self.assertRaisesRegex(et.OffloadError, "no parameters to offload"):
+            et.offload(self.model, self.offloaded, include=lambda name, m: isinstance(m, nn.Conv2d))
+        with self.assertRaisesRegex(et.OffloadError, "no nn.ModuleList"):
+            et.offload(nn.Sequential(nn.ReLU()).eval(), MiB)
+        self.assert_usable()
+
+    def test_refuses_offloading_twice(self):
+        h = et.offload(self.model, self.offloaded)
+        try:
+            with self.assertRaisesRegex(et.OffloadError, "offloaded already"):
+                et.offload(self.model, self.offloaded)
+            with self.assertRaisesRegex(et.OffloadError, "offloaded already"):
+                et.offload(self.model.model, self.offloaded, blocks=self.model.model.layers)
+            self.assertIsNone(et.offload_of(self.model.model))
+            self.assertEqual(et.offload_of(self.model).stats()["weights"], 18)
+            self.assertEqual(greedy(self.model), self.ref)
+        finally:
+            h.remove()
+        self.assertIsNone(et.offload_of(self.model))
+        self.assert_usable()
+
+    def test_refuses_device_mismatch(self):
+        if self.dev.type == "cuda":
+            other = Tiny().eval()  # on the CPU, while epmem's device is CUDA
+            with self.assertRaisesRegex(et.OffloadError, "device mismatch"):
+                et.offload(other, MiB)
+            with self.assertRaisesRegex(et.OffloadError, "device mismatch"):
+                et.offload(self.model, MiB, device="host")
+        else:
+            with torch.device("meta"):
+                other = Tiny().eval()
+            with self.assertRaisesRegex(et.OffloadError, "meta"):
+                et.offload(other, MiB)
+        self.assert_usable()
+
+    def test_refuses_cpu_only_torch_with_a_cuda_epmem_device(self):
+        """Under the fake libcuda (src/device/cuda/fake_libcuda.c) epmem's device is
+        CUDA while this torch has no GPU: offload() must say so."""
+        if torch.cuda.is_available():
+            self.skipTest("torch has CUDA here")
+        cc = shutil.which(os.environ.get("CC", "gcc"))
+        src = os.path.join(ROOT, "src", "device", "cuda", "fake_libcuda.c")
+        if not cc or not os.path.isfile(src):
+            self.skipTest("no C compiler or no fake libcuda source")
+        with tempfile.TemporaryDirectory() as d:
+            subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", os.path.join(d, "libcuda.so"), src], check=True)
+            code = ("import torch, epmem, epmem.torch as et, sys\n"
+                    "sys.path.insert(0, %r)\n"
+                    "import test_torch as t\n"
+                    "m = t.Tiny().eval(); ref = t.greedy(m)\n"
+                    "assert epmem.Device().is_cuda\n"
+                    "try:\n"
+                    "    et.offload(m, 1 << 20)\n"
+                    "except et.OffloadError as e:\n"
+                    "    print('refused:', e)\n"
+                    "assert t.greedy(m) == ref\n") % os.path.dirname(os.path.abspath(__file__))
+            env = dict(os.environ, EPM_DEVICE="cuda", PYTHONPATH=os.pathsep.join(sys.path),
+                       LD_LIBRARY_PATH=d + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("refused:", p.stdout)
+        self.assertIn("no CUDA", p.stdout)
+
+    def test_nondefault_current_stream(self):
+        if self.dev.type != "cuda":
+            self.skipTest("CUDA only (the host device has no native streams)")
+        s = torch.cuda.Stream()
+        with et.offload(self.model, self.offloaded // 2) as h:
+            with torch.cuda.stream(s):
+                out = greedy(self.model)
+            torch.cuda.synchronize()
+            self.assertEqual(out, self.ref)
+            st = h.stats()
+            self.assertGreaterEqual(st["wrapped_streams"], 1)
+            self.assertEqual(st["bridged_calls"], 0)
+            # and on the legacy default stream: the private-stream bridge
+            self.assertEqual(greedy(self.model), self.ref)
+            self.assertGreater(h.stats()["bridged_calls"], 0)
+
+    def test_exception_inside_a_block_releases_its_weights(self):
+        h = et.offload(self.model, self.offloaded)
+        blk = self.model.model.layers[2]
+        orig = blk.down.forward
+
+        def boom(x):
+            raise KeyError("boom")
+
+        blk.down.forward = boom
+        try:
+            with torch.no_grad(), self.assertRaises(KeyError):
+                self.model(torch.tensor([[1]], device=self.dev))
+        finally:
+            blk.down.forward = orig
+        try:
+            self.assertEqual(greedy(self.model), self.ref)  # nothing stayed acquired
+        finally:
+            h.remove()
+
+    def test_reentrant_block_call_is_refused_and_releases_cleanly(self):
+        h = et.offload(self.model, self.offloaded)
+        blk = self.model.model.layers[1]
+        orig = blk.down.forward
+        blk.down.forward = lambda x: blk(x[..., :64])  # the block inside its own forward
+        try:
+            with torch.no_grad(), self.assertRaisesRegex(et.OffloadError, "re-entrant"):
+                self.model(torch.tensor([[1]], device=self.dev))
+        finally:
+            blk.down.forward = orig
+        try:
+            st = h.stats()
+            self.assertEqual(st["acquires"], 2 * 3)  # blocks 0 and 1, once each
+            self.assertEqual(greedy(self.model), self.ref)
+        finally:
+            h.remove()
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class BenchSmoke(unittest.TestCase):
+    def test_bench_torch_quick(self):
+        """scripts/bench_torch.py --quick: every row decodes the resident run's tokens,
+        and the epmem rows stream what the budget cannot hold."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "bench.json")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_torch.py"), "--quick",
+                                "--json", out, "--no-accelerate"], capture_output=True, text=True, env=env,
+                               timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            with open(out) as f:
+                res = json.load(f)
+        self.assertIn("tokens identical in every row", p.stdout)
+        self.assertTrue(res["tokens_identical"])
+        sh = res["shapes"][0]
+        self.assertEqual(len(sh["rows"]), 6)
+        for r in sh["rows"]:
+            self.assertTrue(r["tokens_identical"])
+            self.assertEqual(r["tokens_compared"], res["tokens"])
+            self.assertGreaterEqual(r["streamed_bytes_per_token"], sh["offloaded_bytes"] - r["budget_bytes"])
+            self.assertLessEqual(r["streamed_bytes_per_token"], sh["offloaded_bytes"])
+            if r["method"] == "staged":
+                self.assertEqual(r["bypassed_page_ins"], 0)
+            else:
+                self.assertEqual(r["staged_page_ins"], 0)
+        self.assertIn("| 50% | registered |", p.stdout)
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class Tensors(unittest.TestCase):
+    def setUp(self):
+        self.dev = epmem.Device()
+
+    def tearDown(self):
+        self.dev.close()
+
+    def read(self, ptr, n):
+        out = bytearray(n)
+        self.dev.memcpy_dtoh(out, ptr)
+        return bytes(out)
+
+    def test_arena_memory_as_tensor_without_copy(self):
+        with epmem.Arena.create_device(self.dev, 64 * MiB) as arena:
+            block = arena.block(4096)
+            t = et.as_tensor(block.ptr, (16, 64), torch.bfloat16, self.dev, owner=block)
+            self.assertEqual(t.data_ptr(), block.ptr)
+            self.assertEqual(t.dtype, torch.bfloat16)
+            self.assertEqual(t.device.type, "cuda" if self.dev.is_cuda else "cpu")
+            t.fill_(1.5)
+            if self.dev.is_cuda:
+                torch.cuda.synchronize()
+            want = torch.full((16, 64), 1.5, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+            self.assertEqual(self.read(block.ptr, 2048), want)
+            self.dev.memcpy_htod(block, bytes(range(256)) * 16)
+            self.assertEqual(bytes(t.view(torch.uint8).cpu().flatten().tolist()[:256]), bytes(range(256)))
+            e = et.empty(arena, (8, 8), torch.float32)
+            e.copy_(torch.arange(64, dtype=torch.float32).view(8, 8))
+            self.assertEqual(arena.stats()["live_allocations"], 2)
+            del e
+            import gc
+            gc.collect()
+            self.assertEqual(arena.stats()["live_allocations"], 1)
+            del t
+            block.close()
+
+    def test_pinned_arena_tensor_is_host_memory(self):
+        with epmem.Arena.create_pinned(self.dev, 32 * MiB, chunk_bytes=32 * MiB) as arena:
+            t = et.empty(arena, (1024,), torch.float16)
+            self.assertEqual(t.device.type, "cpu")
+            t.fill_(2.0)
+            self.assertEqual(float(t.sum()), 2048.0)
+
+    def test_kv_sequence_as_tensor_in_its_layout(self):
+        layers, heads, hd = 3, 2, 32
+        layout = epmem.kv_layout_token_major(layers, heads, hd, 2)
+        g = self.dev.info()["granularity"]
+        with epmem.KvArena(self.dev, 32 * g) as kv, self.dev.stream() as s:
+            seq = kv.seq(layout, 256)
+            seq.prepare_append(10, s)
+            s.synchronize()
+            t = et.kv_seq_tensor(seq, torch.float16)
+            self.assertEqual(tuple(t.shape), (10, layers, 2, heads, hd))
+            info = seq.info()
+            self.assertEqual(t.data_ptr(), info["base"])
+            # token 7, layer 2, V, head 1 = 1..32
+            t[7, 2, 1, 1] = torch.arange(1, hd + 1, dtype=torch.float16, device=t.device)
+            if self.dev.is_cuda:
+                torch.cuda.synchronize()
+            off = (7 * layout.token_stride + 2 * layout.layer_stride + layout.kv_stride + layout.head_stride)
+            got = self.read(info["base"] + off, hd * 2)
+            self.assertEqual(got, torch.arange(1, hd + 1, dtype=torch.float16).numpy().tobytes())
+            self.assertEqual(float(t.float().sum()), float(sum(range(1, hd + 1))))
+            with self.assertRaises(ValueError):
+                et.kv_seq_tensor(seq, torch.float32)
+            with self.assertRaises(ValueError):
+                et.kv_seq_tensor(seq, torch.float16, tokens=257)
+            del t
+            seq.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
