@@ -21,6 +21,7 @@ impl ResidencyManager {
         st.policy.set_cycle(&units)?;
         st.cycle_pos = units.iter().enumerate().map(|(i, &w)| (w, i)).collect();
         st.starts = vec![false; units.len()];
+        st.starts_seen = false;
         st.cycle = units;
         let _ = order;
         Ok(())

@@ -61,6 +61,10 @@ pub(super) struct State {
     pub(super) starts: Vec<bool>,
     /// A plan on those starts was blocked by a held weight: plan sliding windows.
     pub(super) sliding: bool,
+    /// `starts` cover a whole cycle since the widest hold was first seen.
+    pub(super) starts_seen: bool,
+    /// Where the current hold began.
+    pub(super) hold_began: usize,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -118,6 +122,8 @@ impl ResidencyManager {
                 replan: false,
                 starts: Vec::new(),
                 sliding: false,
+                starts_seen: false,
+                hold_began: 0,
             }),
         })
     }
@@ -288,10 +294,18 @@ impl ResidencyManager {
         self.harvest(st)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
-        // A re-plan for how the caller holds weights waits for the cycle to
-        // wrap, so it has seen every hold start once.
-        if st.replan && st.held_units == 0 && st.cycle_pos.get(&w) == Some(&0) {
-            self.install_plan(st)?;
+        // Re-plan at the first moment nothing is held (sliding windows: the
+        // hold starts are not known yet), and again when the cycle wraps, on
+        // the hold starts seen over one whole cycle.
+        if st.held_units == 0 {
+            let wrap = st.cycle_pos.get(&w) == Some(&0);
+            if wrap && !st.starts_seen {
+                st.starts_seen = true;
+                st.replan |= st.max_held > 1 && !st.sliding;
+            }
+            if st.replan {
+                self.install_plan(st)?;
+            }
         }
         let e = st.reg.get_mut(w)?;
         let hit = e.resident() && !e.prefetched;
@@ -308,12 +322,21 @@ impl ResidencyManager {
         e.users += 1;
         if e.users == 1 {
             st.held_units += 1;
-            st.max_held = st.max_held.max(st.held_units);
-            if st.held_units == 1
-                && let Some(&p) = st.cycle_pos.get(&w)
-                && let Some(s) = st.starts.get_mut(p)
-            {
-                *s = true;
+            let p = st.cycle_pos.get(&w).copied();
+            if st.held_units == 1 {
+                st.hold_began = p.unwrap_or(0);
+                if let Some(s) = p.and_then(|p| st.starts.get_mut(p)) {
+                    *s = true;
+                }
+            }
+            if st.held_units > st.max_held {
+                // Starts recorded for narrower holds do not describe this one.
+                st.max_held = st.held_units;
+                st.starts.iter_mut().for_each(|s| *s = false);
+                if let Some(s) = st.starts.get_mut(st.hold_began) {
+                    *s = true;
+                }
+                st.starts_seen = false;
             }
             // The plan's ring holds `width` units at once: a caller holding
             // more (a whole block) gets a plan for that at the next idle moment.

@@ -42,7 +42,7 @@ impl ResidencyManager {
             return Ok(None);
         }
         let width = st.max_held.max(1);
-        let starts = (width > 1 && !st.sliding).then(|| st.starts.clone());
+        let starts = (width > 1 && !st.sliding && st.starts_seen).then(|| st.starts.clone());
         Ok(placement::plan(
             &sizes,
             self.cfg.budget_bytes,
