@@ -22,6 +22,8 @@ impl ResidencyManager {
         st.cycle_pos = units.iter().enumerate().map(|(i, &w)| (w, i)).collect();
         st.starts = vec![false; units.len()];
         st.starts_seen = false;
+        // A plan is by cycle position: a new cycle needs a new one.
+        st.replan = true;
         st.cycle = units;
         let _ = order;
         Ok(())

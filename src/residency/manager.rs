@@ -490,6 +490,7 @@ impl ResidencyManager {
             planned_resident_bytes: st.plan.as_ref().map_or(0, |p| p.resident_bytes as u64),
             ring_page_ins: c.ring_page_ins,
             plans: c.plans,
+            ring_weights: c.ring_weights,
             resident_bytes: st.resident_bytes as u64,
             peak_resident_bytes: st.peak_resident_bytes as u64,
             resident_weights: st.resident_weights as u64,

@@ -144,14 +144,17 @@ impl ResidencyManager {
                 st.c.pending_prefetches -= 1;
                 st.c.wasted_prefetches += 1;
             }
-            let spent = slot.order_before(&st.order)?;
-            st.spare.extend(spent);
+            // Accounted gone first: if ordering fails, dropping the slot
+            // waits for its readers on the host, and the ring stays consistent.
             if let Some(r) = st.ring.as_mut() {
                 r.vacate(v);
             }
             st.resident_weights -= 1;
+            st.c.ring_weights -= 1;
             st.c.evictions += 1;
             st.c.ordered_reuses += 1;
+            let spent = slot.order_before(&st.order)?;
+            st.spare.extend(spent);
         }
         self.maybe_register(st, w)?;
         let range = st.reg.get(w)?.unit;
@@ -175,6 +178,7 @@ impl ResidencyManager {
         e.slot = Some(RingSlot::new(addr, fence));
         e.prefetched = !demand;
         st.resident_weights += 1;
+        st.c.ring_weights += 1;
         st.c.page_ins += 1;
         st.c.ring_page_ins += 1;
         st.c.prefetch_page_ins += !demand as u64;
@@ -196,6 +200,9 @@ impl ResidencyManager {
         if let Some(r) = st.ring.as_mut() {
             r.vacate(v);
         }
+        st.resident_weights -= 1;
+        st.c.ring_weights -= 1;
+        st.c.evictions += 1;
         let spent_early = slot.prune()?;
         st.spare.extend(spent_early);
         let pending = !slot.page_in_done()? || slot.pending() > 0;
@@ -206,9 +213,7 @@ impl ResidencyManager {
             st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
         }
         st.spare.extend(spent);
-        st.resident_weights -= 1;
         st.policy.removed(v);
-        st.c.evictions += 1;
         Ok(())
     }
 }

@@ -75,6 +75,9 @@ pub struct ResidencyStats {
     /// the readers of what it overwrites; also counted in `ordered_reuses`
     /// per occupant overwritten).
     pub ring_page_ins: u64,
+    /// Of `resident_weights`, those in the streaming region (all in one
+    /// arena block: the others are one arena block each).
+    pub ring_weights: u64,
     /// Plans installed (declare_cycle, or a caller found holding more
     /// weights at once than the plan assumed).
     pub plans: u64,
@@ -102,6 +105,7 @@ pub(crate) struct Counters {
     pub device_stall_ms: f64,
     pub ring_page_ins: u64,
     pub plans: u64,
+    pub ring_weights: u64,
 }
 
 /// Most stall measurements awaiting completion; beyond it, waits go untimed
