@@ -4,8 +4,8 @@
 //! matrices), scaled down in the hidden size so a CPU run is quick but
 //! keeping every ratio between the sizes.
 //!
-//! The bound: steady-state bytes copied per decode step ≤ (total − budget)
-//! + 2 × the largest weight. The offline optimum shown next to each run is
+//! The bound: steady-state bytes copied per decode step ≤ (total −
+//! budget) + 2 × the largest weight. The offline optimum shown next to each run is
 //! the byte-optimal static resident set for a cyclic scan (an exact
 //! knapsack, `placement::best_static_fill`): the most bytes of whole
 //! weights that fit the budget less a streaming region. Belady's
