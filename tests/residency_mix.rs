@@ -310,3 +310,35 @@ fn a_torch_like_block_hook_streams_within_the_bound_without_host_waits() {
     }
     eprintln!("{table}");
 }
+
+/// A framework hook may declare the same order before every step: the plan
+/// (and the resident set) must survive it, so steady state stays within the
+/// bound with no re-plans; a different order re-plans.
+#[test]
+fn redeclaring_the_same_cycle_keeps_the_plan() {
+    let d = dev();
+    let sizes: Vec<usize> = (0..4).flat_map(|_| block(128, 344, 128)).collect();
+    let total: usize = sizes.iter().sum();
+    let budget = total / 2;
+    let w = Weights::new(&sizes, 5);
+    let m = ResidencyManager::new(&d, cfg(budget, 1)).unwrap();
+    let ids: Vec<WeightId> = (0..sizes.len()).map(|i| m.register(w.range(i)).unwrap()).collect();
+    m.declare_cycle(&ids).unwrap();
+    decode(&d, &m, &w, &ids, 2, 1, 0);
+    m.synchronize().unwrap();
+    let warm = m.stats();
+    for _ in 0..3 {
+        m.declare_cycle(&ids).unwrap();
+        decode(&d, &m, &w, &ids, 1, 1, 0);
+    }
+    m.synchronize().unwrap();
+    let end = m.stats();
+    let largest = *sizes.iter().max().unwrap() as u64;
+    assert_eq!(end.plans, warm.plans, "an identical declaration re-planned");
+    assert!((end.htod_bytes - warm.htod_bytes) / 3 <= (total - budget) as u64 + 2 * largest, "{end:?}");
+    assert_eq!(end.eviction_waits, warm.eviction_waits);
+    let mut rev = ids.clone();
+    rev.reverse();
+    m.declare_cycle(&rev).unwrap();
+    assert_eq!(m.stats().plans, end.plans + 1, "a new order gets a new plan");
+}
