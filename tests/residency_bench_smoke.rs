@@ -36,6 +36,9 @@ fn quick_bench_runs_and_reports_every_case() {
         "depth1/step_over_max",
         "depth1/hit_over_belady",
         "best_step_over_max",
+        "llama7b/50/plan/hold1/bytes_over_floor",
+        "llama70b/25/farthest-next-use/hold7/step",
+        "mixed_plan_bytes_over_bound",
     ] {
         assert!(text.contains(&format!("\"name\":\"{name}\"")), "JSON lacks {name}");
     }
@@ -47,6 +50,11 @@ fn quick_bench_runs_and_reports_every_case() {
     assert!(
         stdout.contains("in steady state (ours) | 0 | PASS"),
         "steady-state driver allocations: {stdout}"
+    );
+    // Issue 12: the plan's mixed-size rows within the bound, no host waits.
+    assert!(
+        stdout.contains("| no host waits on eviction in steady state | 0 | PASS"),
+        "{stdout}"
     );
     // LRU on a cyclic scan above the budget hits nothing, exactly.
     assert!(

@@ -20,6 +20,10 @@ impl ResidencyManager {
         }
         st.policy.set_cycle(&units)?;
         st.cycle_pos = units.iter().enumerate().map(|(i, &w)| (w, i)).collect();
+        st.starts = vec![false; units.len()];
+        st.starts_seen = false;
+        // A plan is by cycle position: a new cycle needs a new one.
+        st.replan = true;
         st.cycle = units;
         let _ = order;
         Ok(())
@@ -41,7 +45,7 @@ impl ResidencyManager {
         for &w in order.iter().chain(std::iter::once(&WeightId(u32::MAX))) {
             // (the sentinel id closes the last run)
             let range = st.reg.get(w).ok().filter(|e| {
-                e.range.len() < below && e.block.is_none() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
+                e.range.len() < below && !e.resident() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
             });
             let range = range.map(|e| e.range);
             let joined = match (range, unit) {
@@ -92,7 +96,7 @@ impl ResidencyManager {
             "weight {} (coalesced) is acquired: release it first",
             u.0
         );
-        if e.block.is_some() {
+        if e.resident() {
             self.evict(st, u)?;
         }
         let e = st.reg.get_mut(u)?;

@@ -32,6 +32,11 @@ pub struct ResidencyConfig {
     pub coalesce_below_bytes: usize,
     /// Largest coalesced unit (default 8 MiB; never above budget / 8).
     pub coalesce_max_bytes: usize,
+    /// With the cyclic policy and a declared cycle of mixed sizes (largest
+    /// unit over 1.25 × the smallest) larger than the budget: plan a static
+    /// resident set and a streaming region (see `residency::placement`).
+    /// Default true; false leaves farthest-next-use alone in charge.
+    pub stream_plan: bool,
     /// Growth step of the device arena in bytes (0: 16 granules).
     pub arena_chunk_bytes: usize,
     pub pool: PoolConfig,
@@ -48,6 +53,7 @@ impl ResidencyConfig {
             sync_page_in: false,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
+            stream_plan: true,
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
             engine: EngineConfig::default(),

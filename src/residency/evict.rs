@@ -90,13 +90,18 @@ impl ResidencyManager {
     ///
     /// [`ReadsDone`]: super::fence::ReadsDone
     pub(super) fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
+        if st.reg.get(v)?.slot.is_some() {
+            return self.evict_slot(st, v);
+        }
         let e = st.reg.get_mut(v)?;
+        // The budget was charged the unit's bytes; a reused block may be up
+        // to a quarter longer (charging its length undercounted the budget).
+        let len = e.unit.len();
         let Some(fenced) = e.block.take() else { return Ok(()) };
         if std::mem::take(&mut e.prefetched) {
             st.c.pending_prefetches -= 1;
             st.c.wasted_prefetches += 1;
         }
-        let len = fenced.len();
         let (done, spent) = match fenced.try_retire()? {
             Retire::Done(d, s) => (d, s),
             Retire::Pending(f) => {

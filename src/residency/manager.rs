@@ -1,13 +1,15 @@
 //! The residency manager: acquire/release around each use, eviction under a
 //! byte budget, prefetch along the declared cycle.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
 use super::fence::Reused;
+use super::placement::Plan;
 use super::registry::{Entry, HostRangeId, Registry, memlock_limit};
+use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
@@ -45,6 +47,26 @@ pub(super) struct State {
     pub(super) order: Stream,
     /// A weight prefetch may not evict: the one just released (see `release`).
     pub(super) shield: Option<WeightId>,
+    /// The active plan, its streaming region and the units it streams.
+    pub(super) plan: Option<Plan>,
+    pub(super) ring: Option<Ring>,
+    pub(super) streamed: HashSet<WeightId>,
+    /// Units acquired and not released, and the most seen at once.
+    pub(super) held_units: usize,
+    pub(super) max_held: usize,
+    /// A (new) plan is due at the next moment no unit is held.
+    pub(super) replan: bool,
+    /// Cycle positions where a hold began (nothing held before the acquire):
+    /// a block hook's block starts.
+    pub(super) starts: Vec<bool>,
+    /// A plan on those starts was blocked by a held weight: plan sliding windows.
+    pub(super) sliding: bool,
+    /// `starts` cover a whole cycle since the widest hold was first seen.
+    pub(super) starts_seen: bool,
+    /// Where the current hold began.
+    pub(super) hold_began: usize,
+    /// The order last passed to `declare_cycle` (cleared when a weight leaves it).
+    pub(super) declared: Vec<WeightId>,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -94,6 +116,17 @@ impl ResidencyManager {
                 memlock: memlock_limit(),
                 order: Stream::new(dev)?,
                 shield: None,
+                plan: None,
+                ring: None,
+                streamed: HashSet::new(),
+                held_units: 0,
+                max_held: 0,
+                replan: false,
+                starts: Vec::new(),
+                sliding: false,
+                starts_seen: false,
+                hold_began: 0,
+                declared: Vec::new(),
             }),
         })
     }
@@ -142,7 +175,7 @@ impl ResidencyManager {
             crate::bail!(InvalidState, "{}", acquired_message(&st, u, "unregister", w)?);
         }
         self.ungroup(&mut st, u)?;
-        if st.reg.get(w)?.block.is_some() {
+        if st.reg.get(w)?.resident() {
             self.evict(&mut st, w)?;
         }
         let e = st.reg.remove(w)?;
@@ -150,6 +183,7 @@ impl ResidencyManager {
         if st.cycle_pos.contains_key(&w) {
             let order: Vec<WeightId> = st.cycle.iter().copied().filter(|&x| x != w).collect();
             Self::set_cycle(&mut st, order)?;
+            st.declared.clear();
         }
         drop(st);
         drop(e); // a per-weight registration synchronizes the device when dropped
@@ -184,7 +218,7 @@ impl ResidencyManager {
     }
     pub fn is_resident(&self, w: WeightId) -> Result<bool> {
         let st = self.lock();
-        Ok(st.reg.get(st.reg.leader(w)?)?.block.is_some())
+        Ok(st.reg.get(st.reg.leader(w)?)?.resident())
     }
 
     // ---- the cycle and prefetch -----------------------------------------
@@ -208,6 +242,12 @@ impl ResidencyManager {
                 w.0
             );
         }
+        // A caller may declare the same order every step (a framework hook):
+        // keep the grouping and the plan rather than redo them (planning an
+        // 80-layer model takes up to a second; regrouping evicts units).
+        if !order.is_empty() && st.declared == order {
+            return Ok(());
+        }
         let leaders: Vec<WeightId> = st
             .reg
             .ids()
@@ -225,7 +265,16 @@ impl ResidencyManager {
             self.ungroup(&mut st, u)?;
         }
         self.group(&mut st, order)?;
-        Self::set_cycle(&mut st, order.to_vec())
+        Self::set_cycle(&mut st, order.to_vec())?;
+        st.declared = order.to_vec();
+        // A plan evicts what it does not keep: with weights held, it waits
+        // for the cycle to wrap with nothing held (see `acquire`).
+        if st.held_units == 0 {
+            self.install_plan(&mut st)?;
+        } else {
+            st.replan = true;
+        }
+        Ok(())
     }
 
     /// Page in `weights` ahead of use, in order, as far as the budget allows
@@ -236,7 +285,7 @@ impl ResidencyManager {
         let mut n = 0;
         for &w in weights {
             let w = st.reg.leader(w)?;
-            if st.reg.get(w)?.block.is_none() {
+            if !st.reg.get(w)?.resident() {
                 if !self.page_in(&mut st, w, false)? {
                     break;
                 }
@@ -262,27 +311,70 @@ impl ResidencyManager {
         self.harvest(st)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
+        // Re-plan at the first moment nothing is held (sliding windows: the
+        // hold starts are not known yet), and again when the cycle wraps, on
+        // the hold starts seen over one whole cycle.
+        if st.held_units == 0 {
+            let wrap = st.cycle_pos.get(&w) == Some(&0);
+            if wrap && !st.starts_seen {
+                st.starts_seen = true;
+                st.replan |= st.max_held > 1 && !st.sliding;
+            }
+            if st.replan {
+                self.install_plan(st)?;
+            }
+        }
         let e = st.reg.get_mut(w)?;
-        let hit = e.block.is_some() && !e.prefetched;
+        let hit = e.resident() && !e.prefetched;
         if std::mem::take(&mut e.prefetched) {
             st.c.pending_prefetches -= 1;
         }
-        if e.block.is_none() {
+        if !e.resident() {
             self.page_in(st, w, true)?;
         }
         st.c.acquires += 1;
         st.c.hits += hit as u64;
         st.policy.accessed(w);
-        st.reg.get_mut(w)?.users += 1;
+        let e = st.reg.get_mut(w)?;
+        e.users += 1;
+        if e.users == 1 {
+            st.held_units += 1;
+            let p = st.cycle_pos.get(&w).copied();
+            if st.held_units == 1 {
+                st.hold_began = p.unwrap_or(0);
+                if let Some(s) = p.and_then(|p| st.starts.get_mut(p)) {
+                    *s = true;
+                }
+            }
+            if st.held_units > st.max_held {
+                // Starts recorded for narrower holds do not describe this one.
+                st.max_held = st.held_units;
+                st.starts.iter_mut().for_each(|s| *s = false);
+                if let Some(s) = st.starts.get_mut(st.hold_began) {
+                    *s = true;
+                }
+                st.starts_seen = false;
+            }
+            // The plan's ring holds `width` units at once: a caller holding
+            // more (a whole block) gets a plan for that at the next idle moment.
+            if st
+                .plan
+                .as_ref()
+                .is_some_and(|p| st.held_units > p.hold.width)
+            {
+                st.replan = true;
+            }
+        }
         let r = (|| {
             let e = st.reg.get_mut(w)?;
-            let block = e
-                .block
-                .as_mut()
-                .ok_or_else(|| Error::internal("acquired weight has no block"))?;
-            let addr = block.addr() + offset;
-            if !block.page_in_done()? {
-                if let Some(f) = block.page_in() {
+            let (addr, done, fence) = match (e.block.as_mut(), e.slot.as_mut()) {
+                (Some(b), _) => (b.addr(), b.page_in_done()?, b.page_in()),
+                (None, Some(s)) => (s.addr(), s.page_in_done()?, s.page_in()),
+                (None, None) => return Err(Error::internal("acquired weight has no block")),
+            };
+            let addr = addr + offset;
+            if !done {
+                if let Some(f) = fence {
                     if self.cfg.sync_page_in {
                         let t = Instant::now();
                         f.wait()?;
@@ -301,6 +393,9 @@ impl ResidencyManager {
             && let Ok(e) = st.reg.get_mut(w)
         {
             e.users -= 1;
+            if e.users == 0 {
+                st.held_units -= 1;
+            }
         }
         r
     }
@@ -326,9 +421,16 @@ impl ResidencyManager {
         ev.record_raw(stream)?;
         let e = st.reg.get_mut(w)?;
         e.users -= 1;
+        if e.users == 0 {
+            st.held_units -= 1;
+        }
         if let Some(b) = e.block.as_mut() {
             let spent = b.prune()?;
             b.push(ev);
+            st.spare.extend(spent);
+        } else if let Some(s) = e.slot.as_mut() {
+            let spent = s.prune()?;
+            s.push(ev);
             st.spare.extend(spent);
         }
         // Prefetch here, not in acquire: the caller's kernel for `w` is queued
@@ -401,6 +503,11 @@ impl ResidencyManager {
             stall_ms: c.device_stall_ms + host_stall_ms,
             device_stall_ms: c.device_stall_ms,
             host_stall_ms,
+            ring_bytes: st.ring.as_ref().map_or(0, |r| r.cap() as u64),
+            planned_resident_bytes: st.plan.as_ref().map_or(0, |p| p.resident_bytes as u64),
+            ring_page_ins: c.ring_page_ins,
+            plans: c.plans,
+            ring_weights: c.ring_weights,
             resident_bytes: st.resident_bytes as u64,
             peak_resident_bytes: st.peak_resident_bytes as u64,
             resident_weights: st.resident_weights as u64,
@@ -424,11 +531,16 @@ impl Drop for ResidencyManager {
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {
-                let Entry { block, reg, .. } = e;
+                let Entry {
+                    block, slot, reg, ..
+                } = e;
                 drop(block);
+                drop(slot);
                 drop(reg);
             }
         }
+        // The streaming region synchronizes the device before its memory goes.
+        st.ring = None;
     }
 }
 

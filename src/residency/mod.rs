@@ -14,8 +14,11 @@ mod evict;
 pub mod fence;
 pub mod manager;
 mod page_in;
+pub mod placement;
+mod plan;
 pub mod policy;
 pub mod registry;
+mod ring;
 pub mod sim;
 pub mod stats;
 
@@ -25,6 +28,7 @@ pub struct WeightId(pub u32);
 
 pub use config::ResidencyConfig;
 pub use manager::ResidencyManager;
+pub use placement::Hold;
 pub use policy::{CyclicPolicy, LruPolicy, Policy, PolicyKind, new_policy};
 pub use registry::{HostRangeId, RegisterSources};
 pub use stats::ResidencyStats;

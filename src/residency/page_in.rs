@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::WeightId;
 use super::fence::Fenced;
 use super::manager::{Room, State};
+use super::plan::RingPageIn;
 use super::registry::{RegState, RegisterSources};
 use crate::error::Result;
 use crate::residency::ResidencyManager;
@@ -16,6 +17,21 @@ impl ResidencyManager {
     /// otherwise a prefetch, which gives up (Ok(false)) rather than evict a
     /// weight needed sooner.
     pub(super) fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
+        if st.ring.is_some() && st.streamed.contains(&w) {
+            match self.ring_page_in(st, w, demand)? {
+                RingPageIn::Done => return Ok(true),
+                RingPageIn::GaveUp => return Ok(false),
+                // Held occupants: this caller holds more units at once than
+                // the plan assumed. Page in through the arena this time (the
+                // budget still holds: resident units make room) and re-plan
+                // once nothing is held.
+                // Holds not aligned as assumed fall back to sliding windows.
+                RingPageIn::Blocked => {
+                    st.replan = true;
+                    st.sliding |= st.plan.as_ref().is_some_and(|p| p.hold.starts.is_some());
+                }
+            }
+        }
         let len = st.reg.get(w)?.unit.len();
         let reused = match self.make_room(st, w, len, demand)? {
             Room::No => return Ok(false),
@@ -112,7 +128,7 @@ impl ResidencyManager {
             }
             let x = st.cycle[(p + k) % n];
             let e = st.reg.get(x)?;
-            if e.block.is_none() {
+            if !e.resident() {
                 if !self.page_in(st, x, false)? {
                     break;
                 }

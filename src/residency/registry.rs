@@ -9,6 +9,7 @@
 
 use super::WeightId;
 use super::fence::Fenced;
+use super::ring::RingSlot;
 use crate::device::HostRange;
 use crate::error::Result;
 use crate::staging::HostRegistration;
@@ -61,6 +62,8 @@ pub(crate) struct Entry {
     pub reg_bytes: usize,
     /// The device copy, while resident (or being paged in).
     pub block: Option<Fenced>,
+    /// Or its place in the streaming region, when a plan streams it.
+    pub slot: Option<RingSlot>,
     /// Acquires not yet released.
     pub users: u32,
     pub reg: Option<HostRegistration>,
@@ -75,6 +78,13 @@ pub(crate) struct Registry {
     weights: Vec<Option<Entry>>,
     ranges: Vec<Option<HostRegistration>>,
     live: usize,
+}
+
+impl Entry {
+    /// On the device (in an arena block or in the ring), or being paged in.
+    pub fn resident(&self) -> bool {
+        self.block.is_some() || self.slot.is_some()
+    }
 }
 
 impl Registry {
@@ -100,6 +110,7 @@ impl Registry {
             members: Vec::new(),
             reg_bytes: 0,
             block: None,
+            slot: None,
             users: 0,
             reg: None,
             reg_state: RegState::Untried,

@@ -66,6 +66,21 @@ pub struct ResidencyStats {
     pub resident_weights: u64,
     pub registered_weights: u64,
     pub budget_bytes: u64,
+    /// Bytes of the streaming region of the active plan (0: no plan); they
+    /// count in `resident_bytes`.
+    pub ring_bytes: u64,
+    /// Bytes the active plan keeps resident for good.
+    pub planned_resident_bytes: u64,
+    /// Page-ins into the streaming region (each ordered on the device behind
+    /// the readers of what it overwrites; also counted in `ordered_reuses`
+    /// per occupant overwritten).
+    pub ring_page_ins: u64,
+    /// Of `resident_weights`, those in the streaming region (all in one
+    /// arena block: the others are one arena block each).
+    pub ring_weights: u64,
+    /// Plans installed (declare_cycle, or a caller found holding more
+    /// weights at once than the plan assumed).
+    pub plans: u64,
     /// The device arena holding resident weights.
     pub arena: ArenaStats,
 }
@@ -88,6 +103,9 @@ pub(crate) struct Counters {
     pub registered_bytes: u64,
     pub host_stall_ns: u64,
     pub device_stall_ms: f64,
+    pub ring_page_ins: u64,
+    pub plans: u64,
+    pub ring_weights: u64,
 }
 
 /// Most stall measurements awaiting completion; beyond it, waits go untimed

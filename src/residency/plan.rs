@@ -1,0 +1,219 @@
+//! Installing a plan ([`super::placement`]) and paging streamed units
+//! through its ring ([`super::ring`]).
+
+use std::time::Instant;
+
+use super::WeightId;
+use super::manager::State;
+use super::placement::{self, Hold, Plan};
+use super::ring::{Ring, RingSlot};
+use crate::error::Result;
+use crate::residency::{PolicyKind, ResidencyManager};
+
+/// What a page-in into the ring did.
+pub(super) enum RingPageIn {
+    Done,
+    /// A prefetch that would overwrite a weight not used yet, or one held.
+    GaveUp,
+    /// A demand page-in the ring cannot take now (an occupant it would
+    /// overwrite is held): the caller holds more than the plan assumed.
+    Blocked,
+}
+
+impl ResidencyManager {
+    /// The plan the declared cycle wants now (units in cycle order).
+    fn wanted_plan(&self, st: &State) -> Result<Option<Plan>> {
+        if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || st.cycle.is_empty() {
+            return Ok(None);
+        }
+        let sizes: Vec<usize> = st
+            .cycle
+            .iter()
+            .map(|&u| st.reg.get(u).map(|e| e.unit.len()))
+            .collect::<Result<_>>()?;
+        let (lo, hi) = (
+            sizes.iter().min().copied().unwrap_or(0),
+            sizes.iter().max().copied().unwrap_or(0),
+        );
+        // Equal sizes (within the 25% an ordered reuse tolerates): every
+        // victim's block takes the next weight, nothing fragments, and
+        // farthest-next-use is Belady's optimum — keep it.
+        if hi <= lo + lo / 4 {
+            return Ok(None);
+        }
+        let width = st.max_held.max(1);
+        let starts = (width > 1 && !st.sliding && st.starts_seen).then(|| st.starts.clone());
+        Ok(placement::plan(
+            &sizes,
+            self.cfg.budget_bytes,
+            &Hold { width, starts },
+            self.cfg.prefetch_depth,
+        ))
+    }
+
+    /// Install the plan the cycle wants (no unit may be held). A different
+    /// plan evicts everything first, waiting on the host: this happens on
+    /// declare_cycle and when a caller first holds more units at once than
+    /// the plan assumed, never in steady state.
+    pub(super) fn install_plan(&self, st: &mut State) -> Result<()> {
+        st.replan = false;
+        let want = self.wanted_plan(st)?;
+        if want.is_some() && want == st.plan && st.ring.is_some() {
+            return Ok(());
+        }
+        if st.plan.is_none() && want.is_none() {
+            return Ok(());
+        }
+        let ids: Vec<WeightId> = st.reg.ids().collect();
+        for w in ids {
+            if st.reg.get(w)?.resident() {
+                self.evict(st, w)?;
+            }
+        }
+        if let Some(r) = st.ring.take() {
+            st.resident_bytes -= r.cap();
+        }
+        st.streamed.clear();
+        st.plan = None;
+        let Some(p) = want else { return Ok(()) };
+        let ring = match Ring::new(&self.arena, p.ring_bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!(
+                    "epmem: no streaming region of {} bytes ({e}); farthest-next-use alone",
+                    p.ring_bytes
+                );
+                return Ok(());
+            }
+        };
+        st.resident_bytes += ring.cap();
+        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
+        st.streamed = st
+            .cycle
+            .iter()
+            .zip(&p.resident)
+            .filter(|(_, r)| !**r)
+            .map(|(&u, _)| u)
+            .collect();
+        st.ring = Some(ring);
+        st.plan = Some(p);
+        st.c.plans += 1;
+        Ok(())
+    }
+
+    /// Page streamed unit `w` into the ring. Whatever it overwrites was
+    /// released (or is idle): its bytes are handed on behind its readers by
+    /// the order stream, so the host never waits.
+    pub(super) fn ring_page_in(
+        &self,
+        st: &mut State,
+        w: WeightId,
+        demand: bool,
+    ) -> Result<RingPageIn> {
+        let len = st.reg.get(w)?.unit.len();
+        let off = st
+            .cycle_pos
+            .get(&w)
+            .and_then(|&p| st.plan.as_ref()?.offsets.get(p).copied());
+        let Some((off, victims)) = off.and_then(|o| Some((o, st.ring.as_ref()?.spot(o, len)?)))
+        else {
+            return Ok(if demand {
+                RingPageIn::Blocked
+            } else {
+                RingPageIn::GaveUp
+            });
+        };
+        for &v in &victims {
+            let e = st.reg.get(v)?;
+            // A prefetch never overwrites the unit just released either: a
+            // coalesced unit is acquired once per member in a row, and the
+            // demand page-in of the next unit orders the same copy behind the
+            // same read anyway.
+            if e.users > 0 || (!demand && (e.prefetched || Some(v) == st.shield)) {
+                return Ok(if demand {
+                    RingPageIn::Blocked
+                } else {
+                    RingPageIn::GaveUp
+                });
+            }
+        }
+        for &v in &victims {
+            let e = st.reg.get_mut(v)?;
+            let Some(slot) = e.slot.take() else { continue };
+            if std::mem::take(&mut e.prefetched) {
+                st.c.pending_prefetches -= 1;
+                st.c.wasted_prefetches += 1;
+            }
+            // Accounted gone first: if ordering fails, dropping the slot
+            // waits for its readers on the host, and the ring stays consistent.
+            if let Some(r) = st.ring.as_mut() {
+                r.vacate(v);
+            }
+            st.resident_weights -= 1;
+            st.c.ring_weights -= 1;
+            st.c.evictions += 1;
+            st.c.ordered_reuses += 1;
+            let spent = slot.order_before(&st.order)?;
+            st.spare.extend(spent);
+        }
+        self.maybe_register(st, w)?;
+        let range = st.reg.get(w)?.unit;
+        let Some(ring) = st.ring.as_mut() else {
+            return Ok(RingPageIn::Blocked);
+        };
+        let addr = ring.occupy(w, off, len);
+        let fence = match self.engine.htod(addr, range, Some(st.order.raw())) {
+            Ok(f) => f,
+            Err(e) => {
+                ring.vacate(w);
+                return Err(e);
+            }
+        };
+        if self.cfg.sync_page_in {
+            let t = Instant::now();
+            fence.wait()?;
+            st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+        }
+        let e = st.reg.get_mut(w)?;
+        e.slot = Some(RingSlot::new(addr, fence));
+        e.prefetched = !demand;
+        st.resident_weights += 1;
+        st.c.ring_weights += 1;
+        st.c.page_ins += 1;
+        st.c.ring_page_ins += 1;
+        st.c.prefetch_page_ins += !demand as u64;
+        st.c.pending_prefetches += !demand as u64;
+        Ok(RingPageIn::Done)
+    }
+
+    /// Evict streamed unit `v` on the host's side (unregister, re-plan):
+    /// waits for its readers.
+    pub(super) fn evict_slot(&self, st: &mut State, v: WeightId) -> Result<()> {
+        let e = st.reg.get_mut(v)?;
+        let Some(mut slot) = e.slot.take() else {
+            return Ok(());
+        };
+        if std::mem::take(&mut e.prefetched) {
+            st.c.pending_prefetches -= 1;
+            st.c.wasted_prefetches += 1;
+        }
+        if let Some(r) = st.ring.as_mut() {
+            r.vacate(v);
+        }
+        st.resident_weights -= 1;
+        st.c.ring_weights -= 1;
+        st.c.evictions += 1;
+        let spent_early = slot.prune()?;
+        st.spare.extend(spent_early);
+        let pending = !slot.page_in_done()? || slot.pending() > 0;
+        let t = Instant::now();
+        let spent = slot.wait()?;
+        if pending {
+            st.c.eviction_waits += 1;
+            st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+        }
+        st.spare.extend(spent);
+        st.policy.removed(v);
+        Ok(())
+    }
+}
