@@ -51,7 +51,7 @@ D=256
 MODEL=$WORK/transformer.onnx
 "$PY" tests/ort/gpu/make_transformer.py "$MODEL" --layers 2 --d-model $D --heads 4 --ffn 1024 || exit 2
 
-MODEL=$MODEL D_MODEL=$D "$PY" tests/ort/gpu/test_cuda_ep.py >"$WORK/py.log" 2>&1
+MODEL=$MODEL D_MODEL=$D "$PY" -X faulthandler tests/ort/gpu/test_cuda_ep.py >"$WORK/py.log" 2>&1
 cat "$WORK/py.log"; tally "$WORK/py.log"
 
 so=$(ls "$CAPI"/libonnxruntime.so.1.* 2>/dev/null | head -1)
