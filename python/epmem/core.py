@@ -226,10 +226,14 @@ class Device(Handle):
         _l().epm_memset_d8_async(self.handle, _dptr(dst), value, nbytes, stream.handle)
 
     def checksum_async(self, ptr, nbytes, stream, out_dev_ptr):
-        _l().epm_device_checksum_async(self.handle, _dptr(ptr), nbytes, stream.handle, _dptr(out_dev_ptr))
+        """Testing build only (epmem.testing.checksum_async); else TestingUnavailable."""
+        from . import testing
+        testing.checksum_async(self, ptr, nbytes, stream, out_dev_ptr)
 
     def spin_async(self, micros, stream):
-        _l().epm_device_spin_async(self.handle, micros, stream.handle)
+        """Testing build only (epmem.testing.spin_async); else TestingUnavailable."""
+        from . import testing
+        testing.spin_async(self, micros, stream)
 
     def stream(self):
         return Stream(self)
@@ -440,6 +444,18 @@ class Residency(Handle):
     def release(self, weight, stream):
         _l().epm_residency_release(self.handle, weight, stream.handle)
 
+    def acquire_host(self, weight):
+        """As `acquire`, but the calling thread waits for the page-in: anything
+        issued afterwards (a synchronous copy, any stream, a CPU kernel on the
+        host device) sees the weight's bytes. End with `release_host`."""
+        out = c_uint64()
+        _l().epm_residency_acquire_host(self.handle, weight, byref(out))
+        return out.value
+
+    def release_host(self, weight):
+        """End a use begun by `acquire_host`; the caller's reads have completed."""
+        _l().epm_residency_release_host(self.handle, weight)
+
     def synchronize(self):
         _l().epm_residency_synchronize(self.handle)
 
@@ -599,7 +615,10 @@ class KvSeq(Handle):
         return out
 
     def info(self):
-        return L.to_dict(self.info_struct())
+        s = self.info_struct()
+        d = L.to_dict(s)
+        d["layout"] = L.to_dict(s.layout)  # the name from before the fields were flat
+        return d
 
     def prepare_append(self, n_tokens, stream):
         _l().epm_kv_seq_prepare_append(self.handle, n_tokens, stream.handle)
@@ -692,7 +711,6 @@ def last_error_message():
 
 
 def checksum_host(data, nbytes=None):
-    p, keep = host_address(data)
-    r = _l().epm_checksum_host(p, buffer_nbytes(data) if nbytes is None else nbytes)
-    del keep
-    return r
+    """Testing build only (epmem.testing.checksum_host); else TestingUnavailable."""
+    from . import testing
+    return testing.checksum_host(data, nbytes)

@@ -19,7 +19,8 @@ after the work queued so far on that stream has completed. torch's legacy
 default stream (handle 0) cannot be adopted, so on it epmem acquires on a
 private stream that the default stream then waits for (two event
 record/waits per block). On the host device (EPM_DEVICE=host, CPU tensors)
-the host waits for the page-ins, since CPU kernels run synchronously.
+the host waits for the page-ins (acquire_host), since CPU kernels run
+synchronously.
 See docs/PYTHON.md.
 """
 
@@ -490,15 +491,22 @@ class _State:
                                    "torch.inference_mode(), or call requires_grad_(False)")
             stream, bridged = self._stream(unit)
             self.counters["hook_calls"] += 1
+            # On the host device the block's CPU kernels run now, on this
+            # thread: the host must wait for each page-in (acquire_host),
+            # where on CUDA only the stream waits, on the device.
+            host = not self.dev.is_cuda
             try:
                 for w in unit.weights:
-                    ptr = self.res.acquire(w.id, stream)
+                    ptr = self.res.acquire_host(w.id) if host else self.res.acquire(w.id, stream)
                     unit.acquired.append(w)
                     w.param.data = self._device_tensor(ptr, w)
             except BaseException as e:
                 for w in unit.acquired:
                     w.param.data = w.host
-                    self.res.release(w.id, stream)
+                    if host:
+                        self.res.release_host(w.id)
+                    else:
+                        self.res.release(w.id, stream)
                 unit.acquired = []
                 if isinstance(e, errors.AllInUse):
                     raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
@@ -508,8 +516,6 @@ class _State:
             if bridged:
                 self.counters["bridged_calls"] += 1
                 torch.cuda.current_stream(self.tdev).wait_stream(self.private_torch)
-            elif not self.dev.is_cuda:
-                stream.synchronize()  # CPU kernels run now, on this thread
         return hook
 
     def _post_hook(self, unit):
@@ -526,7 +532,10 @@ class _State:
             for w in unit.acquired:
                 w.param.data = w.host
                 try:
-                    self.res.release(w.id, stream)
+                    if self.dev.is_cuda:
+                        self.res.release(w.id, stream)
+                    else:
+                        self.res.release_host(w.id)  # the CPU kernels have returned
                 except errors.EpmError as e:
                     err = err or e
             unit.acquired = []
