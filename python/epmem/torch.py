@@ -157,6 +157,30 @@ def kv_seq_tensor(seq, dtype, tokens=None):
                      strides=[s // itemsize for s in strides])
 
 
+def kv_batch_tensor(batch, dtype):
+    """The whole range of a KvBatch as one tensor, no copy:
+    [max_slots, max_tokens, layers, 2 (K, V), kv_heads, head_dim], strides from
+    its EpmKvBatchDesc (`view[s]` is slot s, at `base + s * slot_stride`).
+
+    The view never moves: slots joining, leaving or appending change what it
+    reads (free slots and uncommitted granules read zeros; tokens past a
+    slot's `len_tokens` are unspecified: mask by length), never its address,
+    so a CUDA graph captured over it stays valid while the batch lives. On CUDA
+    it is a CUDA tensor (bfloat16 through an int16 view); on the host device a
+    CPU tensor. Write only tokens `prepare_append` made writable. The tensor
+    keeps the batch object alive; do not close() the batch while it is used."""
+    d = batch.desc_struct()
+    itemsize = _itemsize(dtype)
+    if itemsize != d.elem_bytes:
+        raise ValueError(f"dtype {dtype} has {itemsize} bytes per element; the batch has {d.elem_bytes}")
+    strides = [d.slot_stride, d.token_stride, d.layer_stride, d.kv_stride, d.head_stride, d.elem_bytes]
+    if any(s % itemsize for s in strides):
+        raise ValueError("batch strides are not multiples of the element size")
+    shape = (d.max_slots, d.max_tokens, d.layers, 2, d.kv_heads, d.head_dim)
+    return as_tensor(d.base, shape, dtype, batch.arena.device, owner=batch,
+                     strides=[s // itemsize for s in strides])
+
+
 # ---- offload -------------------------------------------------------------------------
 
 class _Weight:
