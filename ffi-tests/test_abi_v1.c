@@ -98,6 +98,8 @@ static void test_v1_client_against_todays_library(void) {
   EpmKvArena *kv = NULL;
   EpmKvSeq *seq = NULL;
   EpmKvPrefix *prefix = NULL;
+  EpmKvBatch *batch = NULL;
+  EpmKvSeq *slot = NULL;
   EpmWeightId w = 0;
   EpmDevicePtr dptr = 0;
   unsigned char *weight = malloc(1 << 20);
@@ -199,7 +201,43 @@ static void test_v1_client_against_todays_library(void) {
   OUT_CASES(EpmKvPrefixInfo, EPM_KV_PREFIX_INFO_SIZE_V1, epm_kv_prefix_get_info(prefix, p));
   OUT_CASES(EpmKvAdmission, EPM_KV_ADMISSION_SIZE_V1, epm_kv_admissible(1u << 30, 1u << 20, 1u << 20, p));
 
+  /* KV batch: created from a v1 layout; its descriptor and a slot's info. */
+  {
+    EpmKvLayout_v1 l;
+    memset(&l, 0, sizeof l);
+    l.size = sizeof l;
+    REQUIRE_OK(epm_kv_layout_token_major(2, 2, 64, 2, (EpmKvLayout *)(void *)&l));
+    l.size = EPM_KV_LAYOUT_SIZE_V1 - 1;
+    CHECK_STATUS(epm_kv_batch_create(kv, (const EpmKvLayout *)(const void *)&l, 4096, 4, &batch),
+                 EPM_STATUS_INVALID_ARGUMENT);
+    CHECK(batch == NULL);
+    l.size = sizeof l;
+    REQUIRE_OK(epm_kv_batch_create(kv, (const EpmKvLayout *)(const void *)&l, 4096, 4, &batch));
+  }
+  REQUIRE_OK(epm_kv_batch_take_slot(batch, 2, EPM_KV_ADMIT_ON_DEMAND, &slot));
+  REQUIRE_OK(epm_kv_seq_prepare_append(slot, 40, s));
+  OUT_CASES(EpmKvBatchDesc, EPM_KV_BATCH_DESC_SIZE_V1, epm_kv_batch_get_desc(batch, p));
+  OUT_CASES(EpmKvBatchSlotInfo, EPM_KV_BATCH_SLOT_INFO_SIZE_V1, epm_kv_batch_slot_get_info(slot, p));
+  {
+    /* What a v1 client reads is today's values, at the published places. */
+    EpmKvBatchDesc_v1 d;
+    EpmKvBatchSlotInfo_v1 i;
+    memset(&d, 0, sizeof d);
+    memset(&i, 0, sizeof i);
+    d.size = sizeof d;
+    i.size = sizeof i;
+    REQUIRE_OK(epm_kv_batch_get_desc(batch, (EpmKvBatchDesc *)(void *)&d));
+    REQUIRE_OK(epm_kv_batch_slot_get_info(slot, (EpmKvBatchSlotInfo *)(void *)&i));
+    CHECK(d.max_slots == 4 && d.layers == 2 && d.kv_heads == 2 && d.head_dim == 64 && d.elem_bytes == 2);
+    CHECK(d.max_tokens == 4096 && d.token_stride == 1024 && d.live_slots == 1);
+    CHECK(d.slot_stride % d.granule_bytes == 0 && d.reserved_bytes == 4 * d.slot_stride);
+    CHECK(i.slot == 2 && i.max_slots == 4 && i.len_tokens == 40 && i.max_tokens == 4096);
+    CHECK(i.base == d.base + 2 * d.slot_stride);
+  }
+
 cleanup:
+  epm_kv_seq_destroy(slot);
+  epm_kv_batch_destroy(batch);
   epm_kv_prefix_unpin(prefix);
   epm_kv_seq_destroy(seq);
   epm_kv_arena_destroy(kv);

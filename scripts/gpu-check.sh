@@ -105,10 +105,10 @@ fi
 [ -x scripts/python-test.sh ] && step python 'passed|failed' env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" scripts/python-test.sh --no-install
 
 # 5b. KV batch: batched SDPA over the batch view and CUDA graph replay through
-# torch and plain ctypes (tests/gpu/kv_batch_attention.py), when torch imports.
+# torch and the epmem package (tests/gpu/kv_batch_attention.py), when torch imports.
 if python3 -c 'import torch' >/dev/null 2>&1; then
-  step py-kv_batch_attention 'passed|failed' env EPMEM_LIB=.carry/lib/libepmem.so python3 tests/gpu/kv_batch_attention.py
-  [ $BENCH = 1 ] && step py-bench_kv_batch 'target|ratio' env EPMEM_LIB=.carry/lib/libepmem.so python3 scripts/bench_kv_batch.py --json "$OUT/bench_kv_batch.json"
+  step py-kv_batch_attention 'passed|failed' env PYTHONPATH="$ROOT/python" EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" python3 tests/gpu/kv_batch_attention.py
+  [ $BENCH = 1 ] && step py-bench_kv_batch 'target|ratio' env PYTHONPATH="$ROOT/python" EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" python3 scripts/bench_kv_batch.py --json "$OUT/bench_kv_batch.json"
 fi
 
 # 5c. ORT's own CUDA EP on epmem memory: needs onnxruntime-gpu (unpacked in

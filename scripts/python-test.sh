@@ -54,3 +54,22 @@ if ! "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --
 fi
 [ -f "$WORK/site/epmem/lib/libepmem.so" ] || { echo "python-test: the wheel has no epmem/lib/libepmem.so" >&2; exit 1; }
 env -u EPMEM_LIB EPMEM_USE_INSTALLED=1 PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/python/run.py
+rc=$?
+# include/epmem_testing.h's functions exist only in the testing build: the
+# binding tests run once more against it (the package loads EPMEM_LIB
+# instead of the bundled library), where one is built or carried.
+tlib=${EPMEM_TESTING_LIB:-}
+if [ -z "$tlib" ]; then
+  for c in target/testing/release/libepmem_testing.so .carry/lib-testing/libepmem_testing.so; do
+    [ -f "$c" ] && { tlib=$c; break; }
+  done
+fi
+if [ -n "$tlib" ] && [ -f "$tlib" ]; then
+  echo "python-test: test_binding again against the testing library $tlib"
+  case "$tlib" in /*) ;; *) tlib=$ROOT/$tlib ;; esac
+  EPMEM_LIB="$tlib" EPMEM_USE_INSTALLED=1 PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" tests/python/run.py test_binding. || rc=1
+else
+  echo "python-test: no testing library (make build-testing): epmem_testing.h tests skipped"
+fi
+exit $rc

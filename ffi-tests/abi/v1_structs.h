@@ -9,6 +9,9 @@
  * Never change this file: when a struct grows, the current header's struct
  * gets new trailing fields and this copy stays as it is. (EpmKvSeqInfo was
  * flattened before the freeze: it no longer embeds an EpmKvLayout.)
+ * EpmKvBatchDesc and EpmKvBatchSlotInfo were published in the same version
+ * (the KV batch API, merged alongside the freeze) and were added to this
+ * table afterwards, copied from that header; they are frozen like the rest.
  */
 #ifndef EPMEM_ABI_V1_STRUCTS_H
 #define EPMEM_ABI_V1_STRUCTS_H
@@ -223,6 +226,40 @@ typedef struct EpmKvRequestCost_v1 {
 } EpmKvRequestCost_v1;
 _Static_assert(sizeof(EpmKvRequestCost_v1) == 32, "the frozen copy of EpmKvRequestCost was edited");
 
+typedef struct EpmKvBatchDesc_v1 {
+  size_t size;
+  uint64_t base;
+  uint64_t slot_stride;
+  uint32_t max_slots;
+  uint32_t layers;
+  uint64_t max_tokens;
+  uint64_t token_stride;
+  uint64_t layer_stride;
+  uint64_t kv_stride;
+  uint64_t head_stride;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  uint32_t elem_bytes;
+  uint32_t live_slots;
+  uint64_t granule_bytes;
+  uint64_t reserved_bytes;
+} EpmKvBatchDesc_v1;
+_Static_assert(sizeof(EpmKvBatchDesc_v1) == 104, "the frozen copy of EpmKvBatchDesc was edited");
+
+typedef struct EpmKvBatchSlotInfo_v1 {
+  size_t size;
+  uint64_t base;
+  uint64_t len_tokens;
+  uint64_t committed_tokens;
+  uint64_t max_tokens;
+  uint64_t shared_granules;
+  uint64_t private_granules;
+  uint64_t promised_granules;
+  uint32_t slot;
+  uint32_t max_slots;
+} EpmKvBatchSlotInfo_v1;
+_Static_assert(sizeof(EpmKvBatchSlotInfo_v1) == 72, "the frozen copy of EpmKvBatchSlotInfo was edited");
+
 /* The published layout: X(struct, field) for every field of every v1 struct. */
 #define EPM_V1_FIELDS_DEVICEINFO(X) \
   X(EpmDeviceInfo, size) \
@@ -404,6 +441,36 @@ _Static_assert(sizeof(EpmKvRequestCost_v1) == 32, "the frozen copy of EpmKvReque
   X(EpmKvRequestCost, private_bytes) \
   X(EpmKvRequestCost, unshared_bytes)
 
+#define EPM_V1_FIELDS_KVBATCHDESC(X) \
+  X(EpmKvBatchDesc, size) \
+  X(EpmKvBatchDesc, base) \
+  X(EpmKvBatchDesc, slot_stride) \
+  X(EpmKvBatchDesc, max_slots) \
+  X(EpmKvBatchDesc, layers) \
+  X(EpmKvBatchDesc, max_tokens) \
+  X(EpmKvBatchDesc, token_stride) \
+  X(EpmKvBatchDesc, layer_stride) \
+  X(EpmKvBatchDesc, kv_stride) \
+  X(EpmKvBatchDesc, head_stride) \
+  X(EpmKvBatchDesc, kv_heads) \
+  X(EpmKvBatchDesc, head_dim) \
+  X(EpmKvBatchDesc, elem_bytes) \
+  X(EpmKvBatchDesc, live_slots) \
+  X(EpmKvBatchDesc, granule_bytes) \
+  X(EpmKvBatchDesc, reserved_bytes)
+
+#define EPM_V1_FIELDS_KVBATCHSLOTINFO(X) \
+  X(EpmKvBatchSlotInfo, size) \
+  X(EpmKvBatchSlotInfo, base) \
+  X(EpmKvBatchSlotInfo, len_tokens) \
+  X(EpmKvBatchSlotInfo, committed_tokens) \
+  X(EpmKvBatchSlotInfo, max_tokens) \
+  X(EpmKvBatchSlotInfo, shared_granules) \
+  X(EpmKvBatchSlotInfo, private_granules) \
+  X(EpmKvBatchSlotInfo, promised_granules) \
+  X(EpmKvBatchSlotInfo, slot) \
+  X(EpmKvBatchSlotInfo, max_slots)
+
 /* X(struct, EPM_*_SIZE_V1) for every versioned struct. */
 #define EPM_V1_STRUCTS(X) \
   X(EpmDeviceInfo, EPM_DEVICE_INFO_SIZE_V1) \
@@ -418,7 +485,9 @@ _Static_assert(sizeof(EpmKvRequestCost_v1) == 32, "the frozen copy of EpmKvReque
   X(EpmKvSeqInfo, EPM_KV_SEQ_INFO_SIZE_V1) \
   X(EpmKvPrefixInfo, EPM_KV_PREFIX_INFO_SIZE_V1) \
   X(EpmKvAdmission, EPM_KV_ADMISSION_SIZE_V1) \
-  X(EpmKvRequestCost, EPM_KV_REQUEST_COST_SIZE_V1)
+  X(EpmKvRequestCost, EPM_KV_REQUEST_COST_SIZE_V1) \
+  X(EpmKvBatchDesc, EPM_KV_BATCH_DESC_SIZE_V1) \
+  X(EpmKvBatchSlotInfo, EPM_KV_BATCH_SLOT_INFO_SIZE_V1)
 
 #define EPM_V1_ALL_FIELDS(X) \
   EPM_V1_FIELDS_DEVICEINFO(X) \
@@ -433,6 +502,8 @@ _Static_assert(sizeof(EpmKvRequestCost_v1) == 32, "the frozen copy of EpmKvReque
   EPM_V1_FIELDS_KVSEQINFO(X) \
   EPM_V1_FIELDS_KVPREFIXINFO(X) \
   EPM_V1_FIELDS_KVADMISSION(X) \
-  EPM_V1_FIELDS_KVREQUESTCOST(X)
+  EPM_V1_FIELDS_KVREQUESTCOST(X) \
+  EPM_V1_FIELDS_KVBATCHDESC(X) \
+  EPM_V1_FIELDS_KVBATCHSLOTINFO(X)
 
 #endif /* EPMEM_ABI_V1_STRUCTS_H */

@@ -39,6 +39,25 @@ EPM_VERSION_MAJOR = 0
 EPM_VERSION_MINOR = 1
 EPM_VERSION_PATCH = 0
 EPM_VERSION = (EPM_VERSION_MAJOR << 16) | (EPM_VERSION_MINOR << 8) | EPM_VERSION_PATCH
+EPM_KV_BATCH_ANY_SLOT = 0xFFFFFFFF
+
+# The first published size of each versioned struct: the smallest `size`
+# epmem accepts (never sizeof today's struct, which may have grown).
+EPM_ARENA_CONFIG_SIZE_V1 = 32
+EPM_ARENA_STATS_SIZE_V1 = 88
+EPM_DEVICE_INFO_SIZE_V1 = 336
+EPM_KV_LAYOUT_SIZE_V1 = 56
+EPM_KV_STATS_SIZE_V1 = 176
+EPM_KV_SEQ_INFO_SIZE_V1 = 112
+EPM_KV_PREFIX_INFO_SIZE_V1 = 40
+EPM_KV_ADMISSION_SIZE_V1 = 32
+EPM_KV_REQUEST_COST_SIZE_V1 = 32
+EPM_KV_BATCH_DESC_SIZE_V1 = 104
+EPM_KV_BATCH_SLOT_INFO_SIZE_V1 = 72
+EPM_RESIDENCY_CONFIG_SIZE_V1 = 72
+EPM_RESIDENCY_STATS_SIZE_V1 = 288
+EPM_COPY_ENGINE_CONFIG_SIZE_V1 = 32
+EPM_STAGING_STATS_SIZE_V1 = 112
 
 EPM_STATUS_OK = 0
 
@@ -102,10 +121,19 @@ class EpmKvStats(Structure):
         "committed_granules", "fences", "hash_hits")]
 
 
+_LAYOUT_FIELDS = [f for f in EpmKvLayout._fields_ if f[0] != "size"]
+
+
 class EpmKvSeqInfo(Structure):
-    _fields_ = [("size", c_size_t), ("layout", EpmKvLayout), ("base", c_uint64), ("max_tokens", c_uint64),
-                ("len_tokens", c_uint64), ("reserved_bytes", c_uint64), ("shared_granules", c_uint64),
-                ("private_granules", c_uint64), ("promised_granules", c_uint64)]
+    # The layout's fields are flat (a versioned struct is never embedded by
+    # value in another); `.layout` rebuilds an EpmKvLayout from them.
+    _fields_ = [("size", c_size_t)] + _LAYOUT_FIELDS + [
+        ("base", c_uint64), ("max_tokens", c_uint64), ("len_tokens", c_uint64), ("reserved_bytes", c_uint64),
+        ("shared_granules", c_uint64), ("private_granules", c_uint64), ("promised_granules", c_uint64)]
+
+    @property
+    def layout(self):
+        return new(EpmKvLayout, **{n: getattr(self, n) for n, _ in _LAYOUT_FIELDS})
 
 
 class EpmKvPrefixInfo(Structure):
@@ -121,6 +149,20 @@ class EpmKvAdmission(Structure):
 class EpmKvRequestCost(Structure):
     _fields_ = [("size", c_size_t), ("prefix_bytes", c_uint64), ("private_bytes", c_uint64),
                 ("unshared_bytes", c_uint64)]
+
+
+class EpmKvBatchDesc(Structure):
+    _fields_ = [("size", c_size_t), ("base", c_uint64), ("slot_stride", c_uint64), ("max_slots", c_uint32),
+                ("layers", c_uint32), ("max_tokens", c_uint64), ("token_stride", c_uint64),
+                ("layer_stride", c_uint64), ("kv_stride", c_uint64), ("head_stride", c_uint64),
+                ("kv_heads", c_uint32), ("head_dim", c_uint32), ("elem_bytes", c_uint32),
+                ("live_slots", c_uint32), ("granule_bytes", c_uint64), ("reserved_bytes", c_uint64)]
+
+
+class EpmKvBatchSlotInfo(Structure):
+    _fields_ = [("size", c_size_t), ("base", c_uint64), ("len_tokens", c_uint64), ("committed_tokens", c_uint64),
+                ("max_tokens", c_uint64), ("shared_granules", c_uint64), ("private_granules", c_uint64),
+                ("promised_granules", c_uint64), ("slot", c_uint32), ("max_slots", c_uint32)]
 
 
 class EpmResidencyConfig(Structure):
@@ -158,7 +200,8 @@ class EpmCopyEngineConfig(Structure):
 
 
 STRUCTS = [EpmArenaConfig, EpmArenaStats, EpmDeviceInfo, EpmKvLayout, EpmKvStats, EpmKvSeqInfo,
-           EpmKvPrefixInfo, EpmKvAdmission, EpmKvRequestCost, EpmResidencyConfig, EpmResidencyStats,
+           EpmKvPrefixInfo, EpmKvAdmission, EpmKvRequestCost, EpmKvBatchDesc, EpmKvBatchSlotInfo,
+           EpmResidencyConfig, EpmResidencyStats,
            EpmStagingStats, EpmCopyEngineConfig]
 
 
@@ -218,9 +261,6 @@ FUNCTIONS = [
     ("epm_memcpy_dtoh_async", STATUS, [H, vp, EpmDevicePtr, size_t, H]),
     ("epm_memcpy_dtod_async", STATUS, [H, EpmDevicePtr, EpmDevicePtr, size_t, H]),
     ("epm_memset_d8_async", STATUS, [H, EpmDevicePtr, c_uint8, size_t, H]),
-    ("epm_device_checksum_async", STATUS, [H, EpmDevicePtr, size_t, H, EpmDevicePtr]),
-    ("epm_checksum_host", u64, [vp, size_t]),
-    ("epm_device_spin_async", STATUS, [H, u32, H]),
     # events and streams
     ("epm_event_create", STATUS, [H, u32, OH]),
     ("epm_event_record", STATUS, [H, H]),
@@ -252,6 +292,14 @@ FUNCTIONS = [
     ("epm_kv_find_prefix", STATUS, [H, P(EpmKvLayout), P(u32), size_t, P(u64)]),
     ("epm_kv_admissible", STATUS, [u64, u64, u64, P(EpmKvAdmission)]),
     ("epm_kv_request_cost", STATUS, [H, P(EpmKvLayout), u64, u64, P(EpmKvRequestCost)]),
+    ("epm_kv_batch_create", STATUS, [H, P(EpmKvLayout), u64, u32, OH]),
+    ("epm_kv_batch_destroy", STATUS, [H]),
+    ("epm_kv_batch_get_desc", STATUS, [H, P(EpmKvBatchDesc)]),
+    ("epm_kv_batch_take_slot", STATUS, [H, u32, u32, OH]),
+    ("epm_kv_batch_take_shared_slot", STATUS, [H, u32, H, u64, u32, H, OH]),
+    ("epm_kv_batch_take_slot_for_tokens", STATUS, [H, u32, P(u32), size_t, u32, H, OH, P(u64)]),
+    ("epm_kv_batch_release_slot", STATUS, [H, H]),
+    ("epm_kv_batch_slot_get_info", STATUS, [H, P(EpmKvBatchSlotInfo)]),
     # logging
     ("epm_set_log_callback", STATUS, [EpmLogCallback, vp, u32]),
     # residency
@@ -266,6 +314,8 @@ FUNCTIONS = [
     ("epm_residency_prefetch", STATUS, [H, P(EpmWeightId), size_t, P(size_t)]),
     ("epm_residency_acquire", STATUS, [H, EpmWeightId, H, P(EpmDevicePtr)]),
     ("epm_residency_release", STATUS, [H, EpmWeightId, H]),
+    ("epm_residency_acquire_host", STATUS, [H, EpmWeightId, P(EpmDevicePtr)]),
+    ("epm_residency_release_host", STATUS, [H, EpmWeightId]),
     ("epm_residency_synchronize", STATUS, [H]),
     ("epm_residency_get_stats", STATUS, [H, P(EpmResidencyStats)]),
     # staging pool, copy engine, fences
@@ -292,6 +342,25 @@ FUNCTIONS = [
     ("epm_version_string", c_char_p, []),
 ]
 
+# include/epmem_testing.h: exported only by the testing build of the library
+# (cargo build --features testing: target/testing/release/libepmem_testing.so,
+# .carry/lib-testing/ on the GPU machine). Bound when the loaded library has
+# them; `epmem.testing` raises TestingUnavailable otherwise.
+TESTING_FUNCTIONS = [
+    ("epm_device_checksum_async", STATUS, [H, EpmDevicePtr, size_t, H, EpmDevicePtr]),
+    ("epm_checksum_host", u64, [vp, size_t]),
+    ("epm_device_spin_async", STATUS, [H, u32, H]),
+    ("epm_testing_panic_device", STATUS, [H]),
+    ("epm_testing_panic_residency", STATUS, [H]),
+    ("epm_testing_panic_kv_arena", STATUS, [H]),
+    ("epm_device_hold_async", STATUS, [H, H, OH]),
+    ("epm_gate_open", STATUS, [H]),
+    ("epm_gate_destroy", STATUS, [H]),
+]
+
+
+_TESTING_NAMES = frozenset(n for n, _, _ in TESTING_FUNCTIONS)
+
 
 class _Lib:
     """The loaded library: each FUNCTIONS entry as an attribute (`lib.epm_device_open`)."""
@@ -300,13 +369,15 @@ class _Lib:
         self.path = path
         self.cdll = ctypes.CDLL(path)
         self.missing = []
-        for name, restype, argtypes in FUNCTIONS:
+        self.testing_missing = []
+        for name, restype, argtypes in FUNCTIONS + TESTING_FUNCTIONS:
             try:
                 fn = getattr(self.cdll, name)
             except AttributeError:
-                # An older library: the binding stays usable for what it has;
-                # calling the missing function raises AttributeError by name.
-                self.missing.append(name)
+                # An older library (or, for TESTING_FUNCTIONS, the release
+                # build): the binding stays usable for what it has; calling
+                # the missing function raises AttributeError by name.
+                (self.testing_missing if name in _TESTING_NAMES else self.missing).append(name)
                 continue
             fn.argtypes = argtypes
             if restype is STATUS:
@@ -315,6 +386,11 @@ class _Lib:
             else:
                 fn.restype = restype
             setattr(self, name, fn)
+
+    @property
+    def has_testing(self):
+        """Whether this is the testing build (every include/epmem_testing.h function)."""
+        return not self.testing_missing
 
     def _check(self, result, func, args):
         if result != 0:

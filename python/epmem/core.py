@@ -226,10 +226,14 @@ class Device(Handle):
         _l().epm_memset_d8_async(self.handle, _dptr(dst), value, nbytes, stream.handle)
 
     def checksum_async(self, ptr, nbytes, stream, out_dev_ptr):
-        _l().epm_device_checksum_async(self.handle, _dptr(ptr), nbytes, stream.handle, _dptr(out_dev_ptr))
+        """Testing build only (epmem.testing.checksum_async); else TestingUnavailable."""
+        from . import testing
+        testing.checksum_async(self, ptr, nbytes, stream, out_dev_ptr)
 
     def spin_async(self, micros, stream):
-        _l().epm_device_spin_async(self.handle, micros, stream.handle)
+        """Testing build only (epmem.testing.spin_async); else TestingUnavailable."""
+        from . import testing
+        testing.spin_async(self, micros, stream)
 
     def stream(self):
         return Stream(self)
@@ -440,6 +444,18 @@ class Residency(Handle):
     def release(self, weight, stream):
         _l().epm_residency_release(self.handle, weight, stream.handle)
 
+    def acquire_host(self, weight):
+        """As `acquire`, but the calling thread waits for the page-in: anything
+        issued afterwards (a synchronous copy, any stream, a CPU kernel on the
+        host device) sees the weight's bytes. End with `release_host`."""
+        out = c_uint64()
+        _l().epm_residency_acquire_host(self.handle, weight, byref(out))
+        return out.value
+
+    def release_host(self, weight):
+        """End a use begun by `acquire_host`; the caller's reads have completed."""
+        _l().epm_residency_release_host(self.handle, weight)
+
     def synchronize(self):
         _l().epm_residency_synchronize(self.handle)
 
@@ -584,6 +600,10 @@ class KvArena(Handle):
         _l().epm_kv_request_cost(self.handle, byref(layout), prefix_tokens, max_tokens, byref(out))
         return L.to_dict(out)
 
+    def batch(self, layout, max_tokens, max_slots):
+        """A KvBatch of `max_slots` slots of up to `max_tokens` tokens of `layout`."""
+        return KvBatch(self, layout, max_tokens, max_slots)
+
 
 class KvSeq(Handle):
     destroy = "epm_kv_seq_destroy"
@@ -599,7 +619,10 @@ class KvSeq(Handle):
         return out
 
     def info(self):
-        return L.to_dict(self.info_struct())
+        s = self.info_struct()
+        d = L.to_dict(s)
+        d["layout"] = L.to_dict(s.layout)  # the name from before the fields were flat
+        return d
 
     def prepare_append(self, n_tokens, stream):
         _l().epm_kv_seq_prepare_append(self.handle, n_tokens, stream.handle)
@@ -612,6 +635,111 @@ class KvSeq(Handle):
         out = _out_handle()
         _l().epm_kv_prefix_pin(self.handle, n_tokens, stream.handle, byref(out))
         return KvPrefix(out.value, self.arena)
+
+
+class KvBatch(Handle):
+    """`epm_kv_batch_create`: `max_slots` sequences behind one base pointer
+    (docs/KV.md, "Batches"). Slots are KvSlot objects (KvSeq subclasses); the
+    whole range is always mapped (free slots and uncommitted granules read
+    zeros) and a slot's addresses never move while the batch lives.
+
+    close() is refused (InvalidState, the batch stays open) while a slot is
+    taken: release or close the slots first."""
+
+    destroy = "epm_kv_batch_destroy"
+    _what = "KvBatch"
+
+    def __init__(self, arena, layout, max_tokens, max_slots):
+        out = _out_handle()
+        _l().epm_kv_batch_create(arena.handle, byref(layout), max_tokens, max_slots, byref(out))
+        super().__init__(out.value, (arena,))
+        self.arena = arena
+        self.layout = L.new(L.EpmKvLayout, **{n: getattr(layout, n) for n, _ in L._LAYOUT_FIELDS})
+
+    def close(self):
+        # Unlike other handles, destroying a batch can be refused (slots
+        # taken) and the handle then stays valid: only mark it closed once
+        # the C call has succeeded.
+        if self._open:
+            self._destroy_fn(self._ptr)
+            self._open = False
+            self._ptr = None
+            self._parents = ()
+
+    def desc_struct(self):
+        """The EpmKvBatchDesc (base, slot_stride, strides, counts)."""
+        out = L.new(L.EpmKvBatchDesc)
+        _l().epm_kv_batch_get_desc(self.handle, byref(out))
+        return out
+
+    def desc(self):
+        return L.to_dict(self.desc_struct())
+
+    def take_slot(self, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_RESERVE):
+        """A new empty sequence in `slot` (default: the lowest free one). Never waits."""
+        out = _out_handle()
+        _l().epm_kv_batch_take_slot(self.handle, slot, admit, byref(out))
+        return KvSlot(out.value, self)
+
+    def take_shared_slot(self, prefix, n_tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT,
+                         admit=L.EPM_KV_ADMIT_RESERVE):
+        """A sequence whose first `n_tokens` map `prefix` (a KvPrefix) read-only;
+        the host first waits for `stream` (queued work may read the slot)."""
+        out = _out_handle()
+        _l().epm_kv_batch_take_shared_slot(self.handle, slot, prefix.handle, n_tokens, admit, stream.handle,
+                                           byref(out))
+        return KvSlot(out.value, self)
+
+    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_RESERVE):
+        """(KvSlot, shared_tokens): shares the longest live prefix of `tokens`
+        (skip the prefill of the first `shared_tokens`), else an empty slot."""
+        arr, n = _tokens(tokens)
+        out, shared = _out_handle(), c_uint64()
+        _l().epm_kv_batch_take_slot_for_tokens(self.handle, slot, arr, n, admit, stream.handle, byref(out),
+                                               byref(shared))
+        return KvSlot(out.value, self), shared.value
+
+    def release_slot(self, slot, stream):
+        """`slot.release(stream)`."""
+        if getattr(slot, "batch", None) is not self:
+            raise errors.InvalidArgument(1, "EPM_STATUS_INVALID_ARGUMENT", f"{slot!r} is not a slot of {self!r}")
+        slot.release(stream)
+
+
+class KvSlot(KvSeq):
+    """A slot of a KvBatch: a sequence (every KvSeq method applies) whose
+    reservation is the slot's window. release(stream) gives it back after
+    `stream`'s queued work; close() (or collection) releases it without that
+    wait (epm_kv_seq_destroy: nothing queued may still read it)."""
+
+    _what = "KvSlot"
+
+    def __init__(self, ptr, batch):
+        super().__init__(ptr, batch.arena)
+        self._parents = (batch.arena, batch)
+        self.batch = batch
+        self.slot = self.slot_info_struct().slot
+
+    def slot_info_struct(self):
+        out = L.new(L.EpmKvBatchSlotInfo)
+        _l().epm_kv_batch_slot_get_info(self.handle, byref(out))
+        return out
+
+    def slot_info(self):
+        return L.to_dict(self.slot_info_struct())
+
+    def release(self, stream):
+        """`epm_kv_batch_release_slot`: the host waits for `stream`, the slot
+        reads zeros again and this object is closed."""
+        _l().epm_kv_batch_release_slot(self.handle, stream.handle)
+        # The C handle is gone whether or not Python still references it.
+        self._open = False
+        self._ptr = None
+        self._parents = ()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"slot {self.slot}"
+        return f"<epmem.KvSlot {state}>"
 
 
 class KvPrefix(Handle):
@@ -692,7 +820,6 @@ def last_error_message():
 
 
 def checksum_host(data, nbytes=None):
-    p, keep = host_address(data)
-    r = _l().epm_checksum_host(p, buffer_nbytes(data) if nbytes is None else nbytes)
-    del keep
-    return r
+    """Testing build only (epmem.testing.checksum_host); else TestingUnavailable."""
+    from . import testing
+    return testing.checksum_host(data, nbytes)

@@ -51,4 +51,11 @@ def from_status(status, name, message, function=""):
     """The exception for `status` (a plain EpmError for a code this binding does not know)."""
     return BY_STATUS.get(status, EpmError)(status, name, message, function)
 
-__all__ = ["EpmError", "from_status"] + [c.__name__ for c in BY_STATUS.values()]
+
+
+class TestingUnavailable(RuntimeError):
+    """A function of include/epmem_testing.h was called, and the loaded
+    library is the release build, which does not export it."""
+
+
+__all__ = ["EpmError", "TestingUnavailable", "from_status"] + [c.__name__ for c in BY_STATUS.values()]

@@ -19,7 +19,8 @@ after the work queued so far on that stream has completed. torch's legacy
 default stream (handle 0) cannot be adopted, so on it epmem acquires on a
 private stream that the default stream then waits for (two event
 record/waits per block). On the host device (EPM_DEVICE=host, CPU tensors)
-the host waits for the page-ins, since CPU kernels run synchronously.
+the host waits for the page-ins (acquire_host), since CPU kernels run
+synchronously.
 See docs/PYTHON.md.
 """
 
@@ -153,6 +154,30 @@ def kv_seq_tensor(seq, dtype, tokens=None):
         raise ValueError("layout strides are not multiples of the element size")
     shape = (n, lay.layers, 2, lay.kv_heads, lay.head_dim)
     return as_tensor(info.base, shape, dtype, seq.arena.device, owner=seq,
+                     strides=[s // itemsize for s in strides])
+
+
+def kv_batch_tensor(batch, dtype):
+    """The whole range of a KvBatch as one tensor, no copy:
+    [max_slots, max_tokens, layers, 2 (K, V), kv_heads, head_dim], strides from
+    its EpmKvBatchDesc (`view[s]` is slot s, at `base + s * slot_stride`).
+
+    The view never moves: slots joining, leaving or appending change what it
+    reads (free slots and uncommitted granules read zeros; tokens past a
+    slot's `len_tokens` are unspecified: mask by length), never its address,
+    so a CUDA graph captured over it stays valid while the batch lives. On CUDA
+    it is a CUDA tensor (bfloat16 through an int16 view); on the host device a
+    CPU tensor. Write only tokens `prepare_append` made writable. The tensor
+    keeps the batch object alive; do not close() the batch while it is used."""
+    d = batch.desc_struct()
+    itemsize = _itemsize(dtype)
+    if itemsize != d.elem_bytes:
+        raise ValueError(f"dtype {dtype} has {itemsize} bytes per element; the batch has {d.elem_bytes}")
+    strides = [d.slot_stride, d.token_stride, d.layer_stride, d.kv_stride, d.head_stride, d.elem_bytes]
+    if any(s % itemsize for s in strides):
+        raise ValueError("batch strides are not multiples of the element size")
+    shape = (d.max_slots, d.max_tokens, d.layers, 2, d.kv_heads, d.head_dim)
+    return as_tensor(d.base, shape, dtype, batch.arena.device, owner=batch,
                      strides=[s // itemsize for s in strides])
 
 
@@ -490,15 +515,22 @@ class _State:
                                    "torch.inference_mode(), or call requires_grad_(False)")
             stream, bridged = self._stream(unit)
             self.counters["hook_calls"] += 1
+            # On the host device the block's CPU kernels run now, on this
+            # thread: the host must wait for each page-in (acquire_host),
+            # where on CUDA only the stream waits, on the device.
+            host = not self.dev.is_cuda
             try:
                 for w in unit.weights:
-                    ptr = self.res.acquire(w.id, stream)
+                    ptr = self.res.acquire_host(w.id) if host else self.res.acquire(w.id, stream)
                     unit.acquired.append(w)
                     w.param.data = self._device_tensor(ptr, w)
             except BaseException as e:
                 for w in unit.acquired:
                     w.param.data = w.host
-                    self.res.release(w.id, stream)
+                    if host:
+                        self.res.release_host(w.id)
+                    else:
+                        self.res.release(w.id, stream)
                 unit.acquired = []
                 if isinstance(e, errors.AllInUse):
                     raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
@@ -508,8 +540,6 @@ class _State:
             if bridged:
                 self.counters["bridged_calls"] += 1
                 torch.cuda.current_stream(self.tdev).wait_stream(self.private_torch)
-            elif not self.dev.is_cuda:
-                stream.synchronize()  # CPU kernels run now, on this thread
         return hook
 
     def _post_hook(self, unit):
@@ -526,7 +556,10 @@ class _State:
             for w in unit.acquired:
                 w.param.data = w.host
                 try:
-                    self.res.release(w.id, stream)
+                    if self.dev.is_cuda:
+                        self.res.release(w.id, stream)
+                    else:
+                        self.res.release_host(w.id)  # the CPU kernels have returned
                 except errors.EpmError as e:
                     err = err or e
             unit.acquired = []

@@ -17,18 +17,20 @@ from epmem import _lib as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEADER = os.path.join(ROOT, "include", "epmem.h")
+TESTING_HEADER = os.path.join(ROOT, "include", "epmem_testing.h")
 CC = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 MiB = 1 << 20
+TESTING = epmem.testing.available()
 
 
-def header_text():
-    with open(HEADER) as f:
+def header_text(path=HEADER):
+    with open(path) as f:
         return f.read()
 
 
-def header_functions():
+def header_functions(path=HEADER):
     """Names of every epm_* function the header declares (comments stripped)."""
-    text = re.sub(r"/\*.*?\*/", "", header_text(), flags=re.S)
+    text = re.sub(r"/\*.*?\*/", "", header_text(path), flags=re.S)
     text = re.sub(r"//[^\n]*", "", text)
     return set(re.findall(r"\b(epm_\w+)\s*\(", text)) - set(re.findall(r"#define\s+(epm_\w+)", text))
 
@@ -40,6 +42,17 @@ class HeaderAgreement(unittest.TestCase):
         self.assertGreater(len(declared), 50, "the header parse found too few functions")
         self.assertEqual(sorted(declared - bound), [], "functions in include/epmem.h with no line in _lib.FUNCTIONS")
         self.assertEqual(sorted(bound - declared), [], "bindings of functions the header does not declare")
+
+    def test_every_testing_header_function_has_an_optional_binding(self):
+        declared = header_functions(TESTING_HEADER)
+        bound = {name for name, _, _ in L.TESTING_FUNCTIONS}
+        self.assertGreaterEqual(len(declared), 5, "the testing header parse found too few functions")
+        self.assertEqual(sorted(declared - bound), [],
+                         "functions in include/epmem_testing.h with no line in _lib.TESTING_FUNCTIONS")
+        self.assertEqual(sorted(bound - declared), [], "testing bindings the testing header does not declare")
+        self.assertEqual(bound & {n for n, _, _ in L.FUNCTIONS}, set(), "a function bound as both")
+        # Its only struct is the opaque EpmGate: no layout to check.
+        self.assertEqual(re.findall(r"typedef struct (Epm\w+) \{", header_text(TESTING_HEADER)), [])
 
     def test_every_header_struct_is_declared(self):
         text = header_text()
@@ -61,6 +74,8 @@ class HeaderAgreement(unittest.TestCase):
 
     def test_the_loaded_library_exports_every_binding(self):
         self.assertEqual(epmem.lib().missing, [])
+        # The testing functions come all together (testing build) or not at all.
+        self.assertIn(sorted(epmem.lib().testing_missing), ([], sorted(n for n, _, _ in L.TESTING_FUNCTIONS)))
 
     def test_versions_agree(self):
         self.assertEqual(epmem.version(), L.EPM_VERSION)
@@ -140,6 +155,14 @@ class Errors(unittest.TestCase):
         with self.assertRaises(epmem.InvalidConfig):
             epmem.Device("gpu-of-the-future")
 
+    def test_read_only_host_buffers_are_refused(self):
+        ro = memoryview(b"abcd" * 1024).toreadonly()
+        with self.assertRaises(TypeError):
+            epmem.core.host_address(ro)
+        with self.assertRaises(TypeError):
+            epmem.Residency(self.dev, MiB).register_weight(ro, 4096)
+
+    @unittest.skipUnless(TESTING, "needs the testing library (EPMEM_LIB=.../libepmem_testing.so)")
     def test_host_buffers(self):
         ro = memoryview(b"abcd" * 1024).toreadonly()
         with self.assertRaises(TypeError):
@@ -193,6 +216,7 @@ class Objects(unittest.TestCase):
         free, total = self.dev.mem_info()
         self.assertTrue(0 < free <= total)
 
+    @unittest.skipUnless(TESTING, "needs the testing library (EPMEM_LIB=.../libepmem_testing.so)")
     def test_copies_round_trip_and_checksum_agrees(self):
         data = bytes(range(256)) * 1024
         with self.dev.alloc(len(data)) as mem, self.dev.stream() as s:
@@ -214,13 +238,18 @@ class Objects(unittest.TestCase):
     def test_events_time_and_order_streams(self):
         with self.dev.stream() as a, self.dev.stream() as b:
             t0, t1 = self.dev.event(timing=True), self.dev.event(timing=True)
+            mem = self.dev.alloc(64 * MiB)
             t0.record(a)
-            self.dev.spin_async(2000, a)
+            if TESTING:
+                self.dev.spin_async(2000, a)
+            else:
+                self.dev.memset_d8_async(mem, 1, 64 * MiB, a)
             t1.record(a)
             b.wait_event(t1)
             b.synchronize()
             self.assertTrue(t1.query())
-            self.assertGreater(t0.elapsed_ms(t1), 0.5)
+            self.assertGreater(t0.elapsed_ms(t1), 0.5 if TESTING else 0.0)
+            mem.close()
 
     def test_arena_alloc_free_stats(self):
         with epmem.Arena.create_device(self.dev, 64 * MiB) as a:
@@ -257,6 +286,24 @@ class Objects(unittest.TestCase):
             with self.assertRaises(epmem.InvalidState):
                 r.release(ids[0], s)
             r.unregister_weight(ids[0])
+
+    def test_residency_acquire_host_reads_back_without_a_stream_sync(self):
+        weights = [bytes([i + 1]) * (MiB // 2) for i in range(6)]
+        with epmem.Residency(self.dev, 2 * MiB, coalesce_below_bytes=0) as r:
+            ids = [r.register_weight(w, len(w)) for w in weights]
+            for _step in range(2):
+                for i, w in zip(ids, weights):
+                    p = r.acquire_host(i)
+                    out = bytearray(len(w))
+                    self.dev.memcpy_dtoh(out, p)  # synchronous: the page-in has completed
+                    self.assertEqual(bytes(out), w)
+                    r.release_host(i)
+            self.assertEqual(r.stats()["acquires"], 12)
+            self.assertLessEqual(r.stats()["peak_resident_bytes"], 2 * MiB)
+            with self.assertRaises(epmem.InvalidState):
+                r.release_host(ids[0])
+            with self.assertRaises(epmem.InvalidArgument):
+                r.acquire_host(12345)
 
     def test_residency_host_range_and_prefetch(self):
         buf = mmap.mmap(-1, 4 * MiB)
@@ -313,7 +360,9 @@ class Objects(unittest.TestCase):
             seq.prepare_append(100, s)
             info = seq.info()
             self.assertEqual(info["len_tokens"], 100)
-            self.assertEqual(info["layout"]["head_dim"], 64)
+            self.assertEqual(info["head_dim"], 64)
+            self.assertEqual(info["layout"]["head_dim"], 64)  # the pre-flat name still works
+            self.assertEqual(info["token_stride"], layout.token_stride)
             pre = seq.pin(64, s)
             self.assertTrue(pre.info()["pinned"])
             self.assertEqual(arena.find_prefix(layout, toks), 64)
@@ -364,7 +413,7 @@ class Objects(unittest.TestCase):
         got = []
         epmem.set_log_callback(lambda level, msg: got.append((level, msg)), epmem.EPM_LOG_LEVEL_TRACE)
         try:
-            epmem.Device().close()  # opening logs at info/debug level
+            epmem.Device("auto").close()  # "auto" logs its choice at info level
         finally:
             epmem.set_log_callback(None, epmem.EPM_LOG_LEVEL_WARN)
         self.assertTrue(got, "no log record reached the callback")
@@ -415,3 +464,48 @@ class Objects(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestingLibrary(unittest.TestCase):
+    """include/epmem_testing.h through epmem.testing: usable with the testing
+    build, a clear TestingUnavailable with the release one."""
+
+    def setUp(self):
+        self.dev = epmem.Device()
+
+    def tearDown(self):
+        self.dev.close()
+
+    @unittest.skipIf(TESTING, "the loaded library is the testing build")
+    def test_release_library_refuses_with_a_clear_error(self):
+        with self.dev.stream() as s:
+            for call in (lambda: epmem.checksum_host(b"abcd"), lambda: epmem.testing.checksum_host(b"abcd"),
+                         lambda: self.dev.spin_async(10, s), lambda: epmem.testing.hold_async(self.dev, s)):
+                with self.assertRaises(epmem.TestingUnavailable) as cm:
+                    call()
+                self.assertIn("build-testing", str(cm.exception))
+                self.assertIn("epm_checksum_host", str(cm.exception))
+        self.assertFalse(hasattr(epmem.lib(), "epm_gate_open"))
+
+    @unittest.skipUnless(TESTING, "needs the testing library (EPMEM_LIB=.../libepmem_testing.so)")
+    def test_gate_holds_a_stream_until_opened(self):
+        with self.dev.stream() as s:
+            gate = epmem.testing.hold_async(self.dev, s)
+            ev = self.dev.event()
+            ev.record(s)
+            self.assertFalse(ev.query())
+            gate.open()
+            ev.synchronize()
+            self.assertTrue(ev.query())
+            gate.close()
+
+    @unittest.skipUnless(TESTING, "needs the testing library (EPMEM_LIB=.../libepmem_testing.so)")
+    def test_panic_poisons_the_handle(self):
+        d = epmem.Device()
+        with self.assertRaises(epmem.Panic):
+            epmem.testing.panic_device(d)
+        with self.assertRaises(epmem.InvalidState) as cm:
+            d.synchronize()
+        self.assertIn("poisoned", cm.exception.message)
+        d.close()  # destroy still works on a poisoned handle
+        self.dev.synchronize()  # other handles are unaffected
