@@ -8,7 +8,11 @@ Every comparison is with transformers' own DynamicCache run on the same schedule
 (the system prompt prefilled in one forward, then the request's own prompt, then
 one token per forward): the caches differ, the arithmetic does not."""
 
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import unittest
 
 try:
@@ -18,6 +22,8 @@ except ImportError:
     torch = None
 
 import epmem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if torch is not None:
     import epmem.kvcache as ek
@@ -279,6 +285,37 @@ class KvCacheLlama(unittest.TestCase):
         c.close()                                     # a second close is a no-op
         with self.assertRaises(ek.RequestClosed):
             ek.forward(self.model, c, [1, 2])
+
+
+@unittest.skipIf(torch is None, "transformers (or torch) is not installed")
+class BenchSmoke(unittest.TestCase):
+    def test_bench_kvcache_quick(self):
+        """scripts/bench_kvcache.py --quick: identical tokens in every row, sharing owns
+        less than private copies, capacity measured equals epm_kv_admissible."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "bench.json")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_kvcache.py"), "--quick",
+                                "--json", out], capture_output=True, text=True, env=env, timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            with open(out) as f:
+                res = json.load(f)
+        self.assertIn("tokens identical in every row", p.stdout)
+        dyn, shared, private = res["rows"]
+        self.assertEqual([r["method"] for r in res["rows"]], ["dynamic", "epmem shared", "epmem private"])
+        self.assertTrue(all(r["tokens_identical"] for r in res["rows"]))
+        self.assertEqual(len(dyn["tokens"]), res["requests"])
+        self.assertEqual(sorted(set(shared["modes"])), ["content-hash", "explicit"])
+        G = shared["granule_bytes"]
+        # One prefix copy plus one boundary copy per request, against N full copies.
+        self.assertEqual(shared["owned_bytes"], (shared["prefix_granules"] + res["requests"]) * G)
+        self.assertEqual(shared["cow_granules"], res["requests"])
+        self.assertGreater(private["owned_bytes"], shared["owned_bytes"])
+        cap = res["capacity"]
+        for k in ("shared", "private"):
+            self.assertEqual(cap[k]["admitted"], cap[k]["admissible"], k)
+            self.assertIn("budget", cap[k]["refusal"].lower())
+        self.assertGreater(cap["shared"]["admitted"], cap["private"]["admitted"])
 
 
 if __name__ == "__main__":
