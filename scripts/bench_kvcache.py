@@ -250,6 +250,9 @@ def main():
     n_tok = sh["requests"] * steps
     for r in rows:
         r["tokens_identical"] = r["tokens"] == ref
+        # Per request: the first step whose token differs from DynamicCache's (None: none).
+        r["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(t, u)) if a != b), None)
+                                 for t, u in zip(r["tokens"], ref)]
         r["decode_tok_s"] = n_tok / r["decode_s"] if r["decode_s"] > 0 else None
         r["decode_ratio_to_dynamic"] = rows[0]["decode_s"] / r["decode_s"] if r["decode_s"] > 0 else None
     cap = capacity(sh, model.config, len(sysp) + sh["own"] + steps + 1, len(sysp))
@@ -289,7 +292,9 @@ def main():
         once = f" + prefix {c['prefix_bytes'] / MiB:.0f} MiB once" if k == "shared" else ""
         print(f"| {k} | {c['admitted']} | {c['admissible']} | {per / MiB:.0f} MiB{once} |")
     print()
-    print("tokens identical in every row" if res["tokens_identical"] else "TOKENS DIFFER")
+    print("tokens identical in every row" if res["tokens_identical"] else
+          "TOKENS DIFFER: " + "; ".join(f"{r['method']} first differs at steps {r['first_divergence']}"
+                                        for r in rows if not r["tokens_identical"]))
     print(f"capacity {'matches' if res['capacity_matches_admissible'] else 'DIFFERS FROM'} epm_kv_admissible: "
           f"{cap['shared']['admitted']} with sharing vs {cap['private']['admitted']} without "
           f"({cap['shared']['admitted'] / max(cap['private']['admitted'], 1):.2f}x)")

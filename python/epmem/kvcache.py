@@ -208,6 +208,9 @@ class KvStore:
         if n > prefix.n_tokens:
             raise PrefixMismatch(f"{n} shared tokens asked for; the prefix holds {prefix.n_tokens}")
         if tokens is not None:
+            if prefix.tokens is None:
+                raise PrefixMismatch("this prefix was pinned without its token ids (pin(..., tokens=)): "
+                                     "the prompt cannot be checked against it")
             tokens = _token_list(tokens)
             n = min(n, len(tokens))
             for i in range(n):
