@@ -274,6 +274,61 @@ class KvCacheLlama(unittest.TestCase):
         self.assertEqual(fresh.shared_tokens, 0)
         fresh.close()
 
+    def test_views_alias_the_sequence_and_hold_dynamiccache_bytes(self):
+        """No copy: each layer's keys/values are views at the sequence's own addresses,
+        and the bytes there are exactly what DynamicCache holds."""
+        pre = self.store.prefill_shared(self.model, self.sys)
+        c = self.store.request_for_tokens(self.prompts[0])
+        ek.greedy(self.model, c, self.prompts[0][SYS_TOKENS:], 3)
+        dc = DynamicCache(config=self.model.config)
+        ek.forward(self.model, dc, self.sys)
+        ek.greedy(self.model, dc, self.prompts[0][SYS_TOKENS:], 3)
+        i = c.info()
+        n = c.get_seq_length()
+        self.assertEqual(n, dc.get_seq_length())
+        self.assertEqual(i["len_tokens"], n)
+        esz = i["elem_bytes"]
+        for l, (lay, ref) in enumerate(zip(c.layers, dc.layers)):
+            k, v = lay.keys, lay.values
+            self.assertEqual(k.data_ptr(), i["base"] + l * i["layer_stride"])
+            self.assertEqual(v.data_ptr(), i["base"] + l * i["layer_stride"] + i["kv_stride"])
+            self.assertEqual(k.stride(2) * esz, i["token_stride"])
+            self.assertEqual(k.stride(1) * esz, i["head_stride"])
+            self.assertTrue(torch.equal(k, ref.keys), l)
+            self.assertTrue(torch.equal(v, ref.values), l)
+        c.close()
+        pre.origin.close()
+        pre.unpin()
+
+    def test_eager_attention_reads_the_views_too(self):
+        self.model.set_attn_implementation("eager")
+        try:
+            ref = reference(self.model, self.sys, self.prompts[1])
+            pre = self.store.prefill_shared(self.model, self.sys)
+            c = self.store.request_from_prefix(pre, tokens=self.prompts[1])
+            self.assertEqual(ek.greedy(self.model, c, self.prompts[1][SYS_TOKENS:], STEPS), ref)
+            c.close()
+            pre.origin.close()
+            pre.unpin()
+        finally:
+            self.model.set_attn_implementation("sdpa")
+
+    @unittest.skipIf(os.environ.get("EPM_DEVICE") != "cuda", "a torch CUDA stream: CUDA only")
+    def test_on_a_non_default_torch_stream(self):
+        """prepare_append on an adopted torch stream (the default stream is bridged)."""
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            pre = self.store.prefill_shared(self.model, self.sys)
+            caches = [self.store.request_from_prefix(pre, tokens=p) for p in self.prompts]
+            decodes = [ek.Decode(self.model, c, p[SYS_TOKENS:]) for c, p in zip(caches, self.prompts)]
+            run_interleaved(decodes)
+        self.assertEqual([d.tokens for d in decodes], self.ref)
+        self.assertGreaterEqual(len(self.store.streams.wrapped), 1)
+        for c in caches:
+            c.close()
+        pre.origin.close()
+        pre.unpin()
+
     def test_misuse(self):
         c = self.store.request()
         with self.assertRaises(ek.KvCacheError), torch.no_grad():   # batch 2 in a one-request cache
