@@ -231,7 +231,9 @@ def main():
     if not is_cuda and not args.quick:
         sys.exit("bench_kvcache: no CUDA device (EPM_DEVICE=host): only --quick runs on the host device")
     if is_cuda and sh["dtype"] == torch.float32:
+        # --quick on CUDA: bf16 as on a GPU, twice the KV heads to keep 16 KiB/token.
         sh["dtype"] = torch.bfloat16
+        sh["cfg"]["num_key_value_heads"] *= 2
     dev = torch.device("cuda", 0) if is_cuda else torch.device("cpu")
     model = make_model(sh, dev)
     g = torch.Generator().manual_seed(99)
