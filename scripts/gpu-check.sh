@@ -135,6 +135,11 @@ if [ $BENCH = 1 ]; then
   # The end-to-end PyTorch benchmark (docs/PYTHON.md): JSON, table and PNG in $OUT.
   [ -f scripts/bench_torch.py ] && step bench_torch 'tokens identical|TOKENS DIFFER' \
     env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" python3 scripts/bench_torch.py --json "$OUT/bench_torch.json"
+  # Prefix sharing inside a transformers Llama (docs/KV.md, worked example): 8 requests
+  # sharing a 1,040-token system prompt; tokens vs DynamicCache, bytes, capacity, tok/s.
+  [ -f scripts/bench_kvcache.py ] && step bench_kvcache 'tokens identical|TOKENS DIFFER' \
+    env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 scripts/bench_kvcache.py --json "$OUT/bench_kvcache.json"
 fi
 
 # One archive of the logs: only a few files come back from a GPU machine.

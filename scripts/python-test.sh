@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python package's tests (tests/python/) against the built wheel, installed.
 #
-#   scripts/python-test.sh               # CI: venv .venv/torch (torch + numpy from PyPI, kept
+#   scripts/python-test.sh               # CI: venv .venv/torch (torch, numpy, transformers from PyPI, kept
 #                                        # across runs), `make wheel`, install it, run the tests
 #   scripts/python-test.sh --no-install  # GPU machine: python3 as it is (its torch); the wheel
 #                                        # is built from .carry/lib/libepmem.so (no Rust there)
@@ -39,6 +39,14 @@ if [ $INSTALL = 1 ]; then
     "$venv/bin/python" -m pip install -q --disable-pip-version-check torch numpy ||
       { echo "python-test: pip could not install torch" >&2; exit 2; }
     echo "python-test: torch installed in $((SECONDS - t0)) s"
+  fi
+  # transformers, the GPU machine's version, for tests/python/test_kvcache.py and
+  # test_transformers.py (tiny Llama models from a config): pure Python, ~15 MB of
+  # wheels with its deps (tokenizers, safetensors, huggingface_hub), ~160 MB installed.
+  if ! "$venv/bin/python" -c 'import transformers' 2>/dev/null; then
+    echo "python-test: installing transformers 5.17.0 from PyPI into $venv (once)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "transformers==5.17.0" ||
+      { echo "python-test: pip could not install transformers" >&2; exit 2; }
   fi
   PY=$venv/bin/python
 fi
