@@ -25,7 +25,6 @@ addresses, so a batched forward over several of them would need a copy.
 See docs/KV.md ("Worked example: a transformers model on epmem sequences").
 """
 
-import ctypes
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -63,36 +62,9 @@ def model_kv_shape(config):
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-class _SeqInfo(ctypes.Structure):
-    """EpmKvSeqInfo as include/epmem.h declares it (the layout's fields flat, not an
-    embedded EpmKvLayout). Declared here, over a private function pointer, because
-    the binding's declaration in _lib.py predates the flattening (being updated on
-    another branch); this module must not depend on which one it gets."""
-
-    _fields_ = [("size", ctypes.c_size_t), ("layers", ctypes.c_uint32), ("kv_heads", ctypes.c_uint32),
-                ("head_dim", ctypes.c_uint32), ("elem_bytes", ctypes.c_uint32)] + [
-        (n, ctypes.c_uint64) for n in ("token_stride", "layer_stride", "kv_stride", "head_stride", "base",
-                                       "max_tokens", "len_tokens", "reserved_bytes", "shared_granules",
-                                       "private_granules", "promised_granules")]
-
-
-_get_info_fn = None
-
-
 def seq_info(seq):
     """epm_kv_seq_get_info of a core.KvSeq as a dict (the header's flat EpmKvSeqInfo)."""
-    global _get_info_fn
-    if _get_info_fn is None:
-        lib = L.lib()
-        fn = lib.cdll["epm_kv_seq_get_info"]  # a new function pointer: the binding's keeps its argtypes
-        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SeqInfo)]
-        fn.restype = ctypes.c_int
-        fn.errcheck = lib._check
-        _get_info_fn = fn
-    out = _SeqInfo()
-    out.size = ctypes.sizeof(_SeqInfo)
-    _get_info_fn(seq.handle, ctypes.byref(out))
-    return {n: getattr(out, n) for n, _ in _SeqInfo._fields_ if n != "size"}
+    return seq.info()
 
 
 def seq_tensor(seq, dtype, device, tokens=None):
