@@ -7,7 +7,10 @@
 //! loaded 2-core CI machine does not promise. A gate orders the check before
 //! the work by an event the test controls, so such a test cannot pass or
 //! fail by timing. On the host device the hold is a queued op; on CUDA a
-//! host function (`cuLaunchHostFunc`) that blocks the stream until opened.
+//! stream memory wait (`cuStreamWaitValue32`) on a flag in mapped pinned
+//! memory that opening sets. (A host function that blocked the stream,
+//! the first design, also blocked `cuEventQuery`/`cuEventElapsedTime` on the
+//! H200's driver, so a test could not observe "pending" without hanging.)
 //!
 //! Dropping a [`Gate`] opens it, so a test that fails (panics) between hold
 //! and open never leaves a stream blocked forever.
@@ -16,36 +19,87 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// A 4-byte flag a device waits on (CUDA: `cuStreamWaitValue32` on mapped
+/// pinned memory), set to 1 when the gate opens. The device that made it
+/// owns the memory and frees it only once the gate is open and the wait
+/// has completed; see [`GateShared::attach`].
+#[derive(Debug)]
+pub(crate) struct DeviceFlag(*mut u32);
+
+// SAFETY: the pointer is only written (a volatile store) under the gate's
+// lock, to memory its device keeps alive while the gate is closed.
+unsafe impl Send for DeviceFlag {}
+
+#[derive(Debug, Default)]
+struct State {
+    open: bool,
+    flags: Vec<DeviceFlag>,
+}
+
 /// The shared state a held stream waits on.
 #[derive(Debug, Default)]
 pub(crate) struct GateShared {
-    open: Mutex<bool>,
+    state: Mutex<State>,
     cv: Condvar,
 }
 
 impl GateShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
     /// Block the calling (stream) thread until the gate opens.
     pub(crate) fn wait(&self) {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        while !*open {
-            open = self.cv.wait(open).unwrap_or_else(|p| p.into_inner());
+        let mut st = self.lock();
+        while !st.open {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+    }
+    /// Whether the gate is open. Once true, no flag attached to it is
+    /// written again (the store happens once, under the same lock), so its
+    /// device may free the flag's memory after the device-side wait passed.
+    pub(crate) fn is_open(&self) -> bool {
+        self.lock().open
+    }
+    /// Have `flag` set to 1 when the gate opens. `false` (and the flag is not
+    /// kept) if the gate is already open: then there is nothing to wait for.
+    ///
+    /// # Safety
+    /// `flag` points at a 4-byte, 4-aligned word that stays valid until
+    /// [`is_open`](Self::is_open) returns true (the device keeps it until then
+    /// and opens the gate itself before freeing it at teardown).
+    pub(crate) unsafe fn attach(&self, flag: *mut u32) -> bool {
+        let mut st = self.lock();
+        if st.open {
+            return false;
+        }
+        st.flags.push(DeviceFlag(flag));
+        true
     }
     /// Wait up to `limit` for the gate to open; whether it did.
     fn wait_for(&self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        while !*open {
+        let mut st = self.lock();
+        while !st.open {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            open = self.cv.wait_timeout(open, left).unwrap_or_else(|p| p.into_inner()).0;
+            st = self.cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
         }
         true
     }
-    fn set_open(&self) {
-        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
+    pub(crate) fn set_open(&self) {
+        let mut st = self.lock();
+        if !st.open {
+            st.open = true;
+            for f in std::mem::take(&mut st.flags) {
+                // SAFETY: `attach`'s contract: the word is valid and aligned
+                // while the gate is closed, and it is closed until this store
+                // (made once, under the lock). Atomic: the device polls it.
+                unsafe { std::sync::atomic::AtomicU32::from_ptr(f.0) }.store(1, Ordering::SeqCst);
+            }
+        }
+        drop(st);
         self.cv.notify_all();
     }
 }

@@ -126,13 +126,15 @@ impl_handle!(EpmGate => crate::device::Gate, tag = 0x04);
 /// Hold `stream`: work queued on it after this call runs only once the gate
 /// returned in `*out` is opened (`epm_gate_open`) or destroyed. For tests
 /// that must check something before queued work runs, ordered by an event
-/// they control instead of a spin of N ms; on CUDA the hold is a host
-/// function (cuLaunchHostFunc) that blocks the stream until opened.
+/// they control instead of a spin of N ms; on CUDA the hold is a stream
+/// memory wait (cuStreamWaitValue32) on a flag opening sets, so queries and
+/// elapsed times on the held stream never block the host.
 ///
 /// Ownership: `*out` is a new handle the caller destroys with
 /// `epm_gate_destroy`, which opens the gate first: a stream is never held
 /// past its gate's handle. NULL: `dev`/`stream` are INVALID_HANDLE, `out` is
-/// NULL_POINTER. Errors: INVALID_ARGUMENT for a stream of another device.
+/// NULL_POINTER. Errors: INVALID_ARGUMENT for a stream of another device;
+/// UNSUPPORTED where the CUDA driver or GPU has no stream memory waits.
 /// Threading: safe from any thread; the gate may be opened from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_device_hold_async(dev: *mut EpmDevice, stream: *mut EpmStream, out: *mut *mut EpmGate) -> EpmStatus {

@@ -65,7 +65,6 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuModuleGetFunction",
     "cuModuleUnload",
     "cuLaunchKernel",
-    "cuLaunchHostFunc",
     "cuMemGetAllocationGranularity",
     "cuMemCreate",
     "cuMemRelease",

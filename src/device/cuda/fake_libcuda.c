@@ -5,11 +5,12 @@
 // tests fail. Device memory is host memory (so device pointers are host
 // pointers), VMM is memfd + mmap + mprotect, copies and the checksum kernel
 // run synchronously, and the spin kernel advances a per-stream "busy until"
-// clock that events, queries and synchronizes honour. A host function
-// (cuLaunchHostFunc, the gate of Device::hold_async) runs on its own thread
-// and holds its stream: events recorded behind it stay NOT_READY, and waits
-// on them block, until it returns. (Copies still run at enqueue: the fake
-// orders completion, not data.)
+// clock that events, queries and synchronizes honour. A stream memory wait
+// (cuStreamWaitValue32_v2, the gate of Device::hold_async) holds its stream:
+// events recorded behind it stay NOT_READY, and waits on them block, until
+// the word it watches reaches the value; freeing that word while a wait on
+// it is unsatisfied is reported as a violation. (Copies still run at
+// enqueue: the fake orders completion, not data.)
 //
 // Built and used by the test `fake_driver_runs_the_gpu_tests` (tests.rs).
 // It proves the plumbing (symbols, argument order, layouts, kernel
@@ -27,8 +28,10 @@
 typedef int CUresult;
 typedef int CUdevice;
 typedef void* CUcontext;
-typedef void (*HostFn)(void *);
-typedef struct { HostFn fn; void *data; int done; } Hold;
+// A wait queued on a stream: on `addr` reaching `value`, or (addr NULL) a
+// join, for cuStreamWaitEvent. It passes only after the waits queued before
+// it (`prev`), as a GPU's stream order has it.
+typedef struct Hold { const uint32_t *addr; uint32_t value; int done; struct Hold *prev[2], *next; } Hold;
 typedef struct { uint64_t busy_until; Hold *hold; } Stream;
 typedef struct { uint64_t at; int flags; int recorded; Hold *hold; } Event;
 typedef void* CUmodule;
@@ -68,8 +71,19 @@ CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
 CUresult cuCtxSetCurrent(CUcontext c) { if (c && c != &CTX_OBJ) BAD("set foreign ctx"); current = c; return 0; }
 CUresult cuCtxSynchronize(void) { NEED_CTX(); return 0; }
 CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { NEED_CTX(); *f = 70ull << 30; *t = 80ull << 30; return 0; }
-CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { NEED_CTX(); if (flags) BAD("host alloc flags %u", flags); *p = malloc(n); return 0; }
-CUresult cuMemFreeHost(void *p) { NEED_CTX(); free(p); return 0; }
+static Hold *holds; // every wait ever queued (never freed: a test process makes a handful)
+static pthread_mutex_t holds_mu = PTHREAD_MUTEX_INITIALIZER;
+static int satisfied(const Hold *h) { return (int32_t)(__atomic_load_n(h->addr, __ATOMIC_ACQUIRE) - h->value) >= 0; } // GEQ is cyclic
+// 2 = CU_MEMHOSTALLOC_DEVICEMAP, the gate's flag; 0 for the staging pool.
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { NEED_CTX(); if (flags & ~2u) BAD("host alloc flags %u", flags); *p = aligned_alloc(4096, (n + 4095) & ~4095ul); return *p ? 0 : 2; }
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned flags) { NEED_CTX(); if (flags || !p) BAD("host device pointer"); *d = (CUdeviceptr)p; return 0; }
+static Hold *pending(Hold *h);
+CUresult cuMemFreeHost(void *p) {
+  NEED_CTX();
+  for (Hold *h = holds; h; h = h->next) // only prepended to: safe to walk unlocked
+    if ((const void *)h->addr == p && pending(h)) BAD("cuMemFreeHost of a word a stream still waits on (the wait has not passed)");
+  free(p); return 0;
+}
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) { NEED_CTX(); if (!p || !n || (flags & ~8u)) BAD("register"); return 0; }
 CUresult cuMemHostUnregister(void *p) { NEED_CTX(); return p ? 0 : 1; }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); void *m = aligned_alloc(256, (n + 255) & ~255ul); *p = (CUdeviceptr)m; return m ? 0 : 2; }
@@ -82,25 +96,39 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, Stream *st) {
 CUresult cuStreamCreate(Stream **s, unsigned f) { NEED_CTX(); if (f != 1) BAD("stream flags %u", f); *s = calloc(1, sizeof(Stream)); return 0; }
 CUresult cuStreamDestroy_v2(Stream *s) { NEED_CTX(); free(s); return 0; }
 static void wait_until(uint64_t t) { while (now_ns() < t) usleep(100); }
-// A hold that has not returned yet (NULL if none or done). Holds are never
-// freed: a test process makes a handful.
-static Hold *pending(Hold *h) { return h && !__atomic_load_n(&h->done, __ATOMIC_ACQUIRE) ? h : NULL; }
+// A wait that has not passed yet (NULL if none or passed); once passed it
+// stays passed, as on a GPU (the word may change later).
+static Hold *pending(Hold *h) {
+  if (!h) return NULL;
+  if (__atomic_load_n(&h->done, __ATOMIC_ACQUIRE)) return NULL;
+  if (pending(h->prev[0]) || pending(h->prev[1])) return h;
+  if (h->addr && !satisfied(h)) return h;
+  __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE);
+  return NULL;
+}
 static void wait_hold(Hold *h) { while (pending(h)) usleep(100); }
-static void *run_hold(void *p) { Hold *h = p; h->fn(h->data); __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE); return NULL; }
-CUresult cuLaunchHostFunc(Stream *s, HostFn fn, void *data) {
+static Hold *new_hold(const uint32_t *addr, uint32_t value, Hold *a, Hold *b) {
+  Hold *h = calloc(1, sizeof(Hold));
+  if (!h) return NULL;
+  h->addr = addr; h->value = value; h->prev[0] = a; h->prev[1] = b;
+  pthread_mutex_lock(&holds_mu); h->next = holds; __atomic_store_n(&holds, h, __ATOMIC_RELEASE); pthread_mutex_unlock(&holds_mu);
+  return h;
+}
+// flags 0 = CU_STREAM_WAIT_VALUE_GEQ, the only one epmem uses.
+CUresult cuStreamWaitValue32_v2(Stream *s, CUdeviceptr addr, uint32_t value, unsigned flags) {
   NEED_CTX();
-  if ((uintptr_t)s <= 2 || !fn) BAD("host func on the legacy stream or without a function");
-  Hold *h = calloc(1, sizeof(Hold)); pthread_t t;
+  if ((uintptr_t)s <= 2 || !addr || (addr & 3) || flags) BAD("stream wait value: stream %p addr %llx flags %u", (void *)s, addr, flags);
+  Hold *h = new_hold((const uint32_t *)addr, value, pending(s->hold), NULL);
   if (!h) return 2;
-  h->fn = fn; h->data = data;
-  if (pthread_create(&t, NULL, run_hold, h)) { free(h); return 2; }
-  pthread_detach(t);
   s->hold = h; return 0;
 }
 CUresult cuStreamSynchronize(Stream *s) { NEED_CTX(); if ((uintptr_t)s > 2) { wait_hold(s->hold); wait_until(s->busy_until); } return 0; }
 CUresult cuStreamWaitEvent(Stream *s, Event *e, unsigned f) {
   NEED_CTX(); if (f) BAD("wait flags");
-  if ((uintptr_t)s > 2) { if (e->at > s->busy_until) s->busy_until = e->at; if (pending(e->hold)) s->hold = e->hold; }
+  if ((uintptr_t)s > 2) {
+    if (e->at > s->busy_until) s->busy_until = e->at;
+    if (pending(e->hold)) { Hold *j = new_hold(NULL, 0, pending(s->hold), e->hold); if (!j) return 2; s->hold = j; }
+  }
   return 0;
 }
 CUresult cuStreamGetCtx(Stream *s, CUcontext *c) { (void)s; *c = current; return 0; }

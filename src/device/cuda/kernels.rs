@@ -164,33 +164,6 @@ impl CudaDevice {
     }
 }
 
-/// The host function of [`CudaDevice::cu_hold`]: blocks the stream (it runs
-/// on a driver thread, in stream order) until the gate opens. It makes no
-/// CUDA call, as host functions must not.
-unsafe extern "C" fn hold_until_open(user: *mut c_void) {
-    // SAFETY: `user` is the `Arc::into_raw` of `cu_hold`, passed to exactly
-    // one launch, so this reclaims that one reference once.
-    let gate = unsafe { std::sync::Arc::from_raw(user.cast_const().cast::<crate::device::gate::GateShared>()) };
-    gate.wait();
-}
-
-impl CudaDevice {
-    pub(super) fn cu_hold(&self, s: RawStream, gate: &crate::device::Gate) -> Result<()> {
-        let stream = self.stream(s)?;
-        let _g = self.enter()?;
-        let user = std::sync::Arc::into_raw(gate.shared()).cast_mut().cast::<c_void>();
-        // SAFETY: a live stream of our context; the callback matches CUhostFn
-        // and owns `user` (one Arc reference) once the launch succeeded.
-        let r = unsafe { cu!(cuLaunchHostFunc(stream.0, Some(hold_until_open), user)) };
-        if r.is_err() {
-            // SAFETY: the launch failed, so the callback never runs: the
-            // reference passed to it is reclaimed here, once.
-            drop(unsafe { std::sync::Arc::from_raw(user.cast_const().cast::<crate::device::gate::GateShared>()) });
-        }
-        r
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,8 @@
 //! Layout: [`driver`] (loading, error mapping, context guard), [`streams`]
 //! (streams and events), [`memory`] (pinned, registered and device memory,
 //! copies), [`vmm`] (physical handles, reservations, mappings), [`kernels`]
-//! (the two built-in PTX kernels), [`teardown`] (Drop).
+//! (the two built-in PTX kernels), [`hold`] (the test gate's stream wait),
+//! [`teardown`] (Drop).
 //!
 //! Every driver object we hand out is kept in a table (id → handle), so an
 //! unknown or stale handle is [`EpmStatus::InvalidHandle`] instead of a
@@ -12,6 +13,7 @@
 
 #[macro_use]
 mod driver;
+mod hold;
 mod kernels;
 mod memory;
 mod streams;
@@ -70,6 +72,8 @@ pub struct CudaDevice {
     device_mem: Mutex<BTreeMap<u64, usize>>,
     vmm: Mutex<vmm::VmmTables>,
     kernels: Mutex<Option<kernels::Kernels>>,
+    /// Flags of `hold_async`, kept until their wait has passed (see `hold`).
+    gates: Mutex<Vec<hold::HeldGate>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -180,6 +184,7 @@ impl CudaDevice {
             device_mem: Mutex::default(),
             vmm: Mutex::default(),
             kernels: Mutex::default(),
+            gates: Mutex::default(),
         })
     }
 

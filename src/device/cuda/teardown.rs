@@ -15,12 +15,14 @@ impl CudaDevice {
         // Waiting first means no queued copy or kernel still uses what is
         // freed below. It also waits for the host's own work in the shared
         // primary context, so it is skipped when there is nothing to free.
-        if *live != LiveCounts::default() || lock(&self.kernels).is_some() {
+        let held = self.open_all_holds();
+        if held || *live != LiveCounts::default() || lock(&self.kernels).is_some() {
             // SAFETY: no arguments; our context is current (caller holds the guard).
             if let Err(e) = unsafe { cu!(cuCtxSynchronize()) } {
                 log::warn!("epmem: synchronizing cuda:{} at teardown: {e}", self.info.ordinal);
             }
         }
+        self.free_all_holds();
         if let Some(k) = lock(&self.kernels).take() {
             // SAFETY: our module; no launch can be pending after the synchronize.
             log_err("cuModuleUnload", unsafe { cu!(cuModuleUnload(k.module.0)) });
