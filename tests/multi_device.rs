@@ -272,3 +272,48 @@ fn device_1_allocations_page_ins_and_kv_never_touch_device_0() {
     }
     m1.release(ids[0], s1.raw()).unwrap();
 }
+
+/// Runs on one GPU too (two instances of device 0, as two processes'
+/// libraries or two frameworks in one process would open it): the driver
+/// accepts PORTABLE|READ_ONLY, the second instance sees the bytes as
+/// page-locked and copies from them bit-exactly, neither instance may
+/// register them again, and after the last holder nothing stays registered.
+#[test]
+fn a_portable_registration_serves_a_second_instance_of_the_same_device() {
+    let a = device::open_from_env(0).expect("open device 0");
+    let select = if a.info().kind == DeviceKind::Cuda { DeviceSelect::Cuda } else { DeviceSelect::Host };
+    let b = device::open(select, 0).expect("open device 0 again");
+    let w = Weights::new(&[3 << 20], 11);
+    let whole = w.whole();
+    let (la, calls_b) = (a.live_counts().host_registrations, b.driver_counts().host_register_calls);
+    let reg = SharedHostRegistration::new(&a, whole).unwrap();
+    assert!(b.host_is_page_locked(whole.ptr(), whole.len()));
+    assert!(!b.host_is_page_locked(whole.ptr(), whole.len() + PAGE), "past the end is not page-locked");
+    for d in [&a, &b] {
+        assert_eq!(HostRegistration::new(d, whole).unwrap_err().status(), EpmStatus::InvalidState);
+    }
+    let s = Stream::new(&b).unwrap();
+    let buf = DeviceBuffer::new(&b, whole.len()).unwrap();
+    let out = DeviceBuffer::new(&b, 8).unwrap();
+    // SAFETY: the registered range outlives the copy (synchronized below).
+    unsafe { b.memcpy_htod_async(buf.ptr(), whole.ptr(), whole.len(), s.raw()).unwrap() };
+    b.checksum_async(buf.ptr(), w.sizes[0], out.ptr(), s.raw()).unwrap();
+    let mut sum = 0u64;
+    // SAFETY: `sum` is ours and read after the synchronize.
+    unsafe { b.memcpy_dtoh_async((&mut sum as *mut u64).cast(), out.ptr(), 8, s.raw()).unwrap() };
+    s.synchronize().unwrap();
+    assert_eq!(sum, w.checksum(0), "a copy from the shared registration by the second instance");
+    let m = ResidencyManager::new(&b, cfg(4 << 20)).unwrap();
+    m.attach_host_registration(&reg).unwrap();
+    let id = m.register(w.range(0)).unwrap();
+    m.acquire(id, s.raw()).unwrap();
+    m.release(id, s.raw()).unwrap();
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert_eq!((st.bypassed_page_ins, st.staged_page_ins, st.source_registrations), (1, 0, 0), "{st:?}");
+    assert_eq!(b.driver_counts().host_register_calls, calls_b, "the second instance registered nothing");
+    drop(reg);
+    drop(m);
+    assert_eq!(a.live_counts().host_registrations, la);
+    assert!(!b.host_is_page_locked(whole.ptr(), whole.len()));
+}
