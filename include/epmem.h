@@ -375,6 +375,13 @@ typedef struct EpmKvSeq EpmKvSeq;
 typedef struct EpmResidency EpmResidency;
 
 /**
+ * A host range page-locked once for every device of one kind (CUDA:
+ * `cuMemHostRegister` with PORTABLE | READ_ONLY). Refcounted: this handle
+ * and each manager that attached it keep it registered.
+ */
+typedef struct EpmSharedHostRegistration EpmSharedHostRegistration;
+
+/**
  * A bounded pool of pinned staging buffers. Engines made from it share it;
  * it lives until the last of them and its own handle are destroyed.
  */
@@ -949,6 +956,12 @@ typedef struct EpmResidencyStats {
    * ordered on the device behind the victim's readers (no host wait).
    */
   uint64_t ordered_reuses;
+  /**
+   * Bytes of shared host registrations this manager attached
+   * (`epm_residency_attach_host_registration`): page-locked once, by
+   * another call, and not counted in `registered_bytes`. (epmem 0.2)
+   */
+  uint64_t attached_bytes;
 } EpmResidencyStats;
 
 /**
@@ -1984,6 +1997,56 @@ enum EpmStatus epm_residency_synchronize(struct EpmResidency *res);
  * for a too-small `size`. Threading: safe from any thread.
  */
 enum EpmStatus epm_residency_get_stats(struct EpmResidency *res, struct EpmResidencyStats *out);
+
+/**
+ * Page-lock `[host, host+bytes)` once, through `dev`, read-only and visible
+ * as page-locked to every device of `dev`'s kind in the process, so the
+ * residency managers of several devices can copy from the same bytes with
+ * no second registration and no staging copy.
+ *
+ * Ownership: `*out` is a new handle; destroy it with
+ * `epm_shared_host_registration_destroy`. The bytes are unregistered when
+ * that handle and every attachment (`epm_residency_attach_host_registration`)
+ * are gone; the range must stay allocated and unmodified until then.
+ * NULL: `dev` is INVALID_HANDLE, `host`/`out` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for 0 bytes or a range that wraps; INVALID_STATE when any
+ * of the bytes are already page-locked (by this or another device); the
+ * device's error when it refuses (locked-memory limit). Threading: safe from
+ * any thread.
+ */
+enum EpmStatus epm_shared_host_registration_create(struct EpmDevice *dev,
+                                                   const void *host,
+                                                   size_t bytes,
+                                                   struct EpmSharedHostRegistration **out);
+
+/**
+ * Drop the caller's reference to a shared registration. Managers that
+ * attached it keep the bytes registered until they detach
+ * (`epm_residency_unregister_host_range`) or are destroyed; the last holder
+ * waits for the registering device and unregisters.
+ *
+ * NULL is a no-op returning OK. Errors: INVALID_HANDLE for a destroyed,
+ * wrong-typed or garbage handle. Threading: the handle must not be used after.
+ */
+enum EpmStatus epm_shared_host_registration_destroy(struct EpmSharedHostRegistration *reg);
+
+/**
+ * Let `res` copy directly from a shared registration: every weight of `res`
+ * inside the range is paged in straight from the shared host bytes, and
+ * `res` registers nothing itself (its `source_registrations` and
+ * `registered_bytes` stay put; `attached_bytes` grows by the range).
+ *
+ * Ownership: `*out_range` names the attachment inside `res`; detach with
+ * `epm_residency_unregister_host_range(res, *out_range)` (it waits for
+ * `res`'s device first) or by destroying `res`. The attachment keeps the
+ * registration alive even after `epm_shared_host_registration_destroy`.
+ * NULL: `res`/`reg` INVALID_HANDLE, `out_range` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT when `reg` was made through a device of another kind
+ * (host vs CUDA). Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_attach_host_registration(struct EpmResidency *res,
+                                                      struct EpmSharedHostRegistration *reg,
+                                                      EpmHostRangeId *out_range);
 
 /**
  * Create a staging pool on `dev` that retains at most `max_buffers` buffers

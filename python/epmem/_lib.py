@@ -184,7 +184,8 @@ class EpmResidencyStats(Structure):
             "resident_bytes", "peak_resident_bytes", "resident_weights", "registered_weights", "budget_bytes",
             "arena_driver_alloc_calls", "arena_driver_free_calls", "arena_reserved_bytes",
             "arena_committed_bytes", "arena_in_use_bytes")
-    ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64)]
+    ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64),
+         ("attached_bytes", c_uint64)]
 
 
 class EpmStagingStats(Structure):
@@ -318,6 +319,10 @@ FUNCTIONS = [
     ("epm_residency_release_host", STATUS, [H, EpmWeightId]),
     ("epm_residency_synchronize", STATUS, [H]),
     ("epm_residency_get_stats", STATUS, [H, P(EpmResidencyStats)]),
+    # one host registration shared by several devices (docs/RESIDENCY.md, "Several devices")
+    ("epm_shared_host_registration_create", STATUS, [H, vp, size_t, OH]),
+    ("epm_shared_host_registration_destroy", STATUS, [H]),
+    ("epm_residency_attach_host_registration", STATUS, [H, H, P(EpmHostRangeId)]),
     # staging pool, copy engine, fences
     ("epm_staging_pool_create", STATUS, [H, size_t, size_t, OH]),
     ("epm_staging_pool_trim", STATUS, [H, P(size_t)]),

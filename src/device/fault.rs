@@ -226,6 +226,11 @@ impl Device for FaultyDevice {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { self.inner.host_register(p, len, read_only) }
     }
+    unsafe fn host_register_portable(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
+        self.hit(FaultKind::HostRegister)?;
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.inner.host_register_portable(p, len, read_only) }
+    }
     unsafe fn host_unregister(&self, p: *mut u8) -> Result<()> {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { self.inner.host_unregister(p) }

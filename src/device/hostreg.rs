@@ -59,3 +59,219 @@ impl Drop for HostRegistration {
         super::objects::log_drop_error("host_unregister", r);
     }
 }
+
+// ---- one registration shared by several devices -------------------------
+
+/// Portable registrations of the whole process: what CUDA's
+/// `CU_MEMHOSTREGISTER_PORTABLE` means ("pinned for every context, not just
+/// the one that registered it"), kept as a table so every device of a kind
+/// answers `host_is_page_locked` for them, refuses a second registration of
+/// the same bytes, and guards a read-only one against D2H writes. The host
+/// device needs the table to behave like CUDA; the CUDA device needs it
+/// because its own table only knows what it registered itself.
+pub(crate) mod portable {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use crate::device::DeviceKind;
+
+    #[derive(Debug, Clone, Copy)]
+    struct Entry {
+        len: usize,
+        read_only: bool,
+        kind: DeviceKind,
+        /// Which device instance registered it (only it may unregister it).
+        owner: u64,
+    }
+
+    static TABLE: Mutex<BTreeMap<usize, Entry>> = Mutex::new(BTreeMap::new());
+
+    fn table() -> std::sync::MutexGuard<'static, BTreeMap<usize, Entry>> {
+        TABLE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Entries of `kind` overlapping `[p, end)`, last first.
+    fn overlapping(t: &BTreeMap<usize, Entry>, kind: DeviceKind, p: usize, end: usize) -> Vec<(usize, Entry)> {
+        t.range(..end)
+            .rev()
+            .take_while(|(s, e)| *s + e.len > p)
+            .filter(|(_, e)| e.kind == kind)
+            .map(|(s, e)| (*s, *e))
+            .collect()
+    }
+
+    /// Record a portable registration; refused if it overlaps another.
+    pub fn insert(kind: DeviceKind, owner: u64, p: usize, len: usize, read_only: bool) -> crate::Result<()> {
+        let end = p.checked_add(len).ok_or_else(|| crate::Error::invalid_argument("host range wraps around"))?;
+        let mut t = table();
+        crate::ensure!(
+            overlapping(&t, kind, p, end).is_empty(),
+            InvalidState,
+            "host range {p:#x}+{len} overlaps a portable registration already made (by any {} device)",
+            kind.name()
+        );
+        t.insert(p, Entry { len, read_only, kind, owner });
+        Ok(())
+    }
+
+    /// Forget the registration at `p` made by `owner`; false if there is none.
+    pub fn remove(kind: DeviceKind, owner: u64, p: usize) -> bool {
+        let mut t = table();
+        if t.get(&p).is_some_and(|e| e.kind == kind && e.owner == owner) {
+            t.remove(&p);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Whether one portable registration of `kind` holds all of `[p, p+len)`.
+    pub fn contains(kind: DeviceKind, p: usize, len: usize) -> bool {
+        let Some(end) = p.checked_add(len.max(1)) else { return false };
+        p != 0
+            && table()
+                .range(..=p)
+                .next_back()
+                .is_some_and(|(s, e)| e.kind == kind && end <= s + e.len)
+    }
+
+    /// Whether `[p, p+len)` overlaps any portable registration of `kind`.
+    pub fn overlaps(kind: DeviceKind, p: usize, len: usize) -> bool {
+        !overlapping(&table(), kind, p, p.saturating_add(len.max(1))).is_empty()
+    }
+
+    /// Whether `[p, p+len)` overlaps a read-only portable registration of `kind`.
+    pub fn overlaps_read_only(kind: DeviceKind, p: usize, len: usize) -> bool {
+        overlapping(&table(), kind, p, p.saturating_add(len.max(1))).iter().any(|(_, e)| e.read_only)
+    }
+}
+
+/// One host range page-locked once (portable, read-only) and shared by the
+/// residency managers of several devices of the same kind. It holds a
+/// refcount: this handle and every [`Attachment`] keep the registration; the
+/// bytes are unregistered when the last of them is dropped.
+///
+/// Counting: the registering device's `live_counts().host_registrations` and
+/// `driver_counts().host_register_calls` go up by one; every other device's
+/// stay unchanged however many managers attach — that is the "no second
+/// registration" evidence. A manager that attaches adds the bytes to its
+/// `attached_bytes`, not to its `registered_bytes`.
+#[derive(Clone)]
+pub struct SharedHostRegistration {
+    inner: Arc<SharedInner>,
+}
+
+struct SharedInner {
+    owner: Arc<dyn Device>,
+    range: HostRange,
+    /// Attachments made so far (every manager, every device).
+    attaches: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for SharedHostRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedHostRegistration")
+            .field("ptr", &self.inner.range.ptr())
+            .field("len", &self.inner.range.len())
+            .field("owner", &self.inner.owner.info().ordinal)
+            .finish()
+    }
+}
+
+impl SharedHostRegistration {
+    /// Page-lock `range` once, through `dev`, for read-only access by every
+    /// device of `dev`'s kind. Fails like [`HostRegistration::new`], and also
+    /// when a device of that kind has already page-locked any of the bytes.
+    pub fn new(dev: &Arc<dyn Device>, range: HostRange) -> Result<Self> {
+        crate::ensure!(!range.is_empty(), InvalidArgument, "registering an empty host range");
+        // SAFETY: as in `HostRegistration::new`: the creator of `range`
+        // vouched it stays readable while used; the registration ends in
+        // `SharedInner::drop`. Read-only: no device writes through it.
+        unsafe { dev.host_register_portable(range.ptr() as *mut u8, range.len(), true)? };
+        Ok(Self {
+            inner: Arc::new(SharedInner { owner: dev.clone(), range, attaches: 0.into() }),
+        })
+    }
+
+    pub fn range(&self) -> HostRange {
+        self.inner.range
+    }
+    /// The device that made the registration.
+    pub fn owner(&self) -> &Arc<dyn Device> {
+        &self.inner.owner
+    }
+    /// Live holders: this handle's clones plus live attachments.
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+    /// Attachments ever made.
+    pub fn attaches(&self) -> u64 {
+        self.inner.attaches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Let `dev` use the registration (a device of the owner's kind; the
+    /// owner itself included). The attachment keeps the bytes registered.
+    pub fn attach(&self, dev: &Arc<dyn Device>) -> Result<Attachment> {
+        let (k, o) = (dev.info().kind, self.inner.owner.info().kind);
+        crate::ensure!(
+            k == o,
+            InvalidArgument,
+            "a registration made through a {} device cannot feed a {} device",
+            o.name(),
+            k.name()
+        );
+        crate::ensure!(
+            dev.host_is_page_locked(self.inner.range.ptr(), self.inner.range.len()),
+            InvalidState,
+            "{} device {} does not see the shared registration as page-locked",
+            k.name(),
+            dev.info().ordinal
+        );
+        self.inner.attaches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Attachment { reg: self.clone(), dev: dev.clone() })
+    }
+}
+
+impl Drop for SharedInner {
+    /// The last holder is gone: every attachment has synchronized its own
+    /// device on the way out, so only the owner's queue can still read it.
+    fn drop(&mut self) {
+        if let Err(e) = self.owner.synchronize() {
+            log::error!("epmem: not unregistering shared host range {:p} (device synchronize failed: {e})", self.range.ptr());
+            return;
+        }
+        // SAFETY: the start of the range registered in `new`; no device that
+        // attached has a queued copy left (each synchronized when detaching)
+        // and the owner is idle.
+        let r = unsafe { self.owner.host_unregister(self.range.ptr() as *mut u8) };
+        super::objects::log_drop_error("host_unregister", r);
+    }
+}
+
+/// One device's use of a [`SharedHostRegistration`]; dropping it waits for
+/// that device (a queued copy may still read the range) and releases one
+/// reference.
+#[derive(Debug)]
+pub struct Attachment {
+    reg: SharedHostRegistration,
+    dev: Arc<dyn Device>,
+}
+
+impl Attachment {
+    pub fn range(&self) -> HostRange {
+        self.reg.range()
+    }
+    pub fn registration(&self) -> &SharedHostRegistration {
+        &self.reg
+    }
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        if let Err(e) = self.dev.synchronize() {
+            // Keep the bytes registered for good rather than unregister under a copy.
+            log::error!("epmem: leaking a shared host registration (device synchronize failed: {e})");
+            std::mem::forget(self.reg.clone());
+        }
+    }
+}

@@ -229,6 +229,14 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// `[p, p+len)` is valid, mapped host memory for as long as it stays registered.
     unsafe fn host_register(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()>;
+    /// [`Device::host_register`], portable: every device of this kind in the
+    /// process sees the range as page-locked and copies from it directly
+    /// (CUDA: `CU_MEMHOSTREGISTER_PORTABLE`). Undone by `host_unregister` on
+    /// this device. Used through [`hostreg::SharedHostRegistration`].
+    ///
+    /// # Safety
+    /// As for [`Device::host_register`].
+    unsafe fn host_register_portable(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()>;
     /// Undo [`Device::host_register`].
     ///
     /// # Safety

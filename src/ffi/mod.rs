@@ -56,6 +56,7 @@ pub mod log;
 pub mod memory;
 pub mod panic;
 pub mod residency;
+pub mod shared_reg;
 pub mod staging;
 pub mod status;
 pub mod stream;

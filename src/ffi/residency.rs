@@ -160,6 +160,10 @@ pub struct EpmResidencyStats {
     /// Evictions whose block went straight to the next page-in, the copy
     /// ordered on the device behind the victim's readers (no host wait).
     pub ordered_reuses: u64,
+    /// Bytes of shared host registrations this manager attached
+    /// (`epm_residency_attach_host_registration`): page-locked once, by
+    /// another call, and not counted in `registered_bytes`. (epmem 0.2)
+    pub attached_bytes: u64,
 }
 
 /// `sizeof(EpmResidencyConfig)` in its first published version (epmem
@@ -580,6 +584,7 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
             arena_fragmentation: s.arena.fragmentation,
             coalesced_weights: s.coalesced_weights,
             ordered_reuses: s.ordered_reuses,
+            attached_bytes: s.attached_bytes,
         };
         write_versioned(out, v, "out")
     }

@@ -164,6 +164,28 @@ mod tests {
         );
     }
 
+    /// Two GPUs of one host (issue 18): ORT lists the GPU of ordinal 1
+    /// first. Each of our per-ordinal devices must land on the hardware
+    /// device with its own bus id, in either order we list ours, and two
+    /// GPUs differing only in PCI domain are not confused.
+    #[test]
+    fn two_gpus_listed_in_swapped_order_match_their_own_ordinals() {
+        let hws = [
+            hw(false, 0x10DE, Some("0000:c5:00.0")), // cuda:1
+            hw(true, 0x8086, None),
+            hw(false, 0x10DE, Some("0000:65:00.0")), // cuda:0
+        ];
+        let d0 = info(DeviceKind::Cuda, 0, Some("00000000:65:00.0"));
+        let d1 = info(DeviceKind::Cuda, 1, Some("00000000:C5:00.0"));
+        assert_eq!(plan(&hws, &[&d0, &d1], true).unwrap(), vec![Binding::Existing(2), Binding::Existing(0)]);
+        assert_eq!(plan(&hws, &[&d1, &d0], false).unwrap(), vec![Binding::Existing(0), Binding::Existing(2)]);
+        let hws = [hw(false, 0x10DE, Some("0001:65:00.0")), hw(false, 0x10DE, Some("0000:65:00.0")), hw(true, 0, None)];
+        assert_eq!(plan(&hws, &[&d0], true).unwrap(), vec![Binding::Existing(1)], "domain 1 is another GPU");
+        // A second device claiming the same bus id does not steal the first's binding.
+        let twin = info(DeviceKind::Cuda, 1, Some("0000:65:00.0"));
+        assert_eq!(plan(&hws, &[&d0, &twin], true).unwrap(), vec![Binding::Existing(1), Binding::Create]);
+    }
+
     #[test]
     fn unmatched_gpu_is_created_on_124_and_hangs_off_the_cpu_on_123() {
         // A BMC graphics card satisfied ORT's DRM scan; the H200 is missing.

@@ -8,11 +8,12 @@ use std::time::Instant;
 use super::config::ResidencyConfig;
 use super::fence::Reused;
 use super::placement::Plan;
-use super::registry::{Entry, HostRangeId, Registry, memlock_limit};
+use super::registry::{Entry, HostRangeId, RangeReg, Registry, memlock_limit};
 use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
+use crate::device::hostreg::SharedHostRegistration;
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
 use crate::staging::{CopyEngine, PinnedStagingPool};
@@ -196,7 +197,20 @@ impl ResidencyManager {
         let r = self.engine.register(range)?;
         let mut st = self.lock();
         st.c.registered_bytes += range.len() as u64;
-        Ok(st.reg.add_range(r))
+        Ok(st.reg.add_range(RangeReg::Own(r)))
+    }
+
+    /// Use a registration made once for several devices
+    /// ([`SharedHostRegistration`]): weights inside it are copied directly
+    /// from the same host bytes every attached manager reads, with no
+    /// registration by this manager. Undo with
+    /// [`Self::unregister_host_range`]; the bytes stay registered until the
+    /// last holder lets go. Counted in `attached_bytes`, not `registered_bytes`.
+    pub fn attach_host_registration(&self, reg: &SharedHostRegistration) -> Result<HostRangeId> {
+        let a = reg.attach(&self.dev)?;
+        let mut st = self.lock();
+        st.c.attached_bytes += a.range().len() as u64;
+        Ok(st.reg.add_range(RangeReg::Attached(a)))
     }
 
     /// Undo [`Self::register_host_range`] (synchronizes the device first).
@@ -205,7 +219,10 @@ impl ResidencyManager {
         let r = {
             let mut st = self.lock();
             let r = st.reg.remove_range(id)?;
-            st.c.registered_bytes -= r.range().len() as u64;
+            match &r {
+                RangeReg::Own(_) => st.c.registered_bytes -= r.range().len() as u64,
+                RangeReg::Attached(_) => st.c.attached_bytes -= r.range().len() as u64,
+            }
             r
         };
         drop(r);
@@ -495,6 +512,7 @@ impl ResidencyManager {
             source_registrations: c.source_registrations,
             register_refusals: c.register_refusals,
             registered_bytes: c.registered_bytes,
+            attached_bytes: c.attached_bytes,
             htod_bytes: s.htod_bytes,
             pinned_alloc_calls: s.pinned_alloc_calls,
             pinned_reuses: s.pinned_reuses,

@@ -12,6 +12,7 @@ use super::fence::Fenced;
 use super::ring::RingSlot;
 use crate::device::HostRange;
 use crate::error::Result;
+use crate::device::hostreg::Attachment;
 use crate::staging::HostRegistration;
 
 /// A whole host range registered once, so the weights inside it bypass staging.
@@ -76,8 +77,25 @@ pub(crate) struct Entry {
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
     weights: Vec<Option<Entry>>,
-    ranges: Vec<Option<HostRegistration>>,
+    ranges: Vec<Option<RangeReg>>,
     live: usize,
+}
+
+/// A whole host range the manager copies from directly: registered by it, or
+/// a shared registration (made once for several devices) it attached.
+#[derive(Debug)]
+pub(crate) enum RangeReg {
+    Own(HostRegistration),
+    Attached(Attachment),
+}
+
+impl RangeReg {
+    pub fn range(&self) -> HostRange {
+        match self {
+            RangeReg::Own(r) => r.range(),
+            RangeReg::Attached(a) => a.range(),
+        }
+    }
 }
 
 impl Entry {
@@ -155,11 +173,11 @@ impl Registry {
             .filter(|(_, e)| e.is_some())
             .map(|(i, _)| WeightId(i as u32))
     }
-    pub fn add_range(&mut self, reg: HostRegistration) -> HostRangeId {
+    pub fn add_range(&mut self, reg: RangeReg) -> HostRangeId {
         self.ranges.push(Some(reg));
         HostRangeId(self.ranges.len() as u32 - 1)
     }
-    pub fn remove_range(&mut self, id: HostRangeId) -> Result<HostRegistration> {
+    pub fn remove_range(&mut self, id: HostRangeId) -> Result<RangeReg> {
         self.ranges
             .get_mut(id.0 as usize)
             .and_then(Option::take)

@@ -47,6 +47,8 @@ pub struct ResidencyStats {
     pub register_refusals: u64,
     /// Bytes registered by the manager (per-weight and whole ranges).
     pub registered_bytes: u64,
+    /// Bytes of shared registrations attached (registered once, elsewhere).
+    pub attached_bytes: u64,
     pub htod_bytes: u64,
     /// Staging pool driver allocations and reuses.
     pub pinned_alloc_calls: u64,
@@ -101,6 +103,7 @@ pub(crate) struct Counters {
     pub source_registrations: u64,
     pub register_refusals: u64,
     pub registered_bytes: u64,
+    pub attached_bytes: u64,
     pub host_stall_ns: u64,
     pub device_stall_ms: f64,
     pub ring_page_ins: u64,

@@ -84,7 +84,7 @@ CUresult cuMemFreeHost(void *p) {
     if ((const void *)h->addr == p && pending(h)) BAD("cuMemFreeHost of a word a stream still waits on (the wait has not passed)");
   free(p); return 0;
 }
-CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) { NEED_CTX(); if (!p || !n || (flags & ~8u)) BAD("register"); return 0; }
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) { NEED_CTX(); if (!p || !n || (flags & ~9u)) BAD("register"); return 0; } /* PORTABLE | READ_ONLY */
 CUresult cuMemHostUnregister(void *p) { NEED_CTX(); return p ? 0 : 1; }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); void *m = aligned_alloc(256, (n + 255) & ~255ul); *p = (CUdeviceptr)m; return m ? 0 : 2; }
 CUresult cuMemFree_v2(CUdeviceptr p) { NEED_CTX(); free((void*)p); return 0; }

@@ -8,7 +8,8 @@ use cudarc::driver::sys;
 
 use super::driver::host_oom;
 use super::{CudaDevice, bump, lock};
-use crate::device::{DevicePtr, LiveCounts, RawStream};
+use crate::device::hostreg::portable;
+use crate::device::{DeviceKind, DevicePtr, LiveCounts, RawStream};
 use crate::error::{EpmStatus, Error, Result};
 
 /// Page-locked host ranges we own: start address → length (and, for
@@ -99,7 +100,8 @@ impl CudaDevice {
 
     /// # Safety
     /// See [`crate::device::Device::host_register`].
-    pub(super) unsafe fn cu_host_register(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
+    /// `portable`: [`crate::device::Device::host_register_portable`].
+    pub(super) unsafe fn cu_host_register(&self, p: *mut u8, len: usize, read_only: bool, portable: bool) -> Result<()> {
         crate::ensure!(!p.is_null(), NullPointer, "host_register of a NULL pointer");
         crate::ensure!(len > 0, InvalidArgument, "host_register of 0 bytes");
         crate::ensure!(
@@ -107,14 +109,23 @@ impl CudaDevice {
             InvalidState,
             "[{p:?}, +{len}) overlaps memory that is already page-locked by this device"
         );
+        // Another device's portable registration already pins these bytes for
+        // every context: registering them again would be refused by the
+        // driver (HOST_MEMORY_ALREADY_REGISTERED); say why instead.
+        crate::ensure!(
+            !portable::overlaps(DeviceKind::Cuda, p as usize, len),
+            InvalidState,
+            "[{p:?}, +{len}) overlaps a portable registration made through another CUDA device"
+        );
         // Registering 1 GiB takes ~40 ms: the table lock is not held meanwhile.
         // Two racing overlapping registrations are still refused, by the driver.
         let _g = self.enter()?;
         let want_ro = read_only && self.read_only_register;
+        let base = if portable { sys::CU_MEMHOSTREGISTER_PORTABLE as c_uint } else { 0 };
         let flags = if want_ro {
-            sys::CU_MEMHOSTREGISTER_READ_ONLY as c_uint
+            base | sys::CU_MEMHOSTREGISTER_READ_ONLY as c_uint
         } else {
-            0
+            base
         };
         bump(&self.counts.host_register);
         // SAFETY: the caller guarantees `[p, p+len)` is mapped host memory for
@@ -131,9 +142,16 @@ impl CudaDevice {
             );
             bump(&self.counts.host_register);
             // SAFETY: as above.
-            r = unsafe { sys::cuMemHostRegister_v2(p.cast(), len, 0) };
+            r = unsafe { sys::cuMemHostRegister_v2(p.cast(), len, base) };
         }
         super::driver::check("cuMemHostRegister_v2", r).map_err(host_oom)?;
+        if portable && let Err(e) = portable::insert(DeviceKind::Cuda, self.info.ordinal.into(), p as usize, len, read_only) {
+            // Lost a race with another device's portable registration of the
+            // same bytes (the driver allowed it from another context).
+            // SAFETY: just registered by us; nothing has queued a copy yet.
+            let _ = unsafe { cu!(cuMemHostUnregister(p.cast())) };
+            return Err(e);
+        }
         // Remember what the caller declared, not what the driver granted: a
         // D2H into it breaks the declaration either way and is refused.
         lock(&self.host).registered.insert(p as usize, (len, read_only));
@@ -152,6 +170,8 @@ impl CudaDevice {
         let r = unsafe { cu!(cuMemHostUnregister(p.cast())) };
         if r.is_err() {
             lock(&self.host).registered.insert(p as usize, entry);
+        } else {
+            portable::remove(DeviceKind::Cuda, self.info.ordinal.into(), p as usize);
         }
         r
     }
@@ -188,7 +208,7 @@ impl CudaDevice {
     /// them look alike) is checked like the device range it is.
     fn check_host_side(&self, what: &str, p: usize, n: usize, write: bool) -> Result<()> {
         crate::ensure!(
-            !(write && lock(&self.host).overlaps_read_only(p, n)),
+            !(write && (lock(&self.host).overlaps_read_only(p, n) || portable::overlaps_read_only(DeviceKind::Cuda, p, n))),
             AccessDenied,
             "{what} [{p:#x}, +{n}) is host memory registered read-only"
         );

@@ -297,7 +297,11 @@ impl Device for CudaDevice {
     }
     unsafe fn host_register(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
         // SAFETY: forwarded contract (see the trait).
-        unsafe { self.cu_host_register(p, len, read_only) }
+        unsafe { self.cu_host_register(p, len, read_only, false) }
+    }
+    unsafe fn host_register_portable(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
+        // SAFETY: forwarded contract (see the trait).
+        unsafe { self.cu_host_register(p, len, read_only, true) }
     }
     unsafe fn host_unregister(&self, p: *mut u8) -> Result<()> {
         // SAFETY: forwarded contract (see the trait).
@@ -305,6 +309,7 @@ impl Device for CudaDevice {
     }
     fn host_is_page_locked(&self, p: *const u8, len: usize) -> bool {
         lock(&self.host).is_page_locked(p as usize, len)
+            || crate::device::hostreg::portable::contains(DeviceKind::Cuda, p as usize, len)
     }
 
     fn mem_alloc(&self, bytes: usize) -> Result<DevicePtr> {

@@ -29,6 +29,7 @@ use self::pinned::HostMem;
 use self::space::{AddrSpace, Need};
 use self::stream::{HostStream, MemOp, Op, StreamShared, lock};
 use self::vmm::Phys;
+use super::hostreg::portable;
 use super::*;
 
 /// The H200's VMM granularity; the host device mimics it so sizes and
@@ -69,6 +70,9 @@ pub struct HostDevice {
     events: Mutex<HashMap<u64, Arc<EventShared>>>,
     host: Mutex<HostMem>,
     counts: Mutex<DriverCounts>,
+    /// Names this instance in the process-wide portable table (two host
+    /// devices at one ordinal are still two devices).
+    instance: u64,
 }
 
 impl HostDevice {
@@ -105,6 +109,7 @@ impl HostDevice {
             events: Mutex::default(),
             host: Mutex::default(),
             counts: Mutex::default(),
+            instance: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -154,7 +159,9 @@ impl HostDevice {
         if let Some((p, n, need)) = host.filter(|&(_, n, _)| n > 0) {
             let end = p.checked_add(n).ok_or_else(|| Error::invalid_argument("host range wraps around"))?;
             crate::ensure!(
-                need == Need::Read || !lock(&self.host).overlaps_read_only(p, end),
+                need == Need::Read
+                    || !(lock(&self.host).overlaps_read_only(p, end)
+                        || portable::overlaps_read_only(DeviceKind::Host, p, n)),
                 AccessDenied,
                 "D2H destination {p:#x}+{n} is host memory registered read-only"
             );
@@ -173,6 +180,34 @@ impl HostDevice {
     }
 }
 
+impl HostDevice {
+    /// Register in this device's table; a portable registration also goes
+    /// into the process-wide table every host device consults, as CUDA's
+    /// PORTABLE flag makes a range pinned for every context.
+    ///
+    /// # Safety
+    /// As for [`Device::host_register`].
+    unsafe fn register(&self, p: *mut u8, len: usize, read_only: bool, portable: bool) -> Result<()> {
+        let a = p.expose_provenance();
+        // Bytes another host device registered portably are already pinned
+        // for this one too: a second registration is refused, as CUDA does.
+        crate::ensure!(
+            a == 0 || len == 0 || !portable::overlaps(DeviceKind::Host, a, len),
+            InvalidState,
+            "host range {a:#x}+{len} overlaps a portable registration made through another host device"
+        );
+        let mut host = lock(&self.host);
+        host.register(a, len, read_only)?;
+        if portable && let Err(e) = portable::insert(DeviceKind::Host, self.instance, a, len, read_only) {
+            host.unregister(a)?;
+            return Err(e);
+        }
+        drop(host);
+        self.count(|c| c.host_register_calls += 1);
+        Ok(())
+    }
+}
+
 impl Drop for HostDevice {
     fn drop(&mut self) {
         // Streams first: joining them lets queued copies finish before the
@@ -180,7 +215,13 @@ impl Drop for HostDevice {
         let streams = std::mem::take(&mut *lock(&self.streams));
         drop(streams);
         self.write().release_all();
-        lock(&self.host).release_all();
+        let mut host = lock(&self.host);
+        // A registration outliving its device (a leak upstream) must not keep
+        // claiming the bytes for every other host device.
+        for &p in host.registered.keys() {
+            portable::remove(DeviceKind::Host, self.instance, p);
+        }
+        host.release_all();
     }
 }
 
@@ -309,15 +350,22 @@ impl Device for HostDevice {
         Ok(())
     }
     unsafe fn host_register(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
-        lock(&self.host).register(p.expose_provenance(), len, read_only)?;
-        self.count(|c| c.host_register_calls += 1);
-        Ok(())
+        // SAFETY: forwarded contract (see the trait).
+        unsafe { self.register(p, len, read_only, false) }
+    }
+    unsafe fn host_register_portable(&self, p: *mut u8, len: usize, read_only: bool) -> Result<()> {
+        // SAFETY: forwarded contract (see the trait).
+        unsafe { self.register(p, len, read_only, true) }
     }
     unsafe fn host_unregister(&self, p: *mut u8) -> Result<()> {
-        lock(&self.host).unregister(p.expose_provenance())
+        let a = p.expose_provenance();
+        lock(&self.host).unregister(a)?;
+        portable::remove(DeviceKind::Host, self.instance, a);
+        Ok(())
     }
     fn host_is_page_locked(&self, p: *const u8, len: usize) -> bool {
-        !p.is_null() && lock(&self.host).is_page_locked(p.expose_provenance(), len)
+        let a = p.expose_provenance();
+        !p.is_null() && (lock(&self.host).is_page_locked(a, len) || portable::contains(DeviceKind::Host, a, len))
     }
 
     // ---- device memory -------------------------------------------------
