@@ -208,7 +208,7 @@ test-examples: build
 	if nm -D --defined-only $$prefix/lib/libepmem.so | grep -E ' (epm_device_spin_async|epm_device_checksum_async|epm_checksum_host|epm_testing_[a-z_]*)$$'; then \
 	  echo "libepmem.so exports test machinery"; exit 1; fi; \
 	if [ -e $$prefix/include/epmem_testing.h ]; then echo "epmem_testing.h was installed"; exit 1; fi; \
-	EPM_FAULT=warp:1 $$prefix/device_info >/dev/null 2>&1 || { echo "the installed library honoured EPM_FAULT"; exit 1; }; \
+	EPM_FAULT=warp:1 $$work/device_info >/dev/null 2>&1 || { echo "the installed library honoured EPM_FAULT"; exit 1; }; \
 	echo "== example device_info, linked statically (libepmem.a + Libs.private)"; \
 	$(CC) -std=c11 $(WARN) -o $$work/device_info_static examples-c/device_info.c \
 	  $$(env $$pcpath pkg-config --cflags epmem) \
