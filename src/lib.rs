@@ -12,9 +12,6 @@
 /// cbindgen:ignore
 pub mod arena;
 /// cbindgen:ignore
-#[doc(hidden)]
-pub mod bench_support;
-/// cbindgen:ignore
 pub mod device;
 pub mod error;
 pub mod ffi;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
-use epmem::bench_support::median;
+use epmem_tools::bench::median;
 use epmem::device::{self, Device, DeviceBuffer, Stream, fence};
 use epmem::kv::ledger::Ledger;
 use epmem::staging::{PinnedStagingPool, PoolConfig};

@@ -25,7 +25,6 @@
 //! cuMemAlloc), if the ledger ever differs from the live granules or from the
 //! device's physical bytes, or if a checksum differs. Last line: the verdict.
 
-use epmem::device::conformance::random_bytes;
 use std::collections::VecDeque;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -33,6 +32,13 @@ use std::time::Instant;
 
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, Stream, checksum_host};
 use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+
+/// `n` deterministic bytes per seed, so a checksum failure reproduces.
+fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    fastrand::Rng::with_seed(seed).fill(&mut v);
+    v
+}
 
 struct Args {
     iters: u64,

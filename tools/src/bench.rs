@@ -1,4 +1,4 @@
-//! Shared plumbing for the benchmark binaries (src/bin/bench_*.rs): repeated
+//! Shared plumbing for the benchmark binaries (tools/src/bin/bench_*.rs): repeated
 //! timing with a warm-up, medians, and one JSON shape that scripts/bench.sh
 //! merges and scripts/bench_compare.py compares.
 //!

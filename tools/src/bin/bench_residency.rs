@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::Result;
-use epmem::bench_support::{Report, Scenario, gbps, median};
+use epmem_tools::bench::{Report, Scenario, gbps, median};
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream, fence};
 use epmem::residency::registry::memlock_limit;
 use epmem::residency::sim::belady;
