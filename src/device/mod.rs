@@ -34,6 +34,7 @@ pub mod host;
 pub mod hostreg;
 pub mod ntcopy;
 pub mod objects;
+pub mod rlimit;
 
 pub use gate::Gate;
 pub use objects::*;
