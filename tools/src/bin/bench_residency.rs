@@ -25,7 +25,7 @@ use std::time::Instant;
 use epmem::Result;
 use epmem_tools::bench::{Report, Scenario, gbps, median};
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream, fence};
-use epmem::residency::registry::memlock_limit;
+use epmem::device::rlimit::memlock_limit;
 use epmem::residency::sim::belady;
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId};
 
