@@ -21,6 +21,8 @@ pub mod kv;
 pub mod ort;
 /// cbindgen:ignore
 pub mod residency;
+/// cbindgen:ignore
+pub mod slab;
 pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};
