@@ -127,11 +127,12 @@ ffi-tests: build build-testing $(TEST_BINS)
 
 # ---- the test command --------------------------------------------------------
 
-# The CPU micro-benchmarks (benches/micro.rs) are compiled, not timed: timings
+# The CPU micro-benchmarks (tools/benches/micro.rs) are compiled, not timed: timings
 # on a shared CI machine mean nothing. Run them with `cargo bench --bench micro`.
+# --workspace: the benches, their smoke tests and kv_churn are the tools/ crate's.
 test-rust:
-	$(CARGO) test
-	$(CARGO) bench --no-run
+	$(CARGO) test --workspace
+	$(CARGO) bench --workspace --no-run
 
 # The C tests run three ways: plain and sanitized on the host device, then
 # plain with EPM_DEVICE=cuda against the fake libcuda the CUDA device's own

@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 BIN=.carry/bin
-[ -d "$BIN" ] || BIN=target/release
+[ -d "$BIN" ] || BIN=target/release   # after `cargo build --release --workspace`
 export LD_LIBRARY_PATH=$PWD/.carry/lib:${LD_LIBRARY_PATH:-}
 mkdir -p "$OUT/raw"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)

@@ -8,7 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .carry && mkdir -p .carry/lib .carry/lib-testing .carry/tests .carry/bin
-cargo build --release --bins --lib
+# --workspace: the benches and kv_churn are the tools/ crate's; a workspace
+# shares target/release/. (No dev-dependency is built here, so the library
+# keeps its shipped features.)
+cargo build --release --workspace --bins --lib
 # The static library stays behind: nothing on the GPU machine links it, and it is large.
 cp target/release/libepmem.so .carry/lib/
 # Its SONAME: what a program linked against it there asks the loader for.

@@ -4,7 +4,7 @@
 #   (a) 10,000 decode steps of examples-c/offload_decode.c (a device checksum
 #       of every acquired layer, compared with the host's), run after a
 #       100-step run so the driver-allocation counts of the two can be compared;
-#   (b) src/bin/kv_churn: 20,000 prefix-sharing requests (commit_shared_prefix,
+#   (b) tools/src/bin/kv_churn: 20,000 prefix-sharing requests (commit_shared_prefix,
 #       copy-on-write, append, destroy, prefix rotation), checking the ledger
 #       against the live granules and the driver counts at checkpoints.
 # Each prints a one-line verdict; the script exits non-zero if either fails.
@@ -14,7 +14,7 @@
 #   here, on the host device (seconds):
 #       scripts/long-run.sh --quick
 #
-# Uses prebuilt binaries: target/release/ (cargo build --release) when present,
+# Uses prebuilt binaries: target/release/ (cargo build --release --workspace) when present,
 # else .carry/bin/kv_churn and .carry/lib/libepmem.so (scripts/gpu-pack.sh). The demo is compiled
 # with gcc against that library. Logs go to $OUT (default /tmp/epmem-long).
 set -u

@@ -12,9 +12,6 @@
 /// cbindgen:ignore
 pub mod arena;
 /// cbindgen:ignore
-#[doc(hidden)]
-pub mod bench_support;
-/// cbindgen:ignore
 pub mod device;
 pub mod error;
 pub mod ffi;
@@ -24,6 +21,8 @@ pub mod kv;
 pub mod ort;
 /// cbindgen:ignore
 pub mod residency;
+/// cbindgen:ignore
+pub mod slab;
 pub mod staging;
 
 pub use error::{EpmStatus, Error, Result};

@@ -12,19 +12,6 @@ fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
 }
 
-/// xorshift64*: deterministic, no dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn cfg(dev: &Arc<dyn Device>, chunks: usize, chunk_granules: usize) -> ArenaConfig {
     let chunk = dev.vmm_granularity() * chunk_granules;
@@ -38,13 +25,13 @@ fn cfg(dev: &Arc<dyn Device>, chunks: usize, chunk_granules: usize) -> ArenaConf
 /// Random alloc/free against a model of the live set: no two live blocks
 /// overlap, every address is aligned, the counters match the model.
 fn random_pattern(arena: &dyn Arena, seed: u64, ops: usize, max_size: u64) -> (u64, u64) {
-    let mut rng = Rng(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut live: BTreeMap<u64, usize> = BTreeMap::new();
     let (mut allocs, mut frees) = (0u64, 0u64);
     for _ in 0..ops {
-        if live.is_empty() || rng.below(100) < 55 {
-            let size = 1 + rng.below(max_size) as usize;
-            let align = [0usize, 256, 4096, 65536][rng.below(4) as usize];
+        if live.is_empty() || rng.u64(..100) < 55 {
+            let size = 1 + rng.u64(..max_size) as usize;
+            let align = [0usize, 256, 4096, 65536][rng.u64(..4) as usize];
             match arena.alloc(size, align) {
                 Ok(a) => {
                     assert_eq!(a % align.max(256) as u64, 0, "misaligned {a:#x} for align {align}");
@@ -61,7 +48,7 @@ fn random_pattern(arena: &dyn Arena, seed: u64, ops: usize, max_size: u64) -> (u
                 Err(e) => assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}"),
             }
         } else {
-            let k = rng.below(live.len() as u64) as usize;
+            let k = rng.u64(..live.len() as u64) as usize;
             let a = *live.keys().nth(k).unwrap();
             arena.free(a).unwrap();
             live.remove(&a);
@@ -270,11 +257,11 @@ fn concurrent(arena: &dyn Arena) {
         for t in 0..8u64 {
             let live = &live;
             s.spawn(move || {
-                let mut rng = Rng(0x9e37 + t);
+                let mut rng = fastrand::Rng::with_seed(0x9e37 + t);
                 let mut mine = Vec::new();
                 for _ in 0..400 {
-                    if mine.is_empty() || rng.below(100) < 55 {
-                        let size = 1 + rng.below(64 << 10) as usize;
+                    if mine.is_empty() || rng.u64(..100) < 55 {
+                        let size = 1 + rng.u64(..64 << 10) as usize;
                         let Ok(a) = arena.alloc(size, 0) else { continue };
                         let mut l = live.lock().unwrap();
                         if let Some((&p, &n)) = l.range(..=a).next_back() {
@@ -289,7 +276,7 @@ fn concurrent(arena: &dyn Arena) {
                         l.insert(a, size);
                         mine.push(a);
                     } else {
-                        let a = mine.swap_remove(rng.below(mine.len() as u64) as usize);
+                        let a = mine.swap_remove(rng.u64(..mine.len() as u64) as usize);
                         live.lock().unwrap().remove(&a);
                         arena.free(a).unwrap();
                     }

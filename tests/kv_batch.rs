@@ -270,23 +270,23 @@ fn slots_join_and_leave_while_the_others_keep_their_addresses_and_bytes() {
     let bpt = l.bytes_per_token();
     let b = a.create_batch(&l, 48, 8).unwrap();
     let bi = a.batch_info(b).unwrap();
-    let mut rng = Rng(0x5eed_0014);
+    let mut rng = Rng::with_seed(0x5eed_0014);
     // (slot index, sequence, bytes written so far)
     let mut live: Vec<(u32, u64, Vec<u8>)> = Vec::new();
     let mut seed = 20u8;
     for step in 0..80 {
-        let r = rng.below(10);
+        let r = below(&mut rng, 10);
         if (r < 4 || live.is_empty()) && live.len() < 8 {
             let q = a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();
             live.push((a.slot_info(q).unwrap().index, q, Vec::new()));
         } else if r < 6 {
-            let (_, q, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
+            let (_, q, _) = live.swap_remove(below(&mut rng, live.len() as u64) as usize);
             a.release_slot(q, s.raw()).unwrap();
         } else {
-            let k = rng.below(live.len() as u64) as usize;
+            let k = below(&mut rng, live.len() as u64) as usize;
             let (_, q, bytes) = &mut live[k];
             let len = a.sequence_info(*q).unwrap().len_tokens;
-            let n = rng.below(8).min(48 - len);
+            let n = below(&mut rng, 8).min(48 - len);
             a.prepare_append(*q, n, s.raw()).unwrap();
             seed = seed.wrapping_add(1);
             let more = pattern(seed, (n * bpt) as usize);

@@ -76,26 +76,26 @@ fn ledger_matches_an_independent_model_over_random_operations() {
     let g = d.vmm_granularity() as u64;
     let mut a = KvArena::new(&d, KvConfig::new(1 << 40)).unwrap();
     let mut m = Model { g, bpt: l.bytes_per_token(), next_id: 0, seqs: HashMap::new(), prefixes: HashMap::new() };
-    let mut rng = Rng(0x5eed_4b56_0001);
+    let mut rng = Rng::with_seed(0x5eed_4b56_0001);
     let steps = std::env::var("EPM_KV_RANDOM_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
     let mut done = [0u32; 7];
     for step in 0..steps {
         let seq_ids: Vec<u64> = m.seqs.keys().copied().collect();
         let pids: Vec<u64> = m.prefixes.keys().copied().collect();
-        let op = rng.below(7);
-        let mode = if rng.below(2) == 0 { AdmitMode::Reserve } else { AdmitMode::OnDemand };
+        let op = below(&mut rng, 7);
+        let mode = if below(&mut rng, 2) == 0 { AdmitMode::Reserve } else { AdmitMode::OnDemand };
         match op {
             0 if m.seqs.len() < 12 => {
-                let max = 1 + rng.below(60);
+                let max = 1 + below(&mut rng, 60);
                 let id = a.create_sequence(&l, max, mode).unwrap();
                 let n = m.slots(max);
                 let promise = if mode == AdmitMode::Reserve { n as u64 } else { 0 };
                 m.seqs.insert(id, MSeq { max, len: 0, slots: vec![None; n], link: None, promise });
             }
             1 | 2 if !seq_ids.is_empty() => {
-                let id = seq_ids[rng.below(seq_ids.len() as u64) as usize];
+                let id = seq_ids[below(&mut rng, seq_ids.len() as u64) as usize];
                 let ms = m.seqs[&id].clone();
-                let n = rng.below(ms.max - ms.len + 1);
+                let n = below(&mut rng, ms.max - ms.len + 1);
                 a.prepare_append(id, n, s.raw()).unwrap();
                 let first = (ms.len * m.bpt / g) as usize;
                 let end = if n == 0 { first } else { m.slots(ms.len + n) };
@@ -114,12 +114,12 @@ fn ledger_matches_an_independent_model_over_random_operations() {
                 }
             }
             3 if !seq_ids.is_empty() => {
-                let id = seq_ids[rng.below(seq_ids.len() as u64) as usize];
+                let id = seq_ids[below(&mut rng, seq_ids.len() as u64) as usize];
                 let ms = m.seqs[&id].clone();
                 if ms.len == 0 {
                     continue;
                 }
-                let n = 1 + rng.below(ms.len);
+                let n = 1 + below(&mut rng, ms.len);
                 let pid = a.pin_prefix(id, n, s.raw()).unwrap();
                 let k = m.slots(n);
                 let ids: Vec<u64> = ms.slots[..k].iter().map(|s| s.unwrap().0).collect();
@@ -138,10 +138,10 @@ fn ledger_matches_an_independent_model_over_random_operations() {
                 }
             }
             4 if !pids.is_empty() => {
-                let pid = pids[rng.below(pids.len() as u64) as usize];
+                let pid = pids[below(&mut rng, pids.len() as u64) as usize];
                 let (pn, ids) = (m.prefixes[&pid].n, m.prefixes[&pid].ids.clone());
-                let n = 1 + rng.below(pn);
-                let max = n + rng.below(40);
+                let n = 1 + below(&mut rng, pn);
+                let max = n + below(&mut rng, 40);
                 let id = a.commit_shared_prefix(pid, n, max, mode).unwrap();
                 let total = m.slots(max);
                 let k = m.slots(n);
@@ -158,7 +158,7 @@ fn ledger_matches_an_independent_model_over_random_operations() {
                 m.seqs.insert(id, MSeq { max, len: n, slots, link: Some(pid), promise });
             }
             5 if !pids.is_empty() => {
-                let pid = pids[rng.below(pids.len() as u64) as usize];
+                let pid = pids[below(&mut rng, pids.len() as u64) as usize];
                 if !m.prefixes[&pid].pinned {
                     assert_eq!(a.unpin_prefix(pid).unwrap_err().status(), epmem::EpmStatus::InvalidState);
                     continue;
@@ -170,7 +170,7 @@ fn ledger_matches_an_independent_model_over_random_operations() {
                 }
             }
             6 if !seq_ids.is_empty() => {
-                let id = seq_ids[rng.below(seq_ids.len() as u64) as usize];
+                let id = seq_ids[below(&mut rng, seq_ids.len() as u64) as usize];
                 a.destroy_sequence(id).unwrap();
                 m.unlink(id);
                 m.seqs.remove(&id);

@@ -30,22 +30,18 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const THREADS: u64 = 8;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
+use fastrand::Rng;
+
+/// A uniform pick in `0..n`, taking `n = 0` as 1 (the cycles pick from lists
+/// and lengths that may be empty).
+fn below(r: &mut Rng, n: u64) -> u64 {
+    r.u64(..n.max(1))
 }
 
 fn pattern(n: usize, seed: u64) -> Vec<u8> {
-    let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    (0..n).map(|_| r.next() as u8).collect()
+    let mut v = vec![0u8; n];
+    Rng::with_seed(seed).fill(&mut v);
+    v
 }
 
 fn leak(v: Vec<u8>) -> HostRange {
@@ -105,11 +101,11 @@ struct Counts {
 }
 
 fn pool_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {
-    let len = KIB * (1 + r.below(2048)) as usize;
+    let len = KIB * (1 + below(r, 2048)) as usize;
     let mut buf = st.pool.acquire(len).unwrap();
     let addr = buf.as_ptr() as usize;
     assert!(st.held.lock().unwrap().insert(addr), "staging buffer {addr:#x} handed out twice");
-    let data = pattern(len, r.next());
+    let data = pattern(len, r.u64(..));
     buf[..len].copy_from_slice(&data);
     let done = fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
     assert!(read(&st.d, s, dst.ptr(), len) == data, "pool copy of {len} bytes");
@@ -118,16 +114,16 @@ fn pool_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {
 }
 
 fn engine_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {
-    let len = KIB * (1 + r.below(3 * 1024)) as usize;
-    let data = pattern(len, r.next());
+    let len = KIB * (1 + below(r, 3 * 1024)) as usize;
+    let data = pattern(len, r.u64(..));
     let range = leak(data.clone());
     st.engine.htod(dst.ptr(), range, Some(s.raw())).unwrap().wait().unwrap();
     assert!(read(&st.d, s, dst.ptr(), len) == data, "engine copy of {len} bytes");
 }
 
 fn residency_cycle(rs: &Residency, s: &Stream, r: &mut Rng, c: &Counts) {
-    let i = r.below(rs.ids.len() as u64) as usize;
-    if r.below(4) == 0 {
+    let i = below(r, rs.ids.len() as u64) as usize;
+    if below(r, 4) == 0 {
         let j = (i + 1) % rs.ids.len();
         rs.res.prefetch(&[rs.ids[i], rs.ids[j]]).unwrap();
     }
@@ -150,16 +146,16 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
     let mut g = kv.arena.lock().unwrap();
     let (a, book) = &mut *g;
     let mine: Vec<u64> = book.seqs.iter().filter(|(_, (o, _))| *o == me).map(|(id, _)| *id).collect();
-    let pick = |r: &mut Rng, v: &[u64]| v[r.below(v.len() as u64) as usize];
-    match r.below(6) {
+    let pick = |r: &mut Rng, v: &[u64]| v[below(r, v.len() as u64) as usize];
+    match below(r, 6) {
         0 if mine.len() < 3 => {
-            let id = a.create_sequence(&kv.layout, 8 + r.below(120), AdmitMode::OnDemand).unwrap();
+            let id = a.create_sequence(&kv.layout, 8 + below(r, 120), AdmitMode::OnDemand).unwrap();
             book.seqs.insert(id, (me, Vec::new()));
         }
         1 | 2 if !mine.is_empty() => {
             let id = pick(r, &mine);
             let info = a.sequence_info(id).unwrap();
-            let n = r.below(info.max_tokens - info.len_tokens + 1).min(24);
+            let n = below(r, info.max_tokens - info.len_tokens + 1).min(24);
             match a.prepare_append(id, n, s.raw()) {
                 Ok(()) => {}
                 Err(e) if e.status() == EpmStatus::OutOfBudget => return,
@@ -168,7 +164,7 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
             if n == 0 {
                 return;
             }
-            let data = pattern(n as usize * bpt, r.next());
+            let data = pattern(n as usize * bpt, r.u64(..));
             write(&kv.d, s, info.base + info.len_tokens * bpt as u64, &data);
             book.seqs.get_mut(&id).unwrap().1.extend_from_slice(&data);
         }
@@ -180,7 +176,7 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
             if info.len_tokens == 0 || info.shared_granules > 0 {
                 return;
             }
-            let n = 1 + r.below(info.len_tokens);
+            let n = 1 + below(r, info.len_tokens);
             let pid = a.pin_prefix(id, n, s.raw()).unwrap();
             let bytes = book.seqs[&id].1[..n as usize * bpt].to_vec();
             book.prefixes.insert(pid, (true, bytes));
@@ -191,13 +187,13 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
                 return;
             }
             let pid = pick(r, &pinned);
-            if r.below(3) == 0 {
+            if below(r, 3) == 0 {
                 a.unpin_prefix(pid).unwrap();
                 book.prefixes.get_mut(&pid).unwrap().0 = false;
             } else if mine.len() < 3 {
                 let pn = a.prefix_info(pid).unwrap().n_tokens;
-                let n = 1 + r.below(pn);
-                match a.commit_shared_prefix(pid, n, n + r.below(64), AdmitMode::OnDemand) {
+                let n = 1 + below(r, pn);
+                match a.commit_shared_prefix(pid, n, n + below(r, 64), AdmitMode::OnDemand) {
                     Ok(id) => {
                         let want = book.prefixes[&pid].1[..n as usize * bpt].to_vec();
                         let base = a.sequence_info(id).unwrap().base;
@@ -269,7 +265,7 @@ fn eight_threads_share_pool_engine_residency_and_kv() {
             for t in 0..THREADS {
                 let (st, rs, kv, counts) = (&st, &rs, &kv, &counts);
                 sc.spawn(move || {
-                    let mut r = Rng(0x5eed ^ ((t + 1) * 0x1234_5678_9abc));
+                    let mut r = Rng::with_seed(0x5eed ^ ((t + 1) * 0x1234_5678_9abc));
                     let ss = Stream::new(&st.d).unwrap();
                     let sr = Stream::new(&rs.d).unwrap();
                     let sk = Stream::new(&kv.d).unwrap();
@@ -279,7 +275,7 @@ fn eight_threads_share_pool_engine_residency_and_kv() {
                     let ran = |c: &AtomicU64| c.load(Ordering::Relaxed) > 0;
                     let all_ran = || [&counts.pool, &counts.engine, &counts.residency, &counts.kv].into_iter().all(ran);
                     while Instant::now() < deadline || (!all_ran() && Instant::now() < hard_stop) {
-                        match r.below(4) {
+                        match below(&mut r, 4) {
                             0 => {
                                 pool_cycle(st, &ss, &dst, &mut r);
                                 counts.pool.fetch_add(1, Ordering::Relaxed);

@@ -19,10 +19,12 @@ use std::sync::Arc;
 
 use crate::error::{EpmStatus, Error, Result};
 
+// Test machinery (the conformance suite, fault injection): compiled only for
+// tests and `--features testing` builds, never into the library `make
+// install` ships.
+#[cfg(any(test, feature = "testing"))]
 pub mod conformance;
 pub mod cuda;
-// Test machinery: compiled only for tests and `--features testing` builds,
-// never into the library `make install` ships.
 #[cfg(any(test, feature = "testing"))]
 pub mod fault;
 pub mod fence;
@@ -32,6 +34,7 @@ pub mod host;
 pub mod hostreg;
 pub mod ntcopy;
 pub mod objects;
+pub mod rlimit;
 
 pub use gate::Gate;
 pub use objects::*;

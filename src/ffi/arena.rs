@@ -8,6 +8,7 @@
 
 use crate::arena::{Arena, ArenaConfig, ArenaStats, DeviceArena, PinnedArena};
 use crate::ffi::device::EpmDevice;
+use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 
 /// A device arena or a pinned-host arena. Keeps its device alive; memory it
@@ -61,21 +62,21 @@ pub struct EpmArenaStats {
     pub fragmentation: f64,
 }
 
+mirror! {
+    fn stats_to_c(s: &ArenaStats) -> EpmArenaStats {
+        size: std::mem::size_of::<EpmArenaStats>();
+        same {
+            driver_alloc_calls, driver_free_calls, reserved_bytes, committed_bytes, in_use_bytes,
+            peak_in_use_bytes, live_allocations, alloc_calls, free_calls, fragmentation,
+        }
+        mapped {}
+        rust_only {}
+    }
+}
+
 impl From<ArenaStats> for EpmArenaStats {
     fn from(s: ArenaStats) -> Self {
-        Self {
-            size: std::mem::size_of::<Self>(),
-            driver_alloc_calls: s.driver_alloc_calls,
-            driver_free_calls: s.driver_free_calls,
-            reserved_bytes: s.reserved_bytes,
-            committed_bytes: s.committed_bytes,
-            in_use_bytes: s.in_use_bytes,
-            peak_in_use_bytes: s.peak_in_use_bytes,
-            live_allocations: s.live_allocations,
-            alloc_calls: s.alloc_calls,
-            free_calls: s.free_calls,
-            fragmentation: s.fragmentation,
-        }
+        stats_to_c(&s)
     }
 }
 

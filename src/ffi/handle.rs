@@ -47,10 +47,10 @@
 //! 0x50–0x5f ort, 0x60–0x6f stats/bench. A duplicate tag is still caught at
 //! run time: registering the second type fails with `EPM_STATUS_INTERNAL`.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::error::{EpmStatus, Error, Result};
+use crate::slab::{Lookup, Slab};
 
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("epmem handles encode 64-bit ids in pointers");
@@ -99,29 +99,23 @@ macro_rules! try_handle {
 pub(crate) use try_handle;
 
 struct Slot<T: ?Sized> {
-    generation: u32,
-    value: Option<Arc<T>>,
+    value: Arc<T>,
     /// A call using this handle panicked (see the module docs).
     poisoned: bool,
 }
 
-struct Slab<T: ?Sized> {
-    slots: Vec<Slot<T>>,
-    /// Free slot indices, reused oldest-first to spread generations.
-    free: VecDeque<u32>,
-}
-
-/// The live objects of one handle type.
+/// The live objects of one handle type: 24-bit slots and generations, the
+/// widths the id has room for; slots are reused oldest-first (crate::slab).
 pub struct Registry<T: ?Sized> {
-    slab: Mutex<Slab<T>>,
+    slab: Mutex<Slab<Slot<T>>>,
     tag_claimed: OnceLock<std::result::Result<(), String>>,
 }
 
 impl<T: ?Sized> Registry<T> {
     pub const fn new() -> Self {
-        Self { slab: Mutex::new(Slab { slots: Vec::new(), free: VecDeque::new() }), tag_claimed: OnceLock::new() }
+        Self { slab: Mutex::new(Slab::new(SLOT_MASK as u32 + 1, GEN_MASK as u32)), tag_claimed: OnceLock::new() }
     }
-    fn lock(&self) -> MutexGuard<'_, Slab<T>> {
+    fn lock(&self) -> MutexGuard<'_, Slab<Slot<T>>> {
         // Nothing panics while the lock is held, but a poisoned slab is still
         // consistent (every mutation is a single assignment), so keep going.
         self.slab.lock().unwrap_or_else(|p| p.into_inner())
@@ -169,7 +163,7 @@ fn encode<H: Handle>(slot: u32, generation: u32) -> *mut H {
 }
 
 /// Decode and check the type; returns (slot, generation).
-fn decode<H: Handle>(ptr: *const H) -> Result<(usize, u32)> {
+fn decode<H: Handle>(ptr: *const H) -> Result<(u32, u32)> {
     let id = ptr.addr() as u64;
     let bad = |why: String| Err(Error::new(EpmStatus::InvalidHandle, why));
     if id == 0 {
@@ -185,7 +179,7 @@ fn decode<H: Handle>(ptr: *const H) -> Result<(usize, u32)> {
             None => bad(format!("{id:#x} is not an epmem handle (expected {})", H::NAME)),
         };
     }
-    Ok(((id & SLOT_MASK) as usize, ((id >> GEN_SHIFT) & GEN_MASK) as u32))
+    Ok(((id & SLOT_MASK) as u32, ((id >> GEN_SHIFT) & GEN_MASK) as u32))
 }
 
 fn stale<H: Handle>(ptr: *const H) -> Error {
@@ -199,25 +193,10 @@ fn stale<H: Handle>(ptr: *const H) -> Error {
 pub fn register<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
     claim_tag::<H>()?;
     let mut slab = H::registry().lock();
-    let slot = match slab.free.pop_front() {
-        Some(i) => i,
-        None => {
-            let i = slab.slots.len();
-            crate::ensure!(
-                (i as u64) <= SLOT_MASK,
-                OutOfHostMemory,
-                "too many live {} handles ({})",
-                H::NAME,
-                SLOT_MASK + 1
-            );
-            slab.slots.push(Slot { generation: 1, value: None, poisoned: false });
-            i as u32
-        }
-    };
-    let s = &mut slab.slots[slot as usize];
-    s.value = Some(object);
-    s.poisoned = false;
-    Ok(encode::<H>(slot, s.generation))
+    match slab.insert(Slot { value: object, poisoned: false }) {
+        Ok((slot, generation)) => Ok(encode::<H>(slot, generation)),
+        Err(_) => crate::bail!(OutOfHostMemory, "too many live {} handles ({})", H::NAME, SLOT_MASK + 1),
+    }
 }
 
 /// The object behind a live handle. Inside a boundary call the handle is
@@ -225,8 +204,8 @@ pub fn register<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
 pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
     let (slot, generation) = decode(ptr)?;
     let slab = H::registry().lock();
-    match slab.slots.get(slot) {
-        Some(Slot { generation: g, value: Some(_), poisoned: true }) if *g == generation => Err(Error::new(
+    match slab.get(slot, generation) {
+        Lookup::Live(Slot { poisoned: true, .. }) => Err(Error::new(
             EpmStatus::InvalidState,
             format!(
                 "{} handle {:#x} is poisoned by an earlier panic inside a call using it \
@@ -235,12 +214,12 @@ pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
                 ptr.addr()
             ),
         )),
-        Some(Slot { generation: g, value: Some(v), poisoned: false }) if *g == generation => {
-            CallScope::note(H::registry(), slot as u32, generation);
-            Ok(v.clone())
+        Lookup::Live(Slot { value, poisoned: false }) => {
+            CallScope::note(H::registry(), slot, generation);
+            Ok(value.clone())
         }
-        Some(_) => Err(stale(ptr)),
-        None => Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME))),
+        Lookup::Stale => Err(stale(ptr)),
+        Lookup::Unknown => Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME))),
     }
 }
 
@@ -252,21 +231,14 @@ pub fn remove<H: Handle>(ptr: *const H) -> Result<Option<Arc<H::Object>>> {
     }
     let (slot, generation) = decode(ptr)?;
     let mut slab = H::registry().lock();
-    let taken = match slab.slots.get_mut(slot) {
-        Some(s) if s.generation == generation && s.value.is_some() => {
-            s.generation = if u64::from(s.generation) == GEN_MASK { 1 } else { s.generation + 1 };
-            s.value.take()
-        }
-        Some(_) => return Err(stale(ptr)),
-        None => {
-            return Err(Error::new(
-                EpmStatus::InvalidHandle,
-                format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME),
-            ));
-        }
-    };
-    slab.free.push_back(slot as u32);
-    Ok(taken)
+    match slab.remove(slot, generation) {
+        Lookup::Live(s) => Ok(Some(s.value)),
+        Lookup::Stale => Err(stale(ptr)),
+        Lookup::Unknown => Err(Error::new(
+            EpmStatus::InvalidHandle,
+            format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME),
+        )),
+    }
 }
 
 /// The body of every `epm_*_destroy`: unregister and drop. NULL is a no-op.
@@ -282,7 +254,7 @@ pub fn destroy<H: Handle>(ptr: *mut H) -> Result<()> {
 pub fn is_poisoned<H: Handle>(ptr: *const H) -> bool {
     let Ok((slot, generation)) = decode(ptr) else { return false };
     let slab = H::registry().lock();
-    slab.slots.get(slot).is_some_and(|s| s.generation == generation && s.value.is_some() && s.poisoned)
+    matches!(slab.get(slot, generation), Lookup::Live(Slot { poisoned: true, .. }))
 }
 
 /// A registry seen through its type-erased poison switch.
@@ -293,10 +265,7 @@ trait Poison: Sync {
 impl<T: ?Sized + Send + Sync> Poison for Registry<T> {
     fn poison(&self, slot: u32, generation: u32) {
         let mut slab = self.lock();
-        if let Some(s) = slab.slots.get_mut(slot as usize)
-            && s.generation == generation
-            && s.value.is_some()
-        {
+        if let Lookup::Live(s) = slab.get_mut(slot, generation) {
             s.poisoned = true;
         }
     }
@@ -355,7 +324,7 @@ impl Drop for CallScope {
 
 /// Number of live handles of one type (leak checks in tests).
 pub fn live_count<H: Handle>() -> usize {
-    H::registry().lock().slots.iter().filter(|s| s.value.is_some()).count()
+    H::registry().lock().len()
 }
 
 #[cfg(test)]

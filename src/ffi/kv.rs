@@ -19,9 +19,10 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::device::{Device, RawStream, Stream};
 use crate::ffi::device::EpmDevice;
+use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::kv::{self, AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+use crate::kv::{self, AdmitMode, KvArena, KvConfig, KvLayout, KvShape, KvStats};
 
 /// A KV arena: granule pool, ledger (budget) and dummy granule.
 pub struct EpmKvArena {
@@ -314,6 +315,35 @@ pub struct EpmKvStats {
     pub hash_hits: u64,
 }
 
+mirror! {
+    /// The arena's stats as C sees them (`size` is set by `write_versioned`).
+    fn stats_to_c(s: &KvStats) -> EpmKvStats {
+        size: 0;
+        same { granule_bytes, sequences, prefixes, pinned_prefixes, mapped_bytes }
+        mapped {
+            budget_bytes: ledger.budget_bytes,
+            owned_bytes: ledger.owned_bytes,
+            promised_bytes: ledger.promised_bytes,
+            peak_owned_bytes: ledger.peak_owned_bytes,
+            owned_granules: ledger.owned_granules,
+            charges: ledger.charges,
+            credits: ledger.credits,
+            refusals: ledger.refusals,
+            pool_created: pool.created,
+            pool_released: pool.released,
+            pool_reused: pool.reused,
+            pool_retained: pool.retained,
+            cow_granules: counters.cow_granules,
+            committed_granules: counters.committed_granules,
+            fences: counters.fences,
+            hash_hits: counters.hash_hits,
+        }
+        // ledger, pool and counters are flattened above (their own fields are
+        // not checked for exhaustiveness); `batches` is not in the C struct.
+        rust_only { ledger, pool, counters, batches }
+    }
+}
+
 /// Fill `*out` with the arena's ledger and counters.
 ///
 /// Set `out->size = sizeof(EpmKvStats)` first; epmem writes at most that many
@@ -328,30 +358,7 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
         let arena = try_handle!(arena);
         let out = try_out!(out);
         let s = arena.lock()?.stats();
-        let v = EpmKvStats {
-            size: 0,
-            budget_bytes: s.ledger.budget_bytes,
-            owned_bytes: s.ledger.owned_bytes,
-            promised_bytes: s.ledger.promised_bytes,
-            peak_owned_bytes: s.ledger.peak_owned_bytes,
-            owned_granules: s.ledger.owned_granules,
-            charges: s.ledger.charges,
-            credits: s.ledger.credits,
-            refusals: s.ledger.refusals,
-            granule_bytes: s.granule_bytes,
-            pool_created: s.pool.created,
-            pool_released: s.pool.released,
-            pool_reused: s.pool.reused,
-            pool_retained: s.pool.retained,
-            sequences: s.sequences,
-            prefixes: s.prefixes,
-            pinned_prefixes: s.pinned_prefixes,
-            mapped_bytes: s.mapped_bytes,
-            cow_granules: s.counters.cow_granules,
-            committed_granules: s.counters.committed_granules,
-            fences: s.counters.fences,
-            hash_hits: s.counters.hash_hits,
-        };
+        let v = stats_to_c(&s);
         write_versioned(out, v, "EpmKvStats")
     }
 }

@@ -54,6 +54,7 @@ pub mod kv;
 pub mod kv_batch;
 pub mod log;
 pub mod memory;
+pub mod mirror;
 pub mod panic;
 pub mod residency;
 pub mod shared_reg;

@@ -13,7 +13,10 @@ use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::residency::{HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
+use crate::ffi::mirror::mirror;
+use crate::residency::{
+    HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId,
+};
 
 /// A residency manager: a VRAM budget, its device arena, a staging pool and
 /// copy engine, and the registered weights. Keeps its device alive.
@@ -535,6 +538,32 @@ pub extern "C" fn epm_residency_synchronize(res: *mut EpmResidency) -> EpmStatus
     }
 }
 
+mirror! {
+    /// The counters as C sees them (`size` is set by `write_versioned`).
+    fn stats_to_c(s: &ResidencyStats) -> EpmResidencyStats {
+        size: 0;
+        same {
+            acquires, hits, hit_rate, page_ins, prefetch_page_ins, pending_prefetches,
+            wasted_prefetches, evictions, eviction_waits, bypassed_page_ins, staged_page_ins,
+            source_registrations, register_refusals, registered_bytes, htod_bytes,
+            pinned_alloc_calls, pinned_reuses, fill_ms, htod_ms, stall_ms, device_stall_ms,
+            host_stall_ms, resident_bytes, peak_resident_bytes, resident_weights,
+            registered_weights, budget_bytes, coalesced_weights, ordered_reuses, attached_bytes,
+        }
+        mapped {
+            arena_driver_alloc_calls: arena.driver_alloc_calls,
+            arena_driver_free_calls: arena.driver_free_calls,
+            arena_reserved_bytes: arena.reserved_bytes,
+            arena_committed_bytes: arena.committed_bytes,
+            arena_in_use_bytes: arena.in_use_bytes,
+            arena_fragmentation: arena.fragmentation,
+        }
+        // `arena` is flattened above; the plan's counters (issue 12) are not
+        // in the C struct yet: growing it is an ABI decision, not this table's.
+        rust_only { arena, ring_bytes, planned_resident_bytes, ring_page_ins, ring_weights, plans }
+    }
+}
+
 /// Fill `*out` with the counters. The caller sets
 /// `out->size = sizeof(EpmResidencyStats)` first; epmem fills at most that
 /// many bytes and writes back how many.
@@ -546,46 +575,7 @@ pub extern "C" fn epm_residency_get_stats(res: *mut EpmResidency, out: *mut EpmR
     ffi_boundary! {
         let res = try_handle!(res);
         let out = try_out!(out);
-        let s = res.stats();
-        let v = EpmResidencyStats {
-            size: 0,
-            acquires: s.acquires,
-            hits: s.hits,
-            hit_rate: s.hit_rate,
-            page_ins: s.page_ins,
-            prefetch_page_ins: s.prefetch_page_ins,
-            pending_prefetches: s.pending_prefetches,
-            wasted_prefetches: s.wasted_prefetches,
-            evictions: s.evictions,
-            eviction_waits: s.eviction_waits,
-            bypassed_page_ins: s.bypassed_page_ins,
-            staged_page_ins: s.staged_page_ins,
-            source_registrations: s.source_registrations,
-            register_refusals: s.register_refusals,
-            registered_bytes: s.registered_bytes,
-            htod_bytes: s.htod_bytes,
-            pinned_alloc_calls: s.pinned_alloc_calls,
-            pinned_reuses: s.pinned_reuses,
-            fill_ms: s.fill_ms,
-            htod_ms: s.htod_ms,
-            stall_ms: s.stall_ms,
-            device_stall_ms: s.device_stall_ms,
-            host_stall_ms: s.host_stall_ms,
-            resident_bytes: s.resident_bytes,
-            peak_resident_bytes: s.peak_resident_bytes,
-            resident_weights: s.resident_weights,
-            registered_weights: s.registered_weights,
-            budget_bytes: s.budget_bytes,
-            arena_driver_alloc_calls: s.arena.driver_alloc_calls,
-            arena_driver_free_calls: s.arena.driver_free_calls,
-            arena_reserved_bytes: s.arena.reserved_bytes,
-            arena_committed_bytes: s.arena.committed_bytes,
-            arena_in_use_bytes: s.arena.in_use_bytes,
-            arena_fragmentation: s.arena.fragmentation,
-            coalesced_weights: s.coalesced_weights,
-            ordered_reuses: s.ordered_reuses,
-            attached_bytes: s.attached_bytes,
-        };
+        let v = stats_to_c(&res.stats());
         write_versioned(out, v, "out")
     }
 }

@@ -10,6 +10,7 @@
 use crate::device::HostRange;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
+use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
 use crate::staging::{CopyEngine, EngineConfig, Fence, HostRegistration, PinnedStagingPool, PoolConfig, StagingStats};
@@ -120,27 +121,20 @@ pub const EPM_STAGING_STATS_SIZE_V1: usize = 112;
 versioned!(input EpmCopyEngineConfig, EPM_COPY_ENGINE_CONFIG_SIZE_V1);
 versioned!(EpmStagingStats, EPM_STAGING_STATS_SIZE_V1);
 
-fn c_stats(s: StagingStats) -> EpmStagingStats {
-    EpmStagingStats {
-        size: std::mem::size_of::<EpmStagingStats>(),
-        pinned_alloc_calls: s.pinned_alloc_calls,
-        pinned_free_calls: s.pinned_free_calls,
-        pinned_reuses: s.pinned_reuses,
-        retained_bytes: s.retained_bytes,
-        retained_buffers: s.retained_buffers,
-        copies: s.copies,
-        bypassed: s.bypassed,
-        htod_bytes: s.htod_bytes,
-        chunks: s.chunks,
-        fill_ms: s.fill_ms,
-        slot_wait_ms: s.slot_wait_ms,
-        htod_ms: s.htod_ms,
-        timed_copies: s.timed_copies,
+mirror! {
+    fn stats_to_c(s: &StagingStats) -> EpmStagingStats {
+        size: std::mem::size_of::<EpmStagingStats>();
+        same {
+            pinned_alloc_calls, pinned_free_calls, pinned_reuses, retained_bytes, retained_buffers,
+            copies, bypassed, htod_bytes, chunks, fill_ms, slot_wait_ms, htod_ms, timed_copies,
+        }
+        mapped {}
+        rust_only {}
     }
 }
 
 fn write_stats(out: OutParam<'_, EpmStagingStats>, s: StagingStats) -> Result<()> {
-    write_versioned(out, c_stats(s), "EpmStagingStats")
+    write_versioned(out, stats_to_c(&s), "EpmStagingStats")
 }
 
 fn default_config() -> EpmCopyEngineConfig {

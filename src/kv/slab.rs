@@ -1,13 +1,14 @@
-//! Generational slots: an id that outlives its object is a clean
-//! `InvalidHandle`, never a different object that reused the slot.
+//! Generational KV ids (sequences, prefixes, batches): an id that outlives
+//! its object is a clean `InvalidHandle`, never a different object that
+//! reused the slot. The slots are the crate's one [`crate::slab::Slab`];
+//! this adds the u64 id and the message naming what the id was.
 
 use crate::error::Result;
+use crate::slab::Lookup;
 
 #[derive(Debug)]
 pub struct Slab<T> {
-    entries: Vec<(u32, Option<T>)>,
-    free: Vec<u32>,
-    live: usize,
+    slots: crate::slab::Slab<T>,
     what: &'static str,
 }
 
@@ -16,64 +17,58 @@ fn pack(index: u32, generation: u32) -> u64 {
     ((generation as u64) << 32) | index as u64
 }
 
+fn unpack(id: u64) -> (u32, u32) {
+    ((id & 0xffff_ffff) as u32, (id >> 32) as u32)
+}
+
+fn missing<V>(what: &str, id: u64) -> Result<V> {
+    crate::bail!(InvalidHandle, "{what} {id:#x} does not exist (destroyed or never created)")
+}
+
 impl<T> Slab<T> {
     pub fn new(what: &'static str) -> Self {
-        Self { entries: Vec::new(), free: Vec::new(), live: 0, what }
+        Self { slots: crate::slab::Slab::new(u32::MAX, u32::MAX), what }
     }
 
     pub fn insert(&mut self, v: T) -> u64 {
-        self.live += 1;
-        match self.free.pop() {
-            Some(i) => {
-                let e = &mut self.entries[i as usize];
-                e.0 = e.0.wrapping_add(1).max(1);
-                e.1 = Some(v);
-                pack(i, e.0)
-            }
-            None => {
-                self.entries.push((1, Some(v)));
-                pack((self.entries.len() - 1) as u32, 1)
-            }
-        }
+        // 2^32 - 1 live sequences or prefixes would need far more memory
+        // than their reservations can ever have.
+        let (i, g) = self.slots.insert(v).unwrap_or_else(|_| panic!("2^32 live {} ids", self.what));
+        pack(i, g)
     }
 
-    fn locate(&self, id: u64) -> Result<usize> {
-        let (i, generation) = ((id & 0xffff_ffff) as usize, (id >> 32) as u32);
-        match self.entries.get(i) {
-            Some((g, Some(_))) if *g == generation => Ok(i),
-            _ => crate::bail!(InvalidHandle, "{} {id:#x} does not exist (destroyed or never created)", self.what),
-        }
-    }
 
     pub fn get(&self, id: u64) -> Result<&T> {
-        let i = self.locate(id)?;
-        Ok(self.entries[i].1.as_ref().expect("located entries are occupied"))
+        let (i, g) = unpack(id);
+        match self.slots.get(i, g) {
+            Lookup::Live(v) => Ok(v),
+            _ => missing(self.what, id),
+        }
     }
 
     pub fn get_mut(&mut self, id: u64) -> Result<&mut T> {
-        let i = self.locate(id)?;
-        Ok(self.entries[i].1.as_mut().expect("located entries are occupied"))
+        let (i, g) = unpack(id);
+        match self.slots.get_mut(i, g) {
+            Lookup::Live(v) => Ok(v),
+            _ => missing(self.what, id),
+        }
     }
 
     pub fn remove(&mut self, id: u64) -> Result<T> {
-        let i = self.locate(id)?;
-        self.free.push(i as u32);
-        self.live -= 1;
-        Ok(self.entries[i].1.take().expect("located entries are occupied"))
+        let (i, g) = unpack(id);
+        match self.slots.remove(i, g) {
+            Lookup::Live(v) => Ok(v),
+            _ => missing(self.what, id),
+        }
     }
 
     pub fn len(&self) -> usize {
-        self.live
+        self.slots.len()
     }
 
     /// Ids of every live entry.
     pub fn ids(&self) -> Vec<u64> {
-        self.entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.1.is_some())
-            .map(|(i, e)| pack(i as u32, e.0))
-            .collect()
+        self.slots.iter().map(|(i, g, _)| pack(i, g)).collect()
     }
 }
 

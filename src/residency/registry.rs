@@ -189,18 +189,6 @@ fn unknown(w: WeightId) -> crate::error::Error {
     crate::error::Error::invalid_argument(format!("weight {} is not registered (never, or unregistered)", w.0))
 }
 
-/// The soft RLIMIT_MEMLOCK in bytes, `None` when unlimited or unreadable.
-/// Read from /proc so the core stays free of `unsafe`.
-pub fn memlock_limit() -> Option<u64> {
-    parse_memlock(&std::fs::read_to_string("/proc/self/limits").ok()?)
-}
-
-fn parse_memlock(limits: &str) -> Option<u64> {
-    let line = limits.lines().find(|l| l.starts_with("Max locked memory"))?;
-    let soft = line.trim_start_matches("Max locked memory").split_whitespace().next()?;
-    soft.parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,15 +208,5 @@ mod tests {
         assert_eq!(r.len(), 2);
         assert_eq!(r.ids().collect::<Vec<_>>(), vec![b, c]);
         assert!(r.add(HostRange::from_static(&DATA[..0])).is_err());
-    }
-
-    #[test]
-    fn memlock_limit_parses_proc_limits() {
-        let text = "Limit                     Soft Limit           Hard Limit           Units\n\
-                    Max open files            1024                 4096                 files\n\
-                    Max locked memory         8388608              8388608              bytes\n";
-        assert_eq!(parse_memlock(text), Some(8 << 20));
-        assert_eq!(parse_memlock(&text.replace("8388608  ", "unlimited")), None);
-        assert_eq!(parse_memlock("garbage"), None);
     }
 }

@@ -113,18 +113,10 @@ mod tests {
         (0..steps).flat_map(|_| (0..n).map(WeightId)).collect()
     }
 
-    /// xorshift64*: deterministic sizes without a dependency.
+    /// Deterministic sizes per seed, so a failure reproduces.
     fn sizes(n: usize, seed: u64, uneven: bool) -> Vec<u64> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s ^= s >> 12;
-                s ^= s << 25;
-                s ^= s >> 27;
-                let r = s.wrapping_mul(0x2545_f491_4f6c_dd1d);
-                if uneven { (1 + r % 64) << 20 } else { 32 << 20 }
-            })
-            .collect()
+        let mut r = fastrand::Rng::with_seed(seed);
+        (0..n).map(|_| if uneven { (1 + r.u64(..64)) << 20 } else { 32 << 20 }).collect()
     }
 
     #[test]

@@ -37,16 +37,11 @@ pub fn pattern(seed: u8, n: usize) -> Vec<u8> {
     (0..n).map(|i| (i as u32).wrapping_mul(31).wrapping_add(seed as u32 * 7 + 1) as u8).collect()
 }
 
-/// A tiny deterministic RNG (xorshift64*), so failures reproduce.
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
+/// A deterministic generator per seed, so failures reproduce.
+pub use fastrand::Rng;
+
+/// A uniform pick in `0..n`, taking `n = 0` as 1 (the random walks pick from
+/// lists and lengths that may be empty; the caller's `1 +` or guard decides).
+pub fn below(r: &mut Rng, n: u64) -> u64 {
+    r.u64(..n.max(1))
 }

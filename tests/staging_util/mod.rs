@@ -11,17 +11,10 @@ pub fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open the device EPM_DEVICE names")
 }
 
-/// Deterministic pseudo-random bytes (xorshift64*), different per seed.
+/// Deterministic pseudo-random bytes, different per seed.
 pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(n + 8);
-    while out.len() < n {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(n);
+    let mut out = vec![0u8; n];
+    fastrand::Rng::with_seed(seed).fill(&mut out);
     out
 }
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{HostBuf, SplitMix, assert_same, download, no_leaks, random_bytes, upload};
+use super::{HostBuf, assert_same, download, no_leaks, random_bytes, upload};
 use crate::device::{Device, DeviceBuffer, Stream, checksum_host};
 use crate::error::Result;
 
@@ -36,7 +36,7 @@ fn round_trip(dev: &Arc<dyn Device>, s: &Stream, n: usize, pinned: bool, seed: u
     let b = DeviceBuffer::new(dev, n + PAD)?;
     dev.memset_d8_async(b.ptr(), GUARD, n + PAD, s.raw())?;
     let mut src = HostBuf::new(dev, n, pinned)?;
-    SplitMix::new(seed).fill(src.as_mut_slice());
+    fastrand::Rng::with_seed(seed).fill(src.as_mut_slice());
     let mut dst = HostBuf::new(dev, n, pinned)?;
     let b_at = b.ptr() + B_OFF as u64;
     // Three copies queued back to back: the stream must order them.

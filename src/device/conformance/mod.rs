@@ -28,36 +28,10 @@ use std::sync::Arc;
 use super::{Device, DeviceKind, DevicePtr, PinnedBuffer, Stream};
 use crate::error::{EpmStatus, Result};
 
-/// splitmix64: a tiny deterministic generator, so failures reproduce.
-#[derive(Debug, Clone)]
-pub struct SplitMix(u64);
-
-impl SplitMix {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        let mut chunks = buf.chunks_exact_mut(8);
-        for c in &mut chunks {
-            c.copy_from_slice(&self.next_u64().to_le_bytes());
-        }
-        let rest = chunks.into_remainder();
-        let last = self.next_u64().to_le_bytes();
-        rest.copy_from_slice(&last[..rest.len()]);
-    }
-}
-
 /// `n` deterministic random bytes.
 pub fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
     let mut v = vec![0u8; n];
-    SplitMix::new(seed).fill(&mut v);
+    fastrand::Rng::with_seed(seed).fill(&mut v);
     v
 }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{SplitMix, assert_same, download, no_leaks, random_bytes};
+use super::{assert_same, download, no_leaks, random_bytes};
 use crate::device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
 use crate::error::{EpmStatus, Result};
 
@@ -43,7 +43,7 @@ pub fn events_order_work_across_streams(dev: &Arc<dyn Device>) -> Result<()> {
         dev.memset_d8_async(buf.ptr(), 0, n, a.raw())?;
         a.synchronize()?;
         let mut src = PinnedBuffer::new(dev, n)?;
-        SplitMix::new(0xA11CE).fill(&mut src);
+        fastrand::Rng::with_seed(0xA11CE).fill(&mut src);
         let mut dst = PinnedBuffer::new(dev, n)?;
         let ev = Event::new(dev, false)?;
 

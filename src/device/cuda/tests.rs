@@ -216,8 +216,6 @@ fn gpu() -> Arc<dyn Device> {
     d
 }
 
-/// Deterministic bytes (xorshift), so a failure reproduces.
-
 fn read_back(d: &Arc<dyn Device>, src: DevicePtr, n: usize, s: &Stream) -> Vec<u8> {
     let mut out = vec![0u8; n];
     // SAFETY: `out` is n writable bytes, untouched until the synchronize below.

@@ -31,7 +31,7 @@
 use std::fmt::Write as _;
 use std::time::Instant;
 
-use epmem::bench_support::{BenchArgs, Report, Scenario, gbps, median, repeat};
+use epmem_tools::bench::{BenchArgs, Report, Scenario, gbps, median, repeat};
 use epmem::device::fence::{self, CopyTiming};
 use epmem::device::fill::FillThreads;
 use epmem::device::{self, DeviceBuffer, Event, HostRange, PinnedBuffer, Stream};

@@ -1,4 +1,4 @@
-//! Shared plumbing for the benchmark binaries (src/bin/bench_*.rs): repeated
+//! Shared plumbing for the benchmark binaries (tools/src/bin/bench_*.rs): repeated
 //! timing with a warm-up, medians, and one JSON shape that scripts/bench.sh
 //! merges and scripts/bench_compare.py compares.
 //!
@@ -12,8 +12,9 @@
 //! `name` is unique within a bench; `group` and `x` let the report plot a
 //! series (e.g. GB/s against size).
 
-use std::fmt::Write as _;
 use std::time::Instant;
+
+use serde_json::json;
 
 /// Median of samples (the mean of the middle two for an even count); NaN if empty.
 pub fn median(samples: &[f64]) -> f64 {
@@ -90,29 +91,6 @@ pub struct Report {
     pub markdown: String,
 }
 
-fn json_str(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            '\t' => o.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
-}
-
-fn json_num(v: f64) -> String {
-    if v.is_finite() { format!("{v}") } else { "null".to_string() }
-}
-
 impl Report {
     pub fn new(bench: &str, device: &str, kind: &str, runs: usize, warmup: usize) -> Self {
         Self {
@@ -137,35 +115,22 @@ impl Report {
         self.scenarios.iter().find(|s| s.name == name).map(Scenario::value)
     }
 
+    /// The report as JSON. A non-finite figure (a failed run's NaN) is
+    /// `null`, which is what serde_json writes for it.
     pub fn to_json(&self) -> String {
-        let mut o = String::new();
-        let _ = write!(
-            o,
-            "{{\"schema\":\"epmem-bench/1\",\"bench\":{},\"device\":{},\"kind\":{},\"runs\":{},\"warmup\":{},\"scenarios\":[",
-            json_str(&self.bench),
-            json_str(&self.device),
-            json_str(&self.kind),
-            self.runs,
-            self.warmup
-        );
-        for (i, s) in self.scenarios.iter().enumerate() {
-            if i > 0 {
-                o.push(',');
-            }
-            let samples: Vec<String> = s.samples.iter().map(|&v| json_num(v)).collect();
-            let _ = write!(
-                o,
-                "\n{{\"name\":{},\"group\":{},\"value\":{},\"unit\":{},\"higher_is_better\":{},\"x\":{},\"samples\":[{}]}}",
-                json_str(&s.name),
-                json_str(&s.group),
-                json_num(s.value()),
-                json_str(&s.unit),
-                s.higher_is_better,
-                s.x.map_or("null".to_string(), json_num),
-                samples.join(",")
-            );
-        }
-        let _ = write!(o, "\n],\"markdown\":{}}}\n", json_str(&self.markdown));
+        let scenarios: Vec<serde_json::Value> = self
+            .scenarios
+            .iter()
+            .map(|s| {
+                json!({"name": s.name, "group": s.group, "value": s.value(), "unit": s.unit,
+                       "higher_is_better": s.higher_is_better, "x": s.x, "samples": s.samples})
+            })
+            .collect();
+        let mut o = json!({"schema": "epmem-bench/1", "bench": self.bench, "device": self.device,
+                           "kind": self.kind, "runs": self.runs, "warmup": self.warmup,
+                           "scenarios": scenarios, "markdown": self.markdown})
+        .to_string();
+        o.push('\n');
         o
     }
 
@@ -184,15 +149,29 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
+    /// Unknown arguments and bad values are reported and ignored, so a
+    /// bench.sh that passes a newer flag still gets a run.
     pub fn parse() -> Self {
+        use lexopt::prelude::*;
         let mut a = BenchArgs::default();
-        let mut it = std::env::args().skip(1);
-        while let Some(arg) = it.next() {
-            match arg.as_str() {
-                "--json" => a.json = it.next(),
-                "--quick" => a.quick = true,
-                "--runs" => a.runs = it.next().and_then(|v| v.parse().ok()),
-                other => eprintln!("ignoring unknown argument {other}"),
+        let mut p = lexopt::Parser::from_env();
+        loop {
+            let arg = match p.next() {
+                Ok(Some(arg)) => arg,
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!("ignoring: {e}");
+                    continue;
+                }
+            };
+            let r = match arg {
+                Long("json") => p.value().and_then(|v| v.string()).map(|v| a.json = Some(v)),
+                Long("quick") => Ok(a.quick = true),
+                Long("runs") => p.value().and_then(|v| v.parse()).map(|v| a.runs = Some(v)),
+                other => Err(other.unexpected()),
+            };
+            if let Err(e) = r {
+                eprintln!("ignoring: {e}");
             }
         }
         a
@@ -217,8 +196,9 @@ mod tests {
         r.markdown = "| a |\n".into();
         let j = r.to_json();
         assert!(j.contains("\"bench\":\"t\\\"x\""), "{j}");
-        assert!(j.contains("\"value\":3,"), "{j}");
         assert!(j.contains("\"markdown\":\"| a |\\n\""), "{j}");
+        let v: serde_json::Value = serde_json::from_str(&j).unwrap();
+        assert_eq!(v["scenarios"][0]["value"], 3.0, "{j}");
         assert_eq!(r.get("a/1"), Some(3.0));
     }
 }

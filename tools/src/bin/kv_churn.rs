@@ -25,7 +25,6 @@
 //! cuMemAlloc), if the ledger ever differs from the live granules or from the
 //! device's physical bytes, or if a checksum differs. Last line: the verdict.
 
-use epmem::device::conformance::random_bytes;
 use std::collections::VecDeque;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -33,6 +32,13 @@ use std::time::Instant;
 
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, Stream, checksum_host};
 use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+
+/// `n` deterministic bytes per seed, so a checksum failure reproduces.
+fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    fastrand::Rng::with_seed(seed).fill(&mut v);
+    v
+}
 
 struct Args {
     iters: u64,
@@ -45,21 +51,19 @@ struct Args {
 
 fn parse() -> Result<Args, String> {
     let mut a = Args { iters: 20_000, window: 16, rotate: 500, prefix_tokens: 500, append_tokens: 200, checkpoints: 10 };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--quick" {
-            (a.iters, a.window, a.rotate) = (300, 4, 40);
-            continue;
-        }
-        let v: u64 = it.next().and_then(|v| v.parse().ok()).ok_or(format!("{flag} needs a number"))?;
-        match flag.as_str() {
-            "--iters" => a.iters = v,
-            "--window" => a.window = v as usize,
-            "--rotate" => a.rotate = v,
-            "--prefix-tokens" => a.prefix_tokens = v,
-            "--append-tokens" => a.append_tokens = v,
-            "--checkpoints" => a.checkpoints = v,
-            _ => return Err(format!("unknown option {flag}")),
+    use lexopt::prelude::*;
+    let mut p = lexopt::Parser::from_env();
+    let e = |e: lexopt::Error| e.to_string();
+    while let Some(arg) = p.next().map_err(e)? {
+        match arg {
+            Long("quick") => (a.iters, a.window, a.rotate) = (300, 4, 40),
+            Long("iters") => a.iters = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("window") => a.window = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("rotate") => a.rotate = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("prefix-tokens") => a.prefix_tokens = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("append-tokens") => a.append_tokens = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("checkpoints") => a.checkpoints = p.value().and_then(|v| v.parse()).map_err(e)?,
+            other => return Err(e(other.unexpected())),
         }
     }
     if a.window == 0 || a.rotate == 0 || a.prefix_tokens == 0 || a.append_tokens == 0 || a.checkpoints == 0 {

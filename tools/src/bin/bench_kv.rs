@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use epmem::bench_support::{BenchArgs, Report, Scenario, median, repeat};
+use epmem_tools::bench::{BenchArgs, Report, Scenario, median, repeat};
 use epmem::device::{self, Access, Device, DeviceBuffer, Stream};
 use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape, SlotChoice, admissible, request_cost};
 

@@ -23,9 +23,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::Result;
-use epmem::bench_support::{Report, Scenario, gbps, median};
+use epmem_tools::bench::{Report, Scenario, gbps, median};
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream, fence};
-use epmem::residency::registry::memlock_limit;
+use epmem::device::rlimit::memlock_limit;
 use epmem::residency::sim::belady;
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId};
 
@@ -49,25 +49,22 @@ fn parse_args() -> std::result::Result<Args, String> {
         steps: 8,
         warmup: 2,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    if argv.iter().any(|x| x == "--quick") {
+    // --quick sets the defaults the other flags then override, wherever it stands.
+    if std::env::args().any(|x| x == "--quick") {
         (a.quick, a.layers, a.layer_bytes, a.steps, a.warmup) = (true, 12, 2 << 20, 4, 1);
     }
-    let mut it = argv.into_iter();
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> std::result::Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .ok_or(format!("{name} needs a positive integer"))
-        };
-        match arg.as_str() {
-            "--quick" => {}
-            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
-            "--layers" => a.layers = num("--layers")?,
-            "--layer-mib" => a.layer_bytes = num("--layer-mib")? << 20,
-            "--budget-pct" => a.budget_pct = num("--budget-pct")?,
-            "--steps" => a.steps = num("--steps")?,
-            other => return Err(format!("unknown argument {other}")),
+    use lexopt::prelude::*;
+    let mut p = lexopt::Parser::from_env();
+    let e = |e: lexopt::Error| e.to_string();
+    while let Some(arg) = p.next().map_err(e)? {
+        match arg {
+            Long("quick") => {}
+            Long("json") => a.json = Some(p.value().and_then(|v| v.string()).map_err(e)?),
+            Long("layers") => a.layers = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("layer-mib") => a.layer_bytes = p.value().and_then(|v| v.parse::<usize>()).map_err(e)? << 20,
+            Long("budget-pct") => a.budget_pct = p.value().and_then(|v| v.parse()).map_err(e)?,
+            Long("steps") => a.steps = p.value().and_then(|v| v.parse()).map_err(e)?,
+            other => return Err(e(other.unexpected())),
         }
     }
     if a.layers < 2 || a.layer_bytes == 0 || !(1..100).contains(&a.budget_pct) || a.steps == 0 {
