@@ -46,6 +46,13 @@ impl CudaDevice {
             ));
         }
         let _g = self.enter()?;
+        // Load the test kernels now, not behind the hold: loading a module
+        // (PTX JIT, code memory) can wait for the device, so a spin queued
+        // after the hold would block the host until the gate opened (seen on
+        // the H200: query/elapsed "blocked until the watchdog opened the gate").
+        if let Err(e) = self.kernels() {
+            log::debug!("epmem: cuda:{} loading the built-in kernels before a hold: {e}", self.info.ordinal);
+        }
         self.reclaim_holds();
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer, our context is current; freed in
@@ -68,8 +75,10 @@ impl CudaDevice {
         // SAFETY: the word stays allocated until the gate is open (see
         // `reclaim_holds` and teardown, which opens every gate first).
         if !unsafe { entry.gate.attach(host.cast()) } {
-            // Already open: nothing to wait for.
-            self.free_hold(entry);
+            // Already open: nothing to wait for. Kept for the reclaim path
+            // (its event was never recorded, so it reads as passed): freeing
+            // it here could wait behind another stream's hold.
+            lock(&self.gates).push(entry);
             return Ok(());
         }
         // From here the entry is kept whatever happens: the gate may write
@@ -91,17 +100,21 @@ impl CudaDevice {
         r
     }
 
-    /// Free the flags whose gate is open and whose wait has passed. Never
-    /// blocks. Caller holds the context guard.
+    /// Free the flags of past holds once every hold's gate is open and its
+    /// wait has passed; while any stream is still held, free nothing:
+    /// cuMemFreeHost synchronizes the device, so it would block the host
+    /// behind that hold. Never blocks. Caller holds the context guard.
     fn reclaim_holds(&self) {
         let done: Vec<HeldGate> = {
             let mut gates = lock(&self.gates);
-            let (done, keep) = std::mem::take(&mut *gates).into_iter().partition(|h| {
+            let all_passed = gates.iter().all(|h| {
                 // SAFETY: our event (live until `free_hold`); the context is current.
                 h.gate.is_open() && unsafe { sys::cuEventQuery(h.passed.0) } == sys::CUresult::CUDA_SUCCESS
             });
-            *gates = keep;
-            done
+            if !all_passed {
+                return;
+            }
+            std::mem::take(&mut *gates)
         };
         for h in done {
             self.free_hold(h);

@@ -39,7 +39,7 @@ pub(super) fn checksum_grid(words: u64, sm_count: u32) -> u32 {
 
 impl CudaDevice {
     /// The loaded module, loading it on first use (our context must be current).
-    fn kernels(&self) -> Result<Kernels> {
+    pub(super) fn kernels(&self) -> Result<Kernels> {
         let mut slot = lock(&self.kernels);
         if let Some(k) = *slot {
             return Ok(k);
