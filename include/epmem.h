@@ -656,7 +656,8 @@ typedef struct EpmKvAdmission {
    */
   uint64_t with_sharing;
   /**
-   * 1 + floor((B − P) / Q), as seed 003 wrote it: one more than fits.
+   * 1 + floor((B − P) / Q), a formula found in earlier admission code: one
+   * more than fits (kept so callers can compare).
    */
   uint64_t seed_formula;
 } EpmKvAdmission;

@@ -711,7 +711,8 @@ pub struct EpmKvAdmission {
     pub without_sharing: u64,
     /// floor((B − P) / Q): one physical prefix plus Q private bytes per request.
     pub with_sharing: u64,
-    /// 1 + floor((B − P) / Q), as seed 003 wrote it: one more than fits.
+    /// 1 + floor((B − P) / Q), a formula found in earlier admission code: one
+    /// more than fits (kept so callers can compare).
     pub seed_formula: u64,
 }
 
