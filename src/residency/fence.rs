@@ -164,6 +164,18 @@ pub struct Fenced {
     events: Vec<Event>,
 }
 
+/// Whether the page-in fenced by `slot` has completed (never blocks);
+/// forgets the fence once it has. Shared by resident blocks and ring slots.
+pub(super) fn page_in_done(slot: &mut Option<Fence>) -> Result<bool> {
+    if let Some(f) = slot {
+        if !f.query()? {
+            return Ok(false);
+        }
+        *slot = None;
+    }
+    Ok(true)
+}
+
 /// The result of [`Fenced::try_retire`].
 #[derive(Debug)]
 pub enum Retire {
@@ -189,13 +201,7 @@ impl Fenced {
     /// Whether the page-in copy has completed (never blocks; forgets the
     /// fence once it has).
     pub fn page_in_done(&mut self) -> Result<bool> {
-        if let Some(f) = &self.page_in {
-            if !f.query()? {
-                return Ok(false);
-            }
-            self.page_in = None;
-        }
-        Ok(true)
+        page_in_done(&mut self.page_in)
     }
     /// The device address (valid for work ordered after the fences' streams
     /// as the manager arranges).

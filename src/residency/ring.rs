@@ -112,13 +112,7 @@ impl RingSlot {
         self.page_in.as_ref()
     }
     pub fn page_in_done(&mut self) -> Result<bool> {
-        if let Some(f) = &self.page_in {
-            if !f.query()? {
-                return Ok(false);
-            }
-            self.page_in = None;
-        }
-        Ok(true)
+        super::fence::page_in_done(&mut self.page_in)
     }
     /// Release events not yet observed complete (after [`Self::prune`]).
     pub fn pending(&self) -> usize {
