@@ -10,6 +10,7 @@
 # (compiled there with gcc), the C examples, the Q1–Q5 probes (nvcc), the ONNX
 # Runtime tests against the machine's onnxruntime, and with --bench the
 # benchmarks. Logs go to $OUT (default /tmp/epmem-gpu); a table is printed last.
+# STEP_TIMEOUT (seconds, default 900) bounds each step.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -40,7 +41,7 @@ step() {
   echo "$name" | grep -Eq "$ONLY" || return 0
   local t0=$SECONDS rc
   echo "== $name: $*" >&2
-  timeout 900 "$@" >"$LOGS/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-900}" "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
   local summary
   summary=$(grep -E "$pat" "$LOGS/$name.log" | tail -1 | cut -c1-90)
