@@ -120,10 +120,13 @@ cleanup:
   epm_device_destroy(dev);
 }
 
-/* Copy in on stream A, make stream B wait on an event, then D2D and copy out
- * on B. A is held on a gate until B's work is queued: without the wait B
- * would run (and read the buffer) before A filled it, and B's event could
- * not still be pending while A is held. */
+/* Fill d1 on stream A, make stream B wait on an event, then copy d1 to d2 on
+ * B. A is held on a gate until B's work is queued: without the wait B would
+ * run (and read d1) before A filled it, and B's event could not still be
+ * pending while A is held. Only device-to-device copies are queued behind the
+ * hold: a copy from or to pageable host memory may make the calling thread
+ * wait for the stream (the driver stages it through pinned memory), which
+ * would block this thread on the held stream until the watchdog opens it. */
 static void test_event_orders_streams(void) {
   enum { N = 4u << 20 };
   EpmDevice *dev = NULL;
@@ -131,7 +134,7 @@ static void test_event_orders_streams(void) {
   EpmEvent *filled = NULL, *done = NULL;
   EpmGate *gate = NULL;
   Watchdog wd = {0};
-  EpmDevicePtr d1 = 0, d2 = 0;
+  EpmDevicePtr d0 = 0, d1 = 0, d2 = 0;
   unsigned char *src = malloc(N), *dst = malloc(N);
 
   REQUIRE(src && dst);
@@ -142,17 +145,22 @@ static void test_event_orders_streams(void) {
   REQUIRE_OK(epm_stream_create(dev, &b));
   REQUIRE_OK(epm_event_create(dev, 0, &filled));
   REQUIRE_OK(epm_event_create(dev, 0, &done));
+  REQUIRE_OK(epm_device_alloc(dev, N, &d0));
   REQUIRE_OK(epm_device_alloc(dev, N, &d1));
   REQUIRE_OK(epm_device_alloc(dev, N, &d2));
+  REQUIRE_OK(epm_memcpy_htod(dev, d0, src, N)); /* synchronous: complete on return */
+  /* Zeros in d1 and d2: a copy on B that ran before A's fill would leave zeros. */
+  REQUIRE_OK(epm_memset_d8_async(dev, d1, 0, N, b));
+  REQUIRE_OK(epm_memset_d8_async(dev, d2, 0, N, b));
+  REQUIRE_OK(epm_stream_synchronize(b));
 
   /* Hold A first, so B would certainly run ahead without the wait. */
   HOLD_OR_SKIP(dev, a, &gate);
   REQUIRE(watchdog_start(&wd, gate));
-  REQUIRE_OK(epm_memcpy_htod_async(dev, d1, src, N, a));
+  REQUIRE_OK(epm_memcpy_dtod_async(dev, d1, d0, N, a));
   REQUIRE_OK(epm_event_record(filled, a));
   REQUIRE_OK(epm_stream_wait_event(b, filled));
   REQUIRE_OK(epm_memcpy_dtod_async(dev, d2, d1, N, b));
-  REQUIRE_OK(epm_memcpy_dtoh_async(dev, dst, d2, N, b));
   REQUIRE_OK(epm_event_record(done, b));
   CHECK_STATUS(epm_event_query(done), EPM_STATUS_NOT_READY); /* B waits on held A */
   CHECK_STATUS(epm_event_query(filled), EPM_STATUS_NOT_READY);
@@ -161,6 +169,7 @@ static void test_event_orders_streams(void) {
   REQUIRE_OK(epm_event_synchronize(done));
   CHECK_OK(epm_event_query(done));
   CHECK_OK(epm_event_query(filled));
+  REQUIRE_OK(epm_memcpy_dtoh(dev, dst, d2, N)); /* after `done`: B's copy is complete */
   CHECK(memcmp(src, dst, N) == 0);
 
 cleanup:
@@ -168,6 +177,7 @@ cleanup:
   epm_gate_destroy(gate); /* opens it if a check above bailed out first */
   if (a) CHECK_OK(epm_stream_synchronize(a));
   if (b) CHECK_OK(epm_stream_synchronize(b));
+  epm_device_free(dev, d0);
   epm_device_free(dev, d1);
   epm_device_free(dev, d2);
   /* The device first, on purpose: streams and events keep it alive. */

@@ -100,8 +100,13 @@ pub extern "C" fn epm_memcpy_dtoh(dev: *mut EpmDevice, dst: *mut c_void, src: Ep
 /// Queue a copy of `bytes` from host `src` to device `dst` on `stream`.
 ///
 /// `src` must stay readable and unmodified until the copy completes (record
-/// an event after it and wait for that); page-locked memory copies fastest.
-/// NULL: handles INVALID_HANDLE, `src` NULL_POINTER. Errors: INVALID_ARGUMENT
+/// an event after it and wait for that). Ordering with the calling thread:
+/// from page-locked memory (a pinned arena, a host registration) the call
+/// only queues the copy; from pageable memory the CUDA driver stages the
+/// bytes through its own pinned buffers and may make the call wait until
+/// `stream` has run its earlier work, so queuing behind a stream that waits
+/// on something this thread does later can deadlock. Page-locked memory is
+/// also the fast path. NULL: handles INVALID_HANDLE, `src` NULL_POINTER. Errors: INVALID_ARGUMENT
 /// for 0 bytes, overflow, or a stream of another device. Threading: safe
 /// from any thread.
 #[unsafe(no_mangle)]
@@ -126,8 +131,10 @@ pub extern "C" fn epm_memcpy_htod_async(
 
 /// Queue a copy of `bytes` from device `src` to host `dst` on `stream`.
 ///
-/// `dst` must stay writable and untouched until the copy completes. Errors
-/// and NULL as `epm_memcpy_htod_async`. Threading: safe from any thread.
+/// `dst` must stay writable and untouched until the copy completes. Into
+/// pageable memory the CUDA driver returns only after the copy is done (it
+/// waits for `stream`'s earlier work); into page-locked memory the call only
+/// queues it. Errors and NULL as `epm_memcpy_htod_async`. Threading: safe from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_memcpy_dtoh_async(
     dev: *mut EpmDevice,
