@@ -3,7 +3,7 @@
 # no Rust toolchain and no network).
 #
 #   here:   scripts/gpu-pack.sh                  # builds .carry/ (lib, test and bench binaries)
-#   there:  scripts/gpu-check.sh [--bench] [--only REGEX]
+#   there:  scripts/gpu-check.sh [--bench] [--sanitize] [--only REGEX]
 #
 # It runs, with EPM_DEVICE=cuda: every Rust integration-test binary (the device
 # conformance suite, staging, residency, kv, ...), the C tests in ffi-tests/
@@ -18,10 +18,12 @@ OUT=${OUT:-/tmp/epmem-gpu}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 BENCH=0
+SANITIZE=0
 ONLY=.
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) BENCH=1 ;;
+    --sanitize) SANITIZE=1 ;;
     --only) ONLY=$2; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -77,6 +79,18 @@ for c in ffi-tests/*.c; do
   # The C tests link the testing build (include/epmem_testing.h), a library of its own name.
   step "c-$n" 'passed|failed|PASS|FAIL' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib-testing -lepmem_testing -lpthread && LD_LIBRARY_PATH='$ROOT/.carry/lib-testing':\$LD_LIBRARY_PATH '$CBIN/$n'"
 done
+
+# 2a. With --sanitize, the same C tests again under compute-sanitizer's memcheck
+# (device-side invalid accesses, leaked device allocations at exit, CUDA API
+# errors): any report fails the step.
+if [ $SANITIZE = 1 ] && command -v compute-sanitizer >/dev/null; then
+  for c in ffi-tests/*.c; do
+    n=$(basename "$c" .c)
+    [ -x "$CBIN/$n" ] || continue
+    step "san-$n" 'ERROR SUMMARY|passed|failed' env LD_LIBRARY_PATH="$ROOT/.carry/lib-testing:$LD_LIBRARY_PATH" \
+      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99 "$CBIN/$n"
+  done
+fi
 
 # 3. Examples (the offload demo runs on the GPU by default when there is one),
 # at a size that means something on an H200: 48 x 64 MiB layers, half resident.

@@ -355,8 +355,11 @@ class BenchSmoke(unittest.TestCase):
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             with open(out) as f:
                 res = json.load(f)
-        self.assertIn("tokens identical in every row", p.stdout)
+        self.assertIn("tokens identical in every eager row", p.stdout)
         dyn, shared, private = res["rows"]
+        self.assertEqual([r["attention"] for r in res["rows"]], ["eager"] * 3)
+        self.assertEqual([(r["method"], r["attention"]) for r in res["sdpa_rows"]],
+                         [("dynamic", "sdpa"), ("epmem shared", "sdpa")])
         self.assertEqual([r["method"] for r in res["rows"]], ["dynamic", "epmem shared", "epmem private"])
         self.assertTrue(all(r["tokens_identical"] for r in res["rows"]))
         self.assertEqual(len(dyn["tokens"]), res["requests"])
