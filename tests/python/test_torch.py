@@ -366,6 +366,7 @@ class BenchSmoke(unittest.TestCase):
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             with open(out) as f:
                 res = json.load(f)
+            self.check_merge(d, res, env)
         self.assertIn("tokens identical in every row", p.stdout)
         self.assertTrue(res["tokens_identical"])
         sh = res["shapes"][0]
@@ -380,6 +381,40 @@ class BenchSmoke(unittest.TestCase):
             else:
                 self.assertEqual(r["staged_page_ins"], 0)
         self.assertIn("| 50% | registered |", p.stdout)
+
+
+    def check_merge(self, d, res, env):
+        """scripts/bench_torch_merge.py: runs split by budget merge back into the same
+        rows, and runs whose all-resident tokens differ are refused."""
+        merge = os.path.join(ROOT, "scripts", "bench_torch_merge.py")
+        parts = []
+        for i, pct in enumerate(sorted({r["budget_pct"] for r in res["shapes"][0]["rows"]})):
+            part = json.loads(json.dumps(res))
+            part["shapes"][0]["rows"] = [r for r in part["shapes"][0]["rows"] if r["budget_pct"] == pct]
+            part["h2d_peak_bytes_per_s"] = res["h2d_peak_bytes_per_s"] * (1 + i)
+            parts.append(os.path.join(d, f"part{pct}.json"))
+            with open(parts[-1], "w") as f:
+                json.dump(part, f)
+        self.assertGreaterEqual(len(parts), 2)
+        merged = os.path.join(d, "merged.json")
+        p = subprocess.run([sys.executable, merge, *parts, "--json", merged], capture_output=True, text=True,
+                           env=env, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(merged) as f:
+            m = json.load(f)
+        strip = lambda rows: [{k: v for k, v in r.items() if k != "h2d_peak_bytes_per_s"} for r in rows]  # noqa: E731
+        self.assertEqual(strip(m["shapes"][0]["rows"]), res["shapes"][0]["rows"])
+        self.assertEqual([r["h2d_peak_bytes_per_s"] for r in m["runs"]],
+                         [res["h2d_peak_bytes_per_s"] * (1 + i) for i in range(len(parts))])
+        with open(parts[1]) as f:
+            bad = json.load(f)
+        bad["shapes"][0]["resident"]["tokens"] = [t + 1 for t in bad["shapes"][0]["resident"]["tokens"]]
+        with open(parts[1], "w") as f:
+            json.dump(bad, f)
+        p = subprocess.run([sys.executable, merge, *parts, "--json", merged], capture_output=True, text=True,
+                           env=env, timeout=300)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("all-resident tokens differ", p.stdout + p.stderr)
 
 
 @unittest.skipIf(torch is None, "torch is not installed")

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Merge bench_torch.py results from separate runs (one shape and budget per GPU
+call keeps each call under the device's time limit) into one JSON, table and plot.
+
+    python3 scripts/bench_torch_merge.py big25.json big50.json small25.json ... \\
+        --json bench_torch.json [--plot bench_torch.png]
+
+Each row keeps the floor of its own run (its own pinned H2D peak). A shape's
+all-resident reference must be the same tokens in every run that has it: the
+model is rebuilt from the same config and seed, so anything else is a defect
+and the merge fails."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_torch  # noqa: E402  (its table and plot; importing it imports torch and epmem)
+
+
+def merge(results):
+    out = {k: v for k, v in results[0].items() if k not in ("shapes", "wall_s")}
+    out["runs"] = [{"h2d_peak_bytes_per_s": r["h2d_peak_bytes_per_s"], "wall_s": r.get("wall_s"),
+                    "shapes": [s["name"] for s in r["shapes"]],
+                    "budgets": sorted({row["budget_pct"] for s in r["shapes"] for row in s["rows"]})}
+                   for r in results]
+    shapes = {}
+    for r in results:
+        for s in r["shapes"]:
+            if s["name"] not in shapes:
+                shapes[s["name"]] = dict(s, rows=[])
+            elif shapes[s["name"]]["resident"]["tokens"] != s["resident"]["tokens"]:
+                raise SystemExit(f"bench_torch_merge: {s['name']}: the all-resident tokens differ between runs")
+            for row in s["rows"]:
+                shapes[s["name"]]["rows"].append(dict(row, h2d_peak_bytes_per_s=r["h2d_peak_bytes_per_s"]))
+    for s in shapes.values():
+        s["rows"].sort(key=lambda row: (row["budget_pct"], ("registered", "staged", "accelerate").index(row["method"])))
+    out["shapes"] = list(shapes.values())
+    out["wall_s"] = sum(r.get("wall_s") or 0 for r in results)
+    out["tokens_identical"] = all(r.get("tokens_identical") for r in results)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--plot")
+    a = ap.parse_args()
+    res = merge([json.load(open(p)) for p in a.inputs])
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+    table = bench_torch.table_md(res)
+    with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    bench_torch.write_plot(res, a.plot or os.path.splitext(a.json)[0] + ".png")
+    print("tokens identical in every row" if res["tokens_identical"] else "TOKENS DIFFER in some run")
+    return 0 if res["tokens_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
