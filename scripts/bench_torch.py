@@ -14,9 +14,9 @@ copy: (offloaded - budget) + the smallest largest-streamed-matrix the budget
 allows, docs/RESIDENCY.md) and the issue's bound (offloaded - budget) + 2 x largest.
 With whole matrices the floor above is out of reach by the whole-weight floor's
 margin (6% on "big" at 50%); --split-mib N splits every decoder-layer linear
-into row blocks of at most N MiB (computed as one matmul per block, outputs
-concatenated; the resident reference runs the same split model), so the
-streamed unit, and that margin, shrink.
+into equal blocks of about N MiB (rows, or columns where the rows do not divide;
+one matmul per block; the resident reference runs the same split model), so the
+streamed unit, and that margin, shrink ("big" at 32: every block 32 MiB).
 
 What is offloaded: every nn.Linear weight inside model.model.layers (q/k/v/o,
 gate/up/down). What stays resident in every row: the embedding, the norms, the
@@ -122,34 +122,50 @@ def make_model(shape, device, dtype, vocab, seed):
     return model.to(dtype).eval().requires_grad_(False), kind
 
 
-class RowSplitLinear(nn.Module):
-    """An nn.Linear (no bias) as row blocks of at most `max_bytes`: y = cat(x @
-    W_i^T). Each block is its own nn.Linear, so epmem.torch (granularity="linear")
-    streams it as its own unit."""
+class SplitLinear(nn.Module):
+    """An nn.Linear (no bias) as k equal blocks of at most about `max_bytes`, each
+    its own nn.Linear, so epmem.torch (granularity="linear") streams each as its
+    own unit. Row blocks (y = cat(x @ W_i^T)) when k divides the rows, else column
+    blocks (y = sum(x_i @ W_i^T)) when k divides the columns: equal sizes keep
+    the cyclic policy exact (a Llama down_proj, 8192 rows by 7 x 4096 columns,
+    has no equal 32 MiB row blocks). k is the smallest count from
+    ceil(bytes / max_bytes) up that divides one of them."""
 
     def __init__(self, lin, max_bytes):
         super().__init__()
         out, inp = lin.weight.shape
-        row_bytes = inp * lin.weight.element_size()
-        k = max(1, math.ceil(out * row_bytes / max_bytes))
-        rows = math.ceil(out / k)  # equal blocks: equal sizes keep the cyclic policy exact
+        nbytes = lin.weight.numel() * lin.weight.element_size()
+        k = max(1, math.ceil(nbytes / max_bytes))
+        while out % k and inp % k:
+            k += 1
+        self.by_rows = out % k == 0
+        w = lin.weight.detach()
+        step = (out if self.by_rows else inp) // k
         self.parts = nn.ModuleList()
-        for a in range(0, out, rows):
-            part = nn.Linear(inp, min(rows, out - a), bias=False, device=lin.weight.device, dtype=lin.weight.dtype)
-            part.weight = nn.Parameter(lin.weight[a:a + rows].detach().clone(), requires_grad=False)
+        for i in range(k):
+            piece = w[i * step:(i + 1) * step] if self.by_rows else w[:, i * step:(i + 1) * step]
+            part = nn.Linear(piece.shape[1], piece.shape[0], bias=False, device="meta")
+            part.weight = nn.Parameter(piece.clone(memory_format=torch.contiguous_format), requires_grad=False)
             self.parts.append(part)
+        self.step = step
 
     def forward(self, x):
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        if self.by_rows:
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        out = None
+        for i, p in enumerate(self.parts):
+            y = p(x[..., i * self.step:(i + 1) * self.step])
+            out = y if out is None else out + y
+        return out
 
 
 def split_linears(model, max_bytes):
-    """Replace every decoder-layer nn.Linear larger than `max_bytes` by a RowSplitLinear."""
+    """Replace every decoder-layer nn.Linear larger than `max_bytes` by a SplitLinear."""
     for blk in model.model.layers:
         for name, m in list(blk.named_modules()):
             if isinstance(m, nn.Linear) and m.bias is None and m.weight.numel() * m.weight.element_size() > max_bytes:
                 parent = blk.get_submodule(name.rpartition(".")[0]) if "." in name else blk
-                setattr(parent, name.rpartition(".")[2], RowSplitLinear(m, max_bytes))
+                setattr(parent, name.rpartition(".")[2], SplitLinear(m, max_bytes))
     gc.collect()
 
 
@@ -325,7 +341,7 @@ def main():
     # (offloaded - budget) x blocks / (blocks - 1) per token (docs/RESIDENCY.md).
     ap.add_argument("--granularity", default="linear", choices=("linear", "block"))
     ap.add_argument("--split-mib", type=float, default=0,
-                    help="split each decoder-layer linear into row blocks of at most this many MiB (0: whole matrices)")
+                    help="split each decoder-layer linear into equal blocks of about this many MiB (0: whole matrices)")
     a = ap.parse_args()
     budgets = [int(b) for b in a.budgets.split(",")]
     shapes = a.shapes.split(",")
@@ -359,7 +375,8 @@ def main():
         model, kind = make_model(shape, dev, dtype, a.vocab, a.seed)
         if a.split_mib > 0:
             split_linears(model, int(a.split_mib * 2**20))
-            kind += f", linears split into row blocks of <= {a.split_mib:g} MiB"
+            sz = sorted({p.numel() * p.element_size() for _, m in offloaded_linears(model) for p in m.parameters()})
+            kind += f", linears split into equal blocks (sizes {', '.join(f'{x / 2**20:g}' for x in sz)} MiB)"
         off = sum(p.numel() * p.element_size() for _, m in offloaded_linears(model) for p in m.parameters())
         n, d, f, heads, kv = SHAPES[shape]
         log(f"== {shape}: {kind}, {n} blocks {d}/{f}, {off / GiB:.2f} GiB offloadable")
