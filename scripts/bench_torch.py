@@ -166,6 +166,7 @@ def split_linears(model, max_bytes):
             if isinstance(m, nn.Linear) and m.bias is None and m.weight.numel() * m.weight.element_size() > max_bytes:
                 parent = blk.get_submodule(name.rpartition(".")[0]) if "." in name else blk
                 setattr(parent, name.rpartition(".")[2], SplitLinear(m, max_bytes))
+    model.eval().requires_grad_(False)  # the new modules start in training mode
     gc.collect()
 
 
@@ -502,7 +503,7 @@ def table_md(res):
                       f"{reg['streamed_over_ideal']:.4f} x ideal (offloaded - budget, {reg['ideal_bytes_per_token'] / 2**20:.1f} MiB), "
                       f"{reg['streamed_over_whole_weight_floor']:.4f} x whole-weight floor "
                       f"({reg['whole_weight_floor_bytes_per_token'] / 2**20:.1f} MiB: the best whole units can do; "
-                      f"0.95x floor needs <= ~{0.95 ** -1 - 1:.1%} over ideal at the PCIe peak)")
+                      "0.95x floor needs streamed <= ideal / 0.95 with copies at the full peak, ~1.02x ideal at 97% of it)")
             if reg and stg:
                 v = stg["tok_s"] / reg["tok_s"]
                 out(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
