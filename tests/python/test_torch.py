@@ -382,6 +382,27 @@ class BenchSmoke(unittest.TestCase):
                 self.assertEqual(r["staged_page_ins"], 0)
         self.assertIn("| 50% | registered |", p.stdout)
 
+    def test_bench_torch_quick_split(self):
+        """--split-mib: the linears become equal blocks, every row still decodes the
+        split resident run's tokens, and the rows report the ideal and the floor."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "bench.json")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_torch.py"), "--quick",
+                                "--split-mib", "0.02", "--budgets", "50", "--json", out, "--no-accelerate"],
+                               capture_output=True, text=True, env=env, timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            with open(out) as f:
+                res = json.load(f)
+        sh = res["shapes"][0]
+        self.assertIn("split into equal blocks", sh["model"])
+        self.assertEqual(len(sh["rows"]), 2)
+        for r in sh["rows"]:
+            self.assertTrue(r["tokens_identical"])
+            self.assertEqual(r["ideal_bytes_per_token"], sh["offloaded_bytes"] - r["budget_bytes"])
+            self.assertGreaterEqual(r["whole_weight_floor_bytes_per_token"], r["ideal_bytes_per_token"])
+            self.assertGreaterEqual(r["streamed_bytes_per_token"], r["ideal_bytes_per_token"])
+
 
     def check_merge(self, d, res, env):
         """scripts/bench_torch_merge.py: runs split by budget merge back into the same
