@@ -158,7 +158,7 @@ impl DeviceArena {
         let mut g = self.lock();
         let g = &mut *g;
         let (off, own) = match tag {
-            0 => (g.sub.alloc(bytes, align)?, false),
+            0 if fresh => (g.sub.alloc(bytes, align)?, false),
             t => match g.sub.alloc_tagged(bytes, align, t, fresh)? {
                 Some(hit) => hit,
                 None => return Ok(None),
@@ -206,7 +206,6 @@ impl Arena for DeviceArena {
     }
 
     fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
-        crate::ensure!(tag != 0, InvalidArgument, "tag 0 is the untagged pool");
         self.alloc_from(bytes, 0, false, tag, fresh)
     }
 

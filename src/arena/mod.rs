@@ -96,7 +96,8 @@ pub trait Arena: Send + Sync + std::fmt::Debug {
     // never gives back memory that holds a tagged range.
 
     /// For the owner of `tag`: like `alloc` (default alignment), the best fit
-    /// over the ranges freed with `tag` and the memory free for everyone.
+    /// over the ranges freed with `tag` and the memory free for everyone
+    /// (tag 0: only the latter).
     /// With `fresh` false, memory never used before (that would grow the
     /// footprint) is left out. `Ok(None)` when nothing fits; else the address
     /// and whether it came from `tag`'s ranges.

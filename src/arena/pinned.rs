@@ -189,7 +189,6 @@ impl Arena for PinnedArena {
     }
 
     fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
-        crate::ensure!(tag != 0, InvalidArgument, "tag 0 is the untagged pool");
         {
             let mut g = self.lock();
             let g = &mut *g;

@@ -193,14 +193,13 @@ impl SubAlloc {
         }
     }
 
-    /// For the owner of `tag` (non-zero): the best fit over the ranges freed
-    /// with `tag` and those free for everyone. With `fresh` false the arena's
+    /// For the owner of `tag`: the best fit over the ranges freed with `tag`
+    /// and those free for everyone (tag 0: only the latter). With `fresh` false the arena's
     /// top range (the one reaching its end: memory never used, or given back)
     /// is left out, so the caller can first release completed tags and keep
     /// its footprint. `Ok(None)` when nothing fits; else the offset and
     /// whether it came from a range of `tag`.
     pub fn alloc_tagged(&mut self, bytes: usize, align: usize, tag: u64, fresh: bool) -> Result<Option<(usize, bool)>> {
-        crate::ensure!(tag != 0, InvalidArgument, "tag 0 is the untagged pool");
         let before = self.tagged_bytes;
         Ok(self.alloc_in(bytes, align, tag, fresh)?.ok().map(|off| (off, self.tagged_bytes < before)))
     }
@@ -483,7 +482,8 @@ mod tests {
         assert_eq!(a.alloc(8192, 0).unwrap(), p, "untagged, the range is everyone's");
         assert!(a.peak_held() >= 8192 + 256 + 4096 * 2);
         assert_eq!(a.free_tagged(12345, 7).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
-        assert_eq!(a.alloc_tagged(16, 0, 0, true).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
+        // Tag 0 is the shared pool alone.
+        assert_eq!(a.alloc_tagged(16, 0, 0, true).unwrap().map(|(_, own)| own), Some(false));
     }
 
     #[test]

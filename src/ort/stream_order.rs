@@ -123,24 +123,46 @@ impl StreamOrdered {
     /// returned). Returns the address and the bytes it accounts for.
     pub fn alloc(&self, bytes: usize, stream: Option<RawStream>) -> Result<(u64, usize)> {
         let mut g = self.lock();
-        let own_tag = |g: &State| stream.and_then(|s| g.tagged.get(&s.0)).map(|t| t.tag);
+        let own_tag = |g: &State| stream.and_then(|s| g.tagged.get(&s.0)).map_or(0, |t| t.tag);
         if stream.is_some() {
             g.stats.stream_allocs += 1;
         }
-        // The stream's own pending ranges and everyone's free memory, best
-        // fit over both, but no fresh memory yet: first release the tags of
-        // streams whose work completed (one event query each), which may
-        // open a hole that keeps the footprint where it is.
-        if let Some(t) = own_tag(&g)
-            && let Some((addr, own)) = self.src.alloc_tagged(bytes, t, false)?
-        {
-            g.stats.same_stream_reuses += u64::from(own);
+        // Memory already used before is preferred to fresh memory, in three
+        // steps: the stream's own pending ranges and everyone's free memory
+        // (best fit over both); the same after releasing the tags of streams
+        // whose work completed (one event query each); and after waiting for
+        // the stream's own work (its pending ranges then merge with the free
+        // memory around them). Only then does the footprint grow. The wait
+        // blocks the calling thread until its own stream catches up — never
+        // for another stream's work — and happens only where the arena would
+        // otherwise take new memory from the driver: in warm-up, or never.
+        // Without it, whether a hole was still pending at the moment of a
+        // growth decided the footprint, and it could creep after warm-up.
+        let mut t = own_tag(&g);
+        if let Some((addr, own)) = self.src.alloc_tagged(bytes, t, false)? {
+            g.stats.same_stream_reuses += u64::from(own && t != 0);
             return Ok(self.note_live(&mut g, addr, stream, bytes));
         }
         if !g.tagged.is_empty() {
             self.reclaim_completed(&mut g)?;
+            t = own_tag(&g);
+            if let Some((addr, own)) = self.src.alloc_tagged(bytes, t, false)? {
+                g.stats.same_stream_reuses += u64::from(own && t != 0);
+                return Ok(self.note_live(&mut g, addr, stream, bytes));
+            }
         }
-        if let Some(t) = own_tag(&g)
+        if let Some(own) = stream.and_then(|s| g.tagged.get(&s.0)).copied() {
+            g.stats.waits += 1;
+            self.dev.event_synchronize(own.event)?;
+            g.tagged.remove(&own.stream.0);
+            g.idle_events.push(own.event);
+            self.src.untag(own.tag);
+            if let Some((addr, _)) = self.src.alloc_tagged(bytes, 0, false)? {
+                return Ok(self.note_live(&mut g, addr, stream, bytes));
+            }
+        }
+        t = own_tag(&g);
+        if t != 0
             && let Some((addr, own)) = self.src.alloc_tagged(bytes, t, true)?
         {
             g.stats.same_stream_reuses += u64::from(own);
@@ -569,10 +591,14 @@ mod tests {
         }
         // The measured pass: the same shapes again, no driver allocation.
         let (before, committed) = (dev.driver_counts().vmm_create_calls, l.source_stats().committed_bytes);
+        let waits_warm = l.order_stats().waits;
         for &(b, t) in &trace {
             r.pass(b, t);
         }
         let grew = dev.driver_counts().vmm_create_calls - before;
+        // Waiting for the stream's own work happens only where the arena
+        // would grow: never once the footprint is warm (latency unchanged).
+        assert_eq!(l.order_stats().waits, waits_warm, "waits after warm-up");
         let warm_committed = committed;
         let (live, peak) = (r.live, r.peak);
         let o = l.order_stats();
