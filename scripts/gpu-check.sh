@@ -135,7 +135,7 @@ fi
 if [ -x scripts/ort-gpu-test.sh ] && echo ort-gpu | grep -Eq "$ONLY"; then
   if probe=$(scripts/ort-gpu-test.sh --probe 2>&1); then
     step ort-gpu 'passed|failed|PASS|FAIL' scripts/ort-gpu-test.sh
-    [ $BENCH = 1 ] && step bench-ort 'target|bit-identical' env PYTHONPATH="${ORT_GPU_DIR:+$ORT_GPU_DIR:}${PYTHONPATH:-}" \
+    [ $BENCH = 1 ] && step bench-ort 'TARGET|FLOOR|bit-identical' env PYTHONPATH="${ORT_GPU_DIR:+$ORT_GPU_DIR:}${PYTHONPATH:-}" \
       python3 scripts/bench_ort.py --out "$OUT/bench_ort"
   else
     echo "== ort-gpu: not run: $probe" >&2

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use super::suballoc::SubAlloc;
-use super::{Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT, chunk_size};
+use super::{Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT, TaggedStats, chunk_size};
 use crate::device::{Access, Device, PhysMem, VaRange};
 use crate::error::Result;
 
@@ -118,13 +118,18 @@ impl DeviceArena {
     }
 
     fn free_locked(&self, g: &mut Inner, addr: u64) -> Result<()> {
+        self.free_locked_as(g, addr, 0)
+    }
+
+    fn free_locked_as(&self, g: &mut Inner, addr: u64, tag: u64) -> Result<()> {
         let base = g.va.base();
         crate::ensure!(
             addr >= base && addr < base + g.sub.capacity() as u64,
             InvalidArgument,
             "address {addr:#x} is not inside this device arena"
         );
-        let live = g.sub.free((addr - base) as usize)?;
+        let off = (addr - base) as usize;
+        let live = if tag == 0 { g.sub.free(off)? } else { g.sub.free_tagged(off, tag)? };
         let (start, span) = live.span();
         for c in self.chunk_span(start, span) {
             g.users[c] -= 1;
@@ -136,6 +141,14 @@ impl DeviceArena {
     /// `owned`: the allocation is marked as a typed handle's (see `alloc_owned`)
     /// under the same lock, so no address-level free can slip in between.
     fn alloc_marked(&self, bytes: usize, align: usize, owned: bool) -> Result<u64> {
+        self.alloc_from(bytes, align, owned, 0, true)?
+            .map(|(a, _)| a)
+            .ok_or_else(|| crate::error::Error::internal("untagged allocation came back empty"))
+    }
+
+    /// From the untagged pool (`tag` 0: an error when nothing fits) or only
+    /// from ranges of `tag` (`None` when nothing fits).
+    fn alloc_from(&self, bytes: usize, align: usize, owned: bool, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
         crate::ensure!(
             align <= self.chunk,
             InvalidArgument,
@@ -144,7 +157,13 @@ impl DeviceArena {
         );
         let mut g = self.lock();
         let g = &mut *g;
-        let off = g.sub.alloc(bytes, align)?;
+        let (off, own) = match tag {
+            0 if fresh => (g.sub.alloc(bytes, align)?, false),
+            t => match g.sub.alloc_tagged(bytes, align, t, fresh)? {
+                Some(hit) => hit,
+                None => return Ok(None),
+            },
+        };
         let (start, span) = g.sub.get(off).map(|l| l.span()).unwrap_or((off, bytes));
         let chunks = self.chunk_span(start, span);
         for c in chunks.clone() {
@@ -162,7 +181,7 @@ impl DeviceArena {
         if owned {
             g.owned.insert(off);
         }
-        Ok(g.va.base() + off as u64)
+        Ok(Some((g.va.base() + off as u64, own)))
     }
 
     fn decommit(&self, g: &mut Inner, c: usize) -> Result<()> {
@@ -183,6 +202,28 @@ impl Arena for DeviceArena {
     }
 
     fn free(&self, addr: u64) -> Result<()> {
+        self.free_tagged(addr, 0)
+    }
+
+    fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
+        self.alloc_from(bytes, 0, false, tag, fresh)
+    }
+
+    fn untag(&self, tag: u64) -> usize {
+        self.lock().sub.untag(tag)
+    }
+
+    fn tagged_stats(&self) -> TaggedStats {
+        let g = self.lock();
+        let (ranges, bytes) = g.sub.tagged();
+        TaggedStats {
+            ranges: ranges as u64,
+            bytes: bytes as u64,
+            peak_held_bytes: g.sub.peak_held() as u64,
+        }
+    }
+
+    fn free_tagged(&self, addr: u64, tag: u64) -> Result<()> {
         let mut g = self.lock();
         let g = &mut *g;
         if let Some(off) = addr.checked_sub(g.va.base()) {
@@ -193,7 +234,7 @@ impl Arena for DeviceArena {
                  fence (ReadsDone), not by address"
             );
         }
-        self.free_locked(g, addr)
+        self.free_locked_as(g, addr, tag)
     }
 
     fn size_of(&self, addr: u64) -> Option<usize> {
@@ -205,6 +246,14 @@ impl Arena for DeviceArena {
     fn trim(&self) -> Result<usize> {
         let mut g = self.lock();
         let g = &mut *g;
+        // A tagged range is free in the chunk count but may still be read by
+        // queued work: its owner must untag (after that work) first.
+        crate::ensure!(
+            g.sub.tagged().1 == 0,
+            InvalidArgument,
+            "device arena trim with {} bytes still waiting for their stream's work",
+            g.sub.tagged().1
+        );
         let mut given = 0;
         for c in 0..g.chunks.len() {
             if g.users[c] == 0 && g.chunks[c].is_some() {

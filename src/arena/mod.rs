@@ -37,7 +37,7 @@ pub struct ArenaConfig {
     /// Growth step in bytes; 0 = 16 granules (32 MiB on the H200). Rounded
     /// up to the granularity.
     pub chunk_bytes: usize,
-    /// Most live allocations (offset-allocator preallocates its node table).
+    /// Most live allocations at once (a bound on the bookkeeping, checked per allocation).
     pub max_allocs: u32,
 }
 
@@ -87,6 +87,38 @@ pub trait Arena: Send + Sync + std::fmt::Debug {
     /// Give back every chunk no live allocation touches; returns bytes given back.
     fn trim(&self) -> Result<usize>;
     fn stats(&self) -> ArenaStats;
+
+    // Stream-ordered reuse (used by `ort::stream_order`): memory freed while
+    // work queued on a stream may still use it is freed under that stream's
+    // tag (non-zero). Only allocations for the same tag see it, at once (the
+    // stream runs its work in order); everyone else sees it after `untag`,
+    // which the caller makes once the stream's work has completed. `trim`
+    // never gives back memory that holds a tagged range.
+
+    /// For the owner of `tag`: like `alloc` (default alignment), the best fit
+    /// over the ranges freed with `tag` and the memory free for everyone
+    /// (tag 0: only the latter).
+    /// With `fresh` false, memory never used before (that would grow the
+    /// footprint) is left out. `Ok(None)` when nothing fits; else the address
+    /// and whether it came from `tag`'s ranges.
+    fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>>;
+    /// Like `free`, into the pool of `tag`.
+    fn free_tagged(&self, addr: u64, tag: u64) -> Result<()>;
+    /// Make every range of `tag` free for everyone; bytes released.
+    fn untag(&self, tag: u64) -> usize;
+    /// Tagged free memory now and the peak of bytes never free for everyone.
+    fn tagged_stats(&self) -> TaggedStats;
+}
+
+/// What [`Arena::tagged_stats`] reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TaggedStats {
+    /// Tagged free ranges (coalesced) now.
+    pub ranges: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Peak of in-use plus tagged bytes (unit rounding included).
+    pub peak_held_bytes: u64,
 }
 
 /// Round `chunk` (0 = 16 granules) up to the granularity.

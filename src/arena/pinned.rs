@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use super::suballoc::SubAlloc;
-use super::{Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT, chunk_size};
+use super::{Arena, ArenaConfig, ArenaStats, DEFAULT_UNIT, TaggedStats, chunk_size};
 use crate::device::{Device, PinnedBuffer};
 use crate::error::Result;
 
@@ -34,7 +34,40 @@ struct Inner {
     committed: usize,
     in_use: usize,
     peak_in_use: usize,
+    /// Bytes in tagged free ranges (see [`Arena::alloc_tagged`]) and the
+    /// peak of in use + tagged.
+    tagged: usize,
+    peak_held: usize,
     stats: ArenaStats,
+}
+
+impl Inner {
+    fn note_held(&mut self) {
+        self.peak_held = self.peak_held.max(self.in_use + self.tagged);
+    }
+
+    /// The segment holding `addr`.
+    fn seg_of(&mut self, addr: u64) -> Result<&mut Segment> {
+        self.segs
+            .range_mut(..=addr)
+            .next_back()
+            .map(|(_, s)| s)
+            .filter(|s| addr < s.base() + s.sub.capacity() as u64)
+            .ok_or_else(|| crate::error::Error::invalid_argument(format!("address {addr:#x} is not inside this pinned arena")))
+    }
+
+    fn free_as(&mut self, addr: u64, tag: u64) -> Result<()> {
+        let seg = self.seg_of(addr)?;
+        let off = (addr - seg.base()) as usize;
+        let live = if tag == 0 { seg.sub.free(off)? } else { seg.sub.free_tagged(off, tag)? };
+        let span = live.span().1;
+        self.in_use -= span;
+        if tag != 0 {
+            self.tagged += span;
+        }
+        self.stats.free_calls += 1;
+        Ok(())
+    }
 }
 
 /// Page-locked host memory for staging and ONNX Runtime's host-accessible
@@ -64,6 +97,8 @@ impl PinnedArena {
                 committed: 0,
                 in_use: 0,
                 peak_in_use: 0,
+                tagged: 0,
+                peak_held: 0,
                 stats: ArenaStats::default(),
             }),
         })
@@ -145,25 +180,62 @@ impl Arena for PinnedArena {
             .map_or(0, |l| l.span().1);
         g.in_use += span;
         g.peak_in_use = g.peak_in_use.max(g.in_use);
+        g.note_held();
         Ok(addr)
     }
 
     fn free(&self, addr: u64) -> Result<()> {
+        self.lock().free_as(addr, 0)
+    }
+
+    fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
+        {
+            let mut g = self.lock();
+            let g = &mut *g;
+            // Segments are committed whole: any range in them is not fresh.
+            for seg in g.segs.values_mut() {
+                if let Some((off, own)) = seg.sub.alloc_tagged(bytes, DEFAULT_UNIT, tag, true)? {
+                    let span = seg.sub.get(off).map_or(0, |l| l.span().1);
+                    let addr = seg.base() + off as u64;
+                    g.in_use += span;
+                    if own {
+                        g.tagged -= span;
+                    }
+                    g.peak_in_use = g.peak_in_use.max(g.in_use);
+                    g.note_held();
+                    g.stats.alloc_calls += 1;
+                    return Ok(Some((addr, own)));
+                }
+            }
+        }
+        // A new segment is fresh memory.
+        if fresh { self.alloc(bytes, 0).map(|a| Some((a, false))) } else { Ok(None) }
+    }
+
+    fn free_tagged(&self, addr: u64, tag: u64) -> Result<()> {
+        crate::ensure!(tag != 0, InvalidArgument, "tag 0 is the untagged pool");
+        self.lock().free_as(addr, tag)
+    }
+
+    fn untag(&self, tag: u64) -> usize {
         let mut g = self.lock();
-        let seg = g
+        let released: usize = g.segs.values_mut().map(|s| s.sub.untag(tag)).sum();
+        g.tagged -= released;
+        released
+    }
+
+    fn tagged_stats(&self) -> TaggedStats {
+        let g = self.lock();
+        let (ranges, bytes) = g
             .segs
-            .range_mut(..=addr)
-            .next_back()
-            .map(|(_, s)| s)
-            .filter(|s| addr < s.base() + s.sub.capacity() as u64)
-            .ok_or_else(|| {
-                crate::error::Error::invalid_argument(format!("address {addr:#x} is not inside this pinned arena"))
-            })?;
-        let off = (addr - seg.base()) as usize;
-        let live = seg.sub.free(off)?;
-        g.in_use -= live.span().1;
-        g.stats.free_calls += 1;
-        Ok(())
+            .values()
+            .map(|s| s.sub.tagged())
+            .fold((0, 0), |(r, b), (sr, sb)| (r + sr, b + sb));
+        TaggedStats {
+            ranges: ranges as u64,
+            bytes: bytes as u64,
+            peak_held_bytes: g.peak_held as u64,
+        }
     }
 
     fn size_of(&self, addr: u64) -> Option<usize> {
@@ -177,7 +249,8 @@ impl Arena for PinnedArena {
         let empty: Vec<u64> = g
             .segs
             .iter()
-            .filter(|(_, s)| s.sub.live_count() == 0)
+            // A segment with tagged ranges may still be read by queued work.
+            .filter(|(_, s)| s.sub.live_count() == 0 && s.sub.tagged().1 == 0)
             .map(|(b, _)| *b)
             .collect();
         let mut given = 0;

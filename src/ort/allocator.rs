@@ -32,6 +32,8 @@ pub(crate) struct Book {
     pub max_alloc_size: u64,
     pub failed_allocs: u64,
     pub frees: u64,
+    /// Peak of the source's committed bytes (read whenever it grew).
+    pub peak_committed: u64,
 }
 
 impl Book {
@@ -196,6 +198,7 @@ impl Allocator {
                 book.record(accounted, reserve);
                 let grew = self.dev.driver_counts().vmm_create_calls - creates_before;
                 if grew > 0 {
+                    book.peak_committed = book.peak_committed.max(self.mem.source_stats().committed_bytes);
                     log::info!(
                         "epmem: {} {:?} allocator: arena grew ({grew} physical allocation(s) from the driver) for {bytes} bytes",
                         self.device_label,
@@ -231,6 +234,33 @@ impl Allocator {
             ),
             Err(e) => log::warn!("epmem: freeing {addr:#x} failed: {e}"),
         }
+    }
+
+    /// One INFO line with the figures that place this allocator against the
+    /// physical floor (the peak of bytes live at once). Logged when the
+    /// allocator is released, so a host without `AllocatorGetStats` (ORT's
+    /// Python API has none) reads them from ORT's log; `scripts/bench_ort.py`
+    /// parses it.
+    fn log_footprint(&self, when: &str) {
+        let (b, s, o) = (self.book(), self.mem.source_stats(), self.mem.order_stats());
+        log::info!(
+            "epmem: {} {:?} allocator footprint at {when}: peak_live_bytes={} peak_held_bytes={} peak_committed_bytes={} \
+             committed_bytes={} max_in_use={} num_allocs={} stream_allocs={} same_stream_reuses={} deferred_frees={} \
+             stream_waits={} driver_allocs={}",
+            self.device_label,
+            self.kind,
+            o.peak_live_bytes,
+            o.peak_held_bytes,
+            b.peak_committed.max(s.committed_bytes),
+            s.committed_bytes,
+            b.max_in_use,
+            b.num_allocs + b.num_reserves,
+            o.stream_allocs,
+            o.same_stream_reuses,
+            o.deferred_frees,
+            o.waits,
+            s.extensions
+        );
     }
 
     fn stats(&self) -> Vec<(&'static str, String)> {
@@ -270,6 +300,11 @@ impl Allocator {
             ("epmem.stream_events_recorded", o.events_recorded.to_string()),
             ("epmem.stream_events_created", o.events_created.to_string()),
             ("epmem.stream_waits", o.waits.to_string()),
+            ("epmem.live_bytes", o.live_bytes.to_string()),
+            ("epmem.peak_live_bytes", o.peak_live_bytes.to_string()),
+            ("epmem.pending_bytes", o.pending_bytes.to_string()),
+            ("epmem.peak_held_bytes", o.peak_held_bytes.to_string()),
+            ("epmem.peak_committed_bytes", b.peak_committed.max(s.committed_bytes).to_string()),
         ];
         v.extend(self.factory.copies.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
         v.extend(self.factory.engines.snapshot().iter().map(|&(k, n)| (k, n.to_string())));
@@ -288,6 +323,13 @@ impl Drop for Allocator {
                 self.device_label,
                 self.kind
             );
+        }
+        let used = {
+            let b = self.book();
+            b.num_allocs + b.num_reserves > 0
+        };
+        if used {
+            self.log_footprint("release");
         }
         // Pending frees are sealed with events on their streams: do it while
         // the adopted streams are still known to the device.
@@ -371,6 +413,7 @@ unsafe extern "C" fn shrink(this: *mut OrtAllocator) -> *mut OrtStatus {
     // SAFETY: as in `alloc`.
     let a = unsafe { me(this) };
     super::status_boundary(&a.factory.api, "OrtAllocator::Shrink", || {
+        a.log_footprint("Shrink");
         let given = a.mem.trim()?;
         log::debug!(
             "epmem: {} {:?} allocator gave back {given} bytes",

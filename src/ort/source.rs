@@ -3,13 +3,13 @@
 //! [`MemorySource`] is the seam between the ORT adapter and epmem's memory
 //! machinery: the allocator glue (`allocator.rs`) does accounting, limits and
 //! stats; a source hands out and takes back address ranges. DEFAULT memory
-//! comes from a [`DeviceArena`] (one VA reservation, committed in chunks of
-//! granules), HOST_ACCESSIBLE memory from a [`PinnedArena`] (pinned
+//! comes from a [`DeviceArena`] (one VA reservation, committed granule by
+//! granule), HOST_ACCESSIBLE memory from a [`PinnedArena`] (pinned
 //! segments); neither makes a driver call per allocation in steady state.
 
 use std::sync::Arc;
 
-use crate::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
+use crate::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena, TaggedStats};
 use crate::device::Device;
 use crate::error::Result;
 
@@ -39,6 +39,14 @@ pub(crate) trait MemorySource: Send + Sync {
     /// Return memory no allocation uses to the driver; bytes given back.
     fn trim(&self) -> Result<usize>;
     fn stats(&self) -> SourceStats;
+    /// For the owner of `tag`: best fit over its ranges and everyone's (see
+    /// [`Arena::alloc_tagged`]).
+    fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>>;
+    /// Free under `tag`: only `alloc_tagged(.., tag)` sees it until `untag`.
+    fn free_tagged(&self, addr: u64, tag: u64) -> Result<()>;
+    /// Make `tag`'s memory free for everyone; bytes released.
+    fn untag(&self, tag: u64) -> usize;
+    fn tagged_stats(&self) -> TaggedStats;
     /// Short name for stats.
     fn name(&self) -> &'static str;
 }
@@ -58,8 +66,19 @@ pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind, capacity: u64) -> Resul
     let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
     let cfg = ArenaConfig::with_capacity(capacity);
     Ok(match kind {
+        // Device memory grows one VMM granule (2 MiB on the H200) at a time,
+        // not the arena's default 16: ORT's working set is a few large
+        // tensors whose ends rarely fill a 32 MiB chunk, and every chunk
+        // touched stays committed. The extra driver calls are paid in warm-up
+        // only (steady state makes none either way).
         MemKind::Device => Box::new(ArenaSource {
-            arena: DeviceArena::new(dev, cfg)?,
+            arena: DeviceArena::new(
+                dev,
+                ArenaConfig {
+                    chunk_bytes: dev.vmm_granularity(),
+                    ..cfg
+                },
+            )?,
             name: "device_arena",
         }),
         MemKind::Pinned => Box::new(ArenaSource {
@@ -96,5 +115,17 @@ impl<A: Arena> MemorySource for ArenaSource<A> {
     }
     fn name(&self) -> &'static str {
         self.name
+    }
+    fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
+        self.arena.alloc_tagged(bytes, tag, fresh)
+    }
+    fn free_tagged(&self, addr: u64, tag: u64) -> Result<()> {
+        self.arena.free_tagged(addr, tag)
+    }
+    fn untag(&self, tag: u64) -> usize {
+        self.arena.untag(tag)
+    }
+    fn tagged_stats(&self) -> TaggedStats {
+        self.arena.tagged_stats()
     }
 }

@@ -6,74 +6,64 @@
 //! kernel using it is *queued* — its work may still be running. The
 //! invariant kept here: memory freed while work is queued on stream S is
 //! never handed to work on another stream (or to a stream-less `Alloc`)
-//! before that work completes. A block freed on S stays *pending*, out of
-//! the source; the next `AllocOnStream` on S itself may take it at once,
-//! since S runs its work in order. It goes back to the source only after an
-//! event recorded on S after its free has completed.
+//! before that work completes. A range freed on S goes back into the arena
+//! at once, under S's *tag* ([`MemorySource::free_tagged`]): it coalesces
+//! with S's other freed ranges, and the next `AllocOnStream` on S itself may
+//! take any part of it at once, since S runs its work in order. Everyone
+//! else sees S's ranges only after an event recorded on S after its latest
+//! free has completed; then the whole tag is released
+//! ([`MemorySource::untag`]) and merges with the free memory around it.
 //!
-//! The event is recorded in `Free` itself (one `cuEventRecord`, from a warm
-//! pool of events: no driver allocation in steady state), while the stream is
-//! certainly alive: ORT frees a block as soon as the last kernel using it is
-//! queued on that stream. Recording later (lazily, at the next allocation)
-//! would touch streams ORT may have destroyed in between — a session's
-//! streams go with the session — and a driver call on a destroyed stream can
-//! crash (seen on the H200 with onnxruntime-gpu 1.31: a second session
-//! segfaulted in the lazy record on the first session's stream). An
-//! allocation another stream makes only queries the oldest epoch of each
-//! stream.
+//! Why tags in the arena rather than whole blocks held outside it (the first
+//! design): a held block served its stream again only as a whole and only
+//! for a request of at least half its size; every other request of the same
+//! stream went to fresh memory while the blocks waited for their event. On an
+//! ORT-like trace that held ~1.5x the live bytes
+//! (`an_ort_like_trace_commits_within_a_small_factor_of_its_live_peak`).
+//!
+//! The event is recorded in `Free` itself (one `cuEventRecord` on the
+//! stream's one event, re-recorded at every free: no driver allocation in
+//! steady state), while the stream is certainly alive: ORT frees a block as
+//! soon as the last kernel using it is queued on that stream. Recording later
+//! (lazily, at the next allocation) would touch streams ORT may have
+//! destroyed in between — a session's streams go with the session — and a
+//! driver call on a destroyed stream can crash (seen on the H200 with
+//! onnxruntime-gpu 1.31: a second session segfaulted in the lazy record on
+//! the first session's stream). An allocation its own stream's ranges cannot
+//! serve queries each tagged stream's event once.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::source::{MemorySource, SourceStats};
 use crate::device::{Device, RawEvent, RawStream};
 use crate::error::Result;
 
-/// A pending block is reused on its own stream only if it is at most this
-/// many times the request: a huge block must not serve a tiny tensor while
-/// the source could give an exact fit.
-const REUSE_SLACK: usize = 2;
-
 #[derive(Debug, Clone, Copy)]
 struct Live {
     /// The stream the block was allocated on; None for `Alloc`/`Reserve`.
     stream: Option<RawStream>,
-    /// Bytes this allocation accounts for (a reused block's whole size).
-    bytes: usize,
+    /// Bytes the caller asked for (the floor counts these).
+    requested: usize,
 }
 
+/// A stream with memory freed under its tag and not yet released.
 #[derive(Debug, Clone, Copy)]
-struct Block {
-    addr: u64,
-    bytes: usize,
-}
-
-/// Blocks freed on one stream before `event` was recorded there.
-#[derive(Debug)]
-struct Epoch {
+struct Tagged {
+    stream: RawStream,
+    tag: u64,
+    /// Recorded on `stream` after its latest free.
     event: RawEvent,
-    blocks: Vec<Block>,
-}
-
-#[derive(Debug, Default)]
-struct StreamPending {
-    /// Freed since the last event on this stream (no event covers them yet).
-    open: Vec<Block>,
-    /// Oldest first; events on one stream complete in order.
-    sealed: VecDeque<Epoch>,
-}
-
-impl StreamPending {
-    fn is_empty(&self) -> bool {
-        self.open.is_empty() && self.sealed.is_empty()
-    }
 }
 
 #[derive(Default)]
 struct State {
     live: HashMap<u64, Live>,
-    pending: HashMap<u64, (RawStream, StreamPending)>,
-    pending_addrs: HashSet<u64>,
+    /// Streams with tagged memory, by stream handle.
+    tagged: HashMap<u64, Tagged>,
+    /// Tags of streams seen, by stream handle (a tag is never reused for
+    /// another stream while this layer lives).
+    tags: HashMap<u64, u64>,
     idle_events: Vec<RawEvent>,
     stats: OrderStats,
 }
@@ -83,18 +73,29 @@ struct State {
 pub(crate) struct OrderStats {
     /// Allocations made on a stream (`AllocOnStream` with a stream).
     pub stream_allocs: u64,
-    /// Of those, served by a pending block of the same stream.
+    /// Of those, served by memory freed on the same stream whose work may
+    /// still be queued (a tagged range).
     pub same_stream_reuses: u64,
-    /// Frees of stream memory (each left the block pending).
+    /// Frees of stream memory (each freed under its stream's tag).
     pub deferred_frees: u64,
-    /// Blocks pending now.
+    /// Tagged free ranges now (coalesced), waiting for their stream's work.
     pub pending_blocks: u64,
-    /// Events recorded (one per epoch; driver calls).
+    /// Events recorded (one per stream free; driver calls).
     pub events_recorded: u64,
     /// Events created (driver calls; pooled afterwards).
     pub events_created: u64,
     /// Times an allocation waited for pending work because the source was full.
     pub waits: u64,
+    /// Bytes the caller asked for, summed over live allocations: the
+    /// physical floor no allocator can go below on the same request stream.
+    pub live_bytes: u64,
+    /// Peak of `live_bytes` since the layer was made.
+    pub peak_live_bytes: u64,
+    /// Bytes of tagged free ranges now (freed on a stream, not yet free for everyone).
+    pub pending_bytes: u64,
+    /// Peak of the bytes not free for everyone: live allocations (as the
+    /// arena rounds them) plus tagged ranges.
+    pub peak_held_bytes: u64,
 }
 
 /// A [`MemorySource`] whose frees are ordered after the work of the stream
@@ -122,48 +123,107 @@ impl StreamOrdered {
     /// returned). Returns the address and the bytes it accounts for.
     pub fn alloc(&self, bytes: usize, stream: Option<RawStream>) -> Result<(u64, usize)> {
         let mut g = self.lock();
-        if let Some(s) = stream {
+        let own_tag = |g: &State| stream.and_then(|s| g.tagged.get(&s.0)).map_or(0, |t| t.tag);
+        if stream.is_some() {
             g.stats.stream_allocs += 1;
-            if let Some(hit) = self.take_same_stream(&mut g, s, bytes) {
-                g.stats.same_stream_reuses += 1;
-                g.live.insert(hit.addr, Live { stream, bytes: hit.bytes });
-                return Ok((hit.addr, hit.bytes));
+        }
+        // Memory already used before is preferred to fresh memory, in three
+        // steps: the stream's own pending ranges and everyone's free memory
+        // (best fit over both); the same after releasing the tags of streams
+        // whose work completed (one event query each); and after waiting for
+        // the stream's own work (its pending ranges then merge with the free
+        // memory around them). Only then does the footprint grow. The wait
+        // blocks the calling thread until its own stream catches up — never
+        // for another stream's work — and happens only where the arena would
+        // otherwise take new memory from the driver: in warm-up, or never.
+        // Without it, whether a hole was still pending at the moment of a
+        // growth decided the footprint, and it could creep after warm-up.
+        let mut t = own_tag(&g);
+        if let Some((addr, own)) = self.src.alloc_tagged(bytes, t, false)? {
+            g.stats.same_stream_reuses += u64::from(own && t != 0);
+            return Ok(self.note_live(&mut g, addr, stream, bytes));
+        }
+        if !g.tagged.is_empty() {
+            self.reclaim_completed(&mut g)?;
+            t = own_tag(&g);
+            if let Some((addr, own)) = self.src.alloc_tagged(bytes, t, false)? {
+                g.stats.same_stream_reuses += u64::from(own && t != 0);
+                return Ok(self.note_live(&mut g, addr, stream, bytes));
             }
         }
-        if !g.pending_addrs.is_empty() {
-            self.seal_all(&mut g)?;
-            self.reclaim_completed(&mut g)?;
+        if let Some(own) = stream.and_then(|s| g.tagged.get(&s.0)).copied() {
+            g.stats.waits += 1;
+            self.dev.event_synchronize(own.event)?;
+            g.tagged.remove(&own.stream.0);
+            g.idle_events.push(own.event);
+            self.src.untag(own.tag);
+            if let Some((addr, _)) = self.src.alloc_tagged(bytes, 0, false)? {
+                return Ok(self.note_live(&mut g, addr, stream, bytes));
+            }
+        }
+        t = own_tag(&g);
+        if t != 0
+            && let Some((addr, own)) = self.src.alloc_tagged(bytes, t, true)?
+        {
+            g.stats.same_stream_reuses += u64::from(own);
+            return Ok(self.note_live(&mut g, addr, stream, bytes));
         }
         let addr = match self.src.alloc(bytes) {
             Ok(a) => a,
-            Err(e) if g.pending_addrs.is_empty() => return Err(e),
+            Err(e) if g.tagged.is_empty() => return Err(e),
             Err(_) => {
-                // The source is full of pending blocks: wait for their work.
+                // The source is full of tagged ranges: wait for their work.
                 g.stats.waits += 1;
                 self.drain_all(&mut g)?;
                 self.src.alloc(bytes)?
             }
         };
-        g.live.insert(addr, Live { stream, bytes });
-        Ok((addr, bytes))
+        Ok(self.note_live(&mut g, addr, stream, bytes))
+    }
+
+    fn note_live(&self, g: &mut State, addr: u64, stream: Option<RawStream>, bytes: usize) -> (u64, usize) {
+        g.live.insert(addr, Live { stream, requested: bytes });
+        g.stats.live_bytes += bytes as u64;
+        g.stats.peak_live_bytes = g.stats.peak_live_bytes.max(g.stats.live_bytes);
+        (addr, bytes)
     }
 
     /// Give back an allocation; returns the bytes it accounted for, or None
-    /// for an address that is not live (foreign, or freed already). Records one
-    /// driver call.
+    /// for an address that is not live (foreign, or freed already). A stream
+    /// allocation records one event on its stream (one driver call).
     pub fn free(&self, addr: u64) -> Result<Option<usize>> {
         let mut g = self.lock();
         let Some(l) = g.live.remove(&addr) else { return Ok(None) };
+        g.stats.live_bytes -= l.requested as u64;
         let Some(s) = l.stream else {
             self.src.free(addr)?;
-            return Ok(Some(l.bytes));
+            return Ok(Some(l.requested));
         };
+        let next_tag = g.tags.len() as u64 + 1;
+        let tag = *g.tags.entry(s.0).or_insert(next_tag);
+        let event = match g.tagged.get(&s.0) {
+            Some(t) => t.event,
+            None => self.event(&mut g)?,
+        };
+        self.src.free_tagged(addr, tag)?;
         g.stats.deferred_frees += 1;
-        g.pending_addrs.insert(addr);
-        let entry = g.pending.entry(s.0).or_insert_with(|| (s, StreamPending::default()));
-        entry.1.open.push(Block { addr, bytes: l.bytes });
-        self.seal_stream(&mut g, s.0)?;
-        Ok(Some(l.bytes))
+        match self.dev.event_record(event, s) {
+            Ok(()) => {
+                g.stats.events_recorded += 1;
+                g.tagged.insert(s.0, Tagged { stream: s, tag, event });
+            }
+            Err(e) => {
+                // A stream that cannot take an event any more (destroyed,
+                // perhaps with work still queued) is ordered against the
+                // whole device.
+                log::debug!("epmem: recording on stream {} failed ({e}); synchronizing the device", s.0);
+                g.tagged.remove(&s.0);
+                g.idle_events.push(event);
+                self.dev.synchronize()?;
+                self.src.untag(tag);
+            }
+        }
+        Ok(Some(l.requested))
     }
 
     /// Whether `addr` is a live allocation.
@@ -172,17 +232,16 @@ impl StreamOrdered {
         self.lock().live.contains_key(&addr)
     }
 
-    /// Wait for the work still using pending blocks, return them all to the
-    /// source, then give the source's unused memory back to the driver.
-    /// Bytes given back.
+    /// Wait for the work still using tagged ranges, release them all, then
+    /// give the source's unused memory back to the driver. Bytes given back.
     pub fn trim(&self) -> Result<usize> {
         let mut g = self.lock();
         self.drain_all(&mut g)?;
         self.src.trim()
     }
 
-    /// Wait for the work still using pending blocks and return them all to
-    /// the source (before the streams they were freed on are forgotten).
+    /// Wait for the work still using tagged ranges and release them all
+    /// (before the streams they were freed on are forgotten).
     pub fn drain(&self) -> Result<()> {
         let mut g = self.lock();
         self.drain_all(&mut g)
@@ -194,8 +253,11 @@ impl StreamOrdered {
 
     pub fn order_stats(&self) -> OrderStats {
         let g = self.lock();
+        let t = self.src.tagged_stats();
         OrderStats {
-            pending_blocks: g.pending_addrs.len() as u64,
+            pending_blocks: t.ranges,
+            pending_bytes: t.bytes,
+            peak_held_bytes: t.peak_held_bytes,
             ..g.stats
         }
     }
@@ -214,148 +276,43 @@ impl StreamOrdered {
         }
     }
 
-    /// Record one event on every stream with open blocks, sealing them into
-    /// an epoch. A stream that cannot take an event any more (destroyed,
-    /// perhaps with work still queued) is ordered against the whole device.
-    fn seal_all(&self, g: &mut State) -> Result<()> {
-        let streams: Vec<u64> = g
-            .pending
-            .iter()
-            .filter(|(_, (_, p))| !p.open.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        for k in streams {
-            self.seal_stream(g, k)?;
-        }
-        g.pending.retain(|_, (_, p)| !p.is_empty());
-        Ok(())
-    }
-
-    /// Record an event on stream `k` sealing its open blocks into an epoch.
-    /// A stream that refuses the event is ordered against the whole device.
-    fn seal_stream(&self, g: &mut State, k: u64) -> Result<()> {
-        if g.pending.get(&k).is_none_or(|(_, p)| p.open.is_empty()) {
-            return Ok(());
-        }
-        let event = self.event(g)?;
-        let (s, p) = g.pending.get_mut(&k).expect("checked above");
-        let blocks = std::mem::take(&mut p.open);
-        match self.dev.event_record(event, *s) {
-            Ok(()) => {
-                p.sealed.push_back(Epoch { event, blocks });
-                g.stats.events_recorded += 1;
-            }
-            Err(e) => {
-                log::debug!("epmem: recording on stream {} failed ({e}); synchronizing the device", s.0);
-                g.idle_events.push(event);
-                self.dev.synchronize()?;
-                for b in blocks {
-                    g.pending_addrs.remove(&b.addr);
-                    self.src.free(b.addr)?;
-                }
-                if g.pending.get(&k).is_some_and(|(_, p)| p.is_empty()) {
-                    g.pending.remove(&k);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Epochs whose event completed go back to the source; only the oldest
-    /// of each stream needs a query (later ones complete later).
+    /// Release the tags of streams whose latest free's event has completed.
     fn reclaim_completed(&self, g: &mut State) -> Result<()> {
-        let State {
-            pending,
-            pending_addrs,
-            idle_events,
-            ..
-        } = g;
-        for (_, p) in pending.values_mut() {
-            while let Some(head) = p.sealed.front() {
-                if !self.dev.event_query(head.event)? {
-                    break;
-                }
-                let ep = p.sealed.pop_front().expect("front exists");
-                idle_events.push(ep.event);
-                for b in ep.blocks {
-                    pending_addrs.remove(&b.addr);
-                    self.src.free(b.addr)?;
-                }
+        let done: Vec<Tagged> = g.tagged.values().copied().collect();
+        for t in done {
+            if self.dev.event_query(t.event)? {
+                g.tagged.remove(&t.stream.0);
+                g.idle_events.push(t.event);
+                self.src.untag(t.tag);
             }
         }
-        pending.retain(|_, (_, p)| !p.is_empty());
         Ok(())
     }
 
-    /// Wait for every pending block's work and return them all to the source.
+    /// Wait for the work of every tagged stream and release all tags.
     fn drain_all(&self, g: &mut State) -> Result<()> {
-        self.seal_all(g)?;
-        let pending = std::mem::take(&mut g.pending);
-        for (_, (_, p)) in pending {
-            for ep in p.sealed {
-                self.dev.event_synchronize(ep.event)?;
-                g.idle_events.push(ep.event);
-                for b in ep.blocks {
-                    g.pending_addrs.remove(&b.addr);
-                    self.src.free(b.addr)?;
-                }
-            }
+        let all: Vec<Tagged> = g.tagged.values().copied().collect();
+        for t in all {
+            self.dev.event_synchronize(t.event)?;
+            g.tagged.remove(&t.stream.0);
+            g.idle_events.push(t.event);
+            self.src.untag(t.tag);
         }
         Ok(())
-    }
-
-    /// The smallest pending block of stream `s` (open or sealed) that fits
-    /// `bytes` without wasting more than [`REUSE_SLACK`] times it.
-    fn take_same_stream(&self, g: &mut State, s: RawStream, bytes: usize) -> Option<Block> {
-        let (_, p) = g.pending.get_mut(&s.0)?;
-        let fits = |b: &Block| b.bytes >= bytes && b.bytes <= bytes.saturating_mul(REUSE_SLACK);
-        // Candidates as (size, epoch index or None for open, index in it).
-        let mut best: Option<(usize, Option<usize>, usize)> = None;
-        let mut consider = |size: usize, ep: Option<usize>, i: usize| {
-            if best.is_none_or(|(bs, _, _)| size < bs) {
-                best = Some((size, ep, i));
-            }
-        };
-        for (i, b) in p.open.iter().enumerate().filter(|(_, b)| fits(b)) {
-            consider(b.bytes, None, i);
-        }
-        for (e, ep) in p.sealed.iter().enumerate() {
-            for (i, b) in ep.blocks.iter().enumerate().filter(|(_, b)| fits(b)) {
-                consider(b.bytes, Some(e), i);
-            }
-        }
-        let (_, ep, i) = best?;
-        let b = match ep {
-            None => p.open.swap_remove(i),
-            Some(e) => {
-                let blk = p.sealed[e].blocks.swap_remove(i);
-                // An epoch left empty is dropped; its event goes back to the
-                // pool (recording it again later is allowed at any time).
-                if p.sealed[e].blocks.is_empty() {
-                    let ep = p.sealed.remove(e).expect("index in range");
-                    g.idle_events.push(ep.event);
-                }
-                blk
-            }
-        };
-        if g.pending.get(&s.0).is_some_and(|(_, p)| p.is_empty()) {
-            g.pending.remove(&s.0);
-        }
-        g.pending_addrs.remove(&b.addr);
-        Some(b)
     }
 }
 
 impl Drop for StreamOrdered {
     fn drop(&mut self) {
         // The source's memory goes back to the driver when it drops: first
-        // let the work still using pending blocks finish.
+        // let the work still using tagged ranges finish.
         let mut g = self.lock();
         if let Err(e) = self.drain_all(&mut g) {
             log::warn!("epmem: waiting for pending frees failed ({e}); synchronizing the device");
             crate::device::objects::log_drop_error("synchronize", self.dev.synchronize());
         }
-        for e in g.idle_events.drain(..) {
+        let left: Vec<RawEvent> = g.tagged.drain().map(|(_, t)| t.event).collect();
+        for e in g.idle_events.drain(..).chain(left) {
             crate::device::objects::log_drop_error("event_destroy", self.dev.event_destroy(e));
         }
     }
@@ -423,16 +380,29 @@ mod tests {
         dev.event_record(done, a).unwrap();
         l.free(p).unwrap();
         let (q, bytes) = l.alloc(MIB / 2 + 1, Some(a)).unwrap();
-        assert!(!dev.event_query(done).unwrap(), "the spin finished too early");
         assert_eq!(q, p, "stream order makes the block safe for its own stream");
-        assert_eq!(bytes, MIB, "a reused block accounts for its whole size");
-        // Too small a request does not take a block over twice its size.
+        assert_eq!(bytes, MIB / 2 + 1, "a reuse accounts for what it asked, not the whole block");
+        // The rest of the block stays with stream a: a request of any size
+        // on a takes its next part, another stream gets none of it.
+        let b = dev.stream_create().unwrap();
+        let (u, _) = l.alloc(MIB / 4, Some(a)).unwrap();
+        let (w, _) = l.alloc(MIB / 4, Some(b)).unwrap();
+        assert!(!dev.event_query(done).unwrap(), "the spin finished too early: the checks proved nothing");
+        assert!(u > p && u < p + MIB as u64, "the same stream reuses the block's rest: {u:#x}");
+        assert!(w >= p + MIB as u64 || w + (MIB / 4) as u64 <= p, "stream b got stream a's pending memory");
+        // Freed pieces coalesce under the stream's tag: the whole block is
+        // again one range for stream a.
         l.free(q).unwrap();
-        let (t, _) = l.alloc(MIB / 4, Some(a)).unwrap();
-        assert_ne!(t, p);
+        l.free(u).unwrap();
+        assert_eq!(l.order_stats().pending_blocks, 1);
+        let (t, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert_eq!(t, p);
         let s = l.order_stats();
-        assert_eq!((s.stream_allocs, s.same_stream_reuses, s.deferred_frees), (3, 1, 2));
+        assert_eq!((s.stream_allocs, s.same_stream_reuses, s.deferred_frees), (5, 3, 3), "{s:?}");
         l.free(t).unwrap();
+        l.free(w).unwrap();
+        dev.stream_synchronize(b).unwrap();
+        dev.stream_destroy(b).unwrap();
         dev.stream_synchronize(a).unwrap();
         dev.stream_destroy(a).unwrap();
         dev.event_destroy(done).unwrap();
@@ -508,5 +478,202 @@ mod tests {
             dev.stream_synchronize(st).unwrap();
             dev.stream_destroy(st).unwrap();
         }
+    }
+
+    /// Replays a request stream on one stream, counting the bytes live.
+    struct Replay<'a> {
+        l: &'a StreamOrdered,
+        s: RawStream,
+        sizes: HashMap<u64, usize>,
+        live: u64,
+        peak: u64,
+        /// Microseconds of work queued on the stream before each pass: the
+        /// GPU running behind the host, so frees wait for their event.
+        lag_us: u32,
+    }
+
+    impl Replay<'_> {
+        fn alloc(&mut self, bytes: usize) -> u64 {
+            let (a, _) = self.l.alloc(bytes, Some(self.s)).unwrap();
+            assert!(self.sizes.insert(a, bytes).is_none(), "{a:#x} handed out twice");
+            self.live += bytes as u64;
+            self.peak = self.peak.max(self.live);
+            a
+        }
+        fn free(&mut self, a: u64) {
+            let bytes = self.sizes.remove(&a).expect("live");
+            assert!(self.l.free(a).unwrap().is_some());
+            self.live -= bytes as u64;
+        }
+
+        /// The request stream ONNX Runtime's CUDA EP makes for one pass of a
+        /// transformer block stack (shapes of tests/ort/gpu/make_transformer.py:
+        /// 6 blocks, d_model 1024, 16 heads, ffn 4096): per block LayerNorm,
+        /// Q/K/V and their transposes, the [b, h, t, t] scores and softmax (the
+        /// working-set peak), context, projections, residual adds and the MLP,
+        /// plus small tensors (LayerNorm statistics, shapes). ORT frees a
+        /// tensor as soon as its last consumer is queued.
+        fn pass(&mut self, b: usize, t: usize) {
+            const D: usize = 1024;
+            const H: usize = 16;
+            let n = b * t;
+            let act = n * D * 4;
+            if self.lag_us > 0 {
+                self.l.dev.spin_async(self.lag_us, self.s).unwrap();
+            }
+            let mut x = self.alloc(act);
+            for _ in 0..6 {
+                let stats = self.alloc(n * 8);
+                let ln = self.alloc(act);
+                let (q, k, v) = (self.alloc(act), self.alloc(act), self.alloc(act));
+                self.free(ln);
+                self.free(stats);
+                let shape = self.alloc(64);
+                let (qt, kt, vt) = (self.alloc(act), self.alloc(act), self.alloc(act));
+                for a in [q, k, v, shape] {
+                    self.free(a);
+                }
+                let scores = self.alloc(b * H * t * t * 4);
+                self.free(kt);
+                let probs = self.alloc(b * H * t * t * 4);
+                self.free(scores);
+                let ctx = self.alloc(act);
+                for a in [probs, vt, qt] {
+                    self.free(a);
+                }
+                let ctx_t = self.alloc(act);
+                self.free(ctx);
+                let proj = self.alloc(act);
+                self.free(ctx_t);
+                let x1 = self.alloc(act);
+                self.free(proj);
+                self.free(x);
+                let stats2 = self.alloc(n * 8);
+                let ln2 = self.alloc(act);
+                self.free(stats2);
+                let h1 = self.alloc(4 * act);
+                self.free(ln2);
+                let h2 = self.alloc(4 * act);
+                self.free(h1);
+                let m = self.alloc(act);
+                self.free(h2);
+                x = self.alloc(act);
+                self.free(m);
+                self.free(x1);
+            }
+            self.free(x);
+            // The end of Run: ORT copies the output to the host, which waits for the stream.
+            self.l.dev.stream_synchronize(self.s).unwrap();
+        }
+    }
+
+    fn ort_like_trace(lag_us: u32) {
+        // Device memory of an ORT allocator: the source ORT's env allocator
+        // gets, behind the stream layer, on the host device.
+        let (dev, l) = layer(64 << 30);
+        let a = dev.stream_create().unwrap();
+        let mut seed = 2026u64;
+        let mut rnd = |m: usize| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            1 + (seed >> 33) as usize % m
+        };
+        let trace: Vec<(usize, usize)> = (0..60).map(|_| (rnd(16), rnd(512))).collect();
+        let mut r = Replay {
+            l: &l,
+            s: a,
+            sizes: HashMap::new(),
+            live: 0,
+            peak: 0,
+            lag_us,
+        };
+        for &(b, t) in &trace {
+            r.pass(b, t);
+        }
+        // The measured pass: the same shapes again, no driver allocation.
+        let (before, committed) = (dev.driver_counts().vmm_create_calls, l.source_stats().committed_bytes);
+        let waits_warm = l.order_stats().waits;
+        for &(b, t) in &trace {
+            r.pass(b, t);
+        }
+        let grew = dev.driver_counts().vmm_create_calls - before;
+        // Waiting for the stream's own work happens only where the arena
+        // would grow: never once the footprint is warm (latency unchanged).
+        assert_eq!(l.order_stats().waits, waits_warm, "waits after warm-up");
+        let warm_committed = committed;
+        let (live, peak) = (r.live, r.peak);
+        let o = l.order_stats();
+        assert_eq!(live, 0);
+        assert_eq!(o.live_bytes, 0, "{o:?}");
+        assert_eq!(o.peak_live_bytes, peak, "the layer's floor is the test's own count");
+        assert!(o.same_stream_reuses > 0, "same-stream frees must be reused at once: {o:?}");
+        let committed = l.source_stats().committed_bytes;
+        let ratio = committed as f64 / peak as f64;
+        eprintln!(
+            "ort-like trace, lag {lag_us} us: peak live {} MiB, peak held {} MiB, committed {} MiB: {ratio:.3}x the floor; {o:?}",
+            peak >> 20,
+            o.peak_held_bytes >> 20,
+            committed >> 20
+        );
+        assert_eq!(grew, 0, "driver allocations after warm-up ({} MiB)", (committed - warm_committed) >> 20);
+        // Stated bound: within 1.35x of the bytes live at once. Measured
+        // 1.27x with and without lag, the same as plain best fit with every
+        // free immediate (no streams at all): the stream layer adds nothing,
+        // the rest is placement. The design before (whole blocks held outside
+        // the arena until their event, offset-allocator's rounded bin search,
+        // 32 MiB chunks) committed 1.67-1.73x with no lag (this bound fails
+        // it) and 1.24x with 3 ms of lag: its footprint depended on timing.
+        assert!(ratio <= 1.35, "committed {committed} bytes = {ratio:.3}x the live peak {peak}: {o:?}");
+        dev.stream_destroy(a).unwrap();
+    }
+
+    #[test]
+    fn an_ort_like_trace_commits_within_a_small_factor_of_its_live_peak() {
+        ort_like_trace(0);
+    }
+
+    #[test]
+    fn an_ort_like_trace_with_the_stream_behind_commits_within_the_same_factor() {
+        // 3 ms of queued work per pass: every free of the pass waits for its
+        // event while the pass still allocates (as on a GPU behind the host).
+        ort_like_trace(3_000);
+    }
+
+    #[test]
+    #[ignore = "timing, run with --release --ignored"]
+    fn ort_like_trace_timing() {
+        let (dev, l) = layer(64 << 30);
+        let a = dev.stream_create().unwrap();
+        let mut r = Replay {
+            l: &l,
+            s: a,
+            sizes: HashMap::new(),
+            live: 0,
+            peak: 0,
+            lag_us: 0,
+        };
+        let trace: Vec<(usize, usize)> = (0..60).map(|i| (1 + i % 16, 1 + (i * 37) % 512)).collect();
+        for &(b, t) in &trace {
+            r.pass(b, t);
+        }
+        let creates = dev.driver_counts().vmm_create_calls;
+        let t0 = std::time::Instant::now();
+        for _ in 0..5 {
+            for &(b, t) in &trace {
+                r.pass(b, t);
+            }
+        }
+        let el = t0.elapsed();
+        // 127 allocations per pass (6 blocks of 21, plus the input).
+        let ops = 5 * trace.len() * 127;
+        assert_eq!(l.order_stats().stream_allocs as usize, 6 * trace.len() * 127);
+        assert_eq!(dev.driver_counts().vmm_create_calls, creates, "the timed passes must not grow the arena");
+        assert_eq!(r.live, 0);
+        // Host figures (release, 2-core CI machine): this design 1.9-2.6 us,
+        // the block-holding design before it 4.0 us.
+        eprintln!(
+            "timing: {:.0} ns per alloc+free (incl. the host stream's event record)",
+            el.as_nanos() as f64 / ops as f64
+        );
+        dev.stream_destroy(a).unwrap();
     }
 }

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import unittest
 
 import numpy as np
@@ -261,6 +262,40 @@ class LoggingTests(unittest.TestCase):
     def test_epm_log_works_under_ort(self):
         out = _register_logged(3, epm_log="info")
         self.assertRegex(out, r"\[epmem INFO [^\]]*\] epmem: ONNX Runtime API 1\.\d+: registering")
+
+    def test_the_footprint_line_reports_the_live_peak_bench_ort_reads(self):
+        # scripts/bench_ort.py reads epmem's floor from this line (Python has
+        # no AllocatorGetStats): 3 tensors of 1 MiB live at once, then freed.
+        if VERSION < (1, 28):
+            self.skipTest("needs onnxruntime 1.28+ (OrtValue in a plugin's memory_info)")
+        child = """
+import sys, numpy as np, onnxruntime as ort
+ort.set_default_logger_severity(1)
+ort.register_execution_provider_library("epmem_fp", sys.argv[1])
+d = [e for e in ort.get_ep_devices() if e.ep_name == "epmem_fp"][0]
+mi = d.memory_info(ort.OrtDeviceMemoryType.DEFAULT)
+vs = [ort.OrtValue.ortvalue_from_shape_and_type((1 << 18,), np.float32, memory_info=mi) for _ in range(3)]
+del vs
+one = ort.OrtValue.ortvalue_from_shape_and_type((1 << 18,), np.float32, memory_info=mi)
+del one
+ort.unregister_execution_provider_library("epmem_fp")
+"""
+        env = dict(os.environ)
+        env.pop("EPM_LOG", None)
+        r = subprocess.run([sys.executable, "-c", child, LIB], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+        import bench_ort
+
+        log = os.path.join(tempfile.mkdtemp(), "fp.log")
+        with open(log, "w") as f:
+            f.write(r.stdout + r.stderr)
+        fp = bench_ort.epmem_footprint(log)
+        self.assertIsNotNone(fp, r.stdout + r.stderr)
+        self.assertEqual(fp["when"], "release")
+        self.assertEqual(fp["peak_live_bytes"], 3 << 20, fp)
+        self.assertEqual(fp["num_allocs"], 4, fp)
+        self.assertGreaterEqual(fp["peak_committed_bytes"], 3 << 20, fp)
 
 
 def main():
