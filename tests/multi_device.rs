@@ -12,7 +12,7 @@ use std::io::Write as _;
 use std::sync::Arc;
 
 use epmem::EpmStatus;
-use epmem::device::hostreg::{HostRegistration, SharedHostRegistration};
+use epmem::transfer::pinning::{HostRegistration, SharedHostRegistration};
 use epmem::device::{self, Device, DeviceBuffer, DeviceKind, DeviceSelect, HostRange, Stream, checksum_host};
 use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};

@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream, fence};
+use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream};
+use epmem::transfer::witness;
 use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
@@ -107,7 +108,7 @@ fn pool_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {
     assert!(st.held.lock().unwrap().insert(addr), "staging buffer {addr:#x} handed out twice");
     let data = pattern(len, r.u64(..));
     buf[..len].copy_from_slice(&data);
-    let done = fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
+    let done = witness::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
     assert!(read(&st.d, s, dst.ptr(), len) == data, "pool copy of {len} bytes");
     assert!(st.held.lock().unwrap().remove(&addr));
     st.pool.release(done);

@@ -10,7 +10,7 @@
 //! ```
 
 use crate::device::HostRange;
-use crate::device::hostreg::SharedHostRegistration;
+use crate::transfer::pinning::SharedHostRegistration;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::prelude::*;
 use crate::ffi::residency::{EpmHostRangeId, EpmResidency};

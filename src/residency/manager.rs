@@ -13,7 +13,7 @@ use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
-use crate::device::hostreg::SharedHostRegistration;
+use crate::transfer::pinning::SharedHostRegistration;
 use crate::device::rlimit::memlock_limit;
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};

@@ -12,7 +12,7 @@ use super::fence::Fenced;
 use super::ring::RingSlot;
 use crate::device::HostRange;
 use crate::error::Result;
-use crate::device::hostreg::Attachment;
+use crate::transfer::pinning::Attachment;
 use crate::staging::HostRegistration;
 
 /// A whole host range registered once, so the weights inside it bypass staging.
