@@ -578,7 +578,8 @@ typedef struct EpmKvStats {
   uint64_t cow_granules;
   uint64_t committed_granules;
   /**
-   * Host waits on a caller's stream before a mapping change.
+   * Host waits on a caller's stream before a mapping change (`stream_waits`
+   * in Rust; the C field keeps its first name, see docs/ABI.md "Names").
    */
   uint64_t fences;
   /**

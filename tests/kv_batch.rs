@@ -401,7 +401,7 @@ fn releasing_a_slot_fences_queued_work_before_remapping() {
     // the batch, say): release_slot must not remap it before the read ran.
     let mut back = epmem::device::PinnedBuffer::new(&d, g).unwrap();
     back.fill(0);
-    let fences = a.stats().counters.fences;
+    let fences = a.stats().counters.stream_waits;
     d.spin_async(100_000, s.raw()).unwrap();
     // SAFETY: `back` outlives the copy: the stream is synchronized below.
     unsafe { d.memcpy_dtoh_async(back.as_mut_ptr(), base, g, s.raw()).unwrap() };
@@ -411,10 +411,10 @@ fn releasing_a_slot_fences_queued_work_before_remapping() {
     s.synchronize().expect("the queued read ran against the old mapping");
     assert!(waited >= std::time::Duration::from_millis(50), "release_slot returned after {waited:?}");
     assert!(back.iter().all(|&x| x == 0x3C), "the read saw the slot's own bytes");
-    assert_eq!(a.stats().counters.fences, fences + 1);
+    assert_eq!(a.stats().counters.stream_waits, fences + 1);
     // Taking a slot with nothing to map changes no mapping: no fence.
     a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();
-    assert_eq!(a.stats().counters.fences, fences + 1);
+    assert_eq!(a.stats().counters.stream_waits, fences + 1);
 }
 
 #[test]

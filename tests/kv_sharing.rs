@@ -125,10 +125,10 @@ fn the_unused_tail_maps_the_zeroed_dummy_and_appends_inside_a_granule_are_free()
     assert_eq!(a.stats().ledger.owned_bytes, g, "only the dummy is owned");
     a.prepare_append(seq, 1, s.raw()).unwrap();
     let before = d.driver_counts();
-    let fences = a.stats().counters.fences;
+    let fences = a.stats().counters.stream_waits;
     a.prepare_append(seq, 9, s.raw()).unwrap(); // tokens 1..10 stay in granule 0
     assert_eq!(d.driver_counts(), before, "no driver call inside a private granule");
-    assert_eq!(a.stats().counters.fences, fences, "and no fence");
+    assert_eq!(a.stats().counters.stream_waits, fences, "and no fence");
     a.prepare_append(seq, 1, s.raw()).unwrap(); // token 10 reaches granule 1
     assert_eq!(a.sequence_info(seq).unwrap().private_granules, 2);
     // The tail past the written tokens is still the dummy: zeros.
@@ -312,5 +312,5 @@ fn prepare_append_fences_queued_work_before_remapping() {
     s.synchronize().expect("the queued read ran against the old mapping");
     assert!(waited >= std::time::Duration::from_millis(50), "prepare_append returned after {waited:?}");
     assert!(tail.iter().all(|&b| b == 0), "the read saw the zeroed dummy");
-    assert_eq!(a.stats().counters.fences, 1);
+    assert_eq!(a.stats().counters.stream_waits, 1);
 }

@@ -309,7 +309,8 @@ pub struct EpmKvStats {
     pub mapped_bytes: u64,
     pub cow_granules: u64,
     pub committed_granules: u64,
-    /// Host waits on a caller's stream before a mapping change.
+    /// Host waits on a caller's stream before a mapping change (`stream_waits`
+    /// in Rust; the C field keeps its first name, see docs/ABI.md "Names").
     pub fences: u64,
     /// Sequences that found a prefix by content hash.
     pub hash_hits: u64,
@@ -335,7 +336,7 @@ mirror! {
             pool_retained: pool.retained,
             cow_granules: counters.cow_granules,
             committed_granules: counters.committed_granules,
-            fences: counters.fences,
+            fences: counters.stream_waits,
             hash_hits: counters.hash_hits,
         }
         // ledger, pool and counters are flattened above (their own fields are

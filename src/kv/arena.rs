@@ -52,7 +52,8 @@ pub struct KvCounters {
     /// Fresh granules committed by prepare_append (excluding COW).
     pub committed_granules: u64,
     /// Host waits on a caller's stream before a mapping change.
-    pub fences: u64,
+    /// (C: `EpmKvStats.fences`, the name the ABI shipped with.)
+    pub stream_waits: u64,
     /// Sequences created with a prefix found by content hash.
     pub hash_hits: u64,
 }
@@ -83,7 +84,7 @@ pub struct KvArena {
     pub(crate) prefixes: Slab<Prefix>,
     pub(crate) batches: Slab<Batch>,
     pub(crate) index: PrefixIndex<u64>,
-    pub(crate) fence_event: Event,
+    pub(crate) stream_wait_event: Event,
     pub(crate) counters: KvCounters,
 }
 
@@ -103,7 +104,7 @@ impl KvArena {
             prefixes: Slab::new("KV prefix"),
             batches: Slab::new("KV batch"),
             index: PrefixIndex::new(),
-            fence_event: Event::new(dev, false)?,
+            stream_wait_event: Event::new(dev, false)?,
             counters: KvCounters::default(),
         };
         arena.zero_dummy()?;
@@ -143,10 +144,10 @@ impl KvArena {
     /// caller's stream still reads the old mapping is to see that work
     /// complete. On the H200 a kernel touching an unmapped or read-only page
     /// is error 700 and kills the context; on the host device it is SIGSEGV.
-    pub(crate) fn fence(&mut self, stream: RawStream) -> Result<()> {
-        self.fence_event.record_raw(stream)?;
-        self.fence_event.synchronize()?;
-        self.counters.fences += 1;
+    pub(crate) fn wait_for_stream(&mut self, stream: RawStream) -> Result<()> {
+        self.stream_wait_event.record_raw(stream)?;
+        self.stream_wait_event.synchronize()?;
+        self.counters.stream_waits += 1;
         Ok(())
     }
 

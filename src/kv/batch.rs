@@ -73,7 +73,7 @@ pub struct SlotInfo {
     pub batch: u64,
     pub index: u32,
     /// Leading tokens whose granules are all committed (shared or private):
-    /// appends up to here change no mapping (no fence, no driver call).
+    /// appends up to here change no mapping (no host wait, no driver call).
     pub committed_tokens: u64,
 }
 
@@ -148,7 +148,7 @@ impl KvArena {
     }
 
     /// Take a slot for a new, empty sequence (its granules map the dummy
-    /// until prepare_append). No mapping changes, so no fence.
+    /// until prepare_append). No mapping changes, so no host wait.
     pub fn take_slot(&mut self, bid: u64, choice: SlotChoice, mode: AdmitMode) -> Result<u64> {
         let idx = self.free_slot(bid, choice)?;
         let (layout, max) = self.batch_shape(bid)?;
@@ -157,8 +157,8 @@ impl KvArena {
 
     /// Take a slot whose first `n_tokens` tokens map prefix `pid` read-only
     /// (as [`KvArena::commit_shared_prefix`]: no copy, no charge). The slot's
-    /// dummy mappings are replaced, so `stream` is fenced first: a captured
-    /// graph over the whole batch may be reading them.
+    /// dummy mappings are replaced, so the host waits for `stream` first: a
+    /// captured graph over the whole batch may be reading them.
     pub fn take_shared_slot(
         &mut self,
         bid: u64,
@@ -173,7 +173,7 @@ impl KvArena {
         let p = self.prefixes.get(pid)?;
         crate::ensure!(p.layout == layout, InvalidArgument, "KV prefix {pid:#x} has a different layout than batch {bid:#x}");
         let tokens = p.tokens.get(..n_tokens as usize).map(<[u32]>::to_vec);
-        self.fence(stream)?;
+        self.wait_for_stream(stream)?;
         let seq = self.build_in(&layout, max, Some((pid, n_tokens)), mode, Some((bid, idx)))?;
         if let Some(t) = tokens {
             self.seqs.get_mut(seq)?.tokens = t;
@@ -212,7 +212,7 @@ impl KvArena {
         Ok((seq, shared))
     }
 
-    /// Release a slot: fence `stream` (a graph over the whole batch may still
+    /// Release a slot: wait for `stream` (a graph over the whole batch may still
     /// read the slot), map the dummy back over its granules, return them to
     /// the pool (credited on their last mapping) and the slot to the batch.
     /// InvalidArgument if `seq` is not a batch slot.
@@ -220,7 +220,7 @@ impl KvArena {
         let s = self.seqs.get(seq)?;
         crate::ensure!(s.batch.is_some(), InvalidArgument, "KV sequence {seq:#x} is not a slot of a batch");
         if s.committed_slots() > 0 {
-            self.fence(stream)?;
+            self.wait_for_stream(stream)?;
         }
         self.destroy_sequence(seq)
     }

@@ -53,7 +53,7 @@ pub struct PrefixInfo {
 impl KvArena {
     /// Pin the first `n_tokens` tokens of a sequence as a shared prefix.
     ///
-    /// Fences `stream` first (the origin's granules turn read-only, and a
+    /// Waits for `stream` first (the origin's granules turn read-only, and a
     /// kernel still writing into the boundary granule would fault). If the
     /// origin was admitted with a promise and will next write into the now
     /// shared boundary granule, one more granule is promised for its
@@ -79,8 +79,8 @@ impl KvArena {
                 Slot::Dummy => crate::bail!(Internal, "KV pin: written slot maps the dummy"),
             })
             .collect::<Result<_>>()?;
-        // Fence before promising, so a failed fence leaves the ledger as it was.
-        self.fence(stream)?;
+        // Wait before promising, so a failed wait leaves the ledger as it was.
+        self.wait_for_stream(stream)?;
         self.pool.ledger_mut().promise(cow_promise * g)?;
         self.pool.trim_to_budget();
 

@@ -151,7 +151,7 @@ impl KvArena {
     /// `slot.1` of batch `slot.0`, whose window is already mapped (the dummy,
     /// or whatever a failed teardown left: repaired here). Mapping the prefix
     /// into a batch slot replaces dummy mappings a queued kernel may read:
-    /// the caller fences first.
+    /// the caller waits for the stream first.
     pub(crate) fn build_in(
         &mut self,
         layout: &KvLayout,
@@ -259,8 +259,8 @@ impl KvArena {
     /// Make the slots that tokens `[len, len + n_tokens)` fall in private and
     /// read-write, so the caller's next kernel on `stream` can write them.
     ///
-    /// Only a slot that is not yet private costs anything: the call fences
-    /// `stream` (the host waits for its queued work) and then, per slot,
+    /// Only a slot that is not yet private costs anything: the host waits
+    /// for the work queued on `stream`, and then, per slot,
     /// unmaps the dummy or shared granule, maps a pooled granule read-write,
     /// and for a shared boundary granule enqueues a 1-granule D2D copy on
     /// `stream` (copy-on-write). The copy needs no host wait: the caller's
@@ -297,7 +297,7 @@ impl KvArena {
         if !self.pool.ledger().can_charge(fresh * g, from_promise * g) {
             return Err(self.pool.ledger_mut().refuse("a KV append", fresh * g));
         }
-        self.fence(stream)?;
+        self.wait_for_stream(stream)?;
         let view_base = match prefix {
             Some(pid) => Some(self.prefixes.get(pid)?.view.base()),
             None => None,

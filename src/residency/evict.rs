@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::WeightId;
-use super::fence::{DeviceBlock, Retire};
+use super::read_fence::{DeviceBlock, Retire};
 use super::manager::{Room, State};
 use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
@@ -88,7 +88,7 @@ impl ResidencyManager {
     /// Evict `v`: its memory goes back to the arena only with a [`ReadsDone`]
     /// witness, waiting on the host if its readers are still running.
     ///
-    /// [`ReadsDone`]: super::fence::ReadsDone
+    /// [`ReadsDone`]: super::read_fence::ReadsDone
     pub(super) fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
         if st.reg.get(v)?.slot.is_some() {
             return self.evict_slot(st, v);

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
-use super::fence::Reused;
+use super::read_fence::Reused;
 use super::placement::Plan;
 use super::registry::{Entry, HostRangeId, RangeReg, Registry};
 use super::ring::Ring;

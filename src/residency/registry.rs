@@ -8,7 +8,7 @@
 //! locked-memory limit allows.
 
 use super::WeightId;
-use super::fence::Fenced;
+use super::read_fence::Fenced;
 use super::ring::RingSlot;
 use crate::device::HostRange;
 use crate::error::Result;

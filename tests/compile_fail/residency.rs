@@ -1,6 +1,6 @@
 // The read-fence witness: a program that compiles, and the cases
 // tests/compile_fail.rs makes of it by replacing the `@slot` line.
-use epmem::residency::fence::{DeviceBlock, Fenced, ReadsDone, Retire};
+use epmem::residency::read_fence::{DeviceBlock, Fenced, ReadsDone, Retire};
 
 fn give_back(a: Fenced, b: DeviceBlock) -> epmem::Result<()> {
     let a_done: ReadsDone = match a.try_retire()? {

@@ -32,7 +32,7 @@
 //! the block out) are compiled, with their error codes checked, by
 //! `tests/compile_fail.rs`. Holding and moving a witness compiles:
 //! ```
-//! use epmem::residency::fence::ReadsDone;
+//! use epmem::residency::read_fence::ReadsDone;
 //! fn pass(w: ReadsDone) -> (u64, ReadsDone) {
 //!     (w.addr(), w)
 //! }
