@@ -174,7 +174,7 @@ def capacity(sh, config, max_tokens, sys_tokens):
     out = {}
     for shared in (False, True):
         store = ek.KvStore(config, budget, max_tokens=max_tokens, dtype=sh["dtype"], device=dev)
-        arena, layout = store.arena, store.layout
+        arena, layout = store.pool, store.layout
         dummy = store.stats()["owned_bytes"]
         prefix = None
         if shared:

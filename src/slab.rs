@@ -1,5 +1,5 @@
 //! Generational slots: the one implementation behind the C handle registries
-//! (ffi::handle) and the KV arena's sequence/prefix/batch ids (kv::slab).
+//! (ffi::handle) and the KV pool's sequence/prefix/batch ids (kv::slab).
 //!
 //! An id is (slot, generation). Removing an entry bumps its slot's
 //! generation, so an id that outlives its entry is [`Lookup::Stale`], never

@@ -8,7 +8,7 @@ mod kv_util;
 use std::collections::{HashMap, HashSet};
 
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvArena, KvConfig};
+use epmem::kv::{AdmitMode, KvPool, KvConfig};
 use kv_util::*;
 
 #[derive(Clone)]
@@ -74,7 +74,7 @@ fn ledger_matches_an_independent_model_over_random_operations() {
     let s = Stream::new(&d).unwrap();
     let l = qwen14b();
     let g = d.vmm_granularity() as u64;
-    let mut a = KvArena::new(&d, KvConfig::new(1 << 40)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(1 << 40)).unwrap();
     let mut m = Model { g, bpt: l.bytes_per_token(), next_id: 0, seqs: HashMap::new(), prefixes: HashMap::new() };
     let mut rng = Rng::with_seed(0x5eed_4b56_0001);
     let steps = std::env::var("EPM_KV_RANDOM_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);

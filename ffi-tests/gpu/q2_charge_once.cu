@@ -9,8 +9,8 @@
 
 /* Requests of `total` tokens, the first `prefix` shared or not, admitted (RESERVE) until refused. */
 static unsigned count_admitted(Probe &p, uint64_t budget, uint64_t prefix, uint64_t total, bool share) {
-  EpmKvArena *a = nullptr;
-  EPM(epm_kv_arena_create(p.dev, budget + p.granule /* the dummy */, &a));
+  EpmKvPool *a = nullptr;
+  EPM(epm_kv_pool_create(p.dev, budget + p.granule /* the dummy */, &a));
   std::vector<EpmKvSeq *> seqs;
   EpmKvSeq *o = nullptr;
   EpmKvPrefix *pin = nullptr;
@@ -29,7 +29,7 @@ static unsigned count_admitted(Probe &p, uint64_t budget, uint64_t prefix, uint6
   unsigned n = (unsigned)seqs.size();
   for (auto *q : seqs) EPM(epm_kv_seq_destroy(q));
   EPM(epm_kv_prefix_unpin(pin));
-  EPM(epm_kv_arena_destroy(a));
+  EPM(epm_kv_pool_destroy(a));
   return n;
 }
 

@@ -20,7 +20,7 @@ from ._lib import (  # noqa: F401  (constants, re-exported)
     EPM_POLICY_LRU, EPM_REGISTER_ALWAYS, EPM_REGISTER_NEVER, EPM_REGISTER_WITHIN_MEMLOCK, EPM_VERSION,
 )
 from .core import (  # noqa: F401
-    Arena, ArenaBlock, CopyEngine, Device, DeviceMemory, Event, Fence, HostRegistration, KvArena, KvBatch,
+    Arena, ArenaBlock, CopyEngine, Device, DeviceMemory, Event, Fence, HostRegistration, KvArena, KvPool, KvBatch,
     KvPrefix, KvSeq, KvSlot, Residency, StagingPool, Stream, checksum_host, kv_admissible,
     kv_layout_token_major, last_error_message, set_log_callback, status_name, version, version_string,
 )

@@ -563,18 +563,18 @@ def _tokens(tokens):
     return (c_uint32 * len(tokens))(*tokens) if tokens else None, len(tokens)
 
 
-class KvArena(Handle):
-    destroy = "epm_kv_arena_destroy"
-    _what = "KvArena"
+class KvPool(Handle):
+    destroy = "epm_kv_pool_destroy"
+    _what = "KvPool"
 
     def __init__(self, device, budget_bytes):
         out = _out_handle()
-        _l().epm_kv_arena_create(device.handle, budget_bytes, byref(out))
+        _l().epm_kv_pool_create(device.handle, budget_bytes, byref(out))
         super().__init__(out.value, (device,))
         self.device = device
 
     def stats(self):
-        return _stats(_l().epm_kv_arena_get_stats, self.handle, L.EpmKvStats)
+        return _stats(_l().epm_kv_pool_get_stats, self.handle, L.EpmKvStats)
 
     def seq(self, layout, max_tokens, admit=L.EPM_KV_ADMIT_RESERVE):
         out = _out_handle()
@@ -605,13 +605,19 @@ class KvArena(Handle):
         return KvBatch(self, layout, max_tokens, max_slots)
 
 
+# The old name (C: EpmKvArena, epm_kv_arena_*), kept until the next major version.
+KvArena = KvPool
+
+
 class KvSeq(Handle):
     destroy = "epm_kv_seq_destroy"
     _what = "KvSeq"
 
-    def __init__(self, ptr, arena):
-        super().__init__(ptr, (arena,))
-        self.arena = arena
+    def __init__(self, ptr, pool):
+        super().__init__(ptr, (pool,))
+        self.pool = pool
+
+    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def info_struct(self):
         out = L.new(L.EpmKvSeqInfo)
@@ -634,7 +640,7 @@ class KvSeq(Handle):
     def pin(self, n_tokens, stream):
         out = _out_handle()
         _l().epm_kv_prefix_pin(self.handle, n_tokens, stream.handle, byref(out))
-        return KvPrefix(out.value, self.arena)
+        return KvPrefix(out.value, self.pool)
 
 
 class KvBatch(Handle):
@@ -648,12 +654,13 @@ class KvBatch(Handle):
 
     destroy = "epm_kv_batch_destroy"
     _what = "KvBatch"
+    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
-    def __init__(self, arena, layout, max_tokens, max_slots):
+    def __init__(self, pool, layout, max_tokens, max_slots):
         out = _out_handle()
-        _l().epm_kv_batch_create(arena.handle, byref(layout), max_tokens, max_slots, byref(out))
-        super().__init__(out.value, (arena,))
-        self.arena = arena
+        _l().epm_kv_batch_create(pool.handle, byref(layout), max_tokens, max_slots, byref(out))
+        super().__init__(out.value, (pool,))
+        self.pool = pool
         self.layout = L.new(L.EpmKvLayout, **{n: getattr(layout, n) for n, _ in L._LAYOUT_FIELDS})
 
     def close(self):
@@ -715,8 +722,8 @@ class KvSlot(KvSeq):
     _what = "KvSlot"
 
     def __init__(self, ptr, batch):
-        super().__init__(ptr, batch.arena)
-        self._parents = (batch.arena, batch)
+        super().__init__(ptr, batch.pool)
+        self._parents = (batch.pool, batch)
         self.batch = batch
         self.slot = self.slot_info_struct().slot
 
@@ -748,9 +755,11 @@ class KvPrefix(Handle):
     destroy = "epm_kv_prefix_unpin"
     _what = "KvPrefix"
 
-    def __init__(self, ptr, arena):
-        super().__init__(ptr, (arena,))
-        self.arena = arena
+    def __init__(self, ptr, pool):
+        super().__init__(ptr, (pool,))
+        self.pool = pool
+
+    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def unpin(self):
         self.close()
@@ -764,7 +773,7 @@ class KvPrefix(Handle):
         """A new sequence whose first `n_tokens` map this prefix read-only."""
         out = _out_handle()
         _l().epm_kv_commit_shared_prefix(self.handle, n_tokens, max_tokens, admit, byref(out))
-        return KvSeq(out.value, self.arena)
+        return KvSeq(out.value, self.pool)
 
 
 # ---- logging, version, errors ------------------------------------------------------------

@@ -65,6 +65,8 @@ pub mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod version;
+// Last, so the header keeps its order: the renamed names' old aliases.
+pub mod deprecated;
 
 pub use crate::error::EpmStatus;
 

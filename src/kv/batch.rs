@@ -10,7 +10,7 @@
 //! admission are the same code.
 //!
 //! The whole range is mapped for the batch's life: every granule of a free
-//! slot, and of a taken slot past what it committed, maps the arena's zeroed
+//! slot, and of a taken slot past what it committed, maps the pool's zeroed
 //! dummy read-only. So a captured CUDA graph over the whole batch never
 //! touches unmapped memory, and a slot's addresses never move when others
 //! join, leave or append. Releasing a slot maps the dummy back over its
@@ -21,7 +21,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::arena::{AdmitMode, KvArena};
+use super::pool::{AdmitMode, KvPool};
 use super::layout::KvLayout;
 use super::reservation::{VaTable, Window};
 use super::sequence::{SeqInfo, Slot, reservation_bytes};
@@ -85,10 +85,10 @@ pub enum SlotChoice {
     Index(u32),
 }
 
-impl KvArena {
+impl KvPool {
     /// A batch of `max_slots` slots of up to `max_tokens` tokens of `layout`,
     /// every granule mapping the dummy read-only. Charges nothing: the dummy
-    /// is the arena's, already owned.
+    /// is the pool's, already owned.
     pub fn create_batch(&mut self, layout: &KvLayout, max_tokens: u64, max_slots: u32) -> Result<u64> {
         layout.validate()?;
         let g = self.granule() as u64;
@@ -156,7 +156,7 @@ impl KvArena {
     }
 
     /// Take a slot whose first `n_tokens` tokens map prefix `pid` read-only
-    /// (as [`KvArena::commit_shared_prefix`]: no copy, no charge). The slot's
+    /// (as [`KvPool::commit_shared_prefix`]: no copy, no charge). The slot's
     /// dummy mappings are replaced, so the host waits for `stream` first: a
     /// captured graph over the whole batch may be reading them.
     pub fn take_shared_slot(
@@ -183,7 +183,7 @@ impl KvArena {
 
     /// Take a slot that declares `tokens` (its prompt): the longest live
     /// prefix that begins with them is shared, as
-    /// [`KvArena::create_sequence_for_tokens`]. Returns (sequence, tokens
+    /// [`KvPool::create_sequence_for_tokens`]. Returns (sequence, tokens
     /// already in the cache).
     pub fn take_slot_for_tokens(
         &mut self,

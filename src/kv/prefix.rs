@@ -15,7 +15,7 @@
 //! it goes with its last sharer. Each granule goes back to the pool when its
 //! last mapping (view or sequence) is gone.
 
-use super::arena::{AdmitMode, KvArena};
+use super::pool::{AdmitMode, KvPool};
 use super::granule::GranuleId;
 use super::hash::block_chain;
 use super::layout::KvLayout;
@@ -50,7 +50,7 @@ pub struct PrefixInfo {
     pub view_base: DevicePtr,
 }
 
-impl KvArena {
+impl KvPool {
     /// Pin the first `n_tokens` tokens of a sequence as a shared prefix.
     ///
     /// Waits for `stream` first (the origin's granules turn read-only, and a
@@ -189,7 +189,7 @@ impl KvArena {
 
     /// A new sequence that declares `tokens` (its prompt): if a live prefix
     /// begins with the same tokens, its longest match is shared (as
-    /// [`KvArena::commit_shared_prefix`]) and the caller skips prefill for
+    /// [`KvPool::commit_shared_prefix`]) and the caller skips prefill for
     /// them. Returns (sequence, tokens already in the cache).
     pub fn create_sequence_for_tokens(
         &mut self,

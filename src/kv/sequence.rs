@@ -1,7 +1,7 @@
 //! Sequence reservations: one contiguous, token-major VA range per sequence.
 //!
 //! Every granule-sized slot of a live reservation is always mapped to one of:
-//! - the arena's dummy granule, read-only (the unused tail: a captured graph
+//! - the pool's dummy granule, read-only (the unused tail: a captured graph
 //!   that reads the whole range never touches unmapped memory);
 //! - a shared prefix granule, read-only;
 //! - a private granule, read-write.
@@ -11,7 +11,7 @@
 //! read-only mapping is error 700 and poisons the whole CUDA context
 //! (measured on the H200). A shared boundary granule is copied on write.
 
-use super::arena::{AdmitMode, KvArena};
+use super::pool::{AdmitMode, KvPool};
 use super::granule::{GranuleId, GranulePool};
 use super::layout::{KvLayout, round_up};
 use super::reservation::Window;
@@ -128,7 +128,7 @@ pub(crate) fn reservation_bytes(layout: &KvLayout, max_tokens: u64, g: u64) -> R
         })
 }
 
-impl KvArena {
+impl KvPool {
     /// Reserve a sequence of up to `max_tokens` tokens of `layout`. Every slot
     /// maps the dummy granule read-only; nothing is charged to the ledger but
     /// the promise of [`AdmitMode::Reserve`].
