@@ -668,8 +668,10 @@ typedef struct EpmKvAdmission {
    */
   uint64_t with_sharing;
   /**
-   * 1 + floor((B − P) / Q), a formula found in earlier admission code: one
-   * more than fits (kept so callers can compare).
+   * 1 + floor((B − P) / Q), a common shorthand that admits one more than
+   * fits (kept so callers can compare). Rust calls it
+   * `over_admitting_formula`; this published field keeps its first name
+   * (docs/ABI.md, "Names").
    */
   uint64_t seed_formula;
 } EpmKvAdmission;

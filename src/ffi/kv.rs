@@ -712,8 +712,10 @@ pub struct EpmKvAdmission {
     pub without_sharing: u64,
     /// floor((B − P) / Q): one physical prefix plus Q private bytes per request.
     pub with_sharing: u64,
-    /// 1 + floor((B − P) / Q), a formula found in earlier admission code: one
-    /// more than fits (kept so callers can compare).
+    /// 1 + floor((B − P) / Q), a common shorthand that admits one more than
+    /// fits (kept so callers can compare). Rust calls it
+    /// `over_admitting_formula`; this published field keeps its first name
+    /// (docs/ABI.md, "Names").
     pub seed_formula: u64,
 }
 
@@ -730,7 +732,7 @@ pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, privat
     ffi_boundary! {
         let out = try_out!(out);
         let a = kv::admissible(budget_bytes, prefix_bytes, private_bytes);
-        let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.seed_formula };
+        let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.over_admitting_formula };
         write_versioned(out, v, "EpmKvAdmission")
     }
 }

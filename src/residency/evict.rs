@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::WeightId;
-use super::read_fence::{DeviceBlock, Retire};
+use super::read_fence::{DeviceBlock, TryReadsDone};
 use super::manager::{Room, State};
 use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
@@ -102,9 +102,9 @@ impl ResidencyManager {
             st.c.pending_prefetches -= 1;
             st.c.wasted_prefetches += 1;
         }
-        let (done, spent) = match fenced.try_retire()? {
-            Retire::Done(d, s) => (d, s),
-            Retire::Pending(f) => {
+        let (done, spent) = match fenced.try_complete()? {
+            TryReadsDone::Done(d, s) => (d, s),
+            TryReadsDone::Pending(f) => {
                 st.c.eviction_waits += 1;
                 let t = Instant::now();
                 let r = f.wait()?;

@@ -258,7 +258,7 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
             let (mu, ms) = (admit_count(dev, l, budget, pt, 2 * pt, false), admit_count(dev, l, budget, pt, 2 * pt, true));
             r.markdown.push_str(&format!(
                 "| {name} | {pt} | {:.0} | {} / {mu} | {} / {ms} | {} |\n",
-                budget as f64 / MIB, ar.without_sharing, ar.with_sharing, ar.seed_formula
+                budget as f64 / MIB, ar.without_sharing, ar.with_sharing, ar.over_admitting_formula
             ));
             r.scenarios.push(Scenario::new("admission", &format!("admitted_shared/{name}/{pt}"), "requests", true, vec![ms as f64]).at(pt as f64));
             r.scenarios.push(Scenario::new("admission", &format!("admitted_unshared/{name}/{pt}"), "requests", true, vec![mu as f64]).at(pt as f64));

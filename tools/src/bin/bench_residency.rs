@@ -281,7 +281,7 @@ fn bench(a: &Args) -> Result<()> {
             "b_seed_sync_lru",
             {
                 // The seed filled one buffer on one thread; same chunking as ours.
-                let mut seed = ResidencyConfig::seed_baseline(budget);
+                let mut seed = ResidencyConfig::sync_lru_baseline(budget);
                 seed.engine.chunk_bytes = ours.engine.chunk_bytes;
                 seed
             },

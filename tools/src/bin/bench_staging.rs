@@ -469,7 +469,7 @@ fn direct_vs_raw(c: &Ctx, plan: &Plan, n: usize, src: HostRange, dst: &DeviceBuf
         let before = c.engine.stats();
         let ms = timed(|| {
             let f = c.engine.htod(dst.ptr(), src, None)?;
-            epmem::ensure!(f.bypassed(), Internal, "a registered source was staged");
+            epmem::ensure!(f.direct(), Internal, "a registered source was staged");
             f.wait()
         })?;
         let after = c.engine.stats();
