@@ -144,7 +144,7 @@ static void test_errors_are_clean(void) {
   bad.token_stride = 100; /* not token-major */
   CHECK_STATUS(epm_kv_seq_create(a, &bad, 8, 0, &q), EPM_STATUS_INVALID_ARGUMENT);
   CHECK(q == NULL); /* out-params untouched on failure */
-  REQUIRE_OK(epm_kv_seq_create(a, &l, 8, EPM_KV_ADMIT_RESERVE, &q));
+  REQUIRE_OK(epm_kv_seq_create(a, &l, 8, EPM_KV_ADMIT_PROMISE, &q));
   CHECK_STATUS(epm_kv_seq_prepare_append(q, 9, s), EPM_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(epm_kv_prefix_pin(q, 1, s, &p), EPM_STATUS_INVALID_ARGUMENT); /* nothing written */
   REQUIRE_OK(epm_kv_seq_prepare_append(q, 8, s));
@@ -210,12 +210,12 @@ static void test_admission(void) {
   c.size = sizeof c;
   REQUIRE_OK(epm_kv_request_cost(a, &l, 0, 64, &c));
   CHECK(c.unshared_bytes == 6 * di.granularity);
-  REQUIRE_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_RESERVE, &q1));
-  CHECK_STATUS(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_RESERVE, &q2), EPM_STATUS_OUT_OF_BUDGET);
+  REQUIRE_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_PROMISE, &q1));
+  CHECK_STATUS(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_PROMISE, &q2), EPM_STATUS_OUT_OF_BUDGET);
   CHECK_MESSAGE_HAS("budget");
   CHECK_OK(epm_kv_seq_destroy(q1));
   q1 = NULL;
-  CHECK_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_RESERVE, &q2));
+  CHECK_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_PROMISE, &q2));
 
 cleanup:
   epm_kv_seq_destroy(q1);

@@ -99,7 +99,7 @@ static void test_descriptor_and_stride(void) {
   for (uint64_t off = 0; off < d.reserved_bytes; off += g) CHECK(zeros_at(dev, d.base + off, 4096));
   REQUIRE_OK(epm_kv_batch_take_slot(b, 5, EPM_KV_ADMIT_ON_DEMAND, &q[0]));
   REQUIRE_OK(epm_kv_batch_take_slot(b, EPM_KV_BATCH_ANY_SLOT, EPM_KV_ADMIT_ON_DEMAND, &q[1]));
-  REQUIRE_OK(epm_kv_batch_take_slot(b, EPM_KV_BATCH_ANY_SLOT, EPM_KV_ADMIT_RESERVE, &q[2]));
+  REQUIRE_OK(epm_kv_batch_take_slot(b, EPM_KV_BATCH_ANY_SLOT, EPM_KV_ADMIT_PROMISE, &q[2]));
   {
     EpmKvBatchSlotInfo i0 = slot_info(q[0]), i1 = slot_info(q[1]), i2 = slot_info(q[2]);
     EpmKvSeqInfo si;

@@ -25,6 +25,8 @@ static void test_old_names_work(MuFx *f) {
   EpmKvLayout l = small_layout();
   REQUIRE(l.size == sizeof l);
 
+  /* The old admission constant is the new one. */
+  CHECK(EPM_KV_ADMIT_RESERVE == EPM_KV_ADMIT_PROMISE);
   REQUIRE_OK(epm_kv_arena_create(f->dev, 64ull << 20, &old));
   same = old;
   REQUIRE_OK(epm_kv_seq_create(old, &l, 4096, EPM_KV_ADMIT_RESERVE, &seq));

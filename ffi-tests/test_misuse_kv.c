@@ -86,37 +86,37 @@ static void test_sequences(MuFx *f) {
   REQUIRE_OK(epm_kv_pool_create(f->dev, 4 * g, &dead_kv));
   REQUIRE_OK(epm_kv_pool_destroy(dead_kv));
 
-  BAD_HANDLES(EpmKvPool, h, f->dev, dead_kv, epm_kv_seq_create(h, &l, 64, EPM_KV_ADMIT_RESERVE, &useq));
-  MU_EXPECT(epm_kv_seq_create(kv, NULL, 64, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_NULL_POINTER, "NULL layout");
-  MU_EXPECT(epm_kv_seq_create(kv, &l, 64, EPM_KV_ADMIT_RESERVE, NULL), EPM_STATUS_NULL_POINTER, "NULL out");
-  MU_EXPECT(epm_kv_seq_create(kv, &l, 0, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_ARGUMENT, "max_tokens 0");
+  BAD_HANDLES(EpmKvPool, h, f->dev, dead_kv, epm_kv_seq_create(h, &l, 64, EPM_KV_ADMIT_PROMISE, &useq));
+  MU_EXPECT(epm_kv_seq_create(kv, NULL, 64, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_NULL_POINTER, "NULL layout");
+  MU_EXPECT(epm_kv_seq_create(kv, &l, 64, EPM_KV_ADMIT_PROMISE, NULL), EPM_STATUS_NULL_POINTER, "NULL out");
+  MU_EXPECT(epm_kv_seq_create(kv, &l, 0, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_ARGUMENT, "max_tokens 0");
   MU_EXPECT(epm_kv_seq_create(kv, &l, UINT64_MAX, EPM_KV_ADMIT_ON_DEMAND, &useq), EPM_STATUS_INVALID_ARGUMENT,
             "max_tokens UINT64_MAX");
   MU_EXPECT(epm_kv_seq_create(kv, &l, 64, 2, &useq), EPM_STATUS_INVALID_ARGUMENT, "admit mode 2");
-  MU_EXPECT(epm_kv_seq_create(kv, &l, 4 * per_granule, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_OUT_OF_BUDGET,
+  MU_EXPECT(epm_kv_seq_create(kv, &l, 4 * per_granule, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_OUT_OF_BUDGET,
             "a reservation beyond the budget");
   bad = l;
   bad.token_stride = 1;
-  MU_EXPECT(epm_kv_seq_create(kv, &bad, 64, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_ARGUMENT,
+  MU_EXPECT(epm_kv_seq_create(kv, &bad, 64, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_ARGUMENT,
             "a layout that is not token-major");
   bad = l;
   bad.size = 4;
-  MU_EXPECT(epm_kv_seq_create(kv, &bad, 64, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_ARGUMENT, "layout size 4");
+  MU_EXPECT(epm_kv_seq_create(kv, &bad, 64, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_ARGUMENT, "layout size 4");
   BAD_HANDLES(EpmKvPool, h, f->dev, dead_kv,
-              epm_kv_seq_create_for_tokens(h, &l, 64, tokens, 16, EPM_KV_ADMIT_RESERVE, &useq, &shared));
-  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 64, NULL, 16, EPM_KV_ADMIT_RESERVE, &useq, &shared),
+              epm_kv_seq_create_for_tokens(h, &l, 64, tokens, 16, EPM_KV_ADMIT_PROMISE, &useq, &shared));
+  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 64, NULL, 16, EPM_KV_ADMIT_PROMISE, &useq, &shared),
             EPM_STATUS_NULL_POINTER, "NULL tokens, n 16");
-  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 8, tokens, 16, EPM_KV_ADMIT_RESERVE, &useq, &shared),
+  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 8, tokens, 16, EPM_KV_ADMIT_PROMISE, &useq, &shared),
             EPM_STATUS_INVALID_ARGUMENT, "more tokens than max_tokens");
-  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 64, tokens, SIZE_MAX, EPM_KV_ADMIT_RESERVE, &useq, &shared),
+  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 64, tokens, SIZE_MAX, EPM_KV_ADMIT_PROMISE, &useq, &shared),
             EPM_STATUS_INVALID_ARGUMENT, "n_tokens SIZE_MAX");
-  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, NULL, 64, tokens, 16, EPM_KV_ADMIT_RESERVE, &useq, &shared),
+  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, NULL, 64, tokens, 16, EPM_KV_ADMIT_PROMISE, &useq, &shared),
             EPM_STATUS_NULL_POINTER, "NULL layout");
-  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 64, tokens, 16, EPM_KV_ADMIT_RESERVE, NULL, &shared),
+  MU_EXPECT(epm_kv_seq_create_for_tokens(kv, &l, 64, tokens, 16, EPM_KV_ADMIT_PROMISE, NULL, &shared),
             EPM_STATUS_NULL_POINTER, "NULL out");
   CHECK(useq == NULL && shared == 31);
 
-  REQUIRE_OK(epm_kv_seq_create(kv, &l, 64, EPM_KV_ADMIT_RESERVE, &dead));
+  REQUIRE_OK(epm_kv_seq_create(kv, &l, 64, EPM_KV_ADMIT_PROMISE, &dead));
   REQUIRE_OK(epm_kv_seq_destroy(dead));
   REQUIRE_OK(epm_kv_seq_create_for_tokens(kv, &l, 2 * per_granule, tokens, 64, EPM_KV_ADMIT_ON_DEMAND, &seq, NULL));
 
@@ -175,7 +175,7 @@ static void test_prefixes_and_lifetimes(MuFx *f) {
   uint64_t g = f->info.granularity;
 
   REQUIRE_OK(epm_kv_pool_create(f->dev, 16 * g, &kv));
-  REQUIRE_OK(epm_kv_seq_create(kv, &l, 4096, EPM_KV_ADMIT_RESERVE, &origin));
+  REQUIRE_OK(epm_kv_seq_create(kv, &l, 4096, EPM_KV_ADMIT_PROMISE, &origin));
   REQUIRE_OK(epm_kv_seq_prepare_append(origin, 100, f->s));
 
   BAD_HANDLES(EpmKvSeq, h, kv, NULL, epm_kv_prefix_pin(h, 10, f->s, &upfx));
@@ -197,24 +197,24 @@ static void test_prefixes_and_lifetimes(MuFx *f) {
   pi.size = 1;
   MU_EXPECT(epm_kv_prefix_get_info(pfx, &pi), EPM_STATUS_INVALID_ARGUMENT, "size 1");
 
-  BAD_HANDLES(EpmKvPrefix, h, kv, dead, epm_kv_commit_shared_prefix(h, 10, 200, EPM_KV_ADMIT_RESERVE, &useq));
-  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 10, 200, EPM_KV_ADMIT_RESERVE, NULL), EPM_STATUS_NULL_POINTER, "NULL out");
-  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 0, 200, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_ARGUMENT,
+  BAD_HANDLES(EpmKvPrefix, h, kv, dead, epm_kv_commit_shared_prefix(h, 10, 200, EPM_KV_ADMIT_PROMISE, &useq));
+  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 10, 200, EPM_KV_ADMIT_PROMISE, NULL), EPM_STATUS_NULL_POINTER, "NULL out");
+  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 0, 200, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_ARGUMENT,
             "0 tokens");
-  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 101, 200, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_ARGUMENT,
+  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 101, 200, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_ARGUMENT,
             "beyond the prefix");
-  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 50, 49, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_ARGUMENT,
+  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 50, 49, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_ARGUMENT,
             "max_tokens below n_tokens");
   MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 50, UINT64_MAX, EPM_KV_ADMIT_ON_DEMAND, &useq),
             EPM_STATUS_INVALID_ARGUMENT, "max_tokens UINT64_MAX");
   MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 50, 200, 7, &useq), EPM_STATUS_INVALID_ARGUMENT, "admit mode 7");
-  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 50, 100000, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_OUT_OF_BUDGET,
+  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 50, 100000, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_OUT_OF_BUDGET,
             "a promise beyond the budget");
   CHECK(useq == NULL);
 
   /* Lifetimes: the pool handle goes first, then the origin; the sharer
    * still works, and the prefix lives while pinned. */
-  REQUIRE_OK(epm_kv_commit_shared_prefix(pfx, 100, 300, EPM_KV_ADMIT_RESERVE, &sharer));
+  REQUIRE_OK(epm_kv_commit_shared_prefix(pfx, 100, 300, EPM_KV_ADMIT_PROMISE, &sharer));
   REQUIRE_OK(epm_kv_pool_destroy(kv));
   MU_EXPECT(epm_kv_pool_get_stats(kv, &st), EPM_STATUS_INVALID_HANDLE, "a destroyed pool handle");
   kv = NULL;
@@ -231,7 +231,7 @@ static void test_prefixes_and_lifetimes(MuFx *f) {
   /* Unpin while shared: the handle dies at once, the prefix lives on. */
   REQUIRE_OK(epm_kv_prefix_unpin(pfx));
   BAD_DESTROY(EpmKvPrefix, h, sharer, pfx, epm_kv_prefix_unpin(h));
-  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 10, 20, EPM_KV_ADMIT_RESERVE, &useq), EPM_STATUS_INVALID_HANDLE,
+  MU_EXPECT(epm_kv_commit_shared_prefix(pfx, 10, 20, EPM_KV_ADMIT_PROMISE, &useq), EPM_STATUS_INVALID_HANDLE,
             "an unpinned prefix");
   pfx = NULL;
   CHECK_OK(epm_kv_seq_get_info(sharer, &si));

@@ -64,7 +64,13 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
  * with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
  * for budget afterwards.
  */
-#define EPM_KV_ADMIT_RESERVE 0
+#define EPM_KV_ADMIT_PROMISE 0
+
+/**
+ * Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
+ * reservations; a budget is promised), kept until the next major version.
+ */
+#define EPM_KV_ADMIT_RESERVE EPM_KV_ADMIT_PROMISE
 
 /**
  * Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
@@ -1359,11 +1365,11 @@ enum EpmStatus epm_kv_pool_get_stats(struct EpmKvPool *pool, struct EpmKvStats *
  * reservation (max_tokens × token_stride, rounded up to the granule) maps
  * the pool's zeroed dummy granule read-only until `prepare_append`.
  *
- * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+ * `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
  * is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `pool` is
  * INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
  * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
- * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ * admit mode); OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
  *
  * Threading: safe from any thread; calls on one pool are serialized.
  */
@@ -1465,7 +1471,7 @@ enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
  * prefix is never reclaimed; it is freed when the pin and its last sharer
  * are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
  * Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
- * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+ * OUT_OF_BUDGET if `seq` was admitted with PROMISE, will copy its boundary
  * granule, and the ledger cannot promise that one more granule.
  *
  * Threading: safe from any thread; calls on one pool are serialized.
@@ -1501,7 +1507,7 @@ enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPr
  * Ownership: `*out` is a new sequence handle. NULL: `prefix` is
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
  * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
- * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+ * OUT_OF_BUDGET (PROMISE) if the ledger cannot promise its private granules.
  *
  * Threading: safe from any thread; calls on one pool are serialized.
  */
@@ -1603,13 +1609,13 @@ enum EpmStatus epm_kv_batch_get_desc(struct EpmKvBatch *batch, struct EpmKvBatch
  * keep mapping the dummy until `epm_kv_seq_prepare_append`; nothing is
  * remapped here, so nothing waits.
  *
- * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND, as for
+ * `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND, as for
  * `epm_kv_seq_create`. Ownership: `*out` is a new sequence handle; give the
  * slot back with `epm_kv_batch_release_slot` (or `epm_kv_seq_destroy`).
  * NULL: `batch` is INVALID_HANDLE, `out` is NULL_POINTER. Errors:
  * INVALID_ARGUMENT (slot ≥ max_slots, bad admit mode), INVALID_STATE (the
  * slot is taken), ALL_IN_USE (EPM_KV_BATCH_ANY_SLOT and every slot is
- * taken), OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ * taken), OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
  *
  * Threading: safe from any thread; calls on one pool are serialized.
  */

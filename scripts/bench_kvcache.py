@@ -186,9 +186,9 @@ def capacity(sh, config, max_tokens, sys_tokens):
         while len(seqs) < 100000:
             try:
                 if shared:
-                    seqs.append(prefix.commit(sys_tokens, max_tokens, epmem.EPM_KV_ADMIT_RESERVE))
+                    seqs.append(prefix.commit(sys_tokens, max_tokens, epmem.EPM_KV_ADMIT_PROMISE))
                 else:
-                    seqs.append(arena.seq(layout, max_tokens, epmem.EPM_KV_ADMIT_RESERVE))
+                    seqs.append(arena.seq(layout, max_tokens, epmem.EPM_KV_ADMIT_PROMISE))
             except epmem.OutOfBudget as e:
                 refusal = e.message
                 break

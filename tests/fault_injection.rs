@@ -344,7 +344,7 @@ fn kv_create_append_pin_share_cow() {
                     drive(&fd, &mut m, $what, kind, &mut a, $op, |a, _| assert_eq!(snap(a), before, "{} after a {} fault", $what, kind.name()), $undo)
                 }};
             }
-            let origin = step!("kv seq create", |a| a.create_sequence(&l, 4 * tpg, AdmitMode::Reserve), |a, id| a.destroy_sequence(id).unwrap());
+            let origin = step!("kv seq create", |a| a.create_sequence(&l, 4 * tpg, AdmitMode::Promise), |a, id| a.destroy_sequence(id).unwrap());
             // Two appends of one new granule each, so a failure is all or nothing.
             let n = tpg + tpg / 2;
             step!("kv prepare_append", |a| a.prepare_append(origin, tpg / 2, s.raw()), |_, ()| panic!("an append absorbed a fault"));

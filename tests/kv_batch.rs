@@ -231,7 +231,7 @@ fn a_released_slots_granules_return_to_the_pool() {
     let b = a.create_batch(&l, 64, 3).unwrap();
     let bi = a.batch_info(b).unwrap();
     let owned = a.stats().ledger.owned_bytes;
-    let q = a.take_slot(b, SlotChoice::Index(1), AdmitMode::Reserve).unwrap();
+    let q = a.take_slot(b, SlotChoice::Index(1), AdmitMode::Promise).unwrap();
     assert_eq!(a.stats().ledger.promised_bytes, 6 * g, "64 tokens: 6 granules promised");
     a.prepare_append(q, 64, s.raw()).unwrap();
     write(&d, &s, bi.base + bi.slot_stride, &pattern(2, (64 * l.bytes_per_token()) as usize)).unwrap();
@@ -375,7 +375,7 @@ fn misuse_is_a_status_with_a_message() {
     // Admission: a RESERVE slot the ledger cannot hold is refused.
     let mut tight = KvPool::new(&d, KvConfig::new(3 * a.granule() as u64)).unwrap();
     let tb = tight.create_batch(&l, 64, 2).unwrap();
-    assert_eq!(st(tight.take_slot(tb, SlotChoice::Any, AdmitMode::Reserve)), EpmStatus::OutOfBudget);
+    assert_eq!(st(tight.take_slot(tb, SlotChoice::Any, AdmitMode::Promise)), EpmStatus::OutOfBudget);
     assert_eq!(tight.batch_info(tb).unwrap().live_slots, 0);
     // Stale ids.
     a.release_slot(q0, s.raw()).unwrap();

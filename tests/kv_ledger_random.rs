@@ -83,13 +83,13 @@ fn ledger_matches_an_independent_model_over_random_operations() {
         let seq_ids: Vec<u64> = m.seqs.keys().copied().collect();
         let pids: Vec<u64> = m.prefixes.keys().copied().collect();
         let op = below(&mut rng, 7);
-        let mode = if below(&mut rng, 2) == 0 { AdmitMode::Reserve } else { AdmitMode::OnDemand };
+        let mode = if below(&mut rng, 2) == 0 { AdmitMode::Promise } else { AdmitMode::OnDemand };
         match op {
             0 if m.seqs.len() < 12 => {
                 let max = 1 + below(&mut rng, 60);
                 let id = a.create_sequence(&l, max, mode).unwrap();
                 let n = m.slots(max);
-                let promise = if mode == AdmitMode::Reserve { n as u64 } else { 0 };
+                let promise = if mode == AdmitMode::Promise { n as u64 } else { 0 };
                 m.seqs.insert(id, MSeq { max, len: 0, slots: vec![None; n], link: None, promise });
             }
             1 | 2 if !seq_ids.is_empty() => {
@@ -148,8 +148,8 @@ fn ledger_matches_an_independent_model_over_random_operations() {
                 let full = (n * m.bpt / g) as usize;
                 let promise = match mode {
                     AdmitMode::OnDemand => 0,
-                    AdmitMode::Reserve if max == n => total - k,
-                    AdmitMode::Reserve => total - full,
+                    AdmitMode::Promise if max == n => total - k,
+                    AdmitMode::Promise => total - full,
                 } as u64;
                 let mut slots = vec![None; total];
                 for i in 0..k {

@@ -200,8 +200,8 @@ fn admission_refuses_what_the_ledger_cannot_hold() {
     let l = qwen14b();
     // Budget: dummy + 6 granules. A 64-token sequence needs 6 granules.
     let mut a = KvPool::new(&d, KvConfig::new(7 * g)).unwrap();
-    let first = a.create_sequence(&l, 64, AdmitMode::Reserve).unwrap();
-    let e = a.create_sequence(&l, 64, AdmitMode::Reserve).unwrap_err();
+    let first = a.create_sequence(&l, 64, AdmitMode::Promise).unwrap();
+    let e = a.create_sequence(&l, 64, AdmitMode::Promise).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
     // The admitted sequence can always reach max_tokens.
     a.prepare_append(first, 64, s.raw()).unwrap();
@@ -227,15 +227,15 @@ fn sharing_admits_more_requests_on_the_same_budget() {
     let budget = g + 48 * g;
     let count = |share: bool| {
         let mut a = KvPool::new(&d, KvConfig::new(budget)).unwrap();
-        let o = a.create_sequence(&l, 128, AdmitMode::Reserve).unwrap();
+        let o = a.create_sequence(&l, 128, AdmitMode::Promise).unwrap();
         a.prepare_append(o, 64, s.raw()).unwrap();
         let p = a.pin_prefix(o, 64, s.raw()).unwrap();
         let mut n = 1;
         loop {
             let r = if share {
-                a.commit_shared_prefix(p, 64, 128, AdmitMode::Reserve)
+                a.commit_shared_prefix(p, 64, 128, AdmitMode::Promise)
             } else {
-                a.create_sequence(&l, 128, AdmitMode::Reserve)
+                a.create_sequence(&l, 128, AdmitMode::Promise)
             };
             match r {
                 Ok(_) => n += 1,

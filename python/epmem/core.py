@@ -576,12 +576,12 @@ class KvPool(Handle):
     def stats(self):
         return _stats(_l().epm_kv_pool_get_stats, self.handle, L.EpmKvStats)
 
-    def seq(self, layout, max_tokens, admit=L.EPM_KV_ADMIT_RESERVE):
+    def seq(self, layout, max_tokens, admit=L.EPM_KV_ADMIT_PROMISE):
         out = _out_handle()
         _l().epm_kv_seq_create(self.handle, byref(layout), max_tokens, admit, byref(out))
         return KvSeq(out.value, self)
 
-    def seq_for_tokens(self, layout, max_tokens, tokens, admit=L.EPM_KV_ADMIT_RESERVE):
+    def seq_for_tokens(self, layout, max_tokens, tokens, admit=L.EPM_KV_ADMIT_PROMISE):
         """(KvSeq, shared_tokens): shares the longest live prefix of `tokens`."""
         arr, n = _tokens(tokens)
         out, shared = _out_handle(), c_uint64()
@@ -682,14 +682,14 @@ class KvBatch(Handle):
     def desc(self):
         return L.to_dict(self.desc_struct())
 
-    def take_slot(self, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_RESERVE):
+    def take_slot(self, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_PROMISE):
         """A new empty sequence in `slot` (default: the lowest free one). Never waits."""
         out = _out_handle()
         _l().epm_kv_batch_take_slot(self.handle, slot, admit, byref(out))
         return KvSlot(out.value, self)
 
     def take_shared_slot(self, prefix, n_tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT,
-                         admit=L.EPM_KV_ADMIT_RESERVE):
+                         admit=L.EPM_KV_ADMIT_PROMISE):
         """A sequence whose first `n_tokens` map `prefix` (a KvPrefix) read-only;
         the host first waits for `stream` (queued work may read the slot)."""
         out = _out_handle()
@@ -697,7 +697,7 @@ class KvBatch(Handle):
                                            byref(out))
         return KvSlot(out.value, self)
 
-    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_RESERVE):
+    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_PROMISE):
         """(KvSlot, shared_tokens): shares the longest live prefix of `tokens`
         (skip the prefill of the first `shared_tokens`), else an empty slot."""
         arr, n = _tokens(tokens)
@@ -769,7 +769,7 @@ class KvPrefix(Handle):
         _l().epm_kv_prefix_get_info(self.handle, byref(out))
         return L.to_dict(out)
 
-    def commit(self, n_tokens, max_tokens, admit=L.EPM_KV_ADMIT_RESERVE):
+    def commit(self, n_tokens, max_tokens, admit=L.EPM_KV_ADMIT_PROMISE):
         """A new sequence whose first `n_tokens` map this prefix read-only."""
         out = _out_handle()
         _l().epm_kv_commit_shared_prefix(self.handle, n_tokens, max_tokens, admit, byref(out))

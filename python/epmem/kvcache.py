@@ -159,12 +159,12 @@ class KvStore:
         """The KV pool's ledger and granule figures (EpmKvStats as a dict)."""
         return self.pool.stats()
 
-    def request(self, max_tokens=None, admit=L.EPM_KV_ADMIT_RESERVE):
+    def request(self, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE):
         """An empty request (epm_kv_seq_create): the model prefills all of it."""
         seq = self.pool.seq(self.layout, max_tokens or self.max_tokens, admit)
         return EpmCache(self, seq, 0)
 
-    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_RESERVE):
+    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE):
         """A request that declares its prompt (epm_kv_seq_create_for_tokens): it maps
         the longest pinned prefix of `tokens` (whole 16-token blocks, token ids
         confirmed) read-only and starts at that length (`cache.shared_tokens`, also
@@ -174,7 +174,7 @@ class KvStore:
         return EpmCache(self, seq, shared)
 
     def request_from_prefix(self, prefix, tokens=None, n_tokens=None, max_tokens=None,
-                            admit=L.EPM_KV_ADMIT_RESERVE):
+                            admit=L.EPM_KV_ADMIT_PROMISE):
         """A request that starts from a shared prompt explicitly
         (epm_kv_commit_shared_prefix): its first `n_tokens` (default: the whole prefix)
         map the prefix read-only. With `tokens` (the request's whole prompt) the shared

@@ -150,7 +150,7 @@ pub extern "C" fn epm_arena_create_device(
         let cfg = config_of(cfg)?;
         let out = try_out!(out);
         let arena: Arc<dyn Arena> = Arc::new(DeviceArena::new(&dev, cfg)?);
-        out.set(handle::register::<EpmArena>(arena)?);
+        out.set(handle::insert::<EpmArena>(arena)?);
         Ok(())
     }
 }
@@ -172,7 +172,7 @@ pub extern "C" fn epm_arena_create_pinned(
         let cfg = config_of(cfg)?;
         let out = try_out!(out);
         let arena: Arc<dyn Arena> = Arc::new(PinnedArena::new(&dev, cfg)?);
-        out.set(handle::register::<EpmArena>(arena)?);
+        out.set(handle::insert::<EpmArena>(arena)?);
         Ok(())
     }
 }

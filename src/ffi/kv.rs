@@ -47,7 +47,7 @@ impl PoolObj {
     /// books are updated step by step, so after a panic they may disagree
     /// with the mappings. Every handle of the pool (the pool's, its
     /// sequences', its prefixes') answers so from then on, not only the one
-    /// whose call panicked (which the handle registry poisons).
+    /// whose call panicked (which the handle table poisons).
     pub(crate) fn lock(&self) -> Result<MutexGuard<'_, KvPool>> {
         self.pool.lock().map_err(|_| {
             Error::new(
@@ -96,15 +96,18 @@ impl_handle!(EpmKvPrefix => PrefixObj, tag = 0x42);
 /// Promise a sequence's worst-case private granules at creation (refused
 /// with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
 /// for budget afterwards.
-pub const EPM_KV_ADMIT_RESERVE: u32 = 0;
+pub const EPM_KV_ADMIT_PROMISE: u32 = 0;
+/// Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
+/// reservations; a budget is promised), kept until the next major version.
+pub const EPM_KV_ADMIT_RESERVE: u32 = EPM_KV_ADMIT_PROMISE;
 /// Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
 pub const EPM_KV_ADMIT_ON_DEMAND: u32 = 1;
 
 fn admit_mode(v: u32) -> Result<AdmitMode> {
     match v {
-        EPM_KV_ADMIT_RESERVE => Ok(AdmitMode::Reserve),
+        EPM_KV_ADMIT_PROMISE => Ok(AdmitMode::Promise),
         EPM_KV_ADMIT_ON_DEMAND => Ok(AdmitMode::OnDemand),
-        other => bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_RESERVE (0) or EPM_KV_ADMIT_ON_DEMAND (1)"),
+        other => bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_PROMISE (0) or EPM_KV_ADMIT_ON_DEMAND (1)"),
     }
 }
 
@@ -214,7 +217,7 @@ fn stream_of(pool: &PoolObj, stream: Arc<Stream>) -> Result<RawStream> {
 /// destroys the sequence again, so nothing leaks.
 fn new_seq(pool: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
     let obj = Arc::new(SeqObj { pool: pool.clone(), id });
-    out.set(handle::register::<EpmKvSeq>(obj)?);
+    out.set(handle::insert::<EpmKvSeq>(obj)?);
     Ok(())
 }
 
@@ -258,7 +261,7 @@ pub extern "C" fn epm_kv_pool_create(dev: *mut EpmDevice, budget_bytes: u64, out
         let dev = try_handle!(dev);
         let out = try_out!(out);
         let pool = KvPool::new(&dev, KvConfig::new(budget_bytes))?;
-        out.set(handle::register::<EpmKvPool>(Arc::new(PoolObj { dev, pool: Mutex::new(pool) }))?);
+        out.set(handle::insert::<EpmKvPool>(Arc::new(PoolObj { dev, pool: Mutex::new(pool) }))?);
         Ok(())
     }
 }
@@ -368,11 +371,11 @@ pub extern "C" fn epm_kv_pool_get_stats(pool: *mut EpmKvPool, out: *mut EpmKvSta
 /// reservation (max_tokens × token_stride, rounded up to the granule) maps
 /// the pool's zeroed dummy granule read-only until `prepare_append`.
 ///
-/// `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+/// `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
 /// is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `pool` is
 /// INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
 /// (max_tokens 0 or overflowing, a layout that is not token-major, a bad
-/// admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+/// admit mode); OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
 ///
 /// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
@@ -573,7 +576,7 @@ pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u
 /// prefix is never reclaimed; it is freed when the pin and its last sharer
 /// are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
 /// Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
-/// OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+/// OUT_OF_BUDGET if `seq` was admitted with PROMISE, will copy its boundary
 /// granule, and the ledger cannot promise that one more granule.
 ///
 /// Threading: safe from any thread; calls on one pool are serialized.
@@ -591,7 +594,7 @@ pub extern "C" fn epm_kv_prefix_pin(
         let raw = stream_of(&seq.pool, stream)?;
         let id = seq.pool.lock()?.pin_prefix(seq.id, n_tokens, raw)?;
         let obj = Arc::new(PrefixObj { pool: seq.pool.clone(), id });
-        out.set(handle::register::<EpmKvPrefix>(obj)?);
+        out.set(handle::insert::<EpmKvPrefix>(obj)?);
         Ok(())
     }
 }
@@ -659,7 +662,7 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
 /// Ownership: `*out` is a new sequence handle. NULL: `prefix` is
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
 /// `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
-/// OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+/// OUT_OF_BUDGET (PROMISE) if the ledger cannot promise its private granules.
 ///
 /// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
@@ -813,7 +816,7 @@ pub(crate) mod for_batch {
     pub(crate) fn raw_stream(a: &PoolObj, s: Arc<Stream>) -> Result<RawStream> {
         stream_of(a, s)
     }
-    pub(crate) fn register_seq(a: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+    pub(crate) fn insert_seq(a: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
         new_seq(a, id, out)
     }
 }

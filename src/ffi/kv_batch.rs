@@ -17,7 +17,7 @@
 //! Threading: every function is safe from any thread; the calls on one pool
 //! are serialized by its lock.
 
-use crate::ffi::kv::for_batch::{admit, layout, lock, prefix_of, raw_stream, register_seq, seq_of, token_ids};
+use crate::ffi::kv::for_batch::{admit, layout, lock, prefix_of, raw_stream, insert_seq, seq_of, token_ids};
 use crate::ffi::kv::{PoolObj, EpmKvPool, EpmKvLayout, EpmKvPrefix, EpmKvSeq};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::EpmStream;
@@ -147,7 +147,7 @@ pub extern "C" fn epm_kv_batch_create(
         let l = self::layout(layout)?;
         let id = lock(&pool)?.create_batch(&l, max_tokens, max_slots)?;
         let obj = Arc::new(BatchObj { pool: pool.clone(), id });
-        out.set(handle::register::<EpmKvBatch>(obj)?);
+        out.set(handle::insert::<EpmKvBatch>(obj)?);
         Ok(())
     }
 }
@@ -214,13 +214,13 @@ pub extern "C" fn epm_kv_batch_get_desc(batch: *mut EpmKvBatch, out: *mut EpmKvB
 /// keep mapping the dummy until `epm_kv_seq_prepare_append`; nothing is
 /// remapped here, so nothing waits.
 ///
-/// `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND, as for
+/// `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND, as for
 /// `epm_kv_seq_create`. Ownership: `*out` is a new sequence handle; give the
 /// slot back with `epm_kv_batch_release_slot` (or `epm_kv_seq_destroy`).
 /// NULL: `batch` is INVALID_HANDLE, `out` is NULL_POINTER. Errors:
 /// INVALID_ARGUMENT (slot ≥ max_slots, bad admit mode), INVALID_STATE (the
 /// slot is taken), ALL_IN_USE (EPM_KV_BATCH_ANY_SLOT and every slot is
-/// taken), OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+/// taken), OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
 ///
 /// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
@@ -230,7 +230,7 @@ pub extern "C" fn epm_kv_batch_take_slot(batch: *mut EpmKvBatch, slot: u32, admi
         let out = try_out!(out);
         let mode = self::admit(admit)?;
         let id = lock(&b.pool)?.take_slot(b.id, choice(slot), mode)?;
-        register_seq(&b.pool, id, out)
+        insert_seq(&b.pool, id, out)
     }
 }
 
@@ -270,7 +270,7 @@ pub extern "C" fn epm_kv_batch_take_shared_slot(
         ensure!(Arc::ptr_eq(ppool, &b.pool), InvalidArgument, "the prefix belongs to another KV pool than the batch");
         let raw = raw_stream(&b.pool, stream)?;
         let id = lock(&b.pool)?.take_shared_slot(b.id, choice(slot), pid, n_tokens, mode, raw)?;
-        register_seq(&b.pool, id, out)
+        insert_seq(&b.pool, id, out)
     }
 }
 
@@ -307,7 +307,7 @@ pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
         let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
         let raw = raw_stream(&b.pool, stream)?;
         let (id, shared) = lock(&b.pool)?.take_slot_for_tokens(b.id, choice(slot), toks, mode, raw)?;
-        register_seq(&b.pool, id, out)?;
+        insert_seq(&b.pool, id, out)?;
         if let Some(o) = shared_out {
             o.set(shared);
         }

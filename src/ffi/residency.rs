@@ -272,7 +272,7 @@ pub extern "C" fn epm_residency_create(
         let cfg = config_of(cfg)?;
         let out = try_out!(out);
         let m = ResidencyManager::new(&dev, cfg)?;
-        out.set(handle::register::<EpmResidency>(Arc::new(m))?);
+        out.set(handle::insert::<EpmResidency>(Arc::new(m))?);
         Ok(())
     }
 }

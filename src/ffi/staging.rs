@@ -173,7 +173,7 @@ pub extern "C" fn epm_staging_pool_create(
             max_bytes: if max_bytes == 0 { d.max_bytes } else { max_bytes },
         };
         let pool = PinnedStagingPool::new(&dev, cfg)?;
-        out.set(handle::register::<EpmStagingPool>(Arc::new(pool))?);
+        out.set(handle::insert::<EpmStagingPool>(Arc::new(pool))?);
         Ok(())
     }
 }
@@ -278,7 +278,7 @@ pub extern "C" fn epm_copy_engine_create(
             direct: c.flags & EPM_COPY_ENGINE_NO_DIRECT == 0,
         };
         let engine = CopyEngine::new(&pool, cfg)?;
-        out.set(handle::register::<EpmCopyEngine>(Arc::new(engine))?);
+        out.set(handle::insert::<EpmCopyEngine>(Arc::new(engine))?);
         Ok(())
     }
 }
@@ -328,7 +328,7 @@ pub extern "C" fn epm_copy_engine_htod(
         let range = unsafe { HostRange::new(p, n) };
         let fence = engine.htod(dst, range, stream.as_ref().map(|s| s.raw()))?;
         if !out.is_null() {
-            try_out!(out).set(handle::register::<EpmFence>(Arc::new(fence))?);
+            try_out!(out).set(handle::insert::<EpmFence>(Arc::new(fence))?);
         }
         Ok(())
     }
@@ -359,7 +359,7 @@ pub extern "C" fn epm_copy_engine_register(
         // SAFETY: non-NULL, non-overflowing; the caller promises the range
         // stays readable until the registration is destroyed.
         let range = unsafe { HostRange::new(p, n) };
-        out.set(handle::register::<EpmHostRegistration>(Arc::new(engine.register(range)?))?);
+        out.set(handle::insert::<EpmHostRegistration>(Arc::new(engine.register(range)?))?);
         Ok(())
     }
 }

@@ -145,7 +145,7 @@ pub extern "C" fn epm_device_hold_async(dev: *mut EpmDevice, stream: *mut EpmStr
         same_device(&dev, stream.device(), "dev and stream")?;
         let gate = std::sync::Arc::new(crate::device::Gate::new());
         dev.hold_async(stream.raw(), &gate)?;
-        out.set(handle::register::<EpmGate>(gate)?);
+        out.set(handle::insert::<EpmGate>(gate)?);
         Ok(())
     }
 }

@@ -131,7 +131,7 @@ pub(crate) fn reservation_bytes(layout: &KvLayout, max_tokens: u64, g: u64) -> R
 impl KvPool {
     /// Reserve a sequence of up to `max_tokens` tokens of `layout`. Every slot
     /// maps the dummy granule read-only; nothing is charged to the ledger but
-    /// the promise of [`AdmitMode::Reserve`].
+    /// the promise of [`AdmitMode::Promise`].
     pub fn create_sequence(&mut self, layout: &KvLayout, max_tokens: u64, mode: AdmitMode) -> Result<u64> {
         self.build_sequence(layout, max_tokens, None, mode)
     }
@@ -188,8 +188,8 @@ impl KvPool {
         let full = (n_tokens * layout.bytes_per_token() / g) as usize;
         let need = match mode {
             AdmitMode::OnDemand => 0,
-            AdmitMode::Reserve if max_tokens == n_tokens => total - shared_granules.len(),
-            AdmitMode::Reserve => total - full,
+            AdmitMode::Promise if max_tokens == n_tokens => total - shared_granules.len(),
+            AdmitMode::Promise => total - full,
         } as u64;
         self.pool.ledger_mut().promise(need * g)?;
         self.pool.trim_to_budget();
@@ -313,7 +313,7 @@ impl KvPool {
                 seq.promise -= 1;
             }
             // A failed step gives the granule back and restores the promise,
-            // so a RESERVE sequence keeps its guarantee (tests/fault_injection.rs).
+            // so a PROMISE sequence keeps its guarantee (tests/fault_injection.rs).
             let give_back = |pool: &mut GranulePool, seq: &mut Sequence| -> Result<()> {
                 pool.release(gid)?;
                 if from_promise {

@@ -213,12 +213,12 @@ fn admit_count(dev: &Arc<dyn Device>, l: &KvLayout, budget: u64, prefix: u64, to
     let g = dev.vmm_granularity() as u64;
     // The dummy granule is the arena's, not a request's: add it on top.
     let mut a = KvPool::new(dev, KvConfig::new(budget + g)).unwrap();
-    let Ok(o) = a.create_sequence(l, total, AdmitMode::Reserve) else { return 0 };
+    let Ok(o) = a.create_sequence(l, total, AdmitMode::Promise) else { return 0 };
     a.prepare_append(o, prefix, s.raw()).unwrap();
     let p = a.pin_prefix(o, prefix, s.raw()).unwrap();
     let mut n = 1;
     loop {
-        let r = if share { a.commit_shared_prefix(p, prefix, total, AdmitMode::Reserve) } else { a.create_sequence(l, total, AdmitMode::Reserve) };
+        let r = if share { a.commit_shared_prefix(p, prefix, total, AdmitMode::Promise) } else { a.create_sequence(l, total, AdmitMode::Promise) };
         match r {
             Ok(_) => n += 1,
             Err(_) => return n,

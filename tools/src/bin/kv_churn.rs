@@ -148,7 +148,7 @@ impl Churn {
     fn request(&mut self, i: u64) -> epmem::Result<()> {
         let (p, n) = (self.args.prefix_tokens, self.args.append_tokens);
         let &(pid, _, psum) = self.prefixes.last().expect("a pinned prefix");
-        let seq = self.a.commit_shared_prefix(pid, p, p + n, AdmitMode::Reserve)?;
+        let seq = self.a.commit_shared_prefix(pid, p, p + n, AdmitMode::Promise)?;
         self.a.prepare_append(seq, n, self.s.raw())?;
         let base = self.a.sequence_info(seq)?.base;
         let v = (i % 4) as usize;
