@@ -836,7 +836,7 @@ typedef struct EpmResidencyConfig {
    */
   uint32_t prefetch_depth;
   /**
-   * Nonzero: the host waits for every page-in (the seed's synchronous
+   * Nonzero: the host waits for every page-in (the first, synchronous
    * design; for comparison). Default 0.
    */
   uint32_t sync_page_in;

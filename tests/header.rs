@@ -298,6 +298,46 @@ fn documented_defaults_match_the_code() {
         ("EpmCopyEngineConfig", "chunk_bytes", format!("(default {})", mib(e.chunk_bytes))),
         ("EpmCopyEngineConfig", "target_chunks", format!("(default {})", e.target_chunks)),
     ];
+    // What the C defaults functions write, named by the constant the header uses.
+    use epmem::ffi::{residency as fr, staging as fs};
+    let mut rc = fr::EpmResidencyConfig {
+        size: std::mem::size_of::<fr::EpmResidencyConfig>(),
+        ..c_default_residency()
+    };
+    assert_eq!(fr::epm_residency_config_default(&mut rc), epmem::EpmStatus::Ok);
+    let mut ec = fs::EpmCopyEngineConfig { size: std::mem::size_of::<fs::EpmCopyEngineConfig>(), ..c_default_engine() };
+    assert_eq!(fs::epm_copy_engine_config_default(&mut ec), epmem::EpmStatus::Ok);
+    let policy = [(fr::EPM_POLICY_CYCLIC, "EPM_POLICY_CYCLIC"), (fr::EPM_POLICY_LRU, "EPM_POLICY_LRU")]
+        .into_iter()
+        .find(|(v, _)| *v == rc.policy)
+        .expect("the default policy is a published constant")
+        .1;
+    let register = [
+        (fr::EPM_REGISTER_WITHIN_MEMLOCK, "EPM_REGISTER_WITHIN_MEMLOCK"),
+        (fr::EPM_REGISTER_NEVER, "EPM_REGISTER_NEVER"),
+        (fr::EPM_REGISTER_ALWAYS, "EPM_REGISTER_ALWAYS"),
+    ]
+    .into_iter()
+    .find(|(v, _)| *v == rc.register_sources)
+    .expect("the default register_sources is a published constant")
+    .1;
+    let expect = expect.into_iter().chain([
+        ("EpmResidencyConfig", "policy", format!("`{policy}` (default)")),
+        ("EpmResidencyConfig", "register_sources", format!("`{register}` (default)")),
+        ("EpmResidencyConfig", "sync_page_in", format!("Default {}.", rc.sync_page_in)),
+        ("EpmResidencyConfig", "budget_bytes", format!("Required (default {})", rc.budget_bytes)),
+        ("EpmCopyEngineConfig", "flags", format!("bits (default {})", ec.flags)),
+        ("EpmArenaConfig", "max_allocations", format!("0: {}", epmem::ffi::arena::DEFAULT_MAX_ALLOCATIONS)),
+    ]);
+    // The C defaults are the core's (config_in! generates them; this pins it).
+    assert_eq!(
+        (rc.prefetch_depth as usize, rc.coalesce_below_bytes as usize, rc.coalesce_max_bytes as usize),
+        (r.prefetch_depth, r.coalesce_below_bytes, r.coalesce_max_bytes)
+    );
+    assert_eq!(
+        (ec.slots as usize, ec.fill_threads as usize, ec.chunk_bytes as usize, ec.target_chunks as usize),
+        (e.slots, e.fill_threads, e.chunk_bytes, e.target_chunks)
+    );
     for (name, field, want) in expect {
         let doc = field_doc(&h, name, field);
         assert!(doc.contains(&want), "{name}.{field}: the header says {doc:?}; the code's default is {want:?}");
@@ -307,6 +347,36 @@ fn documented_defaults_match_the_code() {
         words(&h).contains(&pool_doc),
         "epm_staging_pool_create's documented defaults differ from PoolConfig::default(): want {pool_doc:?}"
     );
+}
+
+/// A residency config for `epm_residency_config_default` to overwrite.
+fn c_default_residency() -> epmem::ffi::residency::EpmResidencyConfig {
+    epmem::ffi::residency::EpmResidencyConfig {
+        size: 0,
+        budget_bytes: u64::MAX,
+        policy: u32::MAX,
+        register_sources: u32::MAX,
+        prefetch_depth: u32::MAX,
+        sync_page_in: u32::MAX,
+        staging_slots: u32::MAX,
+        fill_threads: u32::MAX,
+        staging_chunk_bytes: u64::MAX,
+        staging_pool_bytes: u64::MAX,
+        coalesce_below_bytes: u64::MAX,
+        coalesce_max_bytes: u64::MAX,
+    }
+}
+
+/// A copy engine config for `epm_copy_engine_config_default` to overwrite.
+fn c_default_engine() -> epmem::ffi::staging::EpmCopyEngineConfig {
+    epmem::ffi::staging::EpmCopyEngineConfig {
+        size: 0,
+        slots: u32::MAX,
+        fill_threads: u32::MAX,
+        chunk_bytes: u64::MAX,
+        flags: u32::MAX,
+        target_chunks: u32::MAX,
+    }
 }
 
 /// Every versioned struct's first-version size is published as a constant.
