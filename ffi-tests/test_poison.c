@@ -79,7 +79,7 @@ cleanup:
   epm_device_destroy(dev);
 }
 
-static void test_kv_arena_and_its_sequences(void) {
+static void test_kv_pool_and_its_sequences(void) {
   EpmDevice *dev = NULL;
   EpmStream *s = NULL;
   EpmKvPool *arena = NULL;
@@ -124,6 +124,6 @@ cleanup:
 int main(void) {
   RUN(test_device_handle);
   RUN(test_residency_handle);
-  RUN(test_kv_arena_and_its_sequences);
+  RUN(test_kv_pool_and_its_sequences);
   TEST_SUMMARY();
 }
