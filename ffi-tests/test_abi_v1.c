@@ -95,7 +95,7 @@ static void test_v1_client_against_todays_library(void) {
   EpmStagingPool *pool = NULL;
   EpmCopyEngine *engine = NULL;
   EpmArena *arena = NULL;
-  EpmKvArena *kv = NULL;
+  EpmKvPool *kv = NULL;
   EpmKvSeq *seq = NULL;
   EpmKvPrefix *prefix = NULL;
   EpmKvBatch *batch = NULL;
@@ -169,8 +169,8 @@ static void test_v1_client_against_todays_library(void) {
 
   /* KV: the layout follows the size protocol both ways. */
   OUT_CASES(EpmKvLayout, EPM_KV_LAYOUT_SIZE_V1, epm_kv_layout_token_major(2, 2, 64, 2, p));
-  REQUIRE_OK(epm_kv_arena_create(dev, 64u << 20, &kv));
-  OUT_CASES(EpmKvStats, EPM_KV_STATS_SIZE_V1, epm_kv_arena_get_stats(kv, p));
+  REQUIRE_OK(epm_kv_pool_create(dev, 64u << 20, &kv));
+  OUT_CASES(EpmKvStats, EPM_KV_STATS_SIZE_V1, epm_kv_pool_get_stats(kv, p));
   {
     EpmKvLayout_v1 l;
     memset(&l, 0, sizeof l);
@@ -240,7 +240,7 @@ cleanup:
   epm_kv_batch_destroy(batch);
   epm_kv_prefix_unpin(prefix);
   epm_kv_seq_destroy(seq);
-  epm_kv_arena_destroy(kv);
+  epm_kv_pool_destroy(kv);
   epm_arena_destroy(arena);
   epm_copy_engine_destroy(engine);
   epm_staging_pool_destroy(pool);

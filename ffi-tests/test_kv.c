@@ -1,5 +1,5 @@
 /*
- * The KV arena through the C API: a pinned prefix shared by N sequences is
+ * The KV pool through the C API: a pinned prefix shared by N sequences is
  * charged once, reads identically everywhere and refuses host writes; COW on
  * append; admission; content-hash detection; clean errors for destroyed
  * handles, NULLs and out-of-range lengths.
@@ -21,11 +21,11 @@ static EpmKvLayout qwen14b(void) {
   return l;
 }
 
-static uint64_t owned(EpmKvArena *a) {
+static uint64_t owned(EpmKvPool *a) {
   EpmKvStats s;
   memset(&s, 0, sizeof s);
   s.size = sizeof s;
-  if (epm_kv_arena_get_stats(a, &s) != EPM_STATUS_OK) return UINT64_MAX;
+  if (epm_kv_pool_get_stats(a, &s) != EPM_STATUS_OK) return UINT64_MAX;
   return s.owned_bytes;
 }
 
@@ -52,7 +52,7 @@ static void test_shared_prefix_is_charged_once_and_read_only(void) {
   enum { N = 4, TOKENS = 10 };
   EpmDevice *dev = NULL;
   EpmStream *s = NULL;
-  EpmKvArena *a = NULL;
+  EpmKvPool *a = NULL;
   EpmKvSeq *origin = NULL, *sharers[N] = {0};
   EpmKvPrefix *p = NULL;
   EpmKvLayout l = qwen14b();
@@ -69,7 +69,7 @@ static void test_shared_prefix_is_charged_once_and_read_only(void) {
   REQUIRE_OK(epm_device_get_info(dev, &di));
   g = di.granularity;
   REQUIRE_OK(epm_stream_create(dev, &s));
-  REQUIRE_OK(epm_kv_arena_create(dev, GIB, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, GIB, &a));
   CHECK(owned(a) == g); /* the dummy granule */
   REQUIRE_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_ON_DEMAND, &origin));
   REQUIRE_OK(epm_kv_seq_prepare_append(origin, TOKENS, s));
@@ -113,7 +113,7 @@ cleanup:
   if (a && p) CHECK(owned(a) == 2 * g); /* the pin keeps the prefix */
   CHECK_OK(epm_kv_prefix_unpin(p));
   if (a) CHECK(owned(a) == g);
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a);
   epm_stream_destroy(s);
   epm_device_destroy(dev);
   free(buf);
@@ -123,7 +123,7 @@ cleanup:
 static void test_errors_are_clean(void) {
   EpmDevice *dev = NULL, *other = NULL;
   EpmStream *s = NULL, *foreign = NULL;
-  EpmKvArena *a = NULL;
+  EpmKvPool *a = NULL;
   EpmKvSeq *q = NULL, *q2 = NULL;
   EpmKvPrefix *p = NULL;
   EpmKvLayout l = qwen14b(), bad;
@@ -131,7 +131,7 @@ static void test_errors_are_clean(void) {
 
   REQUIRE_OK(epm_device_open(0, &dev));
   REQUIRE_OK(epm_stream_create(dev, &s));
-  REQUIRE_OK(epm_kv_arena_create(dev, GIB, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, GIB, &a));
   CHECK_STATUS(epm_kv_seq_create(a, NULL, 8, 0, &q), EPM_STATUS_NULL_POINTER);
   CHECK_STATUS(epm_kv_seq_create(a, &l, 8, 0, NULL), EPM_STATUS_NULL_POINTER);
   CHECK_STATUS(epm_kv_seq_create(a, &l, 0, 0, &q), EPM_STATUS_INVALID_ARGUMENT);
@@ -144,7 +144,7 @@ static void test_errors_are_clean(void) {
   bad.token_stride = 100; /* not token-major */
   CHECK_STATUS(epm_kv_seq_create(a, &bad, 8, 0, &q), EPM_STATUS_INVALID_ARGUMENT);
   CHECK(q == NULL); /* out-params untouched on failure */
-  REQUIRE_OK(epm_kv_seq_create(a, &l, 8, EPM_KV_ADMIT_RESERVE, &q));
+  REQUIRE_OK(epm_kv_seq_create(a, &l, 8, EPM_KV_ADMIT_PROMISE, &q));
   CHECK_STATUS(epm_kv_seq_prepare_append(q, 9, s), EPM_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(epm_kv_prefix_pin(q, 1, s, &p), EPM_STATUS_INVALID_ARGUMENT); /* nothing written */
   REQUIRE_OK(epm_kv_seq_prepare_append(q, 8, s));
@@ -174,12 +174,12 @@ static void test_errors_are_clean(void) {
   CHECK_OK(epm_kv_prefix_unpin(NULL));
   memset(&st, 0, sizeof st);
   st.size = 8;
-  CHECK_STATUS(epm_kv_arena_get_stats(a, &st), EPM_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(epm_kv_pool_get_stats(a, &st), EPM_STATUS_INVALID_ARGUMENT);
 
 cleanup:
   epm_kv_seq_destroy(q);
   epm_kv_prefix_unpin(p);
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a);
   epm_stream_destroy(foreign);
   epm_stream_destroy(s);
   epm_device_destroy(other);
@@ -188,7 +188,7 @@ cleanup:
 
 static void test_admission(void) {
   EpmDevice *dev = NULL;
-  EpmKvArena *a = NULL;
+  EpmKvPool *a = NULL;
   EpmKvSeq *q1 = NULL, *q2 = NULL;
   EpmKvLayout l = qwen14b();
   EpmKvAdmission ad;
@@ -205,22 +205,22 @@ static void test_admission(void) {
   di.size = sizeof di;
   REQUIRE_OK(epm_device_get_info(dev, &di));
   /* Dummy + 6 granules: one 64-token qwen14b sequence (6 granules) fits, two do not. */
-  REQUIRE_OK(epm_kv_arena_create(dev, 7 * di.granularity, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, 7 * di.granularity, &a));
   memset(&c, 0, sizeof c);
   c.size = sizeof c;
   REQUIRE_OK(epm_kv_request_cost(a, &l, 0, 64, &c));
   CHECK(c.unshared_bytes == 6 * di.granularity);
-  REQUIRE_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_RESERVE, &q1));
-  CHECK_STATUS(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_RESERVE, &q2), EPM_STATUS_OUT_OF_BUDGET);
+  REQUIRE_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_PROMISE, &q1));
+  CHECK_STATUS(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_PROMISE, &q2), EPM_STATUS_OUT_OF_BUDGET);
   CHECK_MESSAGE_HAS("budget");
   CHECK_OK(epm_kv_seq_destroy(q1));
   q1 = NULL;
-  CHECK_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_RESERVE, &q2));
+  CHECK_OK(epm_kv_seq_create(a, &l, 64, EPM_KV_ADMIT_PROMISE, &q2));
 
 cleanup:
   epm_kv_seq_destroy(q1);
   epm_kv_seq_destroy(q2);
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a);
   epm_device_destroy(dev);
 }
 
@@ -228,7 +228,7 @@ static void test_content_hash_and_lifetimes(void) {
   enum { T = 40 };
   EpmDevice *dev = NULL;
   EpmStream *s = NULL;
-  EpmKvArena *a = NULL;
+  EpmKvPool *a = NULL;
   EpmKvSeq *o = NULL, *q = NULL;
   EpmKvPrefix *p = NULL;
   EpmKvLayout l = qwen14b();
@@ -238,7 +238,7 @@ static void test_content_hash_and_lifetimes(void) {
   for (int i = 0; i < T; i++) prompt[i] = 500 + (uint32_t)i;
   REQUIRE_OK(epm_device_open(0, &dev));
   REQUIRE_OK(epm_stream_create(dev, &s));
-  REQUIRE_OK(epm_kv_arena_create(dev, GIB, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, GIB, &a));
   REQUIRE_OK(epm_kv_seq_create_for_tokens(a, &l, 64, prompt, T, 0, &o, &shared));
   CHECK(shared == 0);
   REQUIRE_OK(epm_kv_seq_prepare_append(o, T, s));
@@ -250,8 +250,8 @@ static void test_content_hash_and_lifetimes(void) {
   prompt[T - 1] = 1;   /* a different question after the same system prompt */
   REQUIRE_OK(epm_kv_seq_create_for_tokens(a, &l, 64, prompt, T, 0, &q, &shared));
   CHECK(shared == 32);
-  /* The arena handle goes first: sequences and prefixes keep the arena alive. */
-  CHECK_OK(epm_kv_arena_destroy(a));
+  /* The pool handle goes first: sequences and prefixes keep the pool alive. */
+  CHECK_OK(epm_kv_pool_destroy(a));
   a = NULL;
   CHECK_OK(epm_kv_seq_prepare_append(q, 8, s));
   CHECK_OK(epm_stream_synchronize(s));
@@ -260,7 +260,7 @@ cleanup:
   CHECK_OK(epm_kv_seq_destroy(q));
   CHECK_OK(epm_kv_prefix_unpin(p));
   CHECK_OK(epm_kv_seq_destroy(o));
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a);
   epm_stream_destroy(s);
   epm_device_destroy(dev);
 }

@@ -24,11 +24,11 @@ static EpmKvLayout qwen14b(void) {
   return l;
 }
 
-static EpmKvStats stats(EpmKvArena *a) {
+static EpmKvStats stats(EpmKvPool *a) {
   EpmKvStats s;
   memset(&s, 0, sizeof s);
   s.size = sizeof s;
-  if (epm_kv_arena_get_stats(a, &s) != EPM_STATUS_OK) s.owned_bytes = UINT64_MAX;
+  if (epm_kv_pool_get_stats(a, &s) != EPM_STATUS_OK) s.owned_bytes = UINT64_MAX;
   return s;
 }
 
@@ -67,7 +67,7 @@ static int bytes_at(EpmDevice *dev, uint64_t p, const unsigned char *want, size_
 
 static void test_descriptor_and_stride(void) {
   EpmDevice *dev = NULL;
-  EpmKvArena *a = NULL;
+  EpmKvPool *a = NULL;
   EpmKvBatch *b = NULL;
   EpmKvSeq *q[3] = {0};
   EpmKvLayout l = qwen14b();
@@ -82,7 +82,7 @@ static void test_descriptor_and_stride(void) {
   di.size = sizeof di;
   REQUIRE_OK(epm_device_get_info(dev, &di));
   g = di.granularity;
-  REQUIRE_OK(epm_kv_arena_create(dev, GIB, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, GIB, &a));
   owned = stats(a).owned_bytes;
   REQUIRE_OK(epm_kv_batch_create(a, &l, 40, 16, &b));
   CHECK(stats(a).owned_bytes == owned); /* a batch charges nothing */
@@ -99,7 +99,7 @@ static void test_descriptor_and_stride(void) {
   for (uint64_t off = 0; off < d.reserved_bytes; off += g) CHECK(zeros_at(dev, d.base + off, 4096));
   REQUIRE_OK(epm_kv_batch_take_slot(b, 5, EPM_KV_ADMIT_ON_DEMAND, &q[0]));
   REQUIRE_OK(epm_kv_batch_take_slot(b, EPM_KV_BATCH_ANY_SLOT, EPM_KV_ADMIT_ON_DEMAND, &q[1]));
-  REQUIRE_OK(epm_kv_batch_take_slot(b, EPM_KV_BATCH_ANY_SLOT, EPM_KV_ADMIT_RESERVE, &q[2]));
+  REQUIRE_OK(epm_kv_batch_take_slot(b, EPM_KV_BATCH_ANY_SLOT, EPM_KV_ADMIT_PROMISE, &q[2]));
   {
     EpmKvBatchSlotInfo i0 = slot_info(q[0]), i1 = slot_info(q[1]), i2 = slot_info(q[2]);
     EpmKvSeqInfo si;
@@ -119,7 +119,7 @@ cleanup:
   for (int i = 0; i < 3; i++) CHECK_OK(epm_kv_seq_destroy(q[i])); /* destroy releases a slot too */
   CHECK_OK(epm_kv_batch_destroy(b));
   if (a) CHECK(stats(a).owned_bytes == owned && stats(a).sequences == 0);
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a);
   epm_device_destroy(dev);
 }
 
@@ -127,7 +127,7 @@ static void test_sharing_cow_join_leave(void) {
   enum { SLOTS = 10, P = 50 };
   EpmDevice *dev = NULL;
   EpmStream *s = NULL;
-  EpmKvArena *a = NULL;
+  EpmKvPool *a = NULL;
   EpmKvBatch *b = NULL;
   EpmKvSeq *q[SLOTS] = {0}, *joined = NULL;
   EpmKvPrefix *p = NULL;
@@ -148,7 +148,7 @@ static void test_sharing_cow_join_leave(void) {
   g = di.granularity;
   k = (n + g - 1) / g;
   REQUIRE_OK(epm_stream_create(dev, &s));
-  REQUIRE_OK(epm_kv_arena_create(dev, 4 * GIB, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, 4 * GIB, &a));
   REQUIRE_OK(epm_kv_batch_create(a, &l, 128, SLOTS, &b));
   d = desc_of(b);
   /* Slot 0 holds the prompt; pinned, it is mapped into slots 1..9. */
@@ -222,7 +222,7 @@ cleanup:
   CHECK_OK(epm_kv_prefix_unpin(p));
   CHECK_OK(epm_kv_batch_destroy(b));
   if (a) CHECK(stats(a).owned_bytes == g);
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a);
   epm_stream_destroy(s);
   epm_device_destroy(dev);
   free(prompt);
@@ -232,7 +232,7 @@ cleanup:
 static void test_misuse(void) {
   EpmDevice *dev = NULL;
   EpmStream *s = NULL;
-  EpmKvArena *a = NULL, *a2 = NULL;
+  EpmKvPool *a = NULL, *a2 = NULL;
   EpmKvBatch *b = NULL, *b2 = NULL;
   EpmKvSeq *q0 = NULL, *q1 = NULL, *x = NULL, *plain = NULL, *other = NULL;
   EpmKvPrefix *foreign = NULL;
@@ -242,7 +242,7 @@ static void test_misuse(void) {
 
   REQUIRE_OK(epm_device_open(0, &dev));
   REQUIRE_OK(epm_stream_create(dev, &s));
-  REQUIRE_OK(epm_kv_arena_create(dev, GIB, &a));
+  REQUIRE_OK(epm_kv_pool_create(dev, GIB, &a));
   CHECK_STATUS(epm_kv_batch_create(a, &l, 0, 2, &b), EPM_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(epm_kv_batch_create(a, &l, 16, 0, &b), EPM_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(epm_kv_batch_create(a, &l, 16, EPM_KV_BATCH_ANY_SLOT, &b), EPM_STATUS_INVALID_ARGUMENT);
@@ -285,8 +285,8 @@ static void test_misuse(void) {
   memset(&d, 0, sizeof d);
   d.size = EPM_KV_BATCH_DESC_SIZE_V1 - 8;
   CHECK_STATUS(epm_kv_batch_get_desc(b, &d), EPM_STATUS_INVALID_ARGUMENT);
-  /* A prefix of another arena. */
-  REQUIRE_OK(epm_kv_arena_create(dev, GIB, &a2));
+  /* A prefix of another pool. */
+  REQUIRE_OK(epm_kv_pool_create(dev, GIB, &a2));
   REQUIRE_OK(epm_kv_seq_create(a2, &l, 16, 0, &other));
   REQUIRE_OK(epm_kv_seq_prepare_append(other, 4, s));
   REQUIRE_OK(epm_kv_prefix_pin(other, 4, s, &foreign));
@@ -294,7 +294,7 @@ static void test_misuse(void) {
   CHECK_OK(epm_kv_batch_release_slot(q1, s));
   q1 = NULL;
   CHECK_STATUS(epm_kv_batch_take_shared_slot(b, EPM_KV_BATCH_ANY_SLOT, foreign, 4, 0, s, &x), EPM_STATUS_INVALID_ARGUMENT);
-  CHECK_MESSAGE_HAS("another KV arena");
+  CHECK_MESSAGE_HAS("another KV pool");
   CHECK(desc_of(b).live_slots == 1);
   /* Released handles are stale. */
   CHECK_OK(epm_kv_batch_release_slot(q0, s));
@@ -306,8 +306,8 @@ static void test_misuse(void) {
   CHECK_STATUS(epm_kv_batch_take_slot(b, 0, 0, &x), EPM_STATUS_INVALID_HANDLE);
   b = NULL;
   CHECK_OK(epm_kv_batch_destroy(NULL));
-  /* The arena handle may go first: batches keep it alive. */
-  CHECK_OK(epm_kv_arena_destroy(a2));
+  /* The pool handle may go first: batches keep it alive. */
+  CHECK_OK(epm_kv_pool_destroy(a2));
   a2 = NULL;
   CHECK_OK(epm_kv_batch_take_shared_slot(b2, 0, foreign, 4, 0, s, &x));
   CHECK_OK(epm_kv_batch_release_slot(x, s));
@@ -322,8 +322,8 @@ cleanup:
   epm_kv_prefix_unpin(foreign);
   epm_kv_batch_destroy(b);
   CHECK_OK(epm_kv_batch_destroy(b2));
-  epm_kv_arena_destroy(a2);
-  epm_kv_arena_destroy(a);
+  epm_kv_pool_destroy(a2);
+  epm_kv_pool_destroy(a);
   epm_stream_destroy(s);
   epm_device_destroy(dev);
 }

@@ -24,7 +24,7 @@ static uint32_t desc_of_live(EpmKvBatch *b) {
 
 static void test_batches(MuFx *f) {
   EpmKvLayout l = mu_layout();
-  EpmKvArena *kv = NULL, *dead_kv = NULL;
+  EpmKvPool *kv = NULL, *dead_kv = NULL;
   EpmKvBatch *b = NULL, *dead_b = NULL, *ub = NULL;
   EpmKvSeq *q = NULL, *dead_q = NULL, *plain = NULL, *uq = NULL;
   EpmKvPrefix *p = NULL, *dead_p = NULL;
@@ -34,9 +34,9 @@ static void test_batches(MuFx *f) {
   uint64_t shared = 77;
 
   REQUIRE(l.size == sizeof l);
-  REQUIRE_OK(epm_kv_arena_create(f->dev, 64ull << 20, &kv));
-  REQUIRE_OK(epm_kv_arena_create(f->dev, 64ull << 20, &dead_kv));
-  REQUIRE_OK(epm_kv_arena_destroy(dead_kv));
+  REQUIRE_OK(epm_kv_pool_create(f->dev, 64ull << 20, &kv));
+  REQUIRE_OK(epm_kv_pool_create(f->dev, 64ull << 20, &dead_kv));
+  REQUIRE_OK(epm_kv_pool_destroy(dead_kv));
   REQUIRE_OK(epm_kv_batch_create(kv, &l, 4096, 4, &b));
   REQUIRE_OK(epm_kv_batch_create(kv, &l, 4096, 4, &dead_b));
   REQUIRE_OK(epm_kv_batch_destroy(dead_b));
@@ -49,7 +49,7 @@ static void test_batches(MuFx *f) {
   REQUIRE_OK(epm_kv_prefix_pin(plain, 2, f->s, &dead_p));
   REQUIRE_OK(epm_kv_prefix_unpin(dead_p));
 
-  BAD_HANDLES(EpmKvArena, h, b, dead_kv, epm_kv_batch_create(h, &l, 16, 2, &ub));
+  BAD_HANDLES(EpmKvPool, h, b, dead_kv, epm_kv_batch_create(h, &l, 16, 2, &ub));
   MU_EXPECT(epm_kv_batch_create(kv, NULL, 16, 2, &ub), EPM_STATUS_NULL_POINTER, "NULL layout");
   MU_EXPECT(epm_kv_batch_create(kv, &l, 16, 2, NULL), EPM_STATUS_NULL_POINTER, "NULL out");
   MU_EXPECT(epm_kv_batch_create(kv, &l, 0, 2, &ub), EPM_STATUS_INVALID_ARGUMENT, "max_tokens 0");
@@ -111,7 +111,7 @@ cleanup:
   epm_kv_prefix_unpin(p);
   epm_kv_seq_destroy(plain);
   CHECK_OK(epm_kv_batch_destroy(b));
-  epm_kv_arena_destroy(kv);
+  epm_kv_pool_destroy(kv);
 }
 
 int main(void) {

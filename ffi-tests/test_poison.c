@@ -3,7 +3,7 @@
  * EPM_STATUS_PANIC, and every later call with that handle returns
  * EPM_STATUS_INVALID_STATE ("poisoned by an earlier panic") instead of
  * running on state the panic may have left half-updated. Destroy still
- * works; other handles are unaffected. A KV arena whose lock was held by the
+ * works; other handles are unaffected. A KV pool whose lock was held by the
  * panicking call answers so through every one of its handles.
  *
  * The panics come from the test hooks of include/epmem_testing.h (testing
@@ -79,32 +79,32 @@ cleanup:
   epm_device_destroy(dev);
 }
 
-static void test_kv_arena_and_its_sequences(void) {
+static void test_kv_pool_and_its_sequences(void) {
   EpmDevice *dev = NULL;
   EpmStream *s = NULL;
-  EpmKvArena *arena = NULL;
+  EpmKvPool *arena = NULL;
   EpmKvSeq *seq = NULL, *seq2 = NULL;
   EpmKvLayout l;
   EpmKvSeqInfo info;
   EpmKvStats st;
   REQUIRE_OK(epm_device_open(0, &dev));
   REQUIRE_OK(epm_stream_create(dev, &s));
-  REQUIRE_OK(epm_kv_arena_create(dev, 64u << 20, &arena));
+  REQUIRE_OK(epm_kv_pool_create(dev, 64u << 20, &arena));
   memset(&l, 0, sizeof l);
   l.size = sizeof l;
   REQUIRE_OK(epm_kv_layout_token_major(2, 2, 64, 2, &l));
   REQUIRE_OK(epm_kv_seq_create(arena, &l, 1024, EPM_KV_ADMIT_ON_DEMAND, &seq));
   REQUIRE_OK(epm_kv_seq_prepare_append(seq, 8, s));
-  CHECK_STATUS(epm_testing_panic_kv_arena(arena), EPM_STATUS_PANIC);
+  CHECK_STATUS(epm_testing_panic_kv_pool(arena), EPM_STATUS_PANIC);
   memset(&st, 0, sizeof st);
   st.size = sizeof st;
-  CHECK_STATUS(epm_kv_arena_get_stats(arena, &st), EPM_STATUS_INVALID_STATE);
+  CHECK_STATUS(epm_kv_pool_get_stats(arena, &st), EPM_STATUS_INVALID_STATE);
   /* The sequence's handle was not in the panicking call, but its arena's
    * books were: it answers INVALID_STATE too. */
   memset(&info, 0, sizeof info);
   info.size = sizeof info;
   CHECK_STATUS(epm_kv_seq_get_info(seq, &info), EPM_STATUS_INVALID_STATE);
-  CHECK_MESSAGE_HAS("KV arena is poisoned");
+  CHECK_MESSAGE_HAS("KV pool is poisoned");
   CHECK_STATUS(epm_kv_seq_prepare_append(seq, 8, s), EPM_STATUS_INVALID_STATE);
   CHECK_STATUS(epm_kv_seq_create(arena, &l, 1024, EPM_KV_ADMIT_ON_DEMAND, &seq2), EPM_STATUS_INVALID_STATE);
   CHECK(seq2 == NULL);
@@ -112,11 +112,11 @@ static void test_kv_arena_and_its_sequences(void) {
   CHECK_STATUS(epm_kv_seq_destroy(seq), EPM_STATUS_INVALID_STATE);
   CHECK_STATUS(epm_kv_seq_get_info(seq, &info), EPM_STATUS_INVALID_HANDLE);
   seq = NULL;
-  CHECK_OK(epm_kv_arena_destroy(arena));
+  CHECK_OK(epm_kv_pool_destroy(arena));
   arena = NULL;
 cleanup:
   epm_kv_seq_destroy(seq);
-  epm_kv_arena_destroy(arena);
+  epm_kv_pool_destroy(arena);
   epm_stream_destroy(s);
   epm_device_destroy(dev);
 }
@@ -124,6 +124,6 @@ cleanup:
 int main(void) {
   RUN(test_device_handle);
   RUN(test_residency_handle);
-  RUN(test_kv_arena_and_its_sequences);
+  RUN(test_kv_pool_and_its_sequences);
   TEST_SUMMARY();
 }

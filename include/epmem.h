@@ -14,6 +14,17 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#ifndef EPM_DEPRECATED
+#if defined(__GNUC__) || defined(__clang__)
+#define EPM_DEPRECATED(msg) __attribute__((deprecated(msg)))
+#else
+#define EPM_DEPRECATED(msg)
+#endif
+#endif
+
+/* Deprecated type names, typedefs of the renamed types, kept until the next
+ * major version (docs/ABI.md, "Names"; src/ffi/deprecated.rs). */
+typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 
 /**
  * `sizeof(EpmArenaConfig)` in its first published version (epmem 0.1):
@@ -53,7 +64,13 @@
  * with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
  * for budget afterwards.
  */
-#define EPM_KV_ADMIT_RESERVE 0
+#define EPM_KV_ADMIT_PROMISE 0
+
+/**
+ * Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
+ * reservations; a budget is promised), kept until the next major version.
+ */
+#define EPM_KV_ADMIT_RESERVE EPM_KV_ADMIT_PROMISE
 
 /**
  * Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
@@ -349,14 +366,14 @@ typedef struct EpmFence EpmFence;
 typedef struct EpmHostRegistration EpmHostRegistration;
 
 /**
- * A KV arena: granule pool, ledger (budget) and dummy granule.
- */
-typedef struct EpmKvArena EpmKvArena;
-
-/**
  * A batch reservation: slots at a fixed stride behind one base pointer.
  */
 typedef struct EpmKvBatch EpmKvBatch;
+
+/**
+ * A KV pool: granule pool, ledger (budget) and dummy granule.
+ */
+typedef struct EpmKvPool EpmKvPool;
 
 /**
  * A pinned shared prefix.
@@ -537,7 +554,7 @@ typedef struct EpmKvLayout {
 } EpmKvLayout;
 
 /**
- * Ledger and arena statistics, filled by `epm_kv_arena_get_stats`.
+ * Ledger and pool statistics, filled by `epm_kv_pool_get_stats`.
  * Versioned by size: set `size = sizeof(EpmKvStats)`.
  */
 typedef struct EpmKvStats {
@@ -578,7 +595,8 @@ typedef struct EpmKvStats {
   uint64_t cow_granules;
   uint64_t committed_granules;
   /**
-   * Host waits on a caller's stream before a mapping change.
+   * Host waits on a caller's stream before a mapping change (`stream_waits`
+   * in Rust; the C field keeps its first name, see docs/ABI.md "Names").
    */
   uint64_t fences;
   /**
@@ -656,8 +674,10 @@ typedef struct EpmKvAdmission {
    */
   uint64_t with_sharing;
   /**
-   * 1 + floor((B − P) / Q), a formula found in earlier admission code: one
-   * more than fits (kept so callers can compare).
+   * 1 + floor((B − P) / Q), a common shorthand that admits one more than
+   * fits (kept so callers can compare). Rust calls it
+   * `over_admitting_formula`; this published field keeps its first name
+   * (docs/ABI.md, "Names").
    */
   uint64_t seed_formula;
 } EpmKvAdmission;
@@ -816,7 +836,7 @@ typedef struct EpmResidencyConfig {
    */
   uint32_t prefetch_depth;
   /**
-   * Nonzero: the host waits for every page-in (the seed's synchronous
+   * Nonzero: the host waits for every page-in (the first, synchronous
    * design; for comparison). Default 0.
    */
   uint32_t sync_page_in;
@@ -1303,57 +1323,57 @@ enum EpmStatus epm_kv_layout_token_major(uint32_t layers,
                                          struct EpmKvLayout *out);
 
 /**
- * Create a KV arena on `dev` with a budget of `budget_bytes` physical bytes.
- * The arena's dummy granule (one granule, zeroed) is charged to the budget,
+ * Create a KV pool on `dev` with a budget of `budget_bytes` physical bytes.
+ * The pool's dummy granule (one granule, zeroed) is charged to the budget,
  * so it must hold at least one granule.
  *
- * Ownership: `*out` is a new handle; destroy it with `epm_kv_arena_destroy`.
+ * Ownership: `*out` is a new handle; destroy it with `epm_kv_pool_destroy`.
  * It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
  * NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
  * device errors.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
-                                   uint64_t budget_bytes,
-                                   struct EpmKvArena **out);
+enum EpmStatus epm_kv_pool_create(struct EpmDevice *dev,
+                                  uint64_t budget_bytes,
+                                  struct EpmKvPool **out);
 
 /**
- * Release the arena handle. NULL is a no-op. Sequences and prefixes still
- * held keep the arena alive; it is torn down (unmap → release → free VA)
+ * Release the pool handle. NULL is a no-op. Sequences and prefixes still
+ * held keep the pool alive; it is torn down (unmap → release → free VA)
  * when the last of them is destroyed. The caller guarantees no queued
  * kernel still touches its sequences by then.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_arena_destroy(struct EpmKvArena *arena);
+enum EpmStatus epm_kv_pool_destroy(struct EpmKvPool *pool);
 
 /**
- * Fill `*out` with the arena's ledger and counters.
+ * Fill `*out` with the pool's ledger and counters.
  *
  * Set `out->size = sizeof(EpmKvStats)` first; epmem writes at most that many
- * bytes and sets `out->size` to the number written. NULL: `arena` is
+ * bytes and sets `out->size` to the number written. NULL: `pool` is
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
  * below the first version's.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_arena_get_stats(struct EpmKvArena *arena, struct EpmKvStats *out);
+enum EpmStatus epm_kv_pool_get_stats(struct EpmKvPool *pool, struct EpmKvStats *out);
 
 /**
  * Create a sequence of up to `max_tokens` tokens of `layout`. Its whole
  * reservation (max_tokens × token_stride, rounded up to the granule) maps
- * the arena's zeroed dummy granule read-only until `prepare_append`.
+ * the pool's zeroed dummy granule read-only until `prepare_append`.
  *
- * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
- * is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `arena` is
+ * `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+ * is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `pool` is
  * INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
  * (max_tokens 0 or overflowing, a layout that is not token-major, a bad
- * admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ * admit mode); OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
+enum EpmStatus epm_kv_seq_create(struct EpmKvPool *pool,
                                  const struct EpmKvLayout *layout,
                                  uint64_t max_tokens,
                                  uint32_t admit,
@@ -1372,9 +1392,9 @@ enum EpmStatus epm_kv_seq_create(struct EpmKvArena *arena,
  * be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
  * `n_tokens > max_tokens`. Out-params are written only on success.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
+enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvPool *pool,
                                             const struct EpmKvLayout *layout,
                                             uint64_t max_tokens,
                                             const uint32_t *tokens,
@@ -1390,7 +1410,7 @@ enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvArena *arena,
  * INVALID_HANDLE. The caller guarantees no queued kernel still touches the
  * sequence (as with cuMemFree).
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
 
@@ -1400,7 +1420,7 @@ enum EpmStatus epm_kv_seq_destroy(struct EpmKvSeq *seq);
  * Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
  * INVALID_HANDLE, `out` is NULL_POINTER.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *out);
 
@@ -1422,7 +1442,7 @@ enum EpmStatus epm_kv_seq_get_info(struct EpmKvSeq *seq, struct EpmKvSeqInfo *ou
  * OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
  * sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
                                          uint64_t n_tokens,
@@ -1435,7 +1455,7 @@ enum EpmStatus epm_kv_seq_prepare_append(struct EpmKvSeq *seq,
  * NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
  * INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
                                          const uint32_t *tokens,
@@ -1451,10 +1471,10 @@ enum EpmStatus epm_kv_seq_declare_tokens(struct EpmKvSeq *seq,
  * prefix is never reclaimed; it is freed when the pin and its last sharer
  * are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
  * Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
- * OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+ * OUT_OF_BUDGET if `seq` was admitted with PROMISE, will copy its boundary
  * granule, and the ledger cannot promise that one more granule.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
                                  uint64_t n_tokens,
@@ -1466,7 +1486,7 @@ enum EpmStatus epm_kv_prefix_pin(struct EpmKvSeq *seq,
  * its last sharer; the handle is invalid from now on. NULL is a no-op; an
  * unpinned handle is INVALID_HANDLE.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
 
@@ -1474,7 +1494,7 @@ enum EpmStatus epm_kv_prefix_unpin(struct EpmKvPrefix *prefix);
  * Fill `*out` with the prefix's state. Set `out->size` first. NULL:
  * `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPrefixInfo *out);
 
@@ -1487,9 +1507,9 @@ enum EpmStatus epm_kv_prefix_get_info(struct EpmKvPrefix *prefix, struct EpmKvPr
  * Ownership: `*out` is a new sequence handle. NULL: `prefix` is
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
  * `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
- * OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+ * OUT_OF_BUDGET (PROMISE) if the ledger cannot promise its private granules.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
                                            uint64_t n_tokens,
@@ -1504,7 +1524,7 @@ enum EpmStatus epm_kv_commit_shared_prefix(struct EpmKvPrefix *prefix,
  * NULL: `tokens` may be NULL only when `n_tokens` is 0; `out` is
  * NULL_POINTER. Threading: safe from any thread.
  */
-enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
+enum EpmStatus epm_kv_find_prefix(struct EpmKvPool *pool,
                                   const struct EpmKvLayout *layout,
                                   const uint32_t *tokens,
                                   size_t n_tokens,
@@ -1518,7 +1538,7 @@ enum EpmStatus epm_kv_find_prefix(struct EpmKvArena *arena,
  * Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
  * 0 saturates to UINT64_MAX.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
                                  uint64_t prefix_bytes,
@@ -1527,15 +1547,15 @@ enum EpmStatus epm_kv_admissible(uint64_t budget_bytes,
 
 /**
  * The physical cost of a request of `max_tokens` tokens of `layout` whose
- * first `prefix_tokens` are shared, on this arena's granule.
+ * first `prefix_tokens` are shared, on this pool's granule.
  *
- * Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+ * Set `out->size` first. NULL: `pool` is INVALID_HANDLE; `layout`, `out`
  * are NULL_POINTER. Errors: INVALID_ARGUMENT if `prefix_tokens >
  * max_tokens` or the request's bytes overflow 64 bits.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
+enum EpmStatus epm_kv_request_cost(struct EpmKvPool *pool,
                                    const struct EpmKvLayout *layout,
                                    uint64_t prefix_tokens,
                                    uint64_t max_tokens,
@@ -1543,19 +1563,19 @@ enum EpmStatus epm_kv_request_cost(struct EpmKvArena *arena,
 
 /**
  * Create a batch of `max_slots` slots of up to `max_tokens` tokens of
- * `layout` in `arena`. Its whole range (max_slots × slot_stride bytes) maps
- * the arena's zeroed dummy granule read-only until slots commit granules.
+ * `layout` in `pool`. Its whole range (max_slots × slot_stride bytes) maps
+ * the pool's zeroed dummy granule read-only until slots commit granules.
  * Charges nothing to the budget: slots are admitted as they are taken.
  *
  * Ownership: `*out` is a new handle; destroy it with `epm_kv_batch_destroy`.
- * It keeps the arena alive. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+ * It keeps the pool alive. NULL: `pool` is INVALID_HANDLE; `layout`, `out`
  * are NULL_POINTER. Errors: INVALID_ARGUMENT (max_tokens or max_slots 0,
  * max_slots EPM_KV_BATCH_ANY_SLOT, a range that overflows, a layout that is
  * not token-major); device errors (VA exhausted).
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
-enum EpmStatus epm_kv_batch_create(struct EpmKvArena *arena,
+enum EpmStatus epm_kv_batch_create(struct EpmKvPool *pool,
                                    const struct EpmKvLayout *layout,
                                    uint64_t max_tokens,
                                    uint32_t max_slots,
@@ -1567,7 +1587,7 @@ enum EpmStatus epm_kv_batch_create(struct EpmKvArena *arena,
  * then stays valid. NULL is a no-op; a destroyed handle is INVALID_HANDLE.
  * The caller guarantees no queued kernel still reads the range.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_destroy(struct EpmKvBatch *batch);
 
@@ -1579,7 +1599,7 @@ enum EpmStatus epm_kv_batch_destroy(struct EpmKvBatch *batch);
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
  * below EPM_KV_BATCH_DESC_SIZE_V1.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_get_desc(struct EpmKvBatch *batch, struct EpmKvBatchDesc *out);
 
@@ -1589,15 +1609,15 @@ enum EpmStatus epm_kv_batch_get_desc(struct EpmKvBatch *batch, struct EpmKvBatch
  * keep mapping the dummy until `epm_kv_seq_prepare_append`; nothing is
  * remapped here, so nothing waits.
  *
- * `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND, as for
+ * `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND, as for
  * `epm_kv_seq_create`. Ownership: `*out` is a new sequence handle; give the
  * slot back with `epm_kv_batch_release_slot` (or `epm_kv_seq_destroy`).
  * NULL: `batch` is INVALID_HANDLE, `out` is NULL_POINTER. Errors:
  * INVALID_ARGUMENT (slot ≥ max_slots, bad admit mode), INVALID_STATE (the
  * slot is taken), ALL_IN_USE (EPM_KV_BATCH_ANY_SLOT and every slot is
- * taken), OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+ * taken), OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_take_slot(struct EpmKvBatch *batch,
                                       uint32_t slot,
@@ -1617,10 +1637,10 @@ enum EpmStatus epm_kv_batch_take_slot(struct EpmKvBatch *batch,
  *
  * NULL: `batch`, `prefix`, `stream` are INVALID_HANDLE; `out` is
  * NULL_POINTER. Errors: as `epm_kv_batch_take_slot`, plus INVALID_ARGUMENT
- * if the prefix is of another arena or layout, `n_tokens` is 0 or beyond the
+ * if the prefix is of another pool or layout, `n_tokens` is 0 or beyond the
  * prefix or the batch's max_tokens, or the stream is on another device.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_take_shared_slot(struct EpmKvBatch *batch,
                                              uint32_t slot,
@@ -1632,7 +1652,7 @@ enum EpmStatus epm_kv_batch_take_shared_slot(struct EpmKvBatch *batch,
 
 /**
  * Take slot `slot` (or EPM_KV_BATCH_ANY_SLOT) for a sequence that declares
- * its prompt `tokens[0..n_tokens)`: if a live prefix of the arena begins
+ * its prompt `tokens[0..n_tokens)`: if a live prefix of the pool begins
  * with the same tokens (whole 16-token blocks, confirmed token by token),
  * its longest match is shared as `epm_kv_batch_take_shared_slot` and
  * `*shared_tokens` says how many tokens are already in the cache (skip their
@@ -1643,7 +1663,7 @@ enum EpmStatus epm_kv_batch_take_shared_slot(struct EpmKvBatch *batch,
  * `epm_kv_batch_take_shared_slot`, plus INVALID_ARGUMENT if `n_tokens`
  * exceeds the batch's max_tokens. Out-params are written only on success.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_take_slot_for_tokens(struct EpmKvBatch *batch,
                                                  uint32_t slot,
@@ -1668,7 +1688,7 @@ enum EpmStatus epm_kv_batch_take_slot_for_tokens(struct EpmKvBatch *batch,
  * INVALID_HANDLE. (`epm_kv_seq_destroy` also releases a slot, without the
  * wait: like cuMemFree, the caller then guarantees nothing queued reads it.)
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_release_slot(struct EpmKvSeq *seq, struct EpmStream *stream);
 
@@ -1679,7 +1699,7 @@ enum EpmStatus epm_kv_batch_release_slot(struct EpmKvSeq *seq, struct EpmStream 
  * INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if `seq`
  * is not a batch slot, or for a size below EPM_KV_BATCH_SLOT_INFO_SIZE_V1.
  *
- * Threading: safe from any thread; calls on one arena are serialized.
+ * Threading: safe from any thread; calls on one pool are serialized.
  */
 enum EpmStatus epm_kv_batch_slot_get_info(struct EpmKvSeq *seq, struct EpmKvBatchSlotInfo *out);
 
@@ -2335,6 +2355,43 @@ uint32_t epm_version(void);
  * Never NULL, never freed; thread-safe.
  */
 const char *epm_version_string(void);
+
+/**
+ * Deprecated name of `epm_kv_pool_create` (the object was called a KV
+ * arena, though it owns a granule pool and no `arena/` allocator); same
+ * contract: creates a KV pool on `dev` with a budget of `budget_bytes`
+ * physical bytes, `*out` a new handle to destroy with `epm_kv_pool_destroy`
+ * (or `epm_kv_arena_destroy`). NULL: `dev` is INVALID_HANDLE, `out` is
+ * NULL_POINTER. Errors: as `epm_kv_pool_create`.
+ *
+ * Threading: safe from any thread; calls on one pool are serialized.
+ */
+EPM_DEPRECATED("renamed epm_kv_pool_create")
+enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
+                                   uint64_t budget_bytes,
+                                   struct EpmKvPool **out);
+
+/**
+ * Deprecated name of `epm_kv_pool_destroy`; same contract: releases the
+ * pool handle (NULL is a no-op); sequences and prefixes still held keep the
+ * pool alive.
+ *
+ * Threading: safe from any thread; calls on one pool are serialized.
+ */
+EPM_DEPRECATED("renamed epm_kv_pool_destroy")
+enum EpmStatus epm_kv_arena_destroy(struct EpmKvPool *arena);
+
+/**
+ * Deprecated name of `epm_kv_pool_get_stats`; same contract: fills `*out`
+ * (set `out->size` first). NULL: `arena` is INVALID_HANDLE, `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a size below the first
+ * version's.
+ *
+ * Threading: safe from any thread; calls on one pool are serialized.
+ */
+EPM_DEPRECATED("renamed epm_kv_pool_get_stats")
+enum EpmStatus epm_kv_arena_get_stats(struct EpmKvPool *arena,
+                                      struct EpmKvStats *out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -76,13 +76,13 @@ EpmStatus epm_testing_panic_device(EpmDevice *dev);
 EpmStatus epm_testing_panic_residency(EpmResidency *res);
 
 /**
- * Panic while holding the lock of `arena`'s books: the arena handle is
- * poisoned, and so is the arena itself, so its sequences and prefixes
+ * Panic while holding the lock of `pool`'s books: the pool handle is
+ * poisoned, and so is the pool itself, so its sequences and prefixes
  * answer INVALID_STATE too. Test-only.
  *
- * NULL: `arena` is INVALID_HANDLE. Threading: safe from any thread.
+ * NULL: `pool` is INVALID_HANDLE. Threading: safe from any thread.
  */
-EpmStatus epm_testing_panic_kv_arena(EpmKvArena *arena);
+EpmStatus epm_testing_panic_kv_pool(EpmKvPool *pool);
 
 /**
  * Hold `stream`: work queued on it after this call runs only once the gate

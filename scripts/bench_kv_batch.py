@@ -126,7 +126,7 @@ class Config:
 def dry_run():
     import torch
     with epmem.Device("host") as dev, dev.stream() as s:
-        arena = epmem.KvArena(dev, 1 << 30)
+        arena = epmem.KvPool(dev, 1 << 30)
         layout = epmem.kv_layout_token_major(1, HEADS, DIM, 2)
         b, t = 4, 512
         c = Config(torch, arena, layout, s, b, t, torch.device("cpu"))
@@ -159,7 +159,7 @@ def main(argv=None):
     ts = torch.cuda.Stream()
     torch.cuda.set_stream(ts)
     es = epmem.Stream.wrap_native(dev, ts.cuda_stream, owner=ts)
-    arena = epmem.KvArena(dev, 32 << 30)
+    arena = epmem.KvPool(dev, 32 << 30)
     lay = epmem.kv_layout_token_major(1, HEADS, DIM, 2)
     rows, scenarios = [], []
     print(f"## bench_kv_batch on {torch.cuda.get_device_name()} (torch {torch.__version__})\n")

@@ -183,7 +183,7 @@ def capacity(sh, config, max_tokens, sys_tokens):
     out = {}
     for shared in (False, True):
         store = ek.KvStore(config, budget, max_tokens=max_tokens, dtype=sh["dtype"], device=dev)
-        arena, layout = store.arena, store.layout
+        arena, layout = store.pool, store.layout
         dummy = store.stats()["owned_bytes"]
         prefix = None
         if shared:
@@ -195,9 +195,9 @@ def capacity(sh, config, max_tokens, sys_tokens):
         while len(seqs) < 100000:
             try:
                 if shared:
-                    seqs.append(prefix.commit(sys_tokens, max_tokens, epmem.EPM_KV_ADMIT_RESERVE))
+                    seqs.append(prefix.commit(sys_tokens, max_tokens, epmem.EPM_KV_ADMIT_PROMISE))
                 else:
-                    seqs.append(arena.seq(layout, max_tokens, epmem.EPM_KV_ADMIT_RESERVE))
+                    seqs.append(arena.seq(layout, max_tokens, epmem.EPM_KV_ADMIT_PROMISE))
             except epmem.OutOfBudget as e:
                 refusal = e.message
                 break

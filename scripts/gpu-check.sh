@@ -61,7 +61,7 @@ for t in .carry/tests/device_conformance .carry/tests/*; do
   n=$(basename "$t")
   case "$n" in
     # Source- and build-tree checks, not device checks.
-    header | misuse_coverage | *_bench_smoke | compile_fail) continue ;;
+    header | misuse_coverage | *_bench_smoke | compile_fail | unsafe_rule) continue ;;
     # The lib's unit tests: only the CUDA-specific ones, which are #[ignore]d without a GPU.
     epmem_lib) step rust-lib-cuda '^test result' "$t" device::cuda --include-ignored --skip fake_driver --test-threads=1; continue ;;
   esac

@@ -1,5 +1,5 @@
-//! Generational slots: the one implementation behind the C handle registries
-//! (ffi::handle) and the KV arena's sequence/prefix/batch ids (kv::slab).
+//! Generational slots: the one implementation behind the C handle tables
+//! (ffi::handle) and the KV pool's sequence/prefix/batch ids (kv::slab).
 //!
 //! An id is (slot, generation). Removing an entry bumps its slot's
 //! generation, so an id that outlives its entry is [`Lookup::Stale`], never
@@ -8,7 +8,7 @@
 //! been reused `max_generation` times, and FIFO reuse spreads churn over
 //! every free slot instead of cycling one (which is why this is not
 //! `slotmap`, whose free list is LIFO; and `slotmap::SlotMap::new` is not
-//! `const`, which the per-type static handle registries need).
+//! `const`, which the per-type static handle tables need).
 
 use std::collections::VecDeque;
 

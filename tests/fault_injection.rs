@@ -1,6 +1,6 @@
 //! Injected device faults at every call site: for each operation (pool
 //! acquire, engine create/htod/register, arena create/alloc, residency
-//! create/acquire/prefetch, KV arena create, sequence create, append, pin,
+//! create/acquire/prefetch, KV pool create, sequence create, append, pin,
 //! commit_shared_prefix, copy-on-write) and each fault kind, fail the 1st,
 //! 2nd, ... call of that kind until the operation runs without reaching an
 //! Nth call. After every failure: the operation returned the injected status,
@@ -18,7 +18,7 @@ use std::sync::Arc;
 use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
 use epmem::device::fault::{FaultKind, FaultyDevice};
 use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 use epmem::{EpmStatus, Error, Result};
@@ -323,7 +323,7 @@ fn kv_create_append_pin_share_cow() {
         let s = Stream::new(&d).unwrap();
         for kind in FaultKind::ALL {
             let live = fd.live_counts();
-            let mut a = drive(&fd, &mut m, "kv arena create", kind, &mut (), |_| KvArena::new(&d, KvConfig::new(64 * g)),
+            let mut a = drive(&fd, &mut m, "kv pool create", kind, &mut (), |_| KvPool::new(&d, KvConfig::new(64 * g)),
                 |_, _| assert_eq!(fd.live_counts(), live), |_, a| drop(a));
             // The ledger and the device agree, and the snapshot taken before
             // the attempt still holds.
@@ -331,7 +331,7 @@ fn kv_create_append_pin_share_cow() {
             // reuse, so retained handles are checked against the device, not
             // against the snapshot.)
             type Snap = (u64, u64, u64, u64, u64, u64);
-            let snap = |a: &KvArena| -> Snap {
+            let snap = |a: &KvPool| -> Snap {
                 let st = a.stats();
                 let lc = fd.live_counts();
                 assert_eq!(lc.physical_bytes, st.ledger.owned_bytes + st.pool.retained * g, "{st:?}");
@@ -344,7 +344,7 @@ fn kv_create_append_pin_share_cow() {
                     drive(&fd, &mut m, $what, kind, &mut a, $op, |a, _| assert_eq!(snap(a), before, "{} after a {} fault", $what, kind.name()), $undo)
                 }};
             }
-            let origin = step!("kv seq create", |a| a.create_sequence(&l, 4 * tpg, AdmitMode::Reserve), |a, id| a.destroy_sequence(id).unwrap());
+            let origin = step!("kv seq create", |a| a.create_sequence(&l, 4 * tpg, AdmitMode::Promise), |a, id| a.destroy_sequence(id).unwrap());
             // Two appends of one new granule each, so a failure is all or nothing.
             let n = tpg + tpg / 2;
             step!("kv prepare_append", |a| a.prepare_append(origin, tpg / 2, s.raw()), |_, ()| panic!("an append absorbed a fault"));
@@ -373,10 +373,10 @@ fn kv_create_append_pin_share_cow() {
             assert_eq!(a.stats().ledger.owned_bytes, g, "only the dummy is owned");
             a.trim();
             drop(a);
-            assert_eq!(fd.live_counts(), live, "kv arena teardown after {} faults", kind.name());
+            assert_eq!(fd.live_counts(), live, "kv pool teardown after {} faults", kind.name());
         }
     }
-    m.require("kv arena create", &[FaultKind::VmmCreate, FaultKind::Reserve, FaultKind::Map, FaultKind::Copy]);
+    m.require("kv pool create", &[FaultKind::VmmCreate, FaultKind::Reserve, FaultKind::Map, FaultKind::Copy]);
     m.require("kv seq create", &[FaultKind::Reserve, FaultKind::Map]);
     m.require("kv prepare_append", &[FaultKind::VmmCreate, FaultKind::Map, FaultKind::SetAccess]);
     m.require("kv prefix pin", &[FaultKind::SetAccess]);

@@ -50,6 +50,8 @@ fn generate_testing() -> String {
     config.include_guard = Some("EPMEM_TESTING_H".into());
     config.sys_includes = Vec::new();
     config.includes = vec!["epmem.h".into()];
+    // The deprecation macro and the old type names come from epmem.h.
+    config.after_includes = None;
     config.header = Some(
         "/*\n * epmem test machinery: stand-in kernels (checksum, spin) and panic hooks\n \
          * for tests and benchmarks. These functions exist only in a library built\n \
@@ -142,6 +144,51 @@ fn header_compiles_alone_as_cpp17() {
     compile("g++", "-std=c++17", "cpp");
 }
 
+/// The renamed names kept as aliases (src/ffi/deprecated.rs) compile, and
+/// every use of one warns `deprecated` (an error under -Werror), naming the
+/// new name; defining EPM_DEPRECATED empty silences them.
+#[test]
+fn deprecated_names_compile_and_warn() {
+    let dir = std::env::temp_dir().join(format!("epmem-header-{}-deprecated", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("old.c");
+    std::fs::write(
+        &src,
+        "#include \"epmem.h\"\n\
+         int main(void) {\n\
+           EpmKvArena *a = NULL; EpmKvStats st = {0};\n\
+           st.size = sizeof st;\n\
+           if (epm_kv_arena_create(NULL, 0, &a) != EPM_STATUS_INVALID_HANDLE) return 1;\n\
+           if (epm_kv_arena_get_stats(a, &st) != EPM_STATUS_INVALID_HANDLE) return 1;\n\
+           return epm_kv_arena_destroy(a) == EPM_STATUS_OK ? 0 : 1;\n\
+         }\n",
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        Command::new("gcc")
+            .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-c", "-o"])
+            .arg(dir.join("old.o"))
+            .arg("-I")
+            .arg(root().join("include"))
+            .args(extra)
+            .arg(&src)
+            .output()
+            .expect("gcc runs")
+    };
+    let warned = run(&[]);
+    let err = String::from_utf8_lossy(&warned.stderr);
+    assert!(!warned.status.success(), "old names compiled with no deprecation warning");
+    for (old, new) in [("EpmKvArena", "EpmKvPool"), ("epm_kv_arena_create", "epm_kv_pool_create"), ("epm_kv_arena_get_stats", "epm_kv_pool_get_stats"), ("epm_kv_arena_destroy", "epm_kv_pool_destroy")] {
+        assert!(
+            err.lines().any(|l| l.contains(old) && l.contains("deprecated") && l.contains(&format!("renamed {new}"))),
+            "no deprecation warning for {old} naming {new}:\n{err}"
+        );
+    }
+    let silenced = run(&["-DEPM_DEPRECATED(msg)="]);
+    assert!(silenced.status.success(), "old names do not compile:\n{}", String::from_utf8_lossy(&silenced.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every status in the header has the value and name the library reports.
 #[test]
 fn header_status_values_match_library_names() {
@@ -185,14 +232,17 @@ fn every_function_is_documented() {
     let mut functions = 0;
     for (i, line) in lines.iter().enumerate() {
         let Some(open) = line.find("epm_").filter(|_| line.contains('(') && !line.starts_with(' ')) else { continue };
-        if line.starts_with("typedef") || line.starts_with(" *") || line.starts_with("#") {
+        if line.starts_with("typedef") || line.starts_with(" *") || line.starts_with("#") || line.starts_with("EPM_DEPRECATED(") {
             continue;
         }
         let name: String = line[open..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
         functions += 1;
-        assert!(i > 0 && lines[i - 1].trim() == "*/", "{name} has no doc comment in the header");
-        let start = lines[..i].iter().rposition(|l| l.trim() == "/**").expect("doc comment start");
-        let doc = lines[start..i].join("\n").to_lowercase();
+        // A deprecated alias has its EPM_DEPRECATED("...") line between the
+        // doc comment and the declaration.
+        let end = if i > 0 && lines[i - 1].starts_with("EPM_DEPRECATED(") { i - 1 } else { i };
+        assert!(end > 0 && lines[end - 1].trim() == "*/", "{name} has no doc comment in the header");
+        let start = lines[..end].iter().rposition(|l| l.trim() == "/**").expect("doc comment start");
+        let doc = lines[start..end].join("\n").to_lowercase();
         assert!(doc.contains("thread"), "{name}'s doc comment says nothing about threading");
     }
     assert!(functions >= 30, "only {functions} functions found: the header parser is wrong");
@@ -248,6 +298,46 @@ fn documented_defaults_match_the_code() {
         ("EpmCopyEngineConfig", "chunk_bytes", format!("(default {})", mib(e.chunk_bytes))),
         ("EpmCopyEngineConfig", "target_chunks", format!("(default {})", e.target_chunks)),
     ];
+    // What the C defaults functions write, named by the constant the header uses.
+    use epmem::ffi::{residency as fr, staging as fs};
+    let mut rc = fr::EpmResidencyConfig {
+        size: std::mem::size_of::<fr::EpmResidencyConfig>(),
+        ..c_default_residency()
+    };
+    assert_eq!(fr::epm_residency_config_default(&mut rc), epmem::EpmStatus::Ok);
+    let mut ec = fs::EpmCopyEngineConfig { size: std::mem::size_of::<fs::EpmCopyEngineConfig>(), ..c_default_engine() };
+    assert_eq!(fs::epm_copy_engine_config_default(&mut ec), epmem::EpmStatus::Ok);
+    let policy = [(fr::EPM_POLICY_CYCLIC, "EPM_POLICY_CYCLIC"), (fr::EPM_POLICY_LRU, "EPM_POLICY_LRU")]
+        .into_iter()
+        .find(|(v, _)| *v == rc.policy)
+        .expect("the default policy is a published constant")
+        .1;
+    let register = [
+        (fr::EPM_REGISTER_WITHIN_MEMLOCK, "EPM_REGISTER_WITHIN_MEMLOCK"),
+        (fr::EPM_REGISTER_NEVER, "EPM_REGISTER_NEVER"),
+        (fr::EPM_REGISTER_ALWAYS, "EPM_REGISTER_ALWAYS"),
+    ]
+    .into_iter()
+    .find(|(v, _)| *v == rc.register_sources)
+    .expect("the default register_sources is a published constant")
+    .1;
+    let expect = expect.into_iter().chain([
+        ("EpmResidencyConfig", "policy", format!("`{policy}` (default)")),
+        ("EpmResidencyConfig", "register_sources", format!("`{register}` (default)")),
+        ("EpmResidencyConfig", "sync_page_in", format!("Default {}.", rc.sync_page_in)),
+        ("EpmResidencyConfig", "budget_bytes", format!("Required (default {})", rc.budget_bytes)),
+        ("EpmCopyEngineConfig", "flags", format!("bits (default {})", ec.flags)),
+        ("EpmArenaConfig", "max_allocations", format!("0: {}", epmem::ffi::arena::DEFAULT_MAX_ALLOCATIONS)),
+    ]);
+    // The C defaults are the core's (config_in! generates them; this pins it).
+    assert_eq!(
+        (rc.prefetch_depth as usize, rc.coalesce_below_bytes as usize, rc.coalesce_max_bytes as usize),
+        (r.prefetch_depth, r.coalesce_below_bytes, r.coalesce_max_bytes)
+    );
+    assert_eq!(
+        (ec.slots as usize, ec.fill_threads as usize, ec.chunk_bytes as usize, ec.target_chunks as usize),
+        (e.slots, e.fill_threads, e.chunk_bytes, e.target_chunks)
+    );
     for (name, field, want) in expect {
         let doc = field_doc(&h, name, field);
         assert!(doc.contains(&want), "{name}.{field}: the header says {doc:?}; the code's default is {want:?}");
@@ -257,6 +347,36 @@ fn documented_defaults_match_the_code() {
         words(&h).contains(&pool_doc),
         "epm_staging_pool_create's documented defaults differ from PoolConfig::default(): want {pool_doc:?}"
     );
+}
+
+/// A residency config for `epm_residency_config_default` to overwrite.
+fn c_default_residency() -> epmem::ffi::residency::EpmResidencyConfig {
+    epmem::ffi::residency::EpmResidencyConfig {
+        size: 0,
+        budget_bytes: u64::MAX,
+        policy: u32::MAX,
+        register_sources: u32::MAX,
+        prefetch_depth: u32::MAX,
+        sync_page_in: u32::MAX,
+        staging_slots: u32::MAX,
+        fill_threads: u32::MAX,
+        staging_chunk_bytes: u64::MAX,
+        staging_pool_bytes: u64::MAX,
+        coalesce_below_bytes: u64::MAX,
+        coalesce_max_bytes: u64::MAX,
+    }
+}
+
+/// A copy engine config for `epm_copy_engine_config_default` to overwrite.
+fn c_default_engine() -> epmem::ffi::staging::EpmCopyEngineConfig {
+    epmem::ffi::staging::EpmCopyEngineConfig {
+        size: 0,
+        slots: u32::MAX,
+        fill_threads: u32::MAX,
+        chunk_bytes: u64::MAX,
+        flags: u32::MAX,
+        target_chunks: u32::MAX,
+    }
 }
 
 /// Every versioned struct's first-version size is published as a constant.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use epmem::EpmStatus;
 use epmem::device::{Device, DeviceKind, Stream};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, SlotChoice};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, SlotChoice};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
@@ -41,7 +41,7 @@ fn slack(d: &Arc<dyn Device>) -> i64 {
 fn slots_sit_at_a_fixed_stride_and_the_whole_range_reads_zeros() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule() as u64;
     let l = qwen14b();
     let owned = a.stats().ledger.owned_bytes;
@@ -51,7 +51,7 @@ fn slots_sit_at_a_fixed_stride_and_the_whole_range_reads_zeros() {
     assert_eq!((bi.max_slots, bi.max_tokens, bi.live_slots), (6, 40, 0));
     assert_eq!(bi.reserved_bytes, 6 * bi.slot_stride);
     assert_eq!(bi.base % g, 0, "the base is granule-aligned");
-    assert_eq!(a.stats().ledger.owned_bytes, owned, "a batch charges nothing: the dummy is the arena's");
+    assert_eq!(a.stats().ledger.owned_bytes, owned, "a batch charges nothing: the dummy is the pool's");
     // Every byte of the range is mapped and reads the zeroed dummy.
     assert!(read(&d, &s, bi.base, bi.reserved_bytes as usize).iter().all(|&x| x == 0));
     let q3 = a.take_slot(b, SlotChoice::Index(3), AdmitMode::OnDemand).unwrap();
@@ -82,7 +82,7 @@ fn slots_sit_at_a_fixed_stride_and_the_whole_range_reads_zeros() {
 fn slots_read_and_write_only_their_own_granules() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule() as u64;
     let l = qwen14b();
     let bpt = l.bytes_per_token();
@@ -136,7 +136,7 @@ fn slots_read_and_write_only_their_own_granules() {
 fn a_prefix_shared_across_slots_is_one_physical_copy() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(4 * GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(4 * GIB)).unwrap();
     let g = a.granule() as u64;
     let l = qwen14b();
     let bpt = l.bytes_per_token();
@@ -189,7 +189,7 @@ fn a_prefix_shared_across_slots_is_one_physical_copy() {
 fn copy_on_write_in_one_slot_leaves_the_others_intact() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(4 * GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(4 * GIB)).unwrap();
     let g = a.granule() as u64;
     let l = qwen14b();
     let bpt = l.bytes_per_token();
@@ -225,13 +225,13 @@ fn copy_on_write_in_one_slot_leaves_the_others_intact() {
 fn a_released_slots_granules_return_to_the_pool() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule() as u64;
     let l = qwen14b();
     let b = a.create_batch(&l, 64, 3).unwrap();
     let bi = a.batch_info(b).unwrap();
     let owned = a.stats().ledger.owned_bytes;
-    let q = a.take_slot(b, SlotChoice::Index(1), AdmitMode::Reserve).unwrap();
+    let q = a.take_slot(b, SlotChoice::Index(1), AdmitMode::Promise).unwrap();
     assert_eq!(a.stats().ledger.promised_bytes, 6 * g, "64 tokens: 6 granules promised");
     a.prepare_append(q, 64, s.raw()).unwrap();
     write(&d, &s, bi.base + bi.slot_stride, &pattern(2, (64 * l.bytes_per_token()) as usize)).unwrap();
@@ -265,7 +265,7 @@ fn a_released_slots_granules_return_to_the_pool() {
 fn slots_join_and_leave_while_the_others_keep_their_addresses_and_bytes() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(4 * GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(4 * GIB)).unwrap();
     let l = qwen14b();
     let bpt = l.bytes_per_token();
     let b = a.create_batch(&l, 48, 8).unwrap();
@@ -326,7 +326,7 @@ fn slots_join_and_leave_while_the_others_keep_their_addresses_and_bytes() {
 fn misuse_is_a_status_with_a_message() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let l = qwen14b();
     let st = |r: epmem::Result<u64>| {
         let e = r.unwrap_err();
@@ -373,9 +373,9 @@ fn misuse_is_a_status_with_a_message() {
     assert_eq!(a.batch_info(b).unwrap().live_slots, 1, "failed takes leave the slot free");
     assert!(read(&d, &s, a.batch_info(b).unwrap().base + a.batch_info(b).unwrap().slot_stride, 4096).iter().all(|&x| x == 0));
     // Admission: a RESERVE slot the ledger cannot hold is refused.
-    let mut tight = KvArena::new(&d, KvConfig::new(3 * a.granule() as u64)).unwrap();
+    let mut tight = KvPool::new(&d, KvConfig::new(3 * a.granule() as u64)).unwrap();
     let tb = tight.create_batch(&l, 64, 2).unwrap();
-    assert_eq!(st(tight.take_slot(tb, SlotChoice::Any, AdmitMode::Reserve)), EpmStatus::OutOfBudget);
+    assert_eq!(st(tight.take_slot(tb, SlotChoice::Any, AdmitMode::Promise)), EpmStatus::OutOfBudget);
     assert_eq!(tight.batch_info(tb).unwrap().live_slots, 0);
     // Stale ids.
     a.release_slot(q0, s.raw()).unwrap();
@@ -390,7 +390,7 @@ fn misuse_is_a_status_with_a_message() {
 fn releasing_a_slot_fences_queued_work_before_remapping() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule();
     let b = a.create_batch(&qwen14b(), 20, 2).unwrap();
     let q = a.take_slot(b, SlotChoice::Index(1), AdmitMode::OnDemand).unwrap();
@@ -401,7 +401,7 @@ fn releasing_a_slot_fences_queued_work_before_remapping() {
     // the batch, say): release_slot must not remap it before the read ran.
     let mut back = epmem::device::PinnedBuffer::new(&d, g).unwrap();
     back.fill(0);
-    let fences = a.stats().counters.fences;
+    let fences = a.stats().counters.stream_waits;
     d.spin_async(100_000, s.raw()).unwrap();
     // SAFETY: `back` outlives the copy: the stream is synchronized below.
     unsafe { d.memcpy_dtoh_async(back.as_mut_ptr(), base, g, s.raw()).unwrap() };
@@ -411,10 +411,10 @@ fn releasing_a_slot_fences_queued_work_before_remapping() {
     s.synchronize().expect("the queued read ran against the old mapping");
     assert!(waited >= std::time::Duration::from_millis(50), "release_slot returned after {waited:?}");
     assert!(back.iter().all(|&x| x == 0x3C), "the read saw the slot's own bytes");
-    assert_eq!(a.stats().counters.fences, fences + 1);
+    assert_eq!(a.stats().counters.stream_waits, fences + 1);
     // Taking a slot with nothing to map changes no mapping: no fence.
     a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();
-    assert_eq!(a.stats().counters.fences, fences + 1);
+    assert_eq!(a.stats().counters.stream_waits, fences + 1);
 }
 
 #[test]
@@ -430,7 +430,7 @@ fn a_failed_driver_call_never_leaves_a_slot_unmapped_or_the_ledger_wrong() {
             let fd = Arc::new(FaultyDevice::new(inner.clone()));
             let d: Arc<dyn Device> = fd.clone();
             let s = Stream::new(&d).unwrap();
-            let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+            let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
             let g = a.granule() as u64;
             let b = a.create_batch(&l, 32, 4).unwrap();
             let bi = a.batch_info(b).unwrap();

@@ -8,7 +8,7 @@ mod kv_util;
 use std::collections::{HashMap, HashSet};
 
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvArena, KvConfig};
+use epmem::kv::{AdmitMode, KvPool, KvConfig};
 use kv_util::*;
 
 #[derive(Clone)]
@@ -74,7 +74,7 @@ fn ledger_matches_an_independent_model_over_random_operations() {
     let s = Stream::new(&d).unwrap();
     let l = qwen14b();
     let g = d.vmm_granularity() as u64;
-    let mut a = KvArena::new(&d, KvConfig::new(1 << 40)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(1 << 40)).unwrap();
     let mut m = Model { g, bpt: l.bytes_per_token(), next_id: 0, seqs: HashMap::new(), prefixes: HashMap::new() };
     let mut rng = Rng::with_seed(0x5eed_4b56_0001);
     let steps = std::env::var("EPM_KV_RANDOM_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
@@ -83,13 +83,13 @@ fn ledger_matches_an_independent_model_over_random_operations() {
         let seq_ids: Vec<u64> = m.seqs.keys().copied().collect();
         let pids: Vec<u64> = m.prefixes.keys().copied().collect();
         let op = below(&mut rng, 7);
-        let mode = if below(&mut rng, 2) == 0 { AdmitMode::Reserve } else { AdmitMode::OnDemand };
+        let mode = if below(&mut rng, 2) == 0 { AdmitMode::Promise } else { AdmitMode::OnDemand };
         match op {
             0 if m.seqs.len() < 12 => {
                 let max = 1 + below(&mut rng, 60);
                 let id = a.create_sequence(&l, max, mode).unwrap();
                 let n = m.slots(max);
-                let promise = if mode == AdmitMode::Reserve { n as u64 } else { 0 };
+                let promise = if mode == AdmitMode::Promise { n as u64 } else { 0 };
                 m.seqs.insert(id, MSeq { max, len: 0, slots: vec![None; n], link: None, promise });
             }
             1 | 2 if !seq_ids.is_empty() => {
@@ -148,8 +148,8 @@ fn ledger_matches_an_independent_model_over_random_operations() {
                 let full = (n * m.bpt / g) as usize;
                 let promise = match mode {
                     AdmitMode::OnDemand => 0,
-                    AdmitMode::Reserve if max == n => total - k,
-                    AdmitMode::Reserve => total - full,
+                    AdmitMode::Promise if max == n => total - k,
+                    AdmitMode::Promise => total - full,
                 } as u64;
                 let mut slots = vec![None; total];
                 for i in 0..k {

@@ -6,13 +6,13 @@ mod kv_util;
 
 use epmem::EpmStatus;
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvArena, KvConfig};
+use epmem::kv::{AdmitMode, KvPool, KvConfig};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
 
 /// An origin sequence with `n` tokens written (pattern 1), pinned.
-fn origin(a: &mut KvArena, s: &Stream, n: u64, max: u64) -> (u64, u64, Vec<u8>) {
+fn origin(a: &mut KvPool, s: &Stream, n: u64, max: u64) -> (u64, u64, Vec<u8>) {
     let l = qwen14b();
     let seq = a.create_sequence(&l, max, AdmitMode::OnDemand).unwrap();
     a.prepare_append(seq, n, s.raw()).unwrap();
@@ -26,7 +26,7 @@ fn origin(a: &mut KvArena, s: &Stream, n: u64, max: u64) -> (u64, u64, Vec<u8>) 
 fn one_granule_is_visible_at_n_addresses_and_charged_once() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(4 * GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(4 * GIB)).unwrap();
     let g = a.granule() as u64;
     // 10 tokens = 1,966,080 B: one partial granule, the whole prefix.
     let (o, p, bytes) = origin(&mut a, &s, 10, 64);
@@ -56,7 +56,7 @@ fn one_granule_is_visible_at_n_addresses_and_charged_once() {
 fn host_writes_into_a_shared_prefix_are_refused_and_not_sticky() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(4 * GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(4 * GIB)).unwrap();
     let (o, p, bytes) = origin(&mut a, &s, 12, 64);
     let q = a.commit_shared_prefix(p, 12, 64, AdmitMode::OnDemand).unwrap();
     let qb = a.sequence_info(q).unwrap().base;
@@ -80,7 +80,7 @@ fn host_writes_into_a_shared_prefix_are_refused_and_not_sticky() {
 fn copy_on_write_preserves_every_other_sharer() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(4 * GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(4 * GIB)).unwrap();
     let g = a.granule() as u64;
     let bpt = qwen14b().bytes_per_token();
     // 16 tokens end inside the second granule (3,145,728 B).
@@ -115,7 +115,7 @@ fn copy_on_write_preserves_every_other_sharer() {
 fn the_unused_tail_maps_the_zeroed_dummy_and_appends_inside_a_granule_are_free() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule() as u64;
     let seq = a.create_sequence(&qwen14b(), 100, AdmitMode::OnDemand).unwrap();
     let info = a.sequence_info(seq).unwrap();
@@ -125,10 +125,10 @@ fn the_unused_tail_maps_the_zeroed_dummy_and_appends_inside_a_granule_are_free()
     assert_eq!(a.stats().ledger.owned_bytes, g, "only the dummy is owned");
     a.prepare_append(seq, 1, s.raw()).unwrap();
     let before = d.driver_counts();
-    let fences = a.stats().counters.fences;
+    let fences = a.stats().counters.stream_waits;
     a.prepare_append(seq, 9, s.raw()).unwrap(); // tokens 1..10 stay in granule 0
     assert_eq!(d.driver_counts(), before, "no driver call inside a private granule");
-    assert_eq!(a.stats().counters.fences, fences, "and no fence");
+    assert_eq!(a.stats().counters.stream_waits, fences, "and no fence");
     a.prepare_append(seq, 1, s.raw()).unwrap(); // token 10 reaches granule 1
     assert_eq!(a.sequence_info(seq).unwrap().private_granules, 2);
     // The tail past the written tokens is still the dummy: zeros.
@@ -142,7 +142,7 @@ fn the_unused_tail_maps_the_zeroed_dummy_and_appends_inside_a_granule_are_free()
 fn destroyed_handles_and_bad_lengths_are_clean_errors() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let l = qwen14b();
     let seq = a.create_sequence(&l, 32, AdmitMode::OnDemand).unwrap();
     let st = |r: epmem::Result<()>| r.unwrap_err().status();
@@ -170,7 +170,7 @@ fn destroyed_handles_and_bad_lengths_are_clean_errors() {
 fn a_prefix_lives_until_the_pin_and_the_last_sharer_are_gone() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule() as u64;
     let (o, p, bytes) = origin(&mut a, &s, 30, 64); // 30 tokens: 3 granules
     let q = a.commit_shared_prefix(p, 30, 64, AdmitMode::OnDemand).unwrap();
@@ -199,9 +199,9 @@ fn admission_refuses_what_the_ledger_cannot_hold() {
     let g = d.vmm_granularity() as u64;
     let l = qwen14b();
     // Budget: dummy + 6 granules. A 64-token sequence needs 6 granules.
-    let mut a = KvArena::new(&d, KvConfig::new(7 * g)).unwrap();
-    let first = a.create_sequence(&l, 64, AdmitMode::Reserve).unwrap();
-    let e = a.create_sequence(&l, 64, AdmitMode::Reserve).unwrap_err();
+    let mut a = KvPool::new(&d, KvConfig::new(7 * g)).unwrap();
+    let first = a.create_sequence(&l, 64, AdmitMode::Promise).unwrap();
+    let e = a.create_sequence(&l, 64, AdmitMode::Promise).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
     // The admitted sequence can always reach max_tokens.
     a.prepare_append(first, 64, s.raw()).unwrap();
@@ -226,16 +226,16 @@ fn sharing_admits_more_requests_on_the_same_budget() {
     // 64-token prefix (6 granules) + 64 private tokens (6 granules) per request.
     let budget = g + 48 * g;
     let count = |share: bool| {
-        let mut a = KvArena::new(&d, KvConfig::new(budget)).unwrap();
-        let o = a.create_sequence(&l, 128, AdmitMode::Reserve).unwrap();
+        let mut a = KvPool::new(&d, KvConfig::new(budget)).unwrap();
+        let o = a.create_sequence(&l, 128, AdmitMode::Promise).unwrap();
         a.prepare_append(o, 64, s.raw()).unwrap();
         let p = a.pin_prefix(o, 64, s.raw()).unwrap();
         let mut n = 1;
         loop {
             let r = if share {
-                a.commit_shared_prefix(p, 64, 128, AdmitMode::Reserve)
+                a.commit_shared_prefix(p, 64, 128, AdmitMode::Promise)
             } else {
-                a.create_sequence(&l, 128, AdmitMode::Reserve)
+                a.create_sequence(&l, 128, AdmitMode::Promise)
             };
             match r {
                 Ok(_) => n += 1,
@@ -257,7 +257,7 @@ fn sharing_admits_more_requests_on_the_same_budget() {
 fn declared_tokens_find_an_existing_prefix_by_content() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let l = qwen14b();
     let prompt: Vec<u32> = (1000..1040).collect(); // 40 tokens, 2 full hash blocks of 16 + 8
     let (o, shared) = a.create_sequence_for_tokens(&l, 64, &prompt, AdmitMode::OnDemand).unwrap();
@@ -292,7 +292,7 @@ fn declared_tokens_find_an_existing_prefix_by_content() {
 fn prepare_append_fences_queued_work_before_remapping() {
     let d = dev();
     let s = Stream::new(&d).unwrap();
-    let mut a = KvArena::new(&d, KvConfig::new(GIB)).unwrap();
+    let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let g = a.granule();
     let seq = a.create_sequence(&qwen14b(), 64, AdmitMode::OnDemand).unwrap();
     let base = a.sequence_info(seq).unwrap().base;
@@ -312,5 +312,5 @@ fn prepare_append_fences_queued_work_before_remapping() {
     s.synchronize().expect("the queued read ran against the old mapping");
     assert!(waited >= std::time::Duration::from_millis(50), "prepare_append returned after {waited:?}");
     assert!(tail.iter().all(|&b| b == 0), "the read saw the zeroed dummy");
-    assert_eq!(a.stats().counters.fences, 1);
+    assert_eq!(a.stats().counters.stream_waits, 1);
 }

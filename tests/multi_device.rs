@@ -12,9 +12,9 @@ use std::io::Write as _;
 use std::sync::Arc;
 
 use epmem::EpmStatus;
-use epmem::device::hostreg::{HostRegistration, SharedHostRegistration};
+use epmem::transfer::pinning::{HostRegistration, SharedHostRegistration};
 use epmem::device::{self, Device, DeviceBuffer, DeviceKind, DeviceSelect, HostRange, Stream, checksum_host};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
 
 /// Devices 0 and 1 of the kind EPM_DEVICE names, or None (after saying
@@ -222,7 +222,7 @@ fn device_1_allocations_page_ins_and_kv_never_touch_device_0() {
 
     // KV sequences on device 1.
     let layout = KvLayout::token_major(KvShape { layers: 4, kv_heads: 2, head_dim: 64, elem_bytes: 2 }).unwrap();
-    let mut kv1 = KvArena::new(&d1, KvConfig::new(64 << 20)).unwrap();
+    let mut kv1 = KvPool::new(&d1, KvConfig::new(64 << 20)).unwrap();
     let seq = kv1.create_sequence(&layout, 4096, AdmitMode::OnDemand).unwrap();
     kv1.prepare_append(seq, 4096, s1.raw()).unwrap();
     let kv_base = kv1.sequence_info(seq).unwrap().base;

@@ -54,7 +54,7 @@ fn staged_copies_of_random_data_are_bit_exact() {
         let src = random_bytes(n, i as u64 + 1);
         let dst = DeviceBuffer::new(&d, n).unwrap();
         let f = e.htod(dst.ptr(), leak_range(src.clone()), None).unwrap();
-        assert!(!f.bypassed() && f.bytes() == n);
+        assert!(!f.direct() && f.bytes() == n);
         f.make_wait(s.raw()).unwrap();
         assert_same(&read_back(&d, &s, dst.ptr(), n), &src, &format!("{n} bytes"));
         chunks += chunk_count(&e, n);
@@ -108,13 +108,13 @@ fn direct_path_copies_registered_memory_without_staging() {
     assert!(d.host_is_page_locked(range.ptr(), range.len()));
     let dst = DeviceBuffer::new(&d, n).unwrap();
     let f = e.htod(dst.ptr(), range, None).unwrap();
-    assert!(f.bypassed());
+    assert!(f.direct());
     f.make_wait(s.raw()).unwrap();
     assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "direct path");
     // A sub-range of a registered range is page-locked too.
     let dst2 = DeviceBuffer::new(&d, MIB).unwrap();
     let f2 = e.htod(dst2.ptr(), range.slice(MIB, MIB).unwrap(), Some(s.raw())).unwrap();
-    assert!(f2.bypassed());
+    assert!(f2.direct());
     assert_same(&read_back(&d, &s, dst2.ptr(), MIB), &src[MIB..2 * MIB], "direct sub-range");
     let st = e.stats();
     assert_eq!((st.copies, st.bypassed, st.chunks, st.pinned_alloc_calls), (2, 2, 0, 0), "no staging, no fill: {st:?}");
@@ -123,7 +123,7 @@ fn direct_path_copies_registered_memory_without_staging() {
     assert!(!d.host_is_page_locked(range.ptr(), range.len()), "unregistered on drop");
     // The same range, now pageable again, is staged.
     let f3 = e.htod(dst.ptr(), range, Some(s.raw())).unwrap();
-    assert!(!f3.bypassed());
+    assert!(!f3.direct());
     assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "staged after unregister");
 }
 
@@ -135,7 +135,7 @@ fn direct_path_can_be_switched_off() {
     let _reg = e.register(range).unwrap();
     let dst = DeviceBuffer::new(&d, 2 * MIB).unwrap();
     let f = e.htod(dst.ptr(), range, None).unwrap();
-    assert!(!f.bypassed());
+    assert!(!f.direct());
     f.wait().unwrap();
 }
 
@@ -161,7 +161,7 @@ fn ordering_case(register: bool) {
     d.hold_async(producer.raw(), &gate).unwrap();
     let f = e.htod(dst.ptr(), range, Some(producer.raw())).unwrap();
     assert!(!wd.fired(), "htod waited for the producer's work (the watchdog had to open its gate)");
-    assert_eq!(f.bypassed(), register);
+    assert_eq!(f.direct(), register);
     assert!(!f.query().unwrap(), "the copy cannot have run: it waits behind the producer's held work");
     f.make_wait(consumer.raw()).unwrap();
     gate.open();

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use epmem::device::fence::{self, CopyCompleted, TryComplete};
+use epmem::transfer::witness::{self, CopyCompleted, TryComplete};
 use epmem::device::{DeviceBuffer, Gate, Stream};
 use epmem::staging::{PinnedStagingPool, PoolConfig, PooledStaging};
 use staging_util::{dev, read_back};
@@ -16,7 +16,7 @@ const MIB: usize = 1 << 20;
 
 /// One copy from `buf` into `dst`, waited on: the legitimate source of a witness.
 fn copy_and_wait(s: &Stream, dst: &DeviceBuffer, buf: PooledStaging, len: usize) -> CopyCompleted<PooledStaging> {
-    fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap()
+    witness::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap()
 }
 
 #[test]
@@ -175,7 +175,7 @@ fn try_complete_is_pending_while_the_copy_waits_behind_work() {
     // however slow the host.
     let gate = Gate::new();
     d.hold_async(s.raw(), &gate).unwrap();
-    let f = fence::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
+    let f = witness::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
     let f = match f.try_complete().unwrap() {
         TryComplete::Pending(f) => f,
         TryComplete::Done(..) => panic!("copy reported complete while held behind a closed gate"),
@@ -207,7 +207,7 @@ fn dropping_an_in_flight_copy_waits_for_it_then_frees_the_buffer() {
     let gate = Gate::new();
     let wd = gate.watchdog(Duration::from_millis(100));
     d.hold_async(s.raw(), &gate).unwrap();
-    let f = fence::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
+    let f = witness::enqueue_htod(&s, dst.ptr(), pool.acquire(4096).unwrap(), 4096, None).unwrap();
     drop(f);
     assert!(wd.fired(), "dropping the in-flight copy returned while the copy was held");
     let st = pool.stats();

@@ -1,5 +1,5 @@
 //! Eight threads for a bounded time (EPM_STRESS_SECS, default 2) share one
-//! staging pool, one copy engine, one residency manager and one KV arena,
+//! staging pool, one copy engine, one residency manager and one KV pool,
 //! each doing random work with bit-exact checks:
 //! - pool acquire → fill → copy → read back → retire, with every held
 //!   buffer's address in a shared set (a buffer handed out twice fails);
@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream, fence};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream};
+use epmem::transfer::witness;
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 use epmem::EpmStatus;
@@ -87,7 +88,7 @@ struct KvBook {
 struct Kv {
     d: Arc<dyn Device>,
     layout: KvLayout,
-    arena: Mutex<(KvArena, KvBook)>,
+    arena: Mutex<(KvPool, KvBook)>,
 }
 
 #[derive(Default)]
@@ -107,7 +108,7 @@ fn pool_cycle(st: &Staging, s: &Stream, dst: &DeviceBuffer, r: &mut Rng) {
     assert!(st.held.lock().unwrap().insert(addr), "staging buffer {addr:#x} handed out twice");
     let data = pattern(len, r.u64(..));
     buf[..len].copy_from_slice(&data);
-    let done = fence::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
+    let done = witness::enqueue_htod(s, dst.ptr(), buf, len, None).unwrap().wait().unwrap();
     assert!(read(&st.d, s, dst.ptr(), len) == data, "pool copy of {len} bytes");
     assert!(st.held.lock().unwrap().remove(&addr));
     st.pool.release(done);
@@ -221,7 +222,7 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
 }
 
 /// The ledger equals the live granules, and the device's physical bytes.
-fn check_ledger(kv: &Kv, a: &KvArena, book: &KvBook) {
+fn check_ledger(kv: &Kv, a: &KvPool, book: &KvBook) {
     let st = a.stats();
     let g = st.granule_bytes;
     let private: u64 = book.seqs.keys().map(|&id| a.sequence_info(id).unwrap().private_granules).sum();
@@ -255,7 +256,7 @@ fn eight_threads_share_pool_engine_residency_and_kv() {
         let g = dk.vmm_granularity() as u64;
         // 64 KiB per token: a granule holds 32 (2 MiB) and prefixes end mid-granule.
         let layout = KvLayout::token_major(KvShape { layers: 8, kv_heads: 4, head_dim: 512, elem_bytes: 2 }).unwrap();
-        let arena = KvArena::new(&dk, KvConfig::new(48 * g)).unwrap();
+        let arena = KvPool::new(&dk, KvConfig::new(48 * g)).unwrap();
         let kv = Kv { d: dk.clone(), layout, arena: Mutex::new((arena, KvBook::default())) };
 
         let counts = Counts::default();

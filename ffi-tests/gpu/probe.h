@@ -84,7 +84,7 @@ struct Probe {
   EpmDevice *dev = nullptr;
   EpmStream *stream = nullptr;
   cudaStream_t cs = nullptr;
-  EpmKvArena *arena = nullptr;
+  EpmKvPool *arena = nullptr;
   EpmKvLayout layout{};
   uint64_t granule = 0;
 };
@@ -104,7 +104,7 @@ static Probe probe_open(const char *name, uint64_t budget) {
   void *native = nullptr;
   EPM(epm_stream_native(p.stream, &native));
   p.cs = (cudaStream_t)native;
-  EPM(epm_kv_arena_create(p.dev, budget, &p.arena));
+  EPM(epm_kv_pool_create(p.dev, budget, &p.arena));
   p.layout.size = sizeof p.layout;
   EPM(epm_kv_layout_token_major(48, 8, 128, 2, &p.layout)); /* qwen14b: 196,608 B/token */
   printf("%s on %s, granule %llu KiB\n", name, di.name, (unsigned long long)(p.granule >> 10));
@@ -112,7 +112,7 @@ static Probe probe_open(const char *name, uint64_t budget) {
 }
 
 static void probe_close(Probe &p) {
-  epm_kv_arena_destroy(p.arena);
+  epm_kv_pool_destroy(p.arena);
   epm_stream_destroy(p.stream);
   epm_device_destroy(p.dev);
 }
@@ -125,11 +125,11 @@ static inline EpmKvSeqInfo seq_info(EpmKvSeq *q) {
   return i;
 }
 
-static inline EpmKvStats stats(EpmKvArena *a) {
+static inline EpmKvStats stats(EpmKvPool *a) {
   EpmKvStats s;
   memset(&s, 0, sizeof s);
   s.size = sizeof s;
-  EPM(epm_kv_arena_get_stats(a, &s));
+  EPM(epm_kv_pool_get_stats(a, &s));
   return s;
 }
 

@@ -9,19 +9,19 @@
 
 /* Requests of `total` tokens, the first `prefix` shared or not, admitted (RESERVE) until refused. */
 static unsigned count_admitted(Probe &p, uint64_t budget, uint64_t prefix, uint64_t total, bool share) {
-  EpmKvArena *a = nullptr;
-  EPM(epm_kv_arena_create(p.dev, budget + p.granule /* the dummy */, &a));
+  EpmKvPool *a = nullptr;
+  EPM(epm_kv_pool_create(p.dev, budget + p.granule /* the dummy */, &a));
   std::vector<EpmKvSeq *> seqs;
   EpmKvSeq *o = nullptr;
   EpmKvPrefix *pin = nullptr;
-  EPM(epm_kv_seq_create(a, &p.layout, total, EPM_KV_ADMIT_RESERVE, &o));
+  EPM(epm_kv_seq_create(a, &p.layout, total, EPM_KV_ADMIT_PROMISE, &o));
   EPM(epm_kv_seq_prepare_append(o, prefix, p.stream));
   EPM(epm_kv_prefix_pin(o, prefix, p.stream, &pin));
   seqs.push_back(o);
   for (;;) {
     EpmKvSeq *q = nullptr;
-    EpmStatus st = share ? epm_kv_commit_shared_prefix(pin, prefix, total, EPM_KV_ADMIT_RESERVE, &q)
-                         : epm_kv_seq_create(a, &p.layout, total, EPM_KV_ADMIT_RESERVE, &q);
+    EpmStatus st = share ? epm_kv_commit_shared_prefix(pin, prefix, total, EPM_KV_ADMIT_PROMISE, &q)
+                         : epm_kv_seq_create(a, &p.layout, total, EPM_KV_ADMIT_PROMISE, &q);
     if (st == EPM_STATUS_OUT_OF_BUDGET) break;
     EXPECT(st == EPM_STATUS_OK, "admission: %s", epm_last_error_message());
     seqs.push_back(q);
@@ -29,7 +29,7 @@ static unsigned count_admitted(Probe &p, uint64_t budget, uint64_t prefix, uint6
   unsigned n = (unsigned)seqs.size();
   for (auto *q : seqs) EPM(epm_kv_seq_destroy(q));
   EPM(epm_kv_prefix_unpin(pin));
-  EPM(epm_kv_arena_destroy(a));
+  EPM(epm_kv_pool_destroy(a));
   return n;
 }
 

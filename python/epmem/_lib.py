@@ -26,7 +26,8 @@ from . import errors
 EPM_DEVICE_NAME_LEN = 256
 EPM_PCI_BUS_ID_LEN = 32
 EPM_EVENT_TIMING = 1
-EPM_KV_ADMIT_RESERVE = 0
+EPM_KV_ADMIT_PROMISE = 0
+EPM_KV_ADMIT_RESERVE = EPM_KV_ADMIT_PROMISE  # the deprecated name (docs/ABI.md, "Names")
 EPM_KV_ADMIT_ON_DEMAND = 1
 EPM_POLICY_CYCLIC = 0
 EPM_POLICY_LRU = 1
@@ -277,6 +278,11 @@ FUNCTIONS = [
     ("epm_stream_destroy", STATUS, [H]),
     # kv
     ("epm_kv_layout_token_major", STATUS, [u32, u32, u32, u32, P(EpmKvLayout)]),
+    ("epm_kv_pool_create", STATUS, [H, u64, OH]),
+    ("epm_kv_pool_destroy", STATUS, [H]),
+    ("epm_kv_pool_get_stats", STATUS, [H, P(EpmKvStats)]),
+    # The deprecated names of the three above (docs/ABI.md, "Names"): bound so
+    # the library's whole surface is, but KvArena is KvPool and calls the new ones.
     ("epm_kv_arena_create", STATUS, [H, u64, OH]),
     ("epm_kv_arena_destroy", STATUS, [H]),
     ("epm_kv_arena_get_stats", STATUS, [H, P(EpmKvStats)]),
@@ -357,7 +363,7 @@ TESTING_FUNCTIONS = [
     ("epm_device_spin_async", STATUS, [H, u32, H]),
     ("epm_testing_panic_device", STATUS, [H]),
     ("epm_testing_panic_residency", STATUS, [H]),
-    ("epm_testing_panic_kv_arena", STATUS, [H]),
+    ("epm_testing_panic_kv_pool", STATUS, [H]),
     ("epm_device_hold_async", STATUS, [H, H, OH]),
     ("epm_gate_open", STATUS, [H]),
     ("epm_gate_destroy", STATUS, [H]),

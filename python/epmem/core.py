@@ -563,25 +563,25 @@ def _tokens(tokens):
     return (c_uint32 * len(tokens))(*tokens) if tokens else None, len(tokens)
 
 
-class KvArena(Handle):
-    destroy = "epm_kv_arena_destroy"
-    _what = "KvArena"
+class KvPool(Handle):
+    destroy = "epm_kv_pool_destroy"
+    _what = "KvPool"
 
     def __init__(self, device, budget_bytes):
         out = _out_handle()
-        _l().epm_kv_arena_create(device.handle, budget_bytes, byref(out))
+        _l().epm_kv_pool_create(device.handle, budget_bytes, byref(out))
         super().__init__(out.value, (device,))
         self.device = device
 
     def stats(self):
-        return _stats(_l().epm_kv_arena_get_stats, self.handle, L.EpmKvStats)
+        return _stats(_l().epm_kv_pool_get_stats, self.handle, L.EpmKvStats)
 
-    def seq(self, layout, max_tokens, admit=L.EPM_KV_ADMIT_RESERVE):
+    def seq(self, layout, max_tokens, admit=L.EPM_KV_ADMIT_PROMISE):
         out = _out_handle()
         _l().epm_kv_seq_create(self.handle, byref(layout), max_tokens, admit, byref(out))
         return KvSeq(out.value, self)
 
-    def seq_for_tokens(self, layout, max_tokens, tokens, admit=L.EPM_KV_ADMIT_RESERVE):
+    def seq_for_tokens(self, layout, max_tokens, tokens, admit=L.EPM_KV_ADMIT_PROMISE):
         """(KvSeq, shared_tokens): shares the longest live prefix of `tokens`."""
         arr, n = _tokens(tokens)
         out, shared = _out_handle(), c_uint64()
@@ -605,13 +605,19 @@ class KvArena(Handle):
         return KvBatch(self, layout, max_tokens, max_slots)
 
 
+# The old name (C: EpmKvArena, epm_kv_arena_*), kept until the next major version.
+KvArena = KvPool
+
+
 class KvSeq(Handle):
     destroy = "epm_kv_seq_destroy"
     _what = "KvSeq"
 
-    def __init__(self, ptr, arena):
-        super().__init__(ptr, (arena,))
-        self.arena = arena
+    def __init__(self, ptr, pool):
+        super().__init__(ptr, (pool,))
+        self.pool = pool
+
+    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def info_struct(self):
         out = L.new(L.EpmKvSeqInfo)
@@ -634,7 +640,7 @@ class KvSeq(Handle):
     def pin(self, n_tokens, stream):
         out = _out_handle()
         _l().epm_kv_prefix_pin(self.handle, n_tokens, stream.handle, byref(out))
-        return KvPrefix(out.value, self.arena)
+        return KvPrefix(out.value, self.pool)
 
 
 class KvBatch(Handle):
@@ -648,12 +654,13 @@ class KvBatch(Handle):
 
     destroy = "epm_kv_batch_destroy"
     _what = "KvBatch"
+    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
-    def __init__(self, arena, layout, max_tokens, max_slots):
+    def __init__(self, pool, layout, max_tokens, max_slots):
         out = _out_handle()
-        _l().epm_kv_batch_create(arena.handle, byref(layout), max_tokens, max_slots, byref(out))
-        super().__init__(out.value, (arena,))
-        self.arena = arena
+        _l().epm_kv_batch_create(pool.handle, byref(layout), max_tokens, max_slots, byref(out))
+        super().__init__(out.value, (pool,))
+        self.pool = pool
         self.layout = L.new(L.EpmKvLayout, **{n: getattr(layout, n) for n, _ in L._LAYOUT_FIELDS})
 
     def close(self):
@@ -675,14 +682,14 @@ class KvBatch(Handle):
     def desc(self):
         return L.to_dict(self.desc_struct())
 
-    def take_slot(self, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_RESERVE):
+    def take_slot(self, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_PROMISE):
         """A new empty sequence in `slot` (default: the lowest free one). Never waits."""
         out = _out_handle()
         _l().epm_kv_batch_take_slot(self.handle, slot, admit, byref(out))
         return KvSlot(out.value, self)
 
     def take_shared_slot(self, prefix, n_tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT,
-                         admit=L.EPM_KV_ADMIT_RESERVE):
+                         admit=L.EPM_KV_ADMIT_PROMISE):
         """A sequence whose first `n_tokens` map `prefix` (a KvPrefix) read-only;
         the host first waits for `stream` (queued work may read the slot)."""
         out = _out_handle()
@@ -690,7 +697,7 @@ class KvBatch(Handle):
                                            byref(out))
         return KvSlot(out.value, self)
 
-    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_RESERVE):
+    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_PROMISE):
         """(KvSlot, shared_tokens): shares the longest live prefix of `tokens`
         (skip the prefill of the first `shared_tokens`), else an empty slot."""
         arr, n = _tokens(tokens)
@@ -715,8 +722,8 @@ class KvSlot(KvSeq):
     _what = "KvSlot"
 
     def __init__(self, ptr, batch):
-        super().__init__(ptr, batch.arena)
-        self._parents = (batch.arena, batch)
+        super().__init__(ptr, batch.pool)
+        self._parents = (batch.pool, batch)
         self.batch = batch
         self.slot = self.slot_info_struct().slot
 
@@ -748,9 +755,11 @@ class KvPrefix(Handle):
     destroy = "epm_kv_prefix_unpin"
     _what = "KvPrefix"
 
-    def __init__(self, ptr, arena):
-        super().__init__(ptr, (arena,))
-        self.arena = arena
+    def __init__(self, ptr, pool):
+        super().__init__(ptr, (pool,))
+        self.pool = pool
+
+    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def unpin(self):
         self.close()
@@ -760,11 +769,11 @@ class KvPrefix(Handle):
         _l().epm_kv_prefix_get_info(self.handle, byref(out))
         return L.to_dict(out)
 
-    def commit(self, n_tokens, max_tokens, admit=L.EPM_KV_ADMIT_RESERVE):
+    def commit(self, n_tokens, max_tokens, admit=L.EPM_KV_ADMIT_PROMISE):
         """A new sequence whose first `n_tokens` map this prefix read-only."""
         out = _out_handle()
         _l().epm_kv_commit_shared_prefix(self.handle, n_tokens, max_tokens, admit, byref(out))
-        return KvSeq(out.value, self.arena)
+        return KvSeq(out.value, self.pool)
 
 
 # ---- logging, version, errors ------------------------------------------------------------

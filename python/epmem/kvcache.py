@@ -1,7 +1,7 @@
 """A transformers KV cache whose keys and values live in epmem KV sequences.
 
     import epmem.kvcache as ek
-    store = ek.KvStore(model.config, budget_bytes=4 << 30)          # one KV arena, the model's layout
+    store = ek.KvStore(model.config, budget_bytes=4 << 30)          # one KV pool, the model's layout
     system = store.prefill_shared(model, system_ids)                 # prefilled once, pinned
     cache = store.request_from_prefix(system, tokens=prompt_ids)     # explicit: epm_kv_commit_shared_prefix
     # or: cache = store.request_for_tokens(prompt_ids)               # content hash: epm_kv_seq_create_for_tokens
@@ -130,10 +130,10 @@ class _Streams:
 
 
 class KvStore:
-    """One epmem KV arena with the layout of a transformers model.
+    """One epmem KV pool with the layout of a transformers model.
 
     `config`: a Llama-style config (num_hidden_layers, num_key_value_heads, head_dim or
-    hidden_size / num_attention_heads). `budget_bytes`: the arena's ledger budget of
+    hidden_size / num_attention_heads). `budget_bytes`: the pool's ledger budget of
     physical granules. `max_tokens`: the default reservation of a request. `dtype`: the
     cache's dtype (the model's). `device`: an epmem.Device (default: EPM_DEVICE)."""
 
@@ -142,34 +142,39 @@ class KvStore:
         self.dtype = dtype
         self.max_tokens = int(max_tokens)
         self.device = device if device is not None else core.Device()
-        self.arena = core.KvArena(self.device, budget_bytes)
+        self.pool = core.KvPool(self.device, budget_bytes)
         self.layout = core.kv_layout_token_major(self.layers, self.kv_heads, self.head_dim, _itemsize(dtype))
         self.streams = _Streams(self.device)
+
+    @property
+    def arena(self):
+        """Deprecated name of `pool` (the KvPool)."""
+        return self.pool
 
     @property
     def token_bytes(self):
         return self.layout.token_stride
 
     def stats(self):
-        """The arena's ledger and pool figures (EpmKvStats as a dict)."""
-        return self.arena.stats()
+        """The KV pool's ledger and granule figures (EpmKvStats as a dict)."""
+        return self.pool.stats()
 
-    def request(self, max_tokens=None, admit=L.EPM_KV_ADMIT_RESERVE):
+    def request(self, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE):
         """An empty request (epm_kv_seq_create): the model prefills all of it."""
-        seq = self.arena.seq(self.layout, max_tokens or self.max_tokens, admit)
+        seq = self.pool.seq(self.layout, max_tokens or self.max_tokens, admit)
         return EpmCache(self, seq, 0)
 
-    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_RESERVE):
+    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE):
         """A request that declares its prompt (epm_kv_seq_create_for_tokens): it maps
         the longest pinned prefix of `tokens` (whole 16-token blocks, token ids
         confirmed) read-only and starts at that length (`cache.shared_tokens`, also
         `get_seq_length()`); the model prefills only `tokens[shared:]`."""
         tokens = _token_list(tokens)
-        seq, shared = self.arena.seq_for_tokens(self.layout, max_tokens or self.max_tokens, tokens, admit)
+        seq, shared = self.pool.seq_for_tokens(self.layout, max_tokens or self.max_tokens, tokens, admit)
         return EpmCache(self, seq, shared)
 
     def request_from_prefix(self, prefix, tokens=None, n_tokens=None, max_tokens=None,
-                            admit=L.EPM_KV_ADMIT_RESERVE):
+                            admit=L.EPM_KV_ADMIT_PROMISE):
         """A request that starts from a shared prompt explicitly
         (epm_kv_commit_shared_prefix): its first `n_tokens` (default: the whole prefix)
         map the prefix read-only. With `tokens` (the request's whole prompt) the shared
@@ -216,7 +221,7 @@ class KvStore:
 
     def close(self):
         self.streams.quiesce()
-        self.arena.close()
+        self.pool.close()
 
     def __enter__(self):
         return self

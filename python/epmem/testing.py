@@ -62,8 +62,8 @@ def panic_residency(res):
     lib().epm_testing_panic_residency(res.handle)
 
 
-def panic_kv_arena(arena):
-    lib().epm_testing_panic_kv_arena(arena.handle)
+def panic_kv_pool(pool):
+    lib().epm_testing_panic_kv_pool(pool.handle)
 
 
 class Gate(core.Handle):

@@ -153,7 +153,7 @@ def kv_seq_tensor(seq, dtype, tokens=None):
     if any(s % itemsize for s in strides):
         raise ValueError("layout strides are not multiples of the element size")
     shape = (n, lay.layers, 2, lay.kv_heads, lay.head_dim)
-    return as_tensor(info.base, shape, dtype, seq.arena.device, owner=seq,
+    return as_tensor(info.base, shape, dtype, seq.pool.device, owner=seq,
                      strides=[s // itemsize for s in strides])
 
 
@@ -177,7 +177,7 @@ def kv_batch_tensor(batch, dtype):
     if any(s % itemsize for s in strides):
         raise ValueError("batch strides are not multiples of the element size")
     shape = (d.max_slots, d.max_tokens, d.layers, 2, d.kv_heads, d.head_dim)
-    return as_tensor(d.base, shape, dtype, batch.arena.device, owner=batch,
+    return as_tensor(d.base, shape, dtype, batch.pool.device, owner=batch,
                      strides=[s // itemsize for s in strides])
 
 

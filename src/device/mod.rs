@@ -9,8 +9,8 @@
 //! The trait is the raw level (like cudarc's `result` module): plain handles,
 //! and `unsafe fn` wherever a host pointer crosses in. The safe level the core
 //! uses is in [`objects`] (RAII streams, events, pinned buffers, device
-//! buffers, physical granules, VA reservations) and in [`fence`] (the copy
-//! witness). Device addresses are plain integers ([`DevicePtr`]); both
+//! buffers, physical granules, VA reservations); the copy witness, the fill
+//! threads and host page-locking sit one layer up, in [`crate::transfer`]. Device addresses are plain integers ([`DevicePtr`]); both
 //! implementations validate them, so a bad device address is an error, not
 //! undefined behaviour.
 
@@ -27,13 +27,10 @@ pub mod conformance;
 pub mod cuda;
 #[cfg(any(test, feature = "testing"))]
 pub mod fault;
-pub mod fence;
-pub mod fill;
 pub mod gate;
 pub mod host;
-pub mod hostreg;
-pub mod ntcopy;
 pub mod objects;
+pub(crate) mod portable;
 pub mod rlimit;
 
 pub use gate::Gate;
@@ -235,7 +232,7 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// [`Device::host_register`], portable: every device of this kind in the
     /// process sees the range as page-locked and copies from it directly
     /// (CUDA: `CU_MEMHOSTREGISTER_PORTABLE`). Undone by `host_unregister` on
-    /// this device. Used through [`hostreg::SharedHostRegistration`].
+    /// this device. Used through [`crate::transfer::pinning::SharedHostRegistration`].
     ///
     /// # Safety
     /// As for [`Device::host_register`].

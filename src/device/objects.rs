@@ -103,7 +103,7 @@ impl Drop for Event {
 /// Page-locked host memory, owned. Derefs to a byte slice.
 ///
 /// It is not `Clone`; a copy reading from it takes it by value (see
-/// [`super::fence`]), so the buffer cannot be touched while a DMA reads it.
+/// [`crate::transfer::witness`]), so the buffer cannot be touched while a DMA reads it.
 pub struct PinnedBuffer {
     dev: Arc<dyn Device>,
     ptr: *mut u8,

@@ -89,6 +89,11 @@ pub const EPM_ARENA_STATS_SIZE_V1: usize = 88;
 versioned!(input EpmArenaConfig, EPM_ARENA_CONFIG_SIZE_V1);
 versioned!(EpmArenaStats, EPM_ARENA_STATS_SIZE_V1);
 
+/// `max_allocations` when the config says 0 (stated in the header;
+/// tests/header.rs checks that it is).
+/// cbindgen:ignore
+pub const DEFAULT_MAX_ALLOCATIONS: u32 = 64 * 1024;
+
 fn default_config() -> EpmArenaConfig {
     EpmArenaConfig {
         size: std::mem::size_of::<EpmArenaConfig>(),
@@ -106,7 +111,7 @@ fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
     let chunk = usize::try_from(c.chunk_bytes)
         .map_err(|_| Error::invalid_argument(format!("cfg->chunk_bytes {} is too large", c.chunk_bytes)))?;
     let max_allocs = if c.max_allocations == 0 {
-        64 * 1024
+        DEFAULT_MAX_ALLOCATIONS
     } else {
         c.max_allocations
     };
@@ -150,7 +155,7 @@ pub extern "C" fn epm_arena_create_device(
         let cfg = config_of(cfg)?;
         let out = try_out!(out);
         let arena: Arc<dyn Arena> = Arc::new(DeviceArena::new(&dev, cfg)?);
-        out.set(handle::register::<EpmArena>(arena)?);
+        out.set(handle::insert::<EpmArena>(arena)?);
         Ok(())
     }
 }
@@ -172,7 +177,7 @@ pub extern "C" fn epm_arena_create_pinned(
         let cfg = config_of(cfg)?;
         let out = try_out!(out);
         let arena: Arc<dyn Arena> = Arc::new(PinnedArena::new(&dev, cfg)?);
-        out.set(handle::register::<EpmArena>(arena)?);
+        out.set(handle::insert::<EpmArena>(arena)?);
         Ok(())
     }
 }

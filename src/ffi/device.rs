@@ -98,7 +98,7 @@ fn info_of(dev: &dyn Device) -> EpmDeviceInfo {
 
 fn open(select: DeviceSelect, ordinal: u32, out: OutParam<'_, *mut EpmDevice>) -> Result<()> {
     let dev = device::open(select, ordinal)?;
-    out.set(handle::register::<EpmDevice>(dev)?);
+    out.set(handle::insert::<EpmDevice>(dev)?);
     Ok(())
 }
 

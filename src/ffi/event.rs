@@ -28,7 +28,7 @@ pub extern "C" fn epm_event_create(dev: *mut EpmDevice, flags: u32, out: *mut *m
         let out = try_out!(out);
         ensure!(flags & !EPM_EVENT_TIMING == 0, InvalidArgument, "unknown event flags {flags:#x}");
         let e = Event::new(&dev, flags & EPM_EVENT_TIMING != 0)?;
-        out.set(handle::register::<EpmEvent>(Arc::new(e))?);
+        out.set(handle::insert::<EpmEvent>(Arc::new(e))?);
         Ok(())
     }
 }

@@ -1,4 +1,4 @@
-//! Opaque handles checked against typed, generation-counted registries.
+//! Opaque handles checked against typed, generation-counted tables.
 //!
 //! C sees `typedef struct EpmDevice EpmDevice;` and holds `EpmDevice*`. The
 //! pointer's VALUE is an id, never an address, and epmem never dereferences
@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Bit 63 makes every id a non-canonical address on x86-64 and AArch64, so it
-//! is never NULL and never a real pointer. Each C type has its own registry of
+//! is never NULL and never a real pointer. Each C type has its own table of
 //! `Arc<Object>` slots; a slot's generation is bumped when its handle is
 //! destroyed, and freed slots are reused oldest-first, so a destroyed,
 //! double-destroyed, wrong-typed or garbage handle is `EPM_STATUS_INVALID_HANDLE`
@@ -36,7 +36,7 @@
 //!     _opaque: [u8; 0],
 //! }
 //! impl_handle!(EpmThing => crate::thing::Thing, tag = 0x21);
-//! // register: `out.set(handle::register::<EpmThing>(Arc::new(thing))?)`
+//! // insert: `out.set(handle::insert::<EpmThing>(Arc::new(thing))?)`
 //! // use:      `let thing = try_handle!(thing);`  (an Arc<Thing>)
 //! // destroy:  `handle::destroy(thing)`           (NULL is a no-op)
 //! ```
@@ -45,7 +45,7 @@
 //! 0x01–0x0f ffi/device (0x01 EpmDevice, 0x02 EpmStream, 0x03 EpmEvent),
 //! 0x10–0x1f staging, 0x20–0x2f residency, 0x30–0x3f arena, 0x40–0x4f kv,
 //! 0x50–0x5f ort, 0x60–0x6f stats/bench. A duplicate tag is still caught at
-//! run time: registering the second type fails with `EPM_STATUS_INTERNAL`.
+//! run time: inserting the second type fails with `EPM_STATUS_INTERNAL`.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -64,13 +64,13 @@ const SLOT_MASK: u64 = 0xff_ffff;
 
 /// A C handle type (the opaque `Epm*` struct) and what it refers to.
 pub trait Handle: Sized + 'static {
-    /// What the registry holds an `Arc` of.
+    /// What the table holds an `Arc` of.
     type Object: ?Sized + Send + Sync + 'static;
     /// The C type name, for messages ("EpmDevice").
     const NAME: &'static str;
     /// Unique per type, 1..=0x7fff; see the block table above.
     const TAG: u16;
-    fn registry() -> &'static Registry<Self::Object>;
+    fn table() -> &'static HandleTable<Self::Object>;
 }
 
 /// Implement [`Handle`] for an opaque C type; see the module docs.
@@ -80,9 +80,9 @@ macro_rules! impl_handle {
             type Object = $obj;
             const NAME: &'static str = stringify!($c);
             const TAG: u16 = $tag;
-            fn registry() -> &'static $crate::ffi::handle::Registry<$obj> {
-                static REGISTRY: $crate::ffi::handle::Registry<$obj> = $crate::ffi::handle::Registry::new();
-                &REGISTRY
+            fn table() -> &'static $crate::ffi::handle::HandleTable<$obj> {
+                static TABLE: $crate::ffi::handle::HandleTable<$obj> = $crate::ffi::handle::HandleTable::new();
+                &TABLE
             }
         }
     };
@@ -106,12 +106,12 @@ struct Slot<T: ?Sized> {
 
 /// The live objects of one handle type: 24-bit slots and generations, the
 /// widths the id has room for; slots are reused oldest-first (crate::slab).
-pub struct Registry<T: ?Sized> {
+pub struct HandleTable<T: ?Sized> {
     slab: Mutex<Slab<Slot<T>>>,
     tag_claimed: OnceLock<std::result::Result<(), String>>,
 }
 
-impl<T: ?Sized> Registry<T> {
+impl<T: ?Sized> HandleTable<T> {
     pub const fn new() -> Self {
         Self { slab: Mutex::new(Slab::new(SLOT_MASK as u32 + 1, GEN_MASK as u32)), tag_claimed: OnceLock::new() }
     }
@@ -122,7 +122,7 @@ impl<T: ?Sized> Registry<T> {
     }
 }
 
-impl<T: ?Sized> Default for Registry<T> {
+impl<T: ?Sized> Default for HandleTable<T> {
     fn default() -> Self {
         Self::new()
     }
@@ -132,7 +132,7 @@ impl<T: ?Sized> Default for Registry<T> {
 static TAGS: Mutex<Vec<(u16, &'static str)>> = Mutex::new(Vec::new());
 
 fn claim_tag<H: Handle>() -> Result<()> {
-    let claimed = H::registry().tag_claimed.get_or_init(|| {
+    let claimed = H::table().tag_claimed.get_or_init(|| {
         let mut tags = TAGS.lock().unwrap_or_else(|p| p.into_inner());
         match tags.iter().find(|(t, _)| *t == H::TAG) {
             Some((_, other)) if *other != H::NAME => {
@@ -189,10 +189,10 @@ fn stale<H: Handle>(ptr: *const H) -> Error {
     )
 }
 
-/// Register an object; the returned handle is what C holds.
-pub fn register<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
+/// Insert an object into its table; the returned handle is what C holds.
+pub fn insert<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
     claim_tag::<H>()?;
-    let mut slab = H::registry().lock();
+    let mut slab = H::table().lock();
     match slab.insert(Slot { value: object, poisoned: false }) {
         Ok((slot, generation)) => Ok(encode::<H>(slot, generation)),
         Err(_) => crate::bail!(OutOfHostMemory, "too many live {} handles ({})", H::NAME, SLOT_MASK + 1),
@@ -203,7 +203,7 @@ pub fn register<H: Handle>(object: Arc<H::Object>) -> Result<*mut H> {
 /// remembered, so a panic later in the call poisons it.
 pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
     let (slot, generation) = decode(ptr)?;
-    let slab = H::registry().lock();
+    let slab = H::table().lock();
     match slab.get(slot, generation) {
         Lookup::Live(Slot { poisoned: true, .. }) => Err(Error::new(
             EpmStatus::InvalidState,
@@ -215,7 +215,7 @@ pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
             ),
         )),
         Lookup::Live(Slot { value, poisoned: false }) => {
-            CallScope::note(H::registry(), slot, generation);
+            CallScope::note(H::table(), slot, generation);
             Ok(value.clone())
         }
         Lookup::Stale => Err(stale(ptr)),
@@ -223,14 +223,14 @@ pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
     }
 }
 
-/// Unregister a handle and return its object (the caller drops it, outside
-/// the registry lock). NULL is `Ok(None)`: `*_destroy(NULL)` is a no-op.
+/// Remove a handle from its table and return its object (the caller drops it, outside
+/// the table lock). NULL is `Ok(None)`: `*_destroy(NULL)` is a no-op.
 pub fn remove<H: Handle>(ptr: *const H) -> Result<Option<Arc<H::Object>>> {
     if ptr.is_null() {
         return Ok(None);
     }
     let (slot, generation) = decode(ptr)?;
-    let mut slab = H::registry().lock();
+    let mut slab = H::table().lock();
     match slab.remove(slot, generation) {
         Lookup::Live(s) => Ok(Some(s.value)),
         Lookup::Stale => Err(stale(ptr)),
@@ -241,7 +241,7 @@ pub fn remove<H: Handle>(ptr: *const H) -> Result<Option<Arc<H::Object>>> {
     }
 }
 
-/// The body of every `epm_*_destroy`: unregister and drop. NULL is a no-op.
+/// The body of every `epm_*_destroy`: remove and drop. NULL is a no-op.
 /// The object itself lives on while other handles still hold it (a stream
 /// keeps its device alive), so C may destroy handles in any order.
 pub fn destroy<H: Handle>(ptr: *mut H) -> Result<()> {
@@ -253,16 +253,16 @@ pub fn destroy<H: Handle>(ptr: *mut H) -> Result<()> {
 /// dead or foreign handle.
 pub fn is_poisoned<H: Handle>(ptr: *const H) -> bool {
     let Ok((slot, generation)) = decode(ptr) else { return false };
-    let slab = H::registry().lock();
+    let slab = H::table().lock();
     matches!(slab.get(slot, generation), Lookup::Live(Slot { poisoned: true, .. }))
 }
 
-/// A registry seen through its type-erased poison switch.
+/// A table seen through its type-erased poison switch.
 trait Poison: Sync {
     fn poison(&self, slot: u32, generation: u32);
 }
 
-impl<T: ?Sized + Send + Sync> Poison for Registry<T> {
+impl<T: ?Sized + Send + Sync> Poison for HandleTable<T> {
     fn poison(&self, slot: u32, generation: u32) {
         let mut slab = self.lock();
         if let Lookup::Live(s) = slab.get_mut(slot, generation) {
@@ -290,13 +290,13 @@ impl CallScope {
         Self { mark: USED.with(|u| u.borrow().len()) }
     }
 
-    fn note<T: ?Sized + Send + Sync + 'static>(registry: &'static Registry<T>, slot: u32, generation: u32) {
+    fn note<T: ?Sized + Send + Sync + 'static>(table: &'static HandleTable<T>, slot: u32, generation: u32) {
         if DEPTH.with(|d| d.get()) > 0 {
             // try_borrow: never panic here, even if a lookup ran inside a
             // Drop during a poisoning pass.
             USED.with(|u| {
                 if let Ok(mut u) = u.try_borrow_mut() {
-                    u.push((registry, slot, generation));
+                    u.push((table, slot, generation));
                 }
             });
         }
@@ -324,7 +324,7 @@ impl Drop for CallScope {
 
 /// Number of live handles of one type (leak checks in tests).
 pub fn live_count<H: Handle>() -> usize {
-    H::registry().lock().len()
+    H::table().lock().len()
 }
 
 #[cfg(test)]
@@ -352,8 +352,8 @@ mod tests {
     }
 
     #[test]
-    fn register_get_destroy_then_stale() {
-        let h = register::<EpmTestA>(Arc::new("a".to_owned())).unwrap();
+    fn insert_get_destroy_then_stale() {
+        let h = insert::<EpmTestA>(Arc::new("a".to_owned())).unwrap();
         assert!(!h.is_null());
         assert_eq!(*get(h).unwrap(), "a");
         destroy(h).unwrap();
@@ -366,11 +366,11 @@ mod tests {
 
     #[test]
     fn reused_slot_does_not_revive_a_stale_handle() {
-        let old = register::<EpmTestA>(Arc::new("old".into())).unwrap();
+        let old = insert::<EpmTestA>(Arc::new("old".into())).unwrap();
         destroy(old).unwrap();
         let mut fresh = Vec::new();
         for i in 0..64 {
-            fresh.push(register::<EpmTestA>(Arc::new(format!("new{i}"))).unwrap());
+            fresh.push(insert::<EpmTestA>(Arc::new(format!("new{i}"))).unwrap());
         }
         assert_eq!(status_of(get(old)), EpmStatus::InvalidHandle);
         for h in fresh {
@@ -381,8 +381,8 @@ mod tests {
 
     #[test]
     fn wrong_type_and_garbage_are_named() {
-        let a = register::<EpmTestA>(Arc::new("a".into())).unwrap();
-        let b = register::<EpmTestB>(Arc::new(|| 7u32)).unwrap();
+        let a = insert::<EpmTestA>(Arc::new("a".into())).unwrap();
+        let b = insert::<EpmTestB>(Arc::new(|| 7u32)).unwrap();
         assert_eq!((get(b).unwrap())(), 7);
         let e = get::<EpmTestB>(a.cast()).err().unwrap();
         assert_eq!(e.status(), EpmStatus::InvalidHandle);
@@ -402,8 +402,8 @@ mod tests {
 
     #[test]
     fn a_panic_poisons_the_handles_its_call_used_and_only_those() {
-        let used = register::<EpmTestA>(Arc::new("used".into())).unwrap();
-        let bystander = register::<EpmTestA>(Arc::new("bystander".into())).unwrap();
+        let used = insert::<EpmTestA>(Arc::new("used".into())).unwrap();
+        let bystander = insert::<EpmTestA>(Arc::new("bystander".into())).unwrap();
         let s = crate::ffi::panic::status_boundary(|| {
             let _ = get(bystander)?; // looked up in another call: see below
             Ok(())
@@ -425,7 +425,7 @@ mod tests {
         // Destroy still works, and the slot's next handle starts clean.
         destroy(used).unwrap();
         assert_eq!(status_of(get(used)), EpmStatus::InvalidHandle);
-        let fresh: Vec<_> = (0..4).map(|i| register::<EpmTestA>(Arc::new(format!("f{i}"))).unwrap()).collect();
+        let fresh: Vec<_> = (0..4).map(|i| insert::<EpmTestA>(Arc::new(format!("f{i}"))).unwrap()).collect();
         for h in fresh {
             assert!(!is_poisoned(h) && get(h).is_ok());
             destroy(h).unwrap();
@@ -435,7 +435,7 @@ mod tests {
 
     #[test]
     fn lookups_outside_a_boundary_are_not_remembered() {
-        let h = register::<EpmTestA>(Arc::new("plain".into())).unwrap();
+        let h = insert::<EpmTestA>(Arc::new("plain".into())).unwrap();
         let _ = get(h).unwrap();
         USED.with(|u| assert!(u.borrow().is_empty()));
         destroy(h).unwrap();
@@ -448,7 +448,7 @@ mod tests {
 
     #[test]
     fn object_outlives_destroy_while_in_use() {
-        let h = register::<EpmTestA>(Arc::new("held".into())).unwrap();
+        let h = insert::<EpmTestA>(Arc::new("held".into())).unwrap();
         let held = get(h).unwrap();
         destroy(h).unwrap();
         assert_eq!(*held, "held");
@@ -456,8 +456,8 @@ mod tests {
 
     #[test]
     fn duplicate_tag_is_an_internal_error() {
-        let _a = register::<EpmTestA>(Arc::new("a".into())).unwrap();
-        let e = register::<EpmTestDup>(Arc::new(1)).unwrap_err();
+        let _a = insert::<EpmTestA>(Arc::new("a".into())).unwrap();
+        let e = insert::<EpmTestDup>(Arc::new(1)).unwrap_err();
         assert_eq!(e.status(), EpmStatus::Internal);
         assert!(e.message().contains("EpmTestA") && e.message().contains("EpmTestDup"), "{e}");
     }

@@ -1,17 +1,17 @@
-//! `EpmKvArena`, `EpmKvSeq`, `EpmKvPrefix`: the KV arena with prefix sharing.
+//! `EpmKvPool`, `EpmKvSeq`, `EpmKvPrefix`: the KV pool with prefix sharing.
 //!
-//! An arena owns a granule pool, a ledger with a budget and one read-only
+//! A KV pool owns a granule pool, a ledger with a budget and one read-only
 //! dummy granule. A sequence is one token-major VA reservation; a prefix is a
 //! pin on a sequence's first tokens, mapped read-only into new sequences at
 //! offset 0 (the Nth sharer costs 0 owned bytes). docs/KV.md has the model.
 //!
-//! Lifetimes: a sequence or prefix handle keeps its arena alive, so C may
+//! Lifetimes: a sequence or prefix handle keeps its pool alive, so C may
 //! destroy handles in any order. Destroying a sequence handle destroys the
 //! sequence; unpinning a prefix handle ends the handle (the prefix itself
 //! lives on while sequences still share it). Any later use of either handle
 //! is `EPM_STATUS_INVALID_HANDLE`.
 //!
-//! Threading: every function is safe from any thread; the calls on one arena
+//! Threading: every function is safe from any thread; the calls on one pool
 //! are serialized by a lock (prepare_append may hold it while the host waits
 //! for the caller's stream, see `epm_kv_seq_prepare_append`).
 
@@ -22,10 +22,10 @@ use crate::ffi::device::EpmDevice;
 use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::kv::{self, AdmitMode, KvArena, KvConfig, KvLayout, KvShape, KvStats};
+use crate::kv::{self, AdmitMode, KvPool, KvConfig, KvLayout, KvShape, KvStats};
 
-/// A KV arena: granule pool, ledger (budget) and dummy granule.
-pub struct EpmKvArena {
+/// A KV pool: granule pool, ledger (budget) and dummy granule.
+pub struct EpmKvPool {
     _opaque: [u8; 0],
 }
 /// A sequence: one token-major VA reservation.
@@ -37,74 +37,77 @@ pub struct EpmKvPrefix {
     _opaque: [u8; 0],
 }
 
-/// What the arena handle holds.
-pub struct ArenaObj {
+/// What the pool handle holds.
+pub struct PoolObj {
     dev: Arc<dyn Device>,
-    arena: Mutex<KvArena>,
+    pool: Mutex<KvPool>,
 }
-impl ArenaObj {
-    /// The arena, or INVALID_STATE once a call panicked while holding it: its
+impl PoolObj {
+    /// The pool, or INVALID_STATE once a call panicked while holding it: its
     /// books are updated step by step, so after a panic they may disagree
-    /// with the mappings. Every handle of the arena (the arena's, its
+    /// with the mappings. Every handle of the pool (the pool's, its
     /// sequences', its prefixes') answers so from then on, not only the one
-    /// whose call panicked (which the handle registry poisons).
-    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, KvArena>> {
-        self.arena.lock().map_err(|_| {
+    /// whose call panicked (which the handle table poisons).
+    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, KvPool>> {
+        self.pool.lock().map_err(|_| {
             Error::new(
                 EpmStatus::InvalidState,
-                "the KV arena is poisoned by an earlier panic inside a call using it \
-                 (that call returned EPM_STATUS_PANIC); destroy its sequences, prefixes and arena",
+                "the KV pool is poisoned by an earlier panic inside a call using it \
+                 (that call returned EPM_STATUS_PANIC); destroy its sequences, prefixes and pool",
             )
         })
     }
 }
 
-/// What a sequence handle holds: its arena and its id there.
+/// What a sequence handle holds: its pool and its id there.
 pub struct SeqObj {
-    arena: Arc<ArenaObj>,
+    pool: Arc<PoolObj>,
     id: u64,
 }
 impl Drop for SeqObj {
     fn drop(&mut self) {
         // Reached only if the handle was never destroyed explicitly (the
         // explicit path destroys first and this finds the id gone).
-        // A poisoned arena is left alone: tearing down on inconsistent books
+        // A poisoned pool is left alone: tearing down on inconsistent books
         // could unmap what another sequence still maps.
-        if let Ok(mut a) = self.arena.lock() {
+        if let Ok(mut a) = self.pool.lock() {
             let _ = a.destroy_sequence(self.id);
         }
     }
 }
 
-/// What a prefix handle holds: its arena and its id there.
+/// What a prefix handle holds: its pool and its id there.
 pub struct PrefixObj {
-    arena: Arc<ArenaObj>,
+    pool: Arc<PoolObj>,
     id: u64,
 }
 impl Drop for PrefixObj {
     fn drop(&mut self) {
-        if let Ok(mut a) = self.arena.lock() {
+        if let Ok(mut a) = self.pool.lock() {
             let _ = a.unpin_prefix(self.id);
         }
     }
 }
 
-impl_handle!(EpmKvArena => ArenaObj, tag = 0x40);
+impl_handle!(EpmKvPool => PoolObj, tag = 0x40);
 impl_handle!(EpmKvSeq => SeqObj, tag = 0x41);
 impl_handle!(EpmKvPrefix => PrefixObj, tag = 0x42);
 
 /// Promise a sequence's worst-case private granules at creation (refused
 /// with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
 /// for budget afterwards.
-pub const EPM_KV_ADMIT_RESERVE: u32 = 0;
+pub const EPM_KV_ADMIT_PROMISE: u32 = 0;
+/// Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
+/// reservations; a budget is promised), kept until the next major version.
+pub const EPM_KV_ADMIT_RESERVE: u32 = EPM_KV_ADMIT_PROMISE;
 /// Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
 pub const EPM_KV_ADMIT_ON_DEMAND: u32 = 1;
 
 fn admit_mode(v: u32) -> Result<AdmitMode> {
     match v {
-        EPM_KV_ADMIT_RESERVE => Ok(AdmitMode::Reserve),
+        EPM_KV_ADMIT_PROMISE => Ok(AdmitMode::Promise),
         EPM_KV_ADMIT_ON_DEMAND => Ok(AdmitMode::OnDemand),
-        other => bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_RESERVE (0) or EPM_KV_ADMIT_ON_DEMAND (1)"),
+        other => bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_PROMISE (0) or EPM_KV_ADMIT_ON_DEMAND (1)"),
     }
 }
 
@@ -205,16 +208,16 @@ fn tokens<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
 }
 
-fn stream_of(arena: &ArenaObj, stream: Arc<Stream>) -> Result<RawStream> {
-    same_device(&arena.dev, stream.device(), "the arena and the stream")?;
+fn stream_of(pool: &PoolObj, stream: Arc<Stream>) -> Result<RawStream> {
+    same_device(&pool.dev, stream.device(), "the pool and the stream")?;
     Ok(stream.raw())
 }
 
-/// Register a sequence the arena just made. If that fails, dropping `obj`
+/// Register a sequence the pool just made. If that fails, dropping `obj`
 /// destroys the sequence again, so nothing leaks.
-fn new_seq(arena: &Arc<ArenaObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
-    let obj = Arc::new(SeqObj { arena: arena.clone(), id });
-    out.set(handle::register::<EpmKvSeq>(obj)?);
+fn new_seq(pool: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+    let obj = Arc::new(SeqObj { pool: pool.clone(), id });
+    out.set(handle::insert::<EpmKvSeq>(obj)?);
     Ok(())
 }
 
@@ -242,41 +245,41 @@ pub extern "C" fn epm_kv_layout_token_major(
     }
 }
 
-/// Create a KV arena on `dev` with a budget of `budget_bytes` physical bytes.
-/// The arena's dummy granule (one granule, zeroed) is charged to the budget,
+/// Create a KV pool on `dev` with a budget of `budget_bytes` physical bytes.
+/// The pool's dummy granule (one granule, zeroed) is charged to the budget,
 /// so it must hold at least one granule.
 ///
-/// Ownership: `*out` is a new handle; destroy it with `epm_kv_arena_destroy`.
+/// Ownership: `*out` is a new handle; destroy it with `epm_kv_pool_destroy`.
 /// It keeps `dev` alive. NULL: `dev` is INVALID_HANDLE, `out` is
 /// NULL_POINTER. Errors: OUT_OF_BUDGET if the budget is below one granule;
 /// device errors.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_kv_arena_create(dev: *mut EpmDevice, budget_bytes: u64, out: *mut *mut EpmKvArena) -> EpmStatus {
+pub extern "C" fn epm_kv_pool_create(dev: *mut EpmDevice, budget_bytes: u64, out: *mut *mut EpmKvPool) -> EpmStatus {
     ffi_boundary! {
         let dev = try_handle!(dev);
         let out = try_out!(out);
-        let arena = KvArena::new(&dev, KvConfig::new(budget_bytes))?;
-        out.set(handle::register::<EpmKvArena>(Arc::new(ArenaObj { dev, arena: Mutex::new(arena) }))?);
+        let pool = KvPool::new(&dev, KvConfig::new(budget_bytes))?;
+        out.set(handle::insert::<EpmKvPool>(Arc::new(PoolObj { dev, pool: Mutex::new(pool) }))?);
         Ok(())
     }
 }
 
-/// Release the arena handle. NULL is a no-op. Sequences and prefixes still
-/// held keep the arena alive; it is torn down (unmap → release → free VA)
+/// Release the pool handle. NULL is a no-op. Sequences and prefixes still
+/// held keep the pool alive; it is torn down (unmap → release → free VA)
 /// when the last of them is destroyed. The caller guarantees no queued
 /// kernel still touches its sequences by then.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_kv_arena_destroy(arena: *mut EpmKvArena) -> EpmStatus {
+pub extern "C" fn epm_kv_pool_destroy(pool: *mut EpmKvPool) -> EpmStatus {
     ffi_boundary! {
-        handle::destroy(arena)
+        handle::destroy(pool)
     }
 }
 
-/// Ledger and arena statistics, filled by `epm_kv_arena_get_stats`.
+/// Ledger and pool statistics, filled by `epm_kv_pool_get_stats`.
 /// Versioned by size: set `size = sizeof(EpmKvStats)`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -309,14 +312,15 @@ pub struct EpmKvStats {
     pub mapped_bytes: u64,
     pub cow_granules: u64,
     pub committed_granules: u64,
-    /// Host waits on a caller's stream before a mapping change.
+    /// Host waits on a caller's stream before a mapping change (`stream_waits`
+    /// in Rust; the C field keeps its first name, see docs/ABI.md "Names").
     pub fences: u64,
     /// Sequences that found a prefix by content hash.
     pub hash_hits: u64,
 }
 
 mirror! {
-    /// The arena's stats as C sees them (`size` is set by `write_versioned`).
+    /// The pool's stats as C sees them (`size` is set by `write_versioned`).
     fn stats_to_c(s: &KvStats) -> EpmKvStats {
         size: 0;
         same { granule_bytes, sequences, prefixes, pinned_prefixes, mapped_bytes }
@@ -335,7 +339,7 @@ mirror! {
             pool_retained: pool.retained,
             cow_granules: counters.cow_granules,
             committed_granules: counters.committed_granules,
-            fences: counters.fences,
+            fences: counters.stream_waits,
             hash_hits: counters.hash_hits,
         }
         // ledger, pool and counters are flattened above (their own fields are
@@ -344,20 +348,20 @@ mirror! {
     }
 }
 
-/// Fill `*out` with the arena's ledger and counters.
+/// Fill `*out` with the pool's ledger and counters.
 ///
 /// Set `out->size = sizeof(EpmKvStats)` first; epmem writes at most that many
-/// bytes and sets `out->size` to the number written. NULL: `arena` is
+/// bytes and sets `out->size` to the number written. NULL: `pool` is
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
 /// below the first version's.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKvStats) -> EpmStatus {
+pub extern "C" fn epm_kv_pool_get_stats(pool: *mut EpmKvPool, out: *mut EpmKvStats) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
+        let pool = try_handle!(pool);
         let out = try_out!(out);
-        let s = arena.lock()?.stats();
+        let s = pool.lock()?.stats();
         let v = stats_to_c(&s);
         write_versioned(out, v, "EpmKvStats")
     }
@@ -365,30 +369,30 @@ pub extern "C" fn epm_kv_arena_get_stats(arena: *mut EpmKvArena, out: *mut EpmKv
 
 /// Create a sequence of up to `max_tokens` tokens of `layout`. Its whole
 /// reservation (max_tokens × token_stride, rounded up to the granule) maps
-/// the arena's zeroed dummy granule read-only until `prepare_append`.
+/// the pool's zeroed dummy granule read-only until `prepare_append`.
 ///
-/// `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
-/// is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `arena` is
+/// `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND. Ownership: `*out`
+/// is a new handle; destroy it with `epm_kv_seq_destroy`. NULL: `pool` is
 /// INVALID_HANDLE; `layout`, `out` are NULL_POINTER. Errors: INVALID_ARGUMENT
 /// (max_tokens 0 or overflowing, a layout that is not token-major, a bad
-/// admit mode); OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+/// admit mode); OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_create(
-    arena: *mut EpmKvArena,
+    pool: *mut EpmKvPool,
     layout: *const EpmKvLayout,
     max_tokens: u64,
     admit: u32,
     out: *mut *mut EpmKvSeq,
 ) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
+        let pool = try_handle!(pool);
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
         let mode = admit_mode(admit)?;
-        let id = arena.lock()?.create_sequence(&l, max_tokens, mode)?;
-        new_seq(&arena, id, out)
+        let id = pool.lock()?.create_sequence(&l, max_tokens, mode)?;
+        new_seq(&pool, id, out)
     }
 }
 
@@ -404,10 +408,10 @@ pub extern "C" fn epm_kv_seq_create(
 /// be NULL. Errors: as `epm_kv_seq_create`, plus INVALID_ARGUMENT if
 /// `n_tokens > max_tokens`. Out-params are written only on success.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_create_for_tokens(
-    arena: *mut EpmKvArena,
+    pool: *mut EpmKvPool,
     layout: *const EpmKvLayout,
     max_tokens: u64,
     tokens: *const u32,
@@ -417,14 +421,14 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
     shared_tokens: *mut u64,
 ) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
+        let pool = try_handle!(pool);
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
         let mode = admit_mode(admit)?;
         let toks = self::tokens(tokens, n_tokens)?;
         let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
-        let (id, shared) = arena.lock()?.create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
-        new_seq(&arena, id, out)?;
+        let (id, shared) = pool.lock()?.create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
+        new_seq(&pool, id, out)?;
         if let Some(o) = shared_out {
             o.set(shared);
         }
@@ -438,13 +442,13 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
 /// INVALID_HANDLE. The caller guarantees no queued kernel still touches the
 /// sequence (as with cuMemFree).
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_destroy(seq: *mut EpmKvSeq) -> EpmStatus {
     ffi_boundary! {
         match handle::remove(seq)? {
             Some(obj) => {
-                let r = obj.arena.lock()?.destroy_sequence(obj.id);
+                let r = obj.pool.lock()?.destroy_sequence(obj.id);
                 drop(obj); // after the lock: its Drop finds the id gone
                 r
             }
@@ -489,13 +493,13 @@ pub struct EpmKvSeqInfo {
 /// Set `out->size = sizeof(EpmKvSeqInfo)` first. NULL: `seq` is
 /// INVALID_HANDLE, `out` is NULL_POINTER.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo) -> EpmStatus {
     ffi_boundary! {
         let seq = try_handle!(seq);
         let out = try_out!(out);
-        let i = seq.arena.lock()?.sequence_info(seq.id)?;
+        let i = seq.pool.lock()?.sequence_info(seq.id)?;
         let l = &i.layout;
         let v = EpmKvSeqInfo {
             size: 0,
@@ -536,14 +540,14 @@ pub extern "C" fn epm_kv_seq_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvSeqInfo
 /// OUT_OF_BUDGET (checked before any mapping changes) for an on-demand
 /// sequence the ledger cannot hold; device errors. `n_tokens` 0 is a no-op.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, stream: *mut EpmStream) -> EpmStatus {
     ffi_boundary! {
         let seq = try_handle!(seq);
         let stream = try_handle!(stream);
-        let raw = stream_of(&seq.arena, stream)?;
-        seq.arena.lock()?.prepare_append(seq.id, n_tokens, raw)
+        let raw = stream_of(&seq.pool, stream)?;
+        seq.pool.lock()?.prepare_append(seq.id, n_tokens, raw)
     }
 }
 
@@ -553,13 +557,13 @@ pub extern "C" fn epm_kv_seq_prepare_append(seq: *mut EpmKvSeq, n_tokens: u64, s
 /// NULL: `tokens` may be NULL only when `n_tokens` is 0. Errors:
 /// INVALID_ARGUMENT if the declared tokens would exceed max_tokens.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u32, n_tokens: usize) -> EpmStatus {
     ffi_boundary! {
         let seq = try_handle!(seq);
         let toks = self::tokens(tokens, n_tokens)?;
-        seq.arena.lock()?.declare_tokens(seq.id, toks)
+        seq.pool.lock()?.declare_tokens(seq.id, toks)
     }
 }
 
@@ -572,10 +576,10 @@ pub extern "C" fn epm_kv_seq_declare_tokens(seq: *mut EpmKvSeq, tokens: *const u
 /// prefix is never reclaimed; it is freed when the pin and its last sharer
 /// are gone. NULL: `seq`, `stream` are INVALID_HANDLE, `out` is NULL_POINTER.
 /// Errors: INVALID_ARGUMENT if `n_tokens` is 0 or beyond the tokens prepared;
-/// OUT_OF_BUDGET if `seq` was admitted with RESERVE, will copy its boundary
+/// OUT_OF_BUDGET if `seq` was admitted with PROMISE, will copy its boundary
 /// granule, and the ledger cannot promise that one more granule.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_pin(
     seq: *mut EpmKvSeq,
@@ -587,10 +591,10 @@ pub extern "C" fn epm_kv_prefix_pin(
         let seq = try_handle!(seq);
         let stream = try_handle!(stream);
         let out = try_out!(out);
-        let raw = stream_of(&seq.arena, stream)?;
-        let id = seq.arena.lock()?.pin_prefix(seq.id, n_tokens, raw)?;
-        let obj = Arc::new(PrefixObj { arena: seq.arena.clone(), id });
-        out.set(handle::register::<EpmKvPrefix>(obj)?);
+        let raw = stream_of(&seq.pool, stream)?;
+        let id = seq.pool.lock()?.pin_prefix(seq.id, n_tokens, raw)?;
+        let obj = Arc::new(PrefixObj { pool: seq.pool.clone(), id });
+        out.set(handle::insert::<EpmKvPrefix>(obj)?);
         Ok(())
     }
 }
@@ -599,13 +603,13 @@ pub extern "C" fn epm_kv_prefix_pin(
 /// its last sharer; the handle is invalid from now on. NULL is a no-op; an
 /// unpinned handle is INVALID_HANDLE.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_unpin(prefix: *mut EpmKvPrefix) -> EpmStatus {
     ffi_boundary! {
         match handle::remove(prefix)? {
             Some(obj) => {
-                let r = obj.arena.lock()?.unpin_prefix(obj.id);
+                let r = obj.pool.lock()?.unpin_prefix(obj.id);
                 drop(obj); // after the lock: its Drop finds the id gone
                 r
             }
@@ -631,13 +635,13 @@ pub struct EpmKvPrefixInfo {
 /// Fill `*out` with the prefix's state. Set `out->size` first. NULL:
 /// `prefix` is INVALID_HANDLE, `out` is NULL_POINTER.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut EpmKvPrefixInfo) -> EpmStatus {
     ffi_boundary! {
         let prefix = try_handle!(prefix);
         let out = try_out!(out);
-        let i = prefix.arena.lock()?.prefix_info(prefix.id)?;
+        let i = prefix.pool.lock()?.prefix_info(prefix.id)?;
         let v = EpmKvPrefixInfo {
             size: 0,
             n_tokens: i.n_tokens,
@@ -658,9 +662,9 @@ pub extern "C" fn epm_kv_prefix_get_info(prefix: *mut EpmKvPrefix, out: *mut Epm
 /// Ownership: `*out` is a new sequence handle. NULL: `prefix` is
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if
 /// `n_tokens` is 0 or beyond the prefix, or `max_tokens < n_tokens`;
-/// OUT_OF_BUDGET (RESERVE) if the ledger cannot promise its private granules.
+/// OUT_OF_BUDGET (PROMISE) if the ledger cannot promise its private granules.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_commit_shared_prefix(
     prefix: *mut EpmKvPrefix,
@@ -673,8 +677,8 @@ pub extern "C" fn epm_kv_commit_shared_prefix(
         let prefix = try_handle!(prefix);
         let out = try_out!(out);
         let mode = admit_mode(admit)?;
-        let id = prefix.arena.lock()?.commit_shared_prefix(prefix.id, n_tokens, max_tokens, mode)?;
-        new_seq(&prefix.arena, id, out)
+        let id = prefix.pool.lock()?.commit_shared_prefix(prefix.id, n_tokens, max_tokens, mode)?;
+        new_seq(&prefix.pool, id, out)
     }
 }
 
@@ -685,18 +689,18 @@ pub extern "C" fn epm_kv_commit_shared_prefix(
 /// NULL_POINTER. Threading: safe from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_find_prefix(
-    arena: *mut EpmKvArena,
+    pool: *mut EpmKvPool,
     layout: *const EpmKvLayout,
     tokens: *const u32,
     n_tokens: usize,
     out: *mut u64,
 ) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
+        let pool = try_handle!(pool);
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
         let toks = self::tokens(tokens, n_tokens)?;
-        let found = arena.lock()?.find_prefix(&l, toks).map_or(0, |(_, m)| m);
+        let found = pool.lock()?.find_prefix(&l, toks).map_or(0, |(_, m)| m);
         out.set(found);
         Ok(())
     }
@@ -711,8 +715,10 @@ pub struct EpmKvAdmission {
     pub without_sharing: u64,
     /// floor((B − P) / Q): one physical prefix plus Q private bytes per request.
     pub with_sharing: u64,
-    /// 1 + floor((B − P) / Q), a formula found in earlier admission code: one
-    /// more than fits (kept so callers can compare).
+    /// 1 + floor((B − P) / Q), a common shorthand that admits one more than
+    /// fits (kept so callers can compare). Rust calls it
+    /// `over_admitting_formula`; this published field keeps its first name
+    /// (docs/ABI.md, "Names").
     pub seed_formula: u64,
 }
 
@@ -723,13 +729,13 @@ pub struct EpmKvAdmission {
 /// Set `out->size` first. NULL: `out` is NULL_POINTER. A `private_bytes` of
 /// 0 saturates to UINT64_MAX.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, private_bytes: u64, out: *mut EpmKvAdmission) -> EpmStatus {
     ffi_boundary! {
         let out = try_out!(out);
         let a = kv::admissible(budget_bytes, prefix_bytes, private_bytes);
-        let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.seed_formula };
+        let v = EpmKvAdmission { size: 0, without_sharing: a.without_sharing, with_sharing: a.with_sharing, seed_formula: a.over_admitting_formula };
         write_versioned(out, v, "EpmKvAdmission")
     }
 }
@@ -748,26 +754,26 @@ pub struct EpmKvRequestCost {
 }
 
 /// The physical cost of a request of `max_tokens` tokens of `layout` whose
-/// first `prefix_tokens` are shared, on this arena's granule.
+/// first `prefix_tokens` are shared, on this pool's granule.
 ///
-/// Set `out->size` first. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+/// Set `out->size` first. NULL: `pool` is INVALID_HANDLE; `layout`, `out`
 /// are NULL_POINTER. Errors: INVALID_ARGUMENT if `prefix_tokens >
 /// max_tokens` or the request's bytes overflow 64 bits.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_request_cost(
-    arena: *mut EpmKvArena,
+    pool: *mut EpmKvPool,
     layout: *const EpmKvLayout,
     prefix_tokens: u64,
     max_tokens: u64,
     out: *mut EpmKvRequestCost,
 ) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
+        let pool = try_handle!(pool);
         let out = try_out!(out);
         let l = layout_from_c(layout)?;
-        let g = arena.dev.vmm_granularity() as u64;
+        let g = pool.dev.vmm_granularity() as u64;
         // Refused rather than saturated: granule rounding of a saturated
         // byte count wraps to 0 (test_misuse_kv.c found max_tokens = UINT64_MAX
         // reported as costing nothing).
@@ -789,14 +795,14 @@ pub extern "C" fn epm_kv_request_cost(
 pub(crate) mod for_batch {
     use super::*;
 
-    pub(crate) fn lock(a: &ArenaObj) -> Result<MutexGuard<'_, KvArena>> {
+    pub(crate) fn lock(a: &PoolObj) -> Result<MutexGuard<'_, KvPool>> {
         a.lock()
     }
-    pub(crate) fn seq_of(s: &SeqObj) -> (&Arc<ArenaObj>, u64) {
-        (&s.arena, s.id)
+    pub(crate) fn seq_of(s: &SeqObj) -> (&Arc<PoolObj>, u64) {
+        (&s.pool, s.id)
     }
-    pub(crate) fn prefix_of(p: &PrefixObj) -> (&Arc<ArenaObj>, u64) {
-        (&p.arena, p.id)
+    pub(crate) fn prefix_of(p: &PrefixObj) -> (&Arc<PoolObj>, u64) {
+        (&p.pool, p.id)
     }
     pub(crate) fn layout(p: *const EpmKvLayout) -> Result<KvLayout> {
         layout_from_c(p)
@@ -807,10 +813,10 @@ pub(crate) mod for_batch {
     pub(crate) fn token_ids<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
         tokens(p, n)
     }
-    pub(crate) fn raw_stream(a: &ArenaObj, s: Arc<Stream>) -> Result<RawStream> {
+    pub(crate) fn raw_stream(a: &PoolObj, s: Arc<Stream>) -> Result<RawStream> {
         stream_of(a, s)
     }
-    pub(crate) fn register_seq(a: &Arc<ArenaObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+    pub(crate) fn insert_seq(a: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
         new_seq(a, id, out)
     }
 }

@@ -5,20 +5,20 @@
 //! `EpmKvSeq` whose reservation is that piece of the batch: every
 //! `epm_kv_seq_*` function applies to it (prepare_append, get_info,
 //! declare_tokens, and `epm_kv_prefix_pin` to share its prompt into other
-//! slots). The whole range stays mapped for the batch's life — the arena's
+//! slots). The whole range stays mapped for the batch's life — the pool's
 //! zeroed dummy granule, read-only, wherever nothing is committed — so a
 //! kernel or captured CUDA graph over the whole batch never faults, and a
 //! slot's addresses never move when others join, leave or append.
 //! docs/KV.md ("Batches") has the model and what a kernel may assume.
 //!
-//! Lifetimes: a batch handle and its slot handles keep the arena alive. A
+//! Lifetimes: a batch handle and its slot handles keep the pool alive. A
 //! batch cannot be destroyed while a slot is taken (INVALID_STATE).
 //!
-//! Threading: every function is safe from any thread; the calls on one arena
+//! Threading: every function is safe from any thread; the calls on one pool
 //! are serialized by its lock.
 
-use crate::ffi::kv::for_batch::{admit, layout, lock, prefix_of, raw_stream, register_seq, seq_of, token_ids};
-use crate::ffi::kv::{ArenaObj, EpmKvArena, EpmKvLayout, EpmKvPrefix, EpmKvSeq};
+use crate::ffi::kv::for_batch::{admit, layout, lock, prefix_of, raw_stream, insert_seq, seq_of, token_ids};
+use crate::ffi::kv::{PoolObj, EpmKvPool, EpmKvLayout, EpmKvPrefix, EpmKvSeq};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::EpmStream;
 use crate::kv::SlotChoice;
@@ -28,17 +28,17 @@ pub struct EpmKvBatch {
     _opaque: [u8; 0],
 }
 
-/// What a batch handle holds: its arena and its id there.
+/// What a batch handle holds: its pool and its id there.
 pub struct BatchObj {
-    arena: Arc<ArenaObj>,
+    pool: Arc<PoolObj>,
     id: u64,
 }
 impl Drop for BatchObj {
     fn drop(&mut self) {
         // Reached when the handle goes without epm_kv_batch_destroy (which
         // destroys first, so this finds the id gone). With slots still taken
-        // it fails, and the arena frees the batch when it goes.
-        if let Ok(mut a) = lock(&self.arena) {
+        // it fails, and the pool frees the batch when it goes.
+        if let Ok(mut a) = lock(&self.pool) {
             let _ = a.destroy_batch(self.id);
         }
     }
@@ -122,32 +122,32 @@ pub const EPM_KV_BATCH_SLOT_INFO_SIZE_V1: usize = 72;
 versioned!(EpmKvBatchSlotInfo, EPM_KV_BATCH_SLOT_INFO_SIZE_V1);
 
 /// Create a batch of `max_slots` slots of up to `max_tokens` tokens of
-/// `layout` in `arena`. Its whole range (max_slots × slot_stride bytes) maps
-/// the arena's zeroed dummy granule read-only until slots commit granules.
+/// `layout` in `pool`. Its whole range (max_slots × slot_stride bytes) maps
+/// the pool's zeroed dummy granule read-only until slots commit granules.
 /// Charges nothing to the budget: slots are admitted as they are taken.
 ///
 /// Ownership: `*out` is a new handle; destroy it with `epm_kv_batch_destroy`.
-/// It keeps the arena alive. NULL: `arena` is INVALID_HANDLE; `layout`, `out`
+/// It keeps the pool alive. NULL: `pool` is INVALID_HANDLE; `layout`, `out`
 /// are NULL_POINTER. Errors: INVALID_ARGUMENT (max_tokens or max_slots 0,
 /// max_slots EPM_KV_BATCH_ANY_SLOT, a range that overflows, a layout that is
 /// not token-major); device errors (VA exhausted).
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_create(
-    arena: *mut EpmKvArena,
+    pool: *mut EpmKvPool,
     layout: *const EpmKvLayout,
     max_tokens: u64,
     max_slots: u32,
     out: *mut *mut EpmKvBatch,
 ) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
+        let pool = try_handle!(pool);
         let out = try_out!(out);
         let l = self::layout(layout)?;
-        let id = lock(&arena)?.create_batch(&l, max_tokens, max_slots)?;
-        let obj = Arc::new(BatchObj { arena: arena.clone(), id });
-        out.set(handle::register::<EpmKvBatch>(obj)?);
+        let id = lock(&pool)?.create_batch(&l, max_tokens, max_slots)?;
+        let obj = Arc::new(BatchObj { pool: pool.clone(), id });
+        out.set(handle::insert::<EpmKvBatch>(obj)?);
         Ok(())
     }
 }
@@ -157,7 +157,7 @@ pub extern "C" fn epm_kv_batch_create(
 /// then stays valid. NULL is a no-op; a destroyed handle is INVALID_HANDLE.
 /// The caller guarantees no queued kernel still reads the range.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_destroy(batch: *mut EpmKvBatch) -> EpmStatus {
     ffi_boundary! {
@@ -165,8 +165,8 @@ pub extern "C" fn epm_kv_batch_destroy(batch: *mut EpmKvBatch) -> EpmStatus {
             return Ok(());
         }
         let b = try_handle!(batch);
-        lock(&b.arena)?.destroy_batch(b.id)?;
-        // Destroyed in the arena: the handle goes too (its Drop finds the id gone).
+        lock(&b.pool)?.destroy_batch(b.id)?;
+        // Destroyed in the pool: the handle goes too (its Drop finds the id gone).
         drop(handle::remove(batch)?);
         Ok(())
     }
@@ -179,13 +179,13 @@ pub extern "C" fn epm_kv_batch_destroy(batch: *mut EpmKvBatch) -> EpmStatus {
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a size
 /// below EPM_KV_BATCH_DESC_SIZE_V1.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_get_desc(batch: *mut EpmKvBatch, out: *mut EpmKvBatchDesc) -> EpmStatus {
     ffi_boundary! {
         let b = try_handle!(batch);
         let out = try_out!(out);
-        let i = lock(&b.arena)?.batch_info(b.id)?;
+        let i = lock(&b.pool)?.batch_info(b.id)?;
         let l = i.layout;
         let v = EpmKvBatchDesc {
             size: 0,
@@ -214,23 +214,23 @@ pub extern "C" fn epm_kv_batch_get_desc(batch: *mut EpmKvBatch, out: *mut EpmKvB
 /// keep mapping the dummy until `epm_kv_seq_prepare_append`; nothing is
 /// remapped here, so nothing waits.
 ///
-/// `admit`: EPM_KV_ADMIT_RESERVE or EPM_KV_ADMIT_ON_DEMAND, as for
+/// `admit`: EPM_KV_ADMIT_PROMISE or EPM_KV_ADMIT_ON_DEMAND, as for
 /// `epm_kv_seq_create`. Ownership: `*out` is a new sequence handle; give the
 /// slot back with `epm_kv_batch_release_slot` (or `epm_kv_seq_destroy`).
 /// NULL: `batch` is INVALID_HANDLE, `out` is NULL_POINTER. Errors:
 /// INVALID_ARGUMENT (slot ≥ max_slots, bad admit mode), INVALID_STATE (the
 /// slot is taken), ALL_IN_USE (EPM_KV_BATCH_ANY_SLOT and every slot is
-/// taken), OUT_OF_BUDGET (RESERVE and the ledger cannot hold it).
+/// taken), OUT_OF_BUDGET (PROMISE and the ledger cannot hold it).
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_take_slot(batch: *mut EpmKvBatch, slot: u32, admit: u32, out: *mut *mut EpmKvSeq) -> EpmStatus {
     ffi_boundary! {
         let b = try_handle!(batch);
         let out = try_out!(out);
         let mode = self::admit(admit)?;
-        let id = lock(&b.arena)?.take_slot(b.id, choice(slot), mode)?;
-        register_seq(&b.arena, id, out)
+        let id = lock(&b.pool)?.take_slot(b.id, choice(slot), mode)?;
+        insert_seq(&b.pool, id, out)
     }
 }
 
@@ -246,10 +246,10 @@ pub extern "C" fn epm_kv_batch_take_slot(batch: *mut EpmKvBatch, slot: u32, admi
 ///
 /// NULL: `batch`, `prefix`, `stream` are INVALID_HANDLE; `out` is
 /// NULL_POINTER. Errors: as `epm_kv_batch_take_slot`, plus INVALID_ARGUMENT
-/// if the prefix is of another arena or layout, `n_tokens` is 0 or beyond the
+/// if the prefix is of another pool or layout, `n_tokens` is 0 or beyond the
 /// prefix or the batch's max_tokens, or the stream is on another device.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_take_shared_slot(
     batch: *mut EpmKvBatch,
@@ -266,16 +266,16 @@ pub extern "C" fn epm_kv_batch_take_shared_slot(
         let stream = try_handle!(stream);
         let out = try_out!(out);
         let mode = self::admit(admit)?;
-        let (parena, pid) = prefix_of(&prefix);
-        ensure!(Arc::ptr_eq(parena, &b.arena), InvalidArgument, "the prefix belongs to another KV arena than the batch");
-        let raw = raw_stream(&b.arena, stream)?;
-        let id = lock(&b.arena)?.take_shared_slot(b.id, choice(slot), pid, n_tokens, mode, raw)?;
-        register_seq(&b.arena, id, out)
+        let (ppool, pid) = prefix_of(&prefix);
+        ensure!(Arc::ptr_eq(ppool, &b.pool), InvalidArgument, "the prefix belongs to another KV pool than the batch");
+        let raw = raw_stream(&b.pool, stream)?;
+        let id = lock(&b.pool)?.take_shared_slot(b.id, choice(slot), pid, n_tokens, mode, raw)?;
+        insert_seq(&b.pool, id, out)
     }
 }
 
 /// Take slot `slot` (or EPM_KV_BATCH_ANY_SLOT) for a sequence that declares
-/// its prompt `tokens[0..n_tokens)`: if a live prefix of the arena begins
+/// its prompt `tokens[0..n_tokens)`: if a live prefix of the pool begins
 /// with the same tokens (whole 16-token blocks, confirmed token by token),
 /// its longest match is shared as `epm_kv_batch_take_shared_slot` and
 /// `*shared_tokens` says how many tokens are already in the cache (skip their
@@ -286,7 +286,7 @@ pub extern "C" fn epm_kv_batch_take_shared_slot(
 /// `epm_kv_batch_take_shared_slot`, plus INVALID_ARGUMENT if `n_tokens`
 /// exceeds the batch's max_tokens. Out-params are written only on success.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
     batch: *mut EpmKvBatch,
@@ -305,9 +305,9 @@ pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
         let mode = self::admit(admit)?;
         let toks = token_ids(tokens, n_tokens)?;
         let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
-        let raw = raw_stream(&b.arena, stream)?;
-        let (id, shared) = lock(&b.arena)?.take_slot_for_tokens(b.id, choice(slot), toks, mode, raw)?;
-        register_seq(&b.arena, id, out)?;
+        let raw = raw_stream(&b.pool, stream)?;
+        let (id, shared) = lock(&b.pool)?.take_slot_for_tokens(b.id, choice(slot), toks, mode, raw)?;
+        insert_seq(&b.pool, id, out)?;
         if let Some(o) = shared_out {
             o.set(shared);
         }
@@ -328,19 +328,19 @@ pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
 /// INVALID_HANDLE. (`epm_kv_seq_destroy` also releases a slot, without the
 /// wait: like cuMemFree, the caller then guarantees nothing queued reads it.)
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_release_slot(seq: *mut EpmKvSeq, stream: *mut EpmStream) -> EpmStatus {
     ffi_boundary! {
         let s = try_handle!(seq);
         let stream = try_handle!(stream);
-        let (arena, id) = seq_of(&s);
-        let raw = raw_stream(arena, stream)?;
-        let r = lock(arena)?.release_slot(id, raw);
-        // Once the arena has let the sequence go (released, or a device error
+        let (pool, id) = seq_of(&s);
+        let raw = raw_stream(pool, stream)?;
+        let r = lock(pool)?.release_slot(id, raw);
+        // Once the pool has let the sequence go (released, or a device error
         // part-way through its teardown) the handle goes too; a refusal
         // (not a slot, a failed wait) leaves both usable.
-        if lock(arena).is_ok_and(|a| a.sequence_info(id).is_err()) {
+        if lock(pool).is_ok_and(|a| a.sequence_info(id).is_err()) {
             drop(handle::remove(seq)?);
         }
         r
@@ -353,14 +353,14 @@ pub extern "C" fn epm_kv_batch_release_slot(seq: *mut EpmKvSeq, stream: *mut Epm
 /// INVALID_HANDLE, `out` is NULL_POINTER. Errors: INVALID_ARGUMENT if `seq`
 /// is not a batch slot, or for a size below EPM_KV_BATCH_SLOT_INFO_SIZE_V1.
 ///
-/// Threading: safe from any thread; calls on one arena are serialized.
+/// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_kv_batch_slot_get_info(seq: *mut EpmKvSeq, out: *mut EpmKvBatchSlotInfo) -> EpmStatus {
     ffi_boundary! {
         let s = try_handle!(seq);
         let out = try_out!(out);
-        let (arena, id) = seq_of(&s);
-        let a = lock(arena)?;
+        let (pool, id) = seq_of(&s);
+        let a = lock(pool)?;
         let i = a.slot_info(id)?;
         let max_slots = a.batch_info(i.batch)?.max_slots;
         drop(a);

@@ -7,7 +7,7 @@
 //! - [`args`]: NULL checks and out-params (`try_out!`, `check_not_null!`,
 //!   `try_str!`, `try_host_range!`);
 //! - [`handle`]: opaque, generation-checked handles (`impl_handle!`,
-//!   `try_handle!`, `handle::register` / `handle::destroy`);
+//!   `try_handle!`, `handle::insert` / `handle::destroy`);
 //! - [`log`]: the `log` facade to stderr (`EPM_LOG`) or a host callback;
 //! - [`version`]: `epm_version()` and the version macros.
 //!
@@ -65,6 +65,8 @@ pub mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod version;
+// Last, so the header keeps its order: the renamed names' old aliases.
+pub mod deprecated;
 
 pub use crate::error::EpmStatus;
 

@@ -13,7 +13,7 @@ use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::ffi::mirror::mirror;
+use crate::ffi::mirror::{config_in, mirror};
 use crate::residency::{
     HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId,
 };
@@ -79,7 +79,7 @@ pub struct EpmResidencyConfig {
     /// Each costs about one weight of budget in hits and lets one more
     /// page-in overlap compute.
     pub prefetch_depth: u32,
-    /// Nonzero: the host waits for every page-in (the seed's synchronous
+    /// Nonzero: the host waits for every page-in (the first, synchronous
     /// design; for comparison). Default 0.
     pub sync_page_in: u32,
     /// Staging slots in flight (2..=4; 0: 3).
@@ -177,21 +177,27 @@ pub const EPM_RESIDENCY_STATS_SIZE_V1: usize = 288;
 versioned!(input EpmResidencyConfig, EPM_RESIDENCY_CONFIG_SIZE_V1);
 versioned!(EpmResidencyStats, EPM_RESIDENCY_STATS_SIZE_V1);
 
-fn default_config() -> EpmResidencyConfig {
-    let d = ResidencyConfig::with_budget(0);
-    EpmResidencyConfig {
-        size: std::mem::size_of::<EpmResidencyConfig>(),
-        budget_bytes: 0,
-        policy: EPM_POLICY_CYCLIC,
-        register_sources: EPM_REGISTER_WITHIN_MEMLOCK,
-        prefetch_depth: d.prefetch_depth as u32,
-        sync_page_in: 0,
-        staging_slots: 0,
-        fill_threads: 0,
-        staging_chunk_bytes: 0,
-        staging_pool_bytes: 0,
-        coalesce_below_bytes: d.coalesce_below_bytes as u64,
-        coalesce_max_bytes: d.coalesce_max_bytes as u64,
+config_in! {
+    fn default_config() -> EpmResidencyConfig;
+    fn apply_config(c: &EpmResidencyConfig, r: &mut ResidencyConfig);
+    defaults from ResidencyConfig::with_budget(0);
+    // Required: config_of checks it and builds the core config from it.
+    manual { budget_bytes: 0 }
+    copy { prefetch_depth: prefetch_depth, coalesce_below_bytes: coalesce_below_bytes, coalesce_max_bytes: coalesce_max_bytes }
+    zero_default {
+        staging_slots: engine.slots,
+        fill_threads: engine.fill_threads,
+        staging_chunk_bytes: engine.chunk_bytes,
+        staging_pool_bytes: pool.max_bytes,
+    }
+    flag { sync_page_in: sync_page_in }
+    enums {
+        policy: policy { EPM_POLICY_CYCLIC => PolicyKind::Cyclic, EPM_POLICY_LRU => PolicyKind::Lru },
+        register_sources: register_sources {
+            EPM_REGISTER_WITHIN_MEMLOCK => RegisterSources::WithinMemlock,
+            EPM_REGISTER_NEVER => RegisterSources::Never,
+            EPM_REGISTER_ALWAYS => RegisterSources::Always,
+        },
     }
 }
 
@@ -202,43 +208,7 @@ fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
         usize::try_from(c.budget_bytes)
             .map_err(|_| Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes)))?,
     );
-    r.policy = match c.policy {
-        EPM_POLICY_CYCLIC => PolicyKind::Cyclic,
-        EPM_POLICY_LRU => PolicyKind::Lru,
-        p => bail!(
-            InvalidArgument,
-            "cfg->policy {p} is not EPM_POLICY_CYCLIC (0) or EPM_POLICY_LRU (1)"
-        ),
-    };
-    r.register_sources = match c.register_sources {
-        EPM_REGISTER_WITHIN_MEMLOCK => RegisterSources::WithinMemlock,
-        EPM_REGISTER_NEVER => RegisterSources::Never,
-        EPM_REGISTER_ALWAYS => RegisterSources::Always,
-        v => bail!(
-            InvalidArgument,
-            "cfg->register_sources {v} is not one of EPM_REGISTER_* (0, 1, 2)"
-        ),
-    };
-    r.prefetch_depth = c.prefetch_depth as usize;
-    r.sync_page_in = c.sync_page_in != 0;
-    if c.staging_slots != 0 {
-        r.engine.slots = c.staging_slots as usize;
-    }
-    if c.fill_threads != 0 {
-        r.engine.fill_threads = c.fill_threads as usize;
-    }
-    if c.staging_chunk_bytes != 0 {
-        r.engine.chunk_bytes = usize::try_from(c.staging_chunk_bytes)
-            .map_err(|_| Error::invalid_argument("cfg->staging_chunk_bytes is too large"))?;
-    }
-    if c.staging_pool_bytes != 0 {
-        r.pool.max_bytes = usize::try_from(c.staging_pool_bytes)
-            .map_err(|_| Error::invalid_argument("cfg->staging_pool_bytes is too large"))?;
-    }
-    r.coalesce_below_bytes = usize::try_from(c.coalesce_below_bytes)
-        .map_err(|_| Error::invalid_argument("cfg->coalesce_below_bytes is too large"))?;
-    r.coalesce_max_bytes = usize::try_from(c.coalesce_max_bytes)
-        .map_err(|_| Error::invalid_argument("cfg->coalesce_max_bytes is too large"))?;
+    apply_config(&c, &mut r)?;
     Ok(r)
 }
 
@@ -272,7 +242,7 @@ pub extern "C" fn epm_residency_create(
         let cfg = config_of(cfg)?;
         let out = try_out!(out);
         let m = ResidencyManager::new(&dev, cfg)?;
-        out.set(handle::register::<EpmResidency>(Arc::new(m))?);
+        out.set(handle::insert::<EpmResidency>(Arc::new(m))?);
         Ok(())
     }
 }

@@ -10,7 +10,7 @@
 //! ```
 
 use crate::device::HostRange;
-use crate::device::hostreg::SharedHostRegistration;
+use crate::transfer::pinning::SharedHostRegistration;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::prelude::*;
 use crate::ffi::residency::{EpmHostRangeId, EpmResidency};
@@ -51,7 +51,7 @@ pub extern "C" fn epm_shared_host_registration_create(
         // SAFETY: non-NULL, non-overflowing; the C caller keeps the range
         // allocated until the last holder of the registration is gone.
         let range = unsafe { HostRange::new(p, n) };
-        out.set(handle::register::<EpmSharedHostRegistration>(Arc::new(SharedHostRegistration::new(&dev, range)?))?);
+        out.set(handle::insert::<EpmSharedHostRegistration>(Arc::new(SharedHostRegistration::new(&dev, range)?))?);
         Ok(())
     }
 }

@@ -10,7 +10,7 @@
 use crate::device::HostRange;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
-use crate::ffi::mirror::mirror;
+use crate::ffi::mirror::{config_in, mirror};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
 use crate::staging::{CopyEngine, EngineConfig, Fence, HostRegistration, PinnedStagingPool, PoolConfig, StagingStats};
@@ -137,16 +137,28 @@ fn write_stats(out: OutParam<'_, EpmStagingStats>, s: StagingStats) -> Result<()
     write_versioned(out, stats_to_c(&s), "EpmStagingStats")
 }
 
-fn default_config() -> EpmCopyEngineConfig {
-    let d = EngineConfig::default();
-    EpmCopyEngineConfig {
-        size: std::mem::size_of::<EpmCopyEngineConfig>(),
-        slots: d.slots as u32,
-        fill_threads: d.fill_threads as u32,
-        chunk_bytes: d.chunk_bytes as u64,
-        flags: 0,
-        target_chunks: d.target_chunks as u32,
-    }
+config_in! {
+    fn default_config() -> EpmCopyEngineConfig;
+    fn apply_config(c: &EpmCopyEngineConfig, r: &mut EngineConfig);
+    defaults from EngineConfig::default();
+    // Bits, each turning a default-on behaviour off: engine_config_of.
+    manual { flags: 0 }
+    copy { slots: slots, fill_threads: fill_threads, chunk_bytes: chunk_bytes, target_chunks: target_chunks }
+    zero_default {}
+    flag {}
+    enums {}
+}
+
+fn engine_config_of(c: &EpmCopyEngineConfig) -> Result<EngineConfig> {
+    let known = EPM_COPY_ENGINE_NO_TIMING | EPM_COPY_ENGINE_NO_DIRECT;
+    ensure!(c.flags & !known == 0, InvalidArgument, "unknown copy engine flags {:#x}", c.flags);
+    let mut cfg = EngineConfig {
+        timing: c.flags & EPM_COPY_ENGINE_NO_TIMING == 0,
+        direct: c.flags & EPM_COPY_ENGINE_NO_DIRECT == 0,
+        ..EngineConfig::default()
+    };
+    apply_config(c, &mut cfg)?;
+    Ok(cfg)
 }
 
 /// Create a staging pool on `dev` that retains at most `max_buffers` buffers
@@ -173,7 +185,7 @@ pub extern "C" fn epm_staging_pool_create(
             max_bytes: if max_bytes == 0 { d.max_bytes } else { max_bytes },
         };
         let pool = PinnedStagingPool::new(&dev, cfg)?;
-        out.set(handle::register::<EpmStagingPool>(Arc::new(pool))?);
+        out.set(handle::insert::<EpmStagingPool>(Arc::new(pool))?);
         Ok(())
     }
 }
@@ -267,18 +279,9 @@ pub extern "C" fn epm_copy_engine_create(
         } else {
             read_versioned(config, default_config(), "EpmCopyEngineConfig")?
         };
-        let known = EPM_COPY_ENGINE_NO_TIMING | EPM_COPY_ENGINE_NO_DIRECT;
-        ensure!(c.flags & !known == 0, InvalidArgument, "unknown copy engine flags {:#x}", c.flags);
-        let cfg = EngineConfig {
-            slots: c.slots as usize,
-            fill_threads: c.fill_threads as usize,
-            chunk_bytes: usize::try_from(c.chunk_bytes).unwrap_or(usize::MAX),
-            target_chunks: c.target_chunks as usize,
-            timing: c.flags & EPM_COPY_ENGINE_NO_TIMING == 0,
-            direct: c.flags & EPM_COPY_ENGINE_NO_DIRECT == 0,
-        };
+        let cfg = engine_config_of(&c)?;
         let engine = CopyEngine::new(&pool, cfg)?;
-        out.set(handle::register::<EpmCopyEngine>(Arc::new(engine))?);
+        out.set(handle::insert::<EpmCopyEngine>(Arc::new(engine))?);
         Ok(())
     }
 }
@@ -328,7 +331,7 @@ pub extern "C" fn epm_copy_engine_htod(
         let range = unsafe { HostRange::new(p, n) };
         let fence = engine.htod(dst, range, stream.as_ref().map(|s| s.raw()))?;
         if !out.is_null() {
-            try_out!(out).set(handle::register::<EpmFence>(Arc::new(fence))?);
+            try_out!(out).set(handle::insert::<EpmFence>(Arc::new(fence))?);
         }
         Ok(())
     }
@@ -359,7 +362,7 @@ pub extern "C" fn epm_copy_engine_register(
         // SAFETY: non-NULL, non-overflowing; the caller promises the range
         // stays readable until the registration is destroyed.
         let range = unsafe { HostRange::new(p, n) };
-        out.set(handle::register::<EpmHostRegistration>(Arc::new(engine.register(range)?))?);
+        out.set(handle::insert::<EpmHostRegistration>(Arc::new(engine.register(range)?))?);
         Ok(())
     }
 }

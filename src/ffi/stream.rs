@@ -28,7 +28,7 @@ pub extern "C" fn epm_stream_create(dev: *mut EpmDevice, out: *mut *mut EpmStrea
         let dev = try_handle!(dev);
         let out = try_out!(out);
         let s = Stream::new(&dev)?;
-        out.set(handle::register::<EpmStream>(Arc::new(s))?);
+        out.set(handle::insert::<EpmStream>(Arc::new(s))?);
         Ok(())
     }
 }
@@ -48,7 +48,7 @@ pub extern "C" fn epm_stream_wrap_native(dev: *mut EpmDevice, native: *mut c_voi
         check_not_null!(native);
         let out = try_out!(out);
         let s = Stream::wrap_native(&dev, native.expose_provenance() as u64)?;
-        out.set(handle::register::<EpmStream>(Arc::new(s))?);
+        out.set(handle::insert::<EpmStream>(Arc::new(s))?);
         Ok(())
     }
 }

@@ -11,7 +11,7 @@
 use crate::device::checksum_host;
 use crate::ffi::args::device_range;
 use crate::ffi::device::EpmDevice;
-use crate::ffi::kv::EpmKvArena;
+use crate::ffi::kv::EpmKvPool;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::residency::EpmResidency;
@@ -102,17 +102,17 @@ pub extern "C" fn epm_testing_panic_residency(res: *mut EpmResidency) -> EpmStat
     }
 }
 
-/// Panic while holding the lock of `arena`'s books: the arena handle is
-/// poisoned, and so is the arena itself, so its sequences and prefixes
+/// Panic while holding the lock of `pool`'s books: the pool handle is
+/// poisoned, and so is the pool itself, so its sequences and prefixes
 /// answer INVALID_STATE too. Test-only.
 ///
-/// NULL: `arena` is INVALID_HANDLE. Threading: safe from any thread.
+/// NULL: `pool` is INVALID_HANDLE. Threading: safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_testing_panic_kv_arena(arena: *mut EpmKvArena) -> EpmStatus {
+pub extern "C" fn epm_testing_panic_kv_pool(pool: *mut EpmKvPool) -> EpmStatus {
     ffi_boundary! {
-        let arena = try_handle!(arena);
-        let _books = arena.lock()?;
-        panic!("epm_testing_panic_kv_arena: a panic on purpose, holding the arena's lock")
+        let pool = try_handle!(pool);
+        let _books = pool.lock()?;
+        panic!("epm_testing_panic_kv_pool: a panic on purpose, holding the pool's lock")
     }
 }
 
@@ -145,7 +145,7 @@ pub extern "C" fn epm_device_hold_async(dev: *mut EpmDevice, stream: *mut EpmStr
         same_device(&dev, stream.device(), "dev and stream")?;
         let gate = std::sync::Arc::new(crate::device::Gate::new());
         dev.hold_async(stream.raw(), &gate)?;
-        out.set(handle::register::<EpmGate>(gate)?);
+        out.set(handle::insert::<EpmGate>(gate)?);
         Ok(())
     }
 }

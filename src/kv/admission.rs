@@ -7,11 +7,12 @@
 //! prefix, every further one costs only its private bytes) and
 //! `floor(B / (P + Q))` without.
 //!
-//! The seed (003) and DESIGN.md state the shared figure as
+//! A common shorthand (and DESIGN.md) states the shared figure as
 //! `1 + floor((B − P) / Q)`, which counts one request more than fits: with
 //! B = 3.0 GiB and P = Q = 0.375 GiB it gives 8, but 8 requests need
-//! 0.375 + 8 × 0.375 = 3.375 GiB. We report that figure as `seed_formula`
-//! for comparison and admit by the ledger, which is what actually holds.
+//! 0.375 + 8 × 0.375 = 3.375 GiB. We report that figure as
+//! `over_admitting_formula` (C: `EpmKvAdmission.seed_formula`, its published
+//! name) for comparison and admit by the ledger, which is what actually holds.
 
 use super::layout::KvLayout;
 
@@ -22,21 +23,22 @@ pub struct Admission {
     pub without_sharing: u64,
     /// `floor((B − P) / Q)`: one physical prefix, private bytes per request.
     pub with_sharing: u64,
-    /// `1 + floor((B − P) / Q)`, as the seed wrote it (one too many; see module docs).
-    pub seed_formula: u64,
+    /// `1 + floor((B − P) / Q)`, the shorthand that admits one too many (see
+    /// module docs).
+    pub over_admitting_formula: u64,
 }
 
 /// Pure arithmetic over bytes. `private` of 0 is unbounded and saturates.
 pub fn admissible(budget: u64, prefix: u64, private: u64) -> Admission {
     let div = |a: u64, b: u64| a.checked_div(b).unwrap_or(u64::MAX);
     let without = div(budget, prefix.saturating_add(private));
-    let (with, seed) = if budget < prefix {
+    let (with, over) = if budget < prefix {
         (0, 0)
     } else {
         let n = div(budget - prefix, private);
         (n, n.saturating_add(1))
     };
-    Admission { without_sharing: without, with_sharing: with, seed_formula: seed }
+    Admission { without_sharing: without, with_sharing: with, over_admitting_formula: over }
 }
 
 /// Physical bytes a request costs in granules, for a sequence of
@@ -80,7 +82,7 @@ mod tests {
         let a = admissible(3 * GIB, q, q);
         assert_eq!(a.without_sharing, 4);
         assert_eq!(a.with_sharing, 7);
-        assert_eq!(a.seed_formula, 8);
+        assert_eq!(a.over_admitting_formula, 8);
         // The with-sharing figure really fits and one more does not.
         assert!(q + 7 * q <= 3 * GIB && q + 8 * q > 3 * GIB);
     }

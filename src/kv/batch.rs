@@ -10,7 +10,7 @@
 //! admission are the same code.
 //!
 //! The whole range is mapped for the batch's life: every granule of a free
-//! slot, and of a taken slot past what it committed, maps the arena's zeroed
+//! slot, and of a taken slot past what it committed, maps the pool's zeroed
 //! dummy read-only. So a captured CUDA graph over the whole batch never
 //! touches unmapped memory, and a slot's addresses never move when others
 //! join, leave or append. Releasing a slot maps the dummy back over its
@@ -21,7 +21,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::arena::{AdmitMode, KvArena};
+use super::pool::{AdmitMode, KvPool};
 use super::layout::KvLayout;
 use super::reservation::{VaTable, Window};
 use super::sequence::{SeqInfo, Slot, reservation_bytes};
@@ -73,7 +73,7 @@ pub struct SlotInfo {
     pub batch: u64,
     pub index: u32,
     /// Leading tokens whose granules are all committed (shared or private):
-    /// appends up to here change no mapping (no fence, no driver call).
+    /// appends up to here change no mapping (no host wait, no driver call).
     pub committed_tokens: u64,
 }
 
@@ -85,10 +85,10 @@ pub enum SlotChoice {
     Index(u32),
 }
 
-impl KvArena {
+impl KvPool {
     /// A batch of `max_slots` slots of up to `max_tokens` tokens of `layout`,
     /// every granule mapping the dummy read-only. Charges nothing: the dummy
-    /// is the arena's, already owned.
+    /// is the pool's, already owned.
     pub fn create_batch(&mut self, layout: &KvLayout, max_tokens: u64, max_slots: u32) -> Result<u64> {
         layout.validate()?;
         let g = self.granule() as u64;
@@ -148,7 +148,7 @@ impl KvArena {
     }
 
     /// Take a slot for a new, empty sequence (its granules map the dummy
-    /// until prepare_append). No mapping changes, so no fence.
+    /// until prepare_append). No mapping changes, so no host wait.
     pub fn take_slot(&mut self, bid: u64, choice: SlotChoice, mode: AdmitMode) -> Result<u64> {
         let idx = self.free_slot(bid, choice)?;
         let (layout, max) = self.batch_shape(bid)?;
@@ -156,9 +156,9 @@ impl KvArena {
     }
 
     /// Take a slot whose first `n_tokens` tokens map prefix `pid` read-only
-    /// (as [`KvArena::commit_shared_prefix`]: no copy, no charge). The slot's
-    /// dummy mappings are replaced, so `stream` is fenced first: a captured
-    /// graph over the whole batch may be reading them.
+    /// (as [`KvPool::commit_shared_prefix`]: no copy, no charge). The slot's
+    /// dummy mappings are replaced, so the host waits for `stream` first: a
+    /// captured graph over the whole batch may be reading them.
     pub fn take_shared_slot(
         &mut self,
         bid: u64,
@@ -173,7 +173,7 @@ impl KvArena {
         let p = self.prefixes.get(pid)?;
         crate::ensure!(p.layout == layout, InvalidArgument, "KV prefix {pid:#x} has a different layout than batch {bid:#x}");
         let tokens = p.tokens.get(..n_tokens as usize).map(<[u32]>::to_vec);
-        self.fence(stream)?;
+        self.wait_for_stream(stream)?;
         let seq = self.build_in(&layout, max, Some((pid, n_tokens)), mode, Some((bid, idx)))?;
         if let Some(t) = tokens {
             self.seqs.get_mut(seq)?.tokens = t;
@@ -183,7 +183,7 @@ impl KvArena {
 
     /// Take a slot that declares `tokens` (its prompt): the longest live
     /// prefix that begins with them is shared, as
-    /// [`KvArena::create_sequence_for_tokens`]. Returns (sequence, tokens
+    /// [`KvPool::create_sequence_for_tokens`]. Returns (sequence, tokens
     /// already in the cache).
     pub fn take_slot_for_tokens(
         &mut self,
@@ -212,7 +212,7 @@ impl KvArena {
         Ok((seq, shared))
     }
 
-    /// Release a slot: fence `stream` (a graph over the whole batch may still
+    /// Release a slot: wait for `stream` (a graph over the whole batch may still
     /// read the slot), map the dummy back over its granules, return them to
     /// the pool (credited on their last mapping) and the slot to the batch.
     /// InvalidArgument if `seq` is not a batch slot.
@@ -220,7 +220,7 @@ impl KvArena {
         let s = self.seqs.get(seq)?;
         crate::ensure!(s.batch.is_some(), InvalidArgument, "KV sequence {seq:#x} is not a slot of a batch");
         if s.committed_slots() > 0 {
-            self.fence(stream)?;
+            self.wait_for_stream(stream)?;
         }
         self.destroy_sequence(seq)
     }

@@ -1,7 +1,7 @@
 //! The granule pool: physical granules with a reference count each.
 //!
 //! A reference is one mapping of the granule (a sequence slot or a prefix's
-//! view) or the arena's hold on its dummy granule. The ledger is charged on a
+//! view) or the KV pool's hold on its dummy granule. The ledger is charged on a
 //! granule's 0→1 transition and credited on 1→0 — physical bytes, once per
 //! granule however many sequences map it.
 //!

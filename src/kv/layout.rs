@@ -4,7 +4,7 @@
 //! layout is new numbers, not new code in every kernel (seed 003: "KV layout
 //! should be a stride descriptor negotiated per EP, not a growing enum").
 //!
-//! The arena requires token-major: every byte of token `t` lies in
+//! The KV pool requires token-major: every byte of token `t` lies in
 //! `[t * token_stride, (t + 1) * token_stride)`, so an S-token prefix of all
 //! layers is one contiguous range — one multi-map to share it. Head-major
 //! would scatter a prefix into `layers × 2 × kv_heads` fragments.

@@ -1,4 +1,4 @@
-//! KV-cache arena with page-level prefix sharing (seed 003).
+//! The KV-cache pool, with page-level prefix sharing.
 //!
 //! Per-sequence, token-major VA reservations backed by a pool of physical
 //! granules (2 MiB on the H200). One granule can be mapped read-only into N
@@ -14,15 +14,16 @@
 //! - [`admission`]: admissible-concurrency arithmetic;
 //! - [`reservation`]: VA reservations as granule mapping tables, and windows;
 //! - [`batch`]: batch reservations, many sequences at a fixed slot stride;
-//! - [`arena`]: the object that ties them together.
+//! - [`pool`]: the object that ties them together ([`KvPool`]; it was `KvArena`,
+//!   but it owns a granule pool, not an `arena/` allocator).
 
 pub mod admission;
-pub mod arena;
 pub mod batch;
 pub mod granule;
 pub mod hash;
 pub mod layout;
 pub mod ledger;
+pub mod pool;
 pub mod prefix;
 mod reservation;
 pub mod sequence;
@@ -30,8 +31,8 @@ mod slab;
 
 pub use admission::{Admission, RequestCost, admissible, request_cost};
 pub use batch::{BatchInfo, SlotChoice, SlotInfo};
-pub use arena::{AdmitMode, KvArena, KvConfig, KvCounters, KvStats};
 pub use granule::PoolStats;
+pub use pool::{AdmitMode, KvConfig, KvCounters, KvPool, KvStats};
 pub use layout::{Kv, KvLayout, KvShape};
 pub use ledger::LedgerStats;
 pub use prefix::PrefixInfo;

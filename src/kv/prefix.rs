@@ -15,7 +15,7 @@
 //! it goes with its last sharer. Each granule goes back to the pool when its
 //! last mapping (view or sequence) is gone.
 
-use super::arena::{AdmitMode, KvArena};
+use super::pool::{AdmitMode, KvPool};
 use super::granule::GranuleId;
 use super::hash::block_chain;
 use super::layout::KvLayout;
@@ -50,10 +50,10 @@ pub struct PrefixInfo {
     pub view_base: DevicePtr,
 }
 
-impl KvArena {
+impl KvPool {
     /// Pin the first `n_tokens` tokens of a sequence as a shared prefix.
     ///
-    /// Fences `stream` first (the origin's granules turn read-only, and a
+    /// Waits for `stream` first (the origin's granules turn read-only, and a
     /// kernel still writing into the boundary granule would fault). If the
     /// origin was admitted with a promise and will next write into the now
     /// shared boundary granule, one more granule is promised for its
@@ -79,8 +79,8 @@ impl KvArena {
                 Slot::Dummy => crate::bail!(Internal, "KV pin: written slot maps the dummy"),
             })
             .collect::<Result<_>>()?;
-        // Fence before promising, so a failed fence leaves the ledger as it was.
-        self.fence(stream)?;
+        // Wait before promising, so a failed wait leaves the ledger as it was.
+        self.wait_for_stream(stream)?;
         self.pool.ledger_mut().promise(cow_promise * g)?;
         self.pool.trim_to_budget();
 
@@ -189,7 +189,7 @@ impl KvArena {
 
     /// A new sequence that declares `tokens` (its prompt): if a live prefix
     /// begins with the same tokens, its longest match is shared (as
-    /// [`KvArena::commit_shared_prefix`]) and the caller skips prefill for
+    /// [`KvPool::commit_shared_prefix`]) and the caller skips prefill for
     /// them. Returns (sequence, tokens already in the cache).
     pub fn create_sequence_for_tokens(
         &mut self,

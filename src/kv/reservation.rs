@@ -94,7 +94,7 @@ impl Drop for VaTable {
 /// Granules `[first, first + granules)` of a table, addressed from 0.
 ///
 /// The table sits behind a mutex only so a batch and its slots can share it;
-/// every call already holds the arena's `&mut`, so the lock is never contended.
+/// every call already holds the KV pool's `&mut`, so the lock is never contended.
 #[derive(Debug)]
 pub(crate) struct Window {
     table: Arc<Mutex<VaTable>>,

@@ -1,7 +1,7 @@
 //! Sequence reservations: one contiguous, token-major VA range per sequence.
 //!
 //! Every granule-sized slot of a live reservation is always mapped to one of:
-//! - the arena's dummy granule, read-only (the unused tail: a captured graph
+//! - the pool's dummy granule, read-only (the unused tail: a captured graph
 //!   that reads the whole range never touches unmapped memory);
 //! - a shared prefix granule, read-only;
 //! - a private granule, read-write.
@@ -11,7 +11,7 @@
 //! read-only mapping is error 700 and poisons the whole CUDA context
 //! (measured on the H200). A shared boundary granule is copied on write.
 
-use super::arena::{AdmitMode, KvArena};
+use super::pool::{AdmitMode, KvPool};
 use super::granule::{GranuleId, GranulePool};
 use super::layout::{KvLayout, round_up};
 use super::reservation::Window;
@@ -128,10 +128,10 @@ pub(crate) fn reservation_bytes(layout: &KvLayout, max_tokens: u64, g: u64) -> R
         })
 }
 
-impl KvArena {
+impl KvPool {
     /// Reserve a sequence of up to `max_tokens` tokens of `layout`. Every slot
     /// maps the dummy granule read-only; nothing is charged to the ledger but
-    /// the promise of [`AdmitMode::Reserve`].
+    /// the promise of [`AdmitMode::Promise`].
     pub fn create_sequence(&mut self, layout: &KvLayout, max_tokens: u64, mode: AdmitMode) -> Result<u64> {
         self.build_sequence(layout, max_tokens, None, mode)
     }
@@ -151,7 +151,7 @@ impl KvArena {
     /// `slot.1` of batch `slot.0`, whose window is already mapped (the dummy,
     /// or whatever a failed teardown left: repaired here). Mapping the prefix
     /// into a batch slot replaces dummy mappings a queued kernel may read:
-    /// the caller fences first.
+    /// the caller waits for the stream first.
     pub(crate) fn build_in(
         &mut self,
         layout: &KvLayout,
@@ -188,8 +188,8 @@ impl KvArena {
         let full = (n_tokens * layout.bytes_per_token() / g) as usize;
         let need = match mode {
             AdmitMode::OnDemand => 0,
-            AdmitMode::Reserve if max_tokens == n_tokens => total - shared_granules.len(),
-            AdmitMode::Reserve => total - full,
+            AdmitMode::Promise if max_tokens == n_tokens => total - shared_granules.len(),
+            AdmitMode::Promise => total - full,
         } as u64;
         self.pool.ledger_mut().promise(need * g)?;
         self.pool.trim_to_budget();
@@ -259,8 +259,8 @@ impl KvArena {
     /// Make the slots that tokens `[len, len + n_tokens)` fall in private and
     /// read-write, so the caller's next kernel on `stream` can write them.
     ///
-    /// Only a slot that is not yet private costs anything: the call fences
-    /// `stream` (the host waits for its queued work) and then, per slot,
+    /// Only a slot that is not yet private costs anything: the host waits
+    /// for the work queued on `stream`, and then, per slot,
     /// unmaps the dummy or shared granule, maps a pooled granule read-write,
     /// and for a shared boundary granule enqueues a 1-granule D2D copy on
     /// `stream` (copy-on-write). The copy needs no host wait: the caller's
@@ -297,7 +297,7 @@ impl KvArena {
         if !self.pool.ledger().can_charge(fresh * g, from_promise * g) {
             return Err(self.pool.ledger_mut().refuse("a KV append", fresh * g));
         }
-        self.fence(stream)?;
+        self.wait_for_stream(stream)?;
         let view_base = match prefix {
             Some(pid) => Some(self.prefixes.get(pid)?.view.base()),
             None => None,
@@ -313,7 +313,7 @@ impl KvArena {
                 seq.promise -= 1;
             }
             // A failed step gives the granule back and restores the promise,
-            // so a RESERVE sequence keeps its guarantee (tests/fault_injection.rs).
+            // so a PROMISE sequence keeps its guarantee (tests/fault_injection.rs).
             let give_back = |pool: &mut GranulePool, seq: &mut Sequence| -> Result<()> {
                 pool.release(gid)?;
                 if from_promise {

@@ -59,9 +59,10 @@ impl ResidencyConfig {
             engine: EngineConfig::default(),
         }
     }
-    /// The seed's design: LRU, synchronous page-ins, staged through the pool
-    /// (no registration, no coalescing), one fill thread, no prefetch.
-    pub fn seed_baseline(budget_bytes: usize) -> Self {
+    /// The unoptimized baseline the benchmarks compare against (the first
+    /// design): LRU, synchronous page-ins, staged through the pool (no
+    /// registration, no coalescing), one fill thread, no prefetch.
+    pub fn sync_lru_baseline(budget_bytes: usize) -> Self {
         let mut c = Self {
             policy: PolicyKind::Lru,
             register_sources: RegisterSources::Never,

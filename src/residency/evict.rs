@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::WeightId;
-use super::fence::{DeviceBlock, Retire};
+use super::read_fence::{DeviceBlock, TryReadsDone};
 use super::manager::{Room, State};
 use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
@@ -88,7 +88,7 @@ impl ResidencyManager {
     /// Evict `v`: its memory goes back to the arena only with a [`ReadsDone`]
     /// witness, waiting on the host if its readers are still running.
     ///
-    /// [`ReadsDone`]: super::fence::ReadsDone
+    /// [`ReadsDone`]: super::read_fence::ReadsDone
     pub(super) fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
         if st.reg.get(v)?.slot.is_some() {
             return self.evict_slot(st, v);
@@ -102,9 +102,9 @@ impl ResidencyManager {
             st.c.pending_prefetches -= 1;
             st.c.wasted_prefetches += 1;
         }
-        let (done, spent) = match fenced.try_retire()? {
-            Retire::Done(d, s) => (d, s),
-            Retire::Pending(f) => {
+        let (done, spent) = match fenced.try_complete()? {
+            TryReadsDone::Done(d, s) => (d, s),
+            TryReadsDone::Pending(f) => {
                 st.c.eviction_waits += 1;
                 let t = Instant::now();
                 let r = f.wait()?;

@@ -6,14 +6,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
-use super::fence::Reused;
+use super::read_fence::Reused;
 use super::placement::Plan;
 use super::registry::{Entry, HostRangeId, RangeReg, Registry};
 use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
-use crate::device::hostreg::SharedHostRegistration;
+use crate::transfer::pinning::SharedHostRegistration;
 use crate::device::rlimit::memlock_limit;
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};

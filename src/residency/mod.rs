@@ -5,18 +5,22 @@
 //! - [`registry`]: registered weights and host-range registrations;
 //! - [`policy`]: LRU and the cyclic farthest-next-use policy;
 //! - [`sim`]: trace replay and Belady's optimum, for tests and benchmarks;
-//! - [`fence`]: the read fence and its `ReadsDone` witness;
+//! - [`read_fence`]: the read fence and its `ReadsDone` witness;
 //! - [`stats`]: the counters.
 
 mod coalesce;
 pub mod config;
 mod evict;
-pub mod fence;
+// The old module name, for ring.rs alone until its owner renames its two
+// uses (super::fence::DeviceBlock, super::fence::page_in_done); crate-private,
+// so the public Rust name is only `read_fence`.
+use read_fence as fence;
 pub mod manager;
 mod page_in;
 pub mod placement;
 mod plan;
 pub mod policy;
+pub mod read_fence;
 pub mod registry;
 mod ring;
 pub mod sim;

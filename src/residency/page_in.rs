@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::WeightId;
-use super::fence::Fenced;
+use super::read_fence::Fenced;
 use super::manager::{Room, State};
 use super::plan::RingPageIn;
 use super::registry::{RegState, RegisterSources};

@@ -8,11 +8,11 @@
 //! locked-memory limit allows.
 
 use super::WeightId;
-use super::fence::Fenced;
+use super::read_fence::Fenced;
 use super::ring::RingSlot;
 use crate::device::HostRange;
 use crate::error::Result;
-use crate::device::hostreg::Attachment;
+use crate::transfer::pinning::Attachment;
 use crate::staging::HostRegistration;
 
 /// A whole host range registered once, so the weights inside it bypass staging.

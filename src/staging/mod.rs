@@ -2,7 +2,7 @@
 //! ever reusing a pinned buffer a DMA still reads.
 //!
 //! - [`pool`]: the bounded pool of pinned staging buffers; a buffer returns
-//!   to it only with a [`CopyCompleted`](crate::device::fence::CopyCompleted)
+//!   to it only with a [`CopyCompleted`](crate::transfer::witness::CopyCompleted)
 //!   witness.
 //! - [`engine`]: the copy engine — chunked, multi-threaded fill overlapped
 //!   with the DMA through N slots; direct copies from page-locked sources;
@@ -10,7 +10,7 @@
 //! - [`stats`]: the counters both report.
 //!
 //! The witness itself and the in-flight ownership live in
-//! [`crate::device::fence`]: only the device layer can observe that a copy
+//! [`crate::transfer::witness`]: only the device layer can observe that a copy
 //! completed, so only it mints the proof.
 
 pub mod engine;

@@ -11,7 +11,7 @@
 //! [`CopyCompleted::retire`]), which takes the buffer *inside* the
 //! [`CopyCompleted`] witness that only [`InFlight::wait`] /
 //! [`InFlight::try_complete`] of that buffer's own copy produce (see
-//! [`crate::device::fence`]): a witness is its buffer, so the proof of copy A
+//! [`crate::transfer::witness`]): a witness is its buffer, so the proof of copy A
 //! cannot retire buffer B. A [`PooledStaging`] alone has no way back: dropped
 //! (un-retired), it is freed, never recycled.
 //!
@@ -19,7 +19,8 @@
 //! `tests/compile_fail.rs`. The path that compiles — two buffers, A's copy
 //! done, B's in flight:
 //! ```
-//! # use epmem::device::{self, fence, DeviceBuffer, Stream};
+//! # use epmem::device::{self, DeviceBuffer, Stream};
+//! # use epmem::transfer::witness;
 //! # use epmem::staging::{PinnedStagingPool, PoolConfig};
 //! # fn main() -> epmem::Result<()> {
 //! # let dev = device::open_from_env(0)?;
@@ -27,8 +28,8 @@
 //! # let dst = DeviceBuffer::new(&dev, 4096)?;
 //! let pool = PinnedStagingPool::new(&dev, PoolConfig::default())?;
 //! let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
-//! let a_done = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
-//! let b_flight = fence::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
+//! let a_done = witness::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
+//! let b_flight = witness::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
 //! pool.release(a_done);
 //! let b_done = b_flight.wait()?;
 //! pool.release(b_done);
@@ -36,13 +37,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! [`InFlight::wait`]: crate::device::fence::InFlight::wait
-//! [`InFlight::try_complete`]: crate::device::fence::InFlight::try_complete
+//! [`InFlight::wait`]: crate::transfer::witness::InFlight::wait
+//! [`InFlight::try_complete`]: crate::transfer::witness::InFlight::try_complete
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::device::fence::{CopyCompleted, PinnedOwner, sealed};
+use crate::transfer::witness::{CopyCompleted, PinnedOwner, sealed};
 use crate::device::{Device, PinnedBuffer};
 use crate::error::Result;
 

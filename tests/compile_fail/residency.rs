@@ -1,11 +1,11 @@
 // The read-fence witness: a program that compiles, and the cases
 // tests/compile_fail.rs makes of it by replacing the `@slot` line.
-use epmem::residency::fence::{DeviceBlock, Fenced, ReadsDone, Retire};
+use epmem::residency::read_fence::{DeviceBlock, Fenced, ReadsDone, TryReadsDone};
 
 fn give_back(a: Fenced, b: DeviceBlock) -> epmem::Result<()> {
-    let a_done: ReadsDone = match a.try_retire()? {
-        Retire::Done(done, _spent) => done,
-        Retire::Pending(a) => a.wait()?.0,
+    let a_done: ReadsDone = match a.try_complete()? {
+        TryReadsDone::Done(done, _spent) => done,
+        TryReadsDone::Pending(a) => a.wait()?.0,
     };
     let note = (); // @slot
     let addr = a_done.addr();
@@ -30,5 +30,5 @@ fn main() {
 // @case E0599 | no method named `free` found for struct `DeviceBlock` | let note = b.free();
 // A's witness cannot be moved onto B: its block cannot be taken out or replaced.
 // @case E0616 | field `block` of struct `ReadsDone` is private | let note = std::mem::replace(&mut a_done.block, b);
-// A fenced block gives no way to its memory but the retirements above.
+// A fenced block gives no way to its memory but the completions above.
 // @case E0599 | no method named `free` found for struct `Fenced` | let note = a.free();

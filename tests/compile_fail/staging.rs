@@ -2,7 +2,7 @@
 // tests/compile_fail.rs makes of it by replacing the `@slot` line. Each case
 // names the error code it must fail with and a fragment of the message
 // (the offending name); any other error fails the harness.
-use epmem::device::fence::{self, CopyCompleted, TryComplete};
+use epmem::transfer::witness::{self, CopyCompleted, TryComplete};
 use epmem::device::{self, DeviceBuffer, PinnedBuffer, Stream};
 use epmem::staging::{PinnedStagingPool, PoolConfig, PooledStaging};
 
@@ -14,9 +14,9 @@ fn main() -> epmem::Result<()> {
     let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
     let mut pinned = PinnedBuffer::new(&dev, 4096)?;
     pinned.fill(7);
-    let a_done: CopyCompleted<PooledStaging> = fence::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
-    let b_flight = fence::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
-    let p_done: CopyCompleted<PinnedBuffer> = fence::enqueue_htod(&stream, dst.ptr(), pinned, 4096, None)?.wait()?;
+    let a_done: CopyCompleted<PooledStaging> = witness::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
+    let b_flight = witness::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
+    let p_done: CopyCompleted<PinnedBuffer> = witness::enqueue_htod(&stream, dst.ptr(), pinned, 4096, None)?.wait()?;
     let mut spare = pool.acquire(4096)?;
     let note = (); // @slot
     pool.release(a_done);

@@ -66,7 +66,7 @@ class World:
             self.es = epmem.Stream.wrap_native(dev, self.ts.cuda_stream, owner=self.ts)
         else:
             self.ts, self.es = None, dev.stream()
-        self.arena = epmem.KvArena(dev, 8 << 30)
+        self.arena = epmem.KvPool(dev, 8 << 30)
         self.layout = epmem.kv_layout_token_major(LAYERS, HEADS, DIM, 2)
         self.batch = self.arena.batch(self.layout, T, MAX_SLOTS)
         self.d = self.batch.desc_struct()

@@ -353,7 +353,7 @@ class Objects(unittest.TestCase):
         layout = epmem.kv_layout_token_major(4, 2, 64, 2)
         self.assertEqual(layout.token_stride, 4 * 2 * 2 * 64 * 2)
         g = self.dev.info()["granularity"]
-        with epmem.KvArena(self.dev, 64 * g) as arena, self.dev.stream() as s:
+        with epmem.KvPool(self.dev, 64 * g) as arena, self.dev.stream() as s:
             toks = list(range(100))
             seq, shared = arena.seq_for_tokens(layout, 1024, toks)
             self.assertEqual(shared, 0)
@@ -382,6 +382,24 @@ class Objects(unittest.TestCase):
             for x in (seq3, seq2, seq):
                 x.close()
             self.assertEqual(arena.stats()["sequences"], 0)
+
+    def test_kv_arena_is_the_old_name_of_kv_pool(self):
+        # KvArena (C: EpmKvArena, epm_kv_arena_*) was renamed KvPool; the old
+        # name and the old `.arena` attributes stay until the next major version.
+        self.assertIs(epmem.KvArena, epmem.KvPool)
+        layout = epmem.kv_layout_token_major(4, 2, 64, 2)
+        g = self.dev.info()["granularity"]
+        with epmem.KvArena(self.dev, 16 * g) as pool, self.dev.stream() as s:
+            seq = pool.seq(layout, 1024)
+            seq.prepare_append(10, s)
+            self.assertIs(seq.pool, pool)
+            self.assertIs(seq.arena, pool)
+            batch = pool.batch(layout, 256, 2)
+            self.assertIs(batch.arena, batch.pool)
+            self.assertEqual(pool.stats()["sequences"], 1)
+            batch.close()
+            seq.close()
+            self.assertEqual(pool.stats()["sequences"], 0)
 
     def test_children_keep_parents_alive(self):
         dev = epmem.Device()
@@ -426,7 +444,7 @@ class Objects(unittest.TestCase):
                 "d = epmem.Device(); s = d.stream(); a = epmem.Arena.create_device(d, 1 << 26)\n"
                 "r = epmem.Residency(d, 1 << 22); b = mmap.mmap(-1, 1 << 20)\n"
                 "w = r.register_weight(b, 1 << 20); r.acquire(w, s)\n"
-                "k = epmem.KvArena(d, 16 * d.info()['granularity'])\n"
+                "k = epmem.KvPool(d, 16 * d.info()['granularity'])\n"
                 "epmem.set_log_callback(lambda l, m: None, epmem.EPM_LOG_LEVEL_TRACE)\n"
                 "ev = d.event(); ev.record(s)\n"
                 "print('ok')\n")

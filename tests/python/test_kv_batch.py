@@ -29,7 +29,7 @@ class _BatchCase(unittest.TestCase):
         self.dev = epmem.Device()
         self.g = self.dev.info()["granularity"]
         self.layout = epmem.kv_layout_token_major(LAYERS, HEADS, DIM, ELEM)
-        self.arena = epmem.KvArena(self.dev, 128 * self.g)
+        self.arena = epmem.KvPool(self.dev, 128 * self.g)
         self.stream = self.dev.stream()
         self.batch = self.arena.batch(self.layout, MAX_TOKENS, MAX_SLOTS)
 
@@ -147,7 +147,7 @@ class Binding(_BatchCase):
         with self.assertRaises(epmem.InvalidArgument):
             epmem.lib().epm_kv_batch_release_slot(plain.handle, self.stream.handle)
         plain.close()
-        other = epmem.KvArena(self.dev, 16 * self.g)
+        other = epmem.KvPool(self.dev, 16 * self.g)
         try:
             b2 = other.batch(self.layout, 64, 2)
             with self.assertRaises(epmem.InvalidArgument):

@@ -486,7 +486,7 @@ class Tensors(unittest.TestCase):
         layers, heads, hd = 3, 2, 32
         layout = epmem.kv_layout_token_major(layers, heads, hd, 2)
         g = self.dev.info()["granularity"]
-        with epmem.KvArena(self.dev, 32 * g) as kv, self.dev.stream() as s:
+        with epmem.KvPool(self.dev, 32 * g) as kv, self.dev.stream() as s:
             seq = kv.seq(layout, 256)
             seq.prepare_append(10, s)
             s.synchronize()

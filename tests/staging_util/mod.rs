@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use epmem::device::{self, Device, DevicePtr, HostRange, PinnedBuffer, Stream, fence};
+use epmem::device::{self, Device, DevicePtr, HostRange, PinnedBuffer, Stream};
+use epmem::transfer::witness;
 
 /// The device `EPM_DEVICE` names (host in CI, cuda on the GPU machine).
 pub fn dev() -> Arc<dyn Device> {
@@ -27,7 +28,7 @@ pub fn leak_range(bytes: Vec<u8>) -> HostRange {
 /// Read `len` bytes of device memory back, ordered after the work on `s`.
 pub fn read_back(dev: &Arc<dyn Device>, s: &Stream, src: DevicePtr, len: usize) -> Vec<u8> {
     let buf = PinnedBuffer::new(dev, len.max(1)).expect("pinned read-back buffer");
-    let buf = fence::enqueue_dtoh(s, buf, src, len, None).expect("enqueue d2h").wait().expect("d2h");
+    let buf = witness::enqueue_dtoh(s, buf, src, len, None).expect("enqueue d2h").wait().expect("d2h");
     buf[..len].to_vec()
 }
 

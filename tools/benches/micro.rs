@@ -19,7 +19,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
-use epmem::device::{self, Device, DeviceBuffer, Stream, fence};
+use epmem::device::{self, Device, DeviceBuffer, Stream};
+use epmem::transfer::witness;
 use epmem::kv::ledger::Ledger;
 use epmem::staging::{PinnedStagingPool, PoolConfig};
 use epmem_tools::bench::median;
@@ -57,7 +58,7 @@ fn main() -> epmem::Result<()> {
             let t = Instant::now();
             let buf = pool.acquire(4096)?;
             ns += t.elapsed().as_nanos();
-            let done = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?.wait()?;
+            let done = witness::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?.wait()?;
             let t = Instant::now();
             pool.release(done);
             ns += t.elapsed().as_nanos();

@@ -8,7 +8,7 @@ use cudarc::driver::sys;
 
 use super::driver::host_oom;
 use super::{CudaDevice, bump, lock};
-use crate::device::hostreg::portable;
+use crate::device::portable;
 use crate::device::{DeviceKind, DevicePtr, LiveCounts, RawStream};
 use crate::error::{EpmStatus, Error, Result};
 

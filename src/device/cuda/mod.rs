@@ -309,7 +309,7 @@ impl Device for CudaDevice {
     }
     fn host_is_page_locked(&self, p: *const u8, len: usize) -> bool {
         lock(&self.host).is_page_locked(p as usize, len)
-            || crate::device::hostreg::portable::contains(DeviceKind::Cuda, p as usize, len)
+            || crate::device::portable::contains(DeviceKind::Cuda, p as usize, len)
     }
 
     fn mem_alloc(&self, bytes: usize) -> Result<DevicePtr> {

@@ -29,7 +29,7 @@ use self::pinned::HostMem;
 use self::space::{AddrSpace, Need};
 use self::stream::{HostStream, MemOp, Op, StreamShared, lock};
 use self::vmm::Phys;
-use super::hostreg::portable;
+use super::portable;
 use super::*;
 
 /// The H200's VMM granularity; the host device mimics it so sizes and

@@ -1,4 +1,4 @@
-//! bench_kv: the KV arena against the VMM driver floor, and what prefix
+//! bench_kv: the KV pool against the VMM driver floor, and what prefix
 //! sharing saves (issue 5, seed 003).
 //!
 //!   EPM_DEVICE=cuda bench_kv [--json PATH] [--runs N]   # on the H200
@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use epmem_tools::bench::{BenchArgs, Report, Scenario, median, repeat};
 use epmem::device::{self, Access, Device, DeviceBuffer, Stream};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape, SlotChoice, admissible, request_cost};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape, SlotChoice, admissible, request_cost};
 
 const MIB: f64 = 1024.0 * 1024.0;
 const GIB: u64 = 1 << 30;
@@ -110,7 +110,7 @@ fn ours(dev: &Arc<dyn Device>, l: &KvLayout, k: u64, warmup: usize, runs: usize)
     let s = Stream::new(dev).unwrap();
     // n tokens whose bytes end inside granule k: exactly k slots.
     let n = k * g / l.bytes_per_token();
-    let mut a = KvArena::new(dev, KvConfig::new(64 * GIB)).unwrap();
+    let mut a = KvPool::new(dev, KvConfig::new(64 * GIB)).unwrap();
     let o = a.create_sequence(l, n + 1, AdmitMode::OnDemand).unwrap();
     a.prepare_append(o, n, s.raw()).unwrap();
     let p = a.pin_prefix(o, n, s.raw()).unwrap();
@@ -188,7 +188,7 @@ fn part1(dev: &Arc<dyn Device>, r: &mut Report, quick: bool, warmup: usize, runs
 fn footprint(dev: &Arc<dyn Device>, l: &KvLayout, prefix: u64, sharers: u64, share: bool) -> (u64, i64) {
     let s = Stream::new(dev).unwrap();
     let g = dev.vmm_granularity() as u64;
-    let mut a = KvArena::new(dev, KvConfig::new(u64::MAX / 4)).unwrap();
+    let mut a = KvPool::new(dev, KvConfig::new(u64::MAX / 4)).unwrap();
     let free0 = dev.mem_get_info().map_or(0, |m| m.0) as i64;
     let o = a.create_sequence(l, prefix, AdmitMode::OnDemand).unwrap();
     a.prepare_append(o, prefix, s.raw()).unwrap();
@@ -212,13 +212,13 @@ fn admit_count(dev: &Arc<dyn Device>, l: &KvLayout, budget: u64, prefix: u64, to
     let s = Stream::new(dev).unwrap();
     let g = dev.vmm_granularity() as u64;
     // The dummy granule is the arena's, not a request's: add it on top.
-    let mut a = KvArena::new(dev, KvConfig::new(budget + g)).unwrap();
-    let Ok(o) = a.create_sequence(l, total, AdmitMode::Reserve) else { return 0 };
+    let mut a = KvPool::new(dev, KvConfig::new(budget + g)).unwrap();
+    let Ok(o) = a.create_sequence(l, total, AdmitMode::Promise) else { return 0 };
     a.prepare_append(o, prefix, s.raw()).unwrap();
     let p = a.pin_prefix(o, prefix, s.raw()).unwrap();
     let mut n = 1;
     loop {
-        let r = if share { a.commit_shared_prefix(p, prefix, total, AdmitMode::Reserve) } else { a.create_sequence(l, total, AdmitMode::Reserve) };
+        let r = if share { a.commit_shared_prefix(p, prefix, total, AdmitMode::Promise) } else { a.create_sequence(l, total, AdmitMode::Promise) };
         match r {
             Ok(_) => n += 1,
             Err(_) => return n,
@@ -258,7 +258,7 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
             let (mu, ms) = (admit_count(dev, l, budget, pt, 2 * pt, false), admit_count(dev, l, budget, pt, 2 * pt, true));
             r.markdown.push_str(&format!(
                 "| {name} | {pt} | {:.0} | {} / {mu} | {} / {ms} | {} |\n",
-                budget as f64 / MIB, ar.without_sharing, ar.with_sharing, ar.seed_formula
+                budget as f64 / MIB, ar.without_sharing, ar.with_sharing, ar.over_admitting_formula
             ));
             r.scenarios.push(Scenario::new("admission", &format!("admitted_shared/{name}/{pt}"), "requests", true, vec![ms as f64]).at(pt as f64));
             r.scenarios.push(Scenario::new("admission", &format!("admitted_unshared/{name}/{pt}"), "requests", true, vec![mu as f64]).at(pt as f64));
@@ -282,7 +282,7 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
 fn batch_footprint(dev: &Arc<dyn Device>, l: &KvLayout, prefix: u64, slots: u32, share: bool) -> (u64, i64) {
     let s = Stream::new(dev).unwrap();
     let g = dev.vmm_granularity() as u64;
-    let mut a = KvArena::new(dev, KvConfig::new(u64::MAX / 4)).unwrap();
+    let mut a = KvPool::new(dev, KvConfig::new(u64::MAX / 4)).unwrap();
     let free0 = dev.mem_get_info().map_or(0, |m| m.0) as i64;
     let b = a.create_batch(l, prefix, slots).unwrap();
     let o = a.take_slot(b, SlotChoice::Any, AdmitMode::OnDemand).unwrap();

@@ -37,7 +37,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use epmem::EpmStatus;
-use epmem::device::hostreg::SharedHostRegistration;
+use epmem::transfer::pinning::SharedHostRegistration;
 use epmem::device::{self, Device, DeviceKind, DeviceSelect, HostRange, Stream};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
 

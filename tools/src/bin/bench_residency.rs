@@ -24,7 +24,8 @@ use std::time::Instant;
 
 use epmem::Result;
 use epmem_tools::bench::{Report, Scenario, gbps, median};
-use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream, fence};
+use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream};
+use epmem::transfer::witness;
 use epmem::device::rlimit::memlock_limit;
 use epmem::residency::sim::belady;
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId};
@@ -122,7 +123,7 @@ fn peak(dev: &Arc<dyn Device>, m: &Model, a: &Args) -> Result<Vec<f64>> {
     for i in 0..a.warmup + a.steps {
         let t = Instant::now();
         for _ in 0..reps {
-            fence::enqueue_htod_from_range(&s, dst.ptr(), src, None)?;
+            witness::enqueue_htod_from_range(&s, dst.ptr(), src, None)?;
         }
         s.synchronize()?;
         if i >= a.warmup {
@@ -142,7 +143,7 @@ fn naive(dev: &Arc<dyn Device>, m: &Model, a: &Args) -> Result<(Vec<f64>, u64)> 
         let before = dev.driver_counts();
         let t = Instant::now();
         for &l in &m.layers {
-            fence::enqueue_htod_from_range(&s, dst.ptr(), l, None)?;
+            witness::enqueue_htod_from_range(&s, dst.ptr(), l, None)?;
         }
         s.synchronize()?;
         if i >= a.warmup {
@@ -280,7 +281,7 @@ fn bench(a: &Args) -> Result<()> {
             "b_seed_sync_lru",
             {
                 // The seed filled one buffer on one thread; same chunking as ours.
-                let mut seed = ResidencyConfig::seed_baseline(budget);
+                let mut seed = ResidencyConfig::sync_lru_baseline(budget);
                 seed.engine.chunk_bytes = ours.engine.chunk_bytes;
                 seed
             },

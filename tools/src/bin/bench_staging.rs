@@ -32,8 +32,8 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use epmem_tools::bench::{BenchArgs, Report, Scenario, gbps, median, repeat};
-use epmem::device::fence::{self, CopyTiming};
-use epmem::device::fill::FillThreads;
+use epmem::transfer::witness::{self, CopyTiming};
+use epmem::transfer::fill::FillThreads;
 use epmem::device::{self, DeviceBuffer, Event, HostRange, PinnedBuffer, Stream};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 
@@ -138,7 +138,7 @@ fn fill_under_dma(
         epmem::bail!(Internal, "no fill destination")
     };
     let Some(buf) = dma_src.take() else { epmem::bail!(Internal, "DMA source buffer lost") };
-    let dma = fence::enqueue_htod(&c.stream, dma_dst.ptr(), buf, plan.ceiling_dma, None)?;
+    let dma = witness::enqueue_htod(&c.stream, dma_dst.ptr(), buf, plan.ceiling_dma, None)?;
     let t = Instant::now();
     let n = dsts.len();
     for (i, from) in src.as_slice()[..plan.ceiling_fill].chunks(piece).enumerate() {
@@ -146,8 +146,8 @@ fn fill_under_dma(
     }
     let ms = t.elapsed().as_secs_f64() * 1e3;
     let (buf, overlapped) = match dma.try_complete()? {
-        fence::TryComplete::Done(done) => (done.into_buffer(), false),
-        fence::TryComplete::Pending(dma) => (dma.wait()?.into_buffer(), true),
+        witness::TryComplete::Done(done) => (done.into_buffer(), false),
+        witness::TryComplete::Pending(dma) => (dma.wait()?.into_buffer(), true),
     };
     *dma_src = Some(buf);
     Ok(overlapped.then(|| gbps(plan.ceiling_fill as u64, ms)))
@@ -246,7 +246,7 @@ fn run(args: &BenchArgs) -> Res<()> {
         let t0 = Instant::now();
         let buf = c.pool.acquire(4096)?;
         let acquire = t0.elapsed();
-        let done = fence::enqueue_htod(&c.stream, lat_dst.ptr(), buf, 4096, None)?.wait()?;
+        let done = witness::enqueue_htod(&c.stream, lat_dst.ptr(), buf, 4096, None)?.wait()?;
         let t1 = Instant::now();
         c.pool.release(done);
         let release = t1.elapsed();
@@ -272,13 +272,13 @@ fn run(args: &BenchArgs) -> Res<()> {
         let a = rate(&plan, n, || {
             let mut buf = PinnedBuffer::new(&dev, n)?;
             c.fill.copy(&mut buf, src.as_slice())?;
-            drop(fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?);
+            drop(witness::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?);
             Ok(())
         })?;
         let b = rate(&plan, n, || {
             let mut buf = c.pool.acquire(n)?;
             c.fill.copy(&mut buf[..n], src.as_slice())?;
-            c.pool.release(fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?);
+            c.pool.release(witness::enqueue_htod(&c.stream, dst.ptr(), buf, n, None)?.wait()?);
             Ok(())
         })?;
         // (c): warm-up inside `rate` first, then count allocations over the measured runs.
@@ -299,7 +299,7 @@ fn run(args: &BenchArgs) -> Res<()> {
         let mut device_ms = Vec::new();
         let e = rate(&plan, n, || {
             let Some(buf) = peak_buf.take() else { epmem::bail!(Internal, "peak buffer lost") };
-            let buf = fence::enqueue_htod(&c.stream, dst.ptr(), buf, n, Some(&timing))?.wait()?.into_buffer();
+            let buf = witness::enqueue_htod(&c.stream, dst.ptr(), buf, n, Some(&timing))?.wait()?.into_buffer();
             if let Some(ms) = timing.elapsed_ms()? {
                 device_ms.push(f64::from(ms));
             }
@@ -469,7 +469,7 @@ fn direct_vs_raw(c: &Ctx, plan: &Plan, n: usize, src: HostRange, dst: &DeviceBuf
         let before = c.engine.stats();
         let ms = timed(|| {
             let f = c.engine.htod(dst.ptr(), src, None)?;
-            epmem::ensure!(f.bypassed(), Internal, "a registered source was staged");
+            epmem::ensure!(f.direct(), Internal, "a registered source was staged");
             f.wait()
         })?;
         let after = c.engine.stats();
@@ -485,7 +485,7 @@ fn direct_vs_raw(c: &Ctx, plan: &Plan, n: usize, src: HostRange, dst: &DeviceBuf
         let ms = timed(|| {
             let done = Event::new(c.engine.device(), false)?;
             timing.record_start(&c.stream)?;
-            fence::enqueue_htod_from_range(&c.stream, dst.ptr(), src, None)?;
+            witness::enqueue_htod_from_range(&c.stream, dst.ptr(), src, None)?;
             timing.record_end(&c.stream)?;
             done.record(&c.stream)?;
             done.synchronize()

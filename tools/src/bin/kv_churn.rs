@@ -1,4 +1,4 @@
-//! kv_churn: a long prefix-sharing churn on the KV arena, watching for
+//! kv_churn: a long prefix-sharing churn on the KV pool, watching for
 //! driver-allocation growth and ledger drift (issue 8, long runs).
 //!
 //!   EPM_DEVICE=cuda kv_churn              # the H200 run: 20,000 requests, ~1 min
@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, Stream, checksum_host};
-use epmem::kv::{AdmitMode, KvArena, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
 
 /// `n` deterministic bytes per seed, so a checksum failure reproduces.
 fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
@@ -81,7 +81,7 @@ fn allocs(c: &DriverCounts) -> (u64, u64, u64) {
 struct Churn {
     dev: Arc<dyn Device>,
     s: Stream,
-    a: KvArena,
+    a: KvPool,
     layout: KvLayout,
     args: Args,
     /// Device slots for two checksums, and their host copy.
@@ -148,7 +148,7 @@ impl Churn {
     fn request(&mut self, i: u64) -> epmem::Result<()> {
         let (p, n) = (self.args.prefix_tokens, self.args.append_tokens);
         let &(pid, _, psum) = self.prefixes.last().expect("a pinned prefix");
-        let seq = self.a.commit_shared_prefix(pid, p, p + n, AdmitMode::Reserve)?;
+        let seq = self.a.commit_shared_prefix(pid, p, p + n, AdmitMode::Promise)?;
         self.a.prepare_append(seq, n, self.s.raw())?;
         let base = self.a.sequence_info(seq)?.base;
         let v = (i % 4) as usize;
@@ -194,7 +194,7 @@ fn run(args: Args) -> Result<String, String> {
     // Room for the window, two prefixes and an origin, twice over: the pool
     // never has to give a retained granule back for budget.
     let budget = 2 * (args.window as u64 + 4) * per_seq * g;
-    let a = KvArena::new(&dev, KvConfig::new(budget)).map_err(e)?;
+    let a = KvPool::new(&dev, KvConfig::new(budget)).map_err(e)?;
     let n = (args.append_tokens * layout.bytes_per_token()) as usize;
     let appended: [Vec<u8>; 4] = std::array::from_fn(|v| random_bytes(7 + v as u64, n));
     let appended_sums = std::array::from_fn(|v| checksum_host(&appended[v]));

@@ -35,14 +35,15 @@
 //! program that compiles. The legitimate path compiles and runs (on the host
 //! device in CI):
 //! ```
-//! # use epmem::device::{self, fence::{self, CopyCompleted}, DeviceBuffer, PinnedBuffer, Stream};
+//! # use epmem::device::{self, DeviceBuffer, PinnedBuffer, Stream};
+//! # use epmem::transfer::witness::{self, CopyCompleted};
 //! # fn main() -> epmem::Result<()> {
 //! # let dev = device::open_from_env(0)?;
 //! # let stream = Stream::new(&dev)?;
 //! # let dst = DeviceBuffer::new(&dev, 4096)?;
 //! let mut buf = PinnedBuffer::new(&dev, 4096)?;
 //! buf.fill(7);
-//! let in_flight = fence::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
+//! let in_flight = witness::enqueue_htod(&stream, dst.ptr(), buf, 4096, None)?;
 //! let done: CopyCompleted<PinnedBuffer> = in_flight.wait()?;
 //! assert_eq!(done[0], 7);
 //! let buf: PinnedBuffer = done.into_buffer();
@@ -52,7 +53,7 @@
 
 use std::fmt;
 
-use super::{DevicePtr, Event, HostRange, PinnedBuffer, Stream};
+use crate::device::{Device, DevicePtr, Event, HostRange, PinnedBuffer, Stream};
 use crate::error::Result;
 
 /// A buffer together with the proof that the copy which last used it was
@@ -129,7 +130,7 @@ pub struct CopyTiming {
 }
 
 impl CopyTiming {
-    pub fn new(dev: &std::sync::Arc<dyn super::Device>) -> Result<Self> {
+    pub fn new(dev: &std::sync::Arc<dyn Device>) -> Result<Self> {
         Ok(Self { start: Event::new(dev, true)?, end: Event::new(dev, true)? })
     }
     /// Mark the start on `s` (before the first timed copy is enqueued).
@@ -293,7 +294,7 @@ fn enqueue<T: PinnedOwner>(
     buf: T,
     len: usize,
     timing: Option<&CopyTiming>,
-    copy: impl FnOnce(&std::sync::Arc<dyn super::Device>) -> Result<()>,
+    copy: impl FnOnce(&std::sync::Arc<dyn Device>) -> Result<()>,
 ) -> Result<InFlight<T>> {
     let done = Event::new(stream.device(), false)?;
     if let Some(t) = timing {

@@ -6,7 +6,7 @@
 //! ordered by an event: the page-in's completion [`Fence`], and one event per
 //! `release` recorded on the releasing stream. A [`Fenced`] block owns the
 //! memory together with those events; the only ways out are
-//! [`Fenced::try_retire`] (never blocks) and [`Fenced::wait`], and both return
+//! [`Fenced::try_complete`] (never blocks) and [`Fenced::wait`], and both return
 //! the block *inside* a [`ReadsDone`]: a move-only value whose constructor is
 //! private to this module, called only after every event was observed
 //! complete, and which owns the very block it vouches for. The memory goes
@@ -32,7 +32,7 @@
 //! the block out) are compiled, with their error codes checked, by
 //! `tests/compile_fail.rs`. Holding and moving a witness compiles:
 //! ```
-//! use epmem::residency::fence::ReadsDone;
+//! use epmem::residency::read_fence::ReadsDone;
 //! fn pass(w: ReadsDone) -> (u64, ReadsDone) {
 //!     (w.addr(), w)
 //! }
@@ -176,9 +176,9 @@ pub(super) fn page_in_done(slot: &mut Option<Fence>) -> Result<bool> {
     Ok(true)
 }
 
-/// The result of [`Fenced::try_retire`].
+/// The result of [`Fenced::try_complete`].
 #[derive(Debug)]
-pub enum Retire {
+pub enum TryReadsDone {
     /// Every event completed: the block inside its witness, and the spent events (for reuse).
     Done(ReadsDone, Vec<Event>),
     /// Still running.
@@ -219,7 +219,7 @@ impl Fenced {
         self.events.push(e);
     }
     /// Whether the page-in and every read have completed. Never blocks and
-    /// changes nothing (a choice between victims, not a retirement).
+    /// changes nothing (a choice between victims, not a completion).
     pub fn is_idle(&self) -> Result<bool> {
         if let Some(f) = &self.page_in {
             if !f.query()? {
@@ -252,14 +252,14 @@ impl Fenced {
         Ok(done)
     }
     /// Never blocks: the block and its witness if every event completed.
-    pub fn try_retire(mut self) -> Result<Retire> {
+    pub fn try_complete(mut self) -> Result<TryReadsDone> {
         let spent = self.prune()?;
         if self.events.is_empty() && self.page_in_done()? {
-            Ok(Retire::Done(ReadsDone::mint(self.take()), spent))
+            Ok(TryReadsDone::Done(ReadsDone::mint(self.take()), spent))
         } else {
             // Completed events are spent either way; keep only the pending ones.
             drop(spent);
-            Ok(Retire::Pending(self))
+            Ok(TryReadsDone::Pending(self))
         }
     }
     /// Block until every event completes; the block inside its witness, and the spent events.

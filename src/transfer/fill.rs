@@ -3,8 +3,8 @@
 //! Why here and not in `staging/`: handing disjoint pieces of one `&mut [u8]`
 //! to long-lived threads needs raw pointers (scoped threads would be safe but
 //! are created per call — the "threads made per slot" pipeline that reached
-//! only 68% of the PCIe peak). The unsafe lives in the device layer, behind a
-//! safe call that does not return until every piece is written.
+//! only 68% of the PCIe peak). The unsafe lives in the transfer layer, behind
+//! a safe call that does not return until every piece is written.
 //!
 //! Why several threads: on the H200 host one memcpy thread fills at ~10 GB/s
 //! and PCIe moves ~54 GB/s; 6–16 threads reach 47–50 GB/s alone and 27–37 GB/s
@@ -395,7 +395,7 @@ mod tests {
         let written = fill
             .copy_with(&mut dst, &src, || {
                 let at = |i: usize| {
-                    // SAFETY (test): a volatile one-byte probe of memory the
+                    // SAFETY: (test) a volatile one-byte probe of memory the
                     // workers write; a torn or stale read only delays the loop.
                     unsafe { std::ptr::read_volatile((base + i) as *const u8) }
                 };

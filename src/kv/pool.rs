@@ -1,8 +1,8 @@
-//! The KV arena: one granule pool, one ledger, one dummy granule, and the
+//! The KV pool: one granule pool, one ledger, one dummy granule, and the
 //! sequences and prefixes built from them.
 //!
 //! Sequence operations are in [`super::sequence`], prefix operations in
-//! [`super::prefix`], batch operations in [`super::batch`]. The arena is
+//! [`super::prefix`], batch operations in [`super::batch`]. The pool is
 //! single-owner (`&mut self`); the C layer puts it behind a mutex.
 
 use std::sync::Arc;
@@ -17,10 +17,10 @@ use super::slab::Slab;
 use crate::device::{Access, Device, Event, RawStream, Stream, VaRange};
 use crate::error::Result;
 
-/// Arena configuration.
+/// Pool configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvConfig {
-    /// Physical bytes the arena may own (dummy granule included).
+    /// Physical bytes the pool may own (dummy granule included).
     pub budget_bytes: u64,
     /// Tokens per hashed block for content-hash prefix detection.
     pub hash_block_tokens: u32,
@@ -37,14 +37,15 @@ impl KvConfig {
 pub enum AdmitMode {
     /// Promise the sequence's worst-case private granules up front (refused
     /// with OutOfBudget if the ledger cannot hold them); `prepare_append`
-    /// then never fails for budget.
-    Reserve,
+    /// then never fails for budget. (C: `EPM_KV_ADMIT_PROMISE`, formerly
+    /// `EPM_KV_ADMIT_RESERVE`: *reserve* is for VA reservations.)
+    Promise,
     /// Promise nothing: granules are charged as `prepare_append` commits
     /// them, and that may fail with OutOfBudget.
     OnDemand,
 }
 
-/// Counters of the arena's own work.
+/// Counters of the pool's own work.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvCounters {
     /// Boundary granules copied on write.
@@ -52,12 +53,13 @@ pub struct KvCounters {
     /// Fresh granules committed by prepare_append (excluding COW).
     pub committed_granules: u64,
     /// Host waits on a caller's stream before a mapping change.
-    pub fences: u64,
+    /// (C: `EpmKvStats.fences`, the name the ABI shipped with.)
+    pub stream_waits: u64,
     /// Sequences created with a prefix found by content hash.
     pub hash_hits: u64,
 }
 
-/// Everything the arena can report.
+/// Everything the pool can report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvStats {
     pub ledger: LedgerStats,
@@ -74,7 +76,7 @@ pub struct KvStats {
 }
 
 #[derive(Debug)]
-pub struct KvArena {
+pub struct KvPool {
     pub(crate) dev: Arc<dyn Device>,
     pub(crate) config: KvConfig,
     pub(crate) pool: GranulePool,
@@ -83,18 +85,18 @@ pub struct KvArena {
     pub(crate) prefixes: Slab<Prefix>,
     pub(crate) batches: Slab<Batch>,
     pub(crate) index: PrefixIndex<u64>,
-    pub(crate) fence_event: Event,
+    pub(crate) stream_wait_event: Event,
     pub(crate) counters: KvCounters,
 }
 
-impl KvArena {
-    /// A new arena. Charges the dummy granule (one granule, physical bytes)
+impl KvPool {
+    /// A new pool. Charges the dummy granule (one granule, physical bytes)
     /// to the budget, so the budget must hold at least one granule.
     pub fn new(dev: &Arc<dyn Device>, config: KvConfig) -> Result<Self> {
-        crate::ensure!(config.hash_block_tokens > 0, InvalidArgument, "KV arena: hash_block_tokens is 0");
+        crate::ensure!(config.hash_block_tokens > 0, InvalidArgument, "KV pool: hash_block_tokens is 0");
         let mut pool = GranulePool::new(dev, config.budget_bytes);
-        let dummy = pool.acquire(false).map_err(|e| e.context("KV arena: the dummy granule"))?;
-        let arena = Self {
+        let dummy = pool.acquire(false).map_err(|e| e.context("KV pool: the dummy granule"))?;
+        let pool = Self {
             dev: dev.clone(),
             config,
             pool,
@@ -103,11 +105,11 @@ impl KvArena {
             prefixes: Slab::new("KV prefix"),
             batches: Slab::new("KV batch"),
             index: PrefixIndex::new(),
-            fence_event: Event::new(dev, false)?,
+            stream_wait_event: Event::new(dev, false)?,
             counters: KvCounters::default(),
         };
-        arena.zero_dummy()?;
-        Ok(arena)
+        pool.zero_dummy()?;
+        Ok(pool)
     }
 
     /// A reader of the unused tail sees zeros, not whatever the granule held
@@ -143,10 +145,10 @@ impl KvArena {
     /// caller's stream still reads the old mapping is to see that work
     /// complete. On the H200 a kernel touching an unmapped or read-only page
     /// is error 700 and kills the context; on the host device it is SIGSEGV.
-    pub(crate) fn fence(&mut self, stream: RawStream) -> Result<()> {
-        self.fence_event.record_raw(stream)?;
-        self.fence_event.synchronize()?;
-        self.counters.fences += 1;
+    pub(crate) fn wait_for_stream(&mut self, stream: RawStream) -> Result<()> {
+        self.stream_wait_event.record_raw(stream)?;
+        self.stream_wait_event.synchronize()?;
+        self.counters.stream_waits += 1;
         Ok(())
     }
 
@@ -182,7 +184,7 @@ impl KvArena {
         self.pool.trim()
     }
 
-    /// Destroy everything in the arena, returning the first error. The caller
+    /// Destroy everything in the pool, returning the first error. The caller
     /// guarantees that no work in flight touches any sequence.
     pub fn clear(&mut self) -> Result<()> {
         let mut first = Ok(());
@@ -209,9 +211,9 @@ impl KvArena {
     }
 }
 
-impl Drop for KvArena {
+impl Drop for KvPool {
     fn drop(&mut self) {
-        crate::device::objects::log_drop_error("KV arena teardown", self.clear());
-        crate::device::objects::log_drop_error("KV arena: release dummy", self.pool.release(self.dummy));
+        crate::device::objects::log_drop_error("KV pool teardown", self.clear());
+        crate::device::objects::log_drop_error("KV pool: release dummy", self.pool.release(self.dummy));
     }
 }
