@@ -11,10 +11,6 @@
 mod coalesce;
 pub mod config;
 mod evict;
-// The old module name, for ring.rs alone until its owner renames its two
-// uses (super::fence::DeviceBlock, super::fence::page_in_done); crate-private,
-// so the public Rust name is only `read_fence`.
-use read_fence as fence;
 pub mod manager;
 mod page_in;
 pub mod placement;

@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::WeightId;
-use super::fence::DeviceBlock;
+use super::read_fence::DeviceBlock;
 use super::placement::ALIGN;
 use crate::arena::DeviceArena;
 use crate::device::{Device, Event, Stream};
@@ -112,7 +112,7 @@ impl RingSlot {
         self.page_in.as_ref()
     }
     pub fn page_in_done(&mut self) -> Result<bool> {
-        super::fence::page_in_done(&mut self.page_in)
+        super::read_fence::page_in_done(&mut self.page_in)
     }
     /// Release events not yet observed complete (after [`Self::prune`]).
     pub fn pending(&self) -> usize {
