@@ -138,20 +138,9 @@ impl ResidencyManager {
             }
         }
         for &v in &victims {
-            let e = st.reg.get_mut(v)?;
-            let Some(slot) = e.slot.take() else { continue };
-            if std::mem::take(&mut e.prefetched) {
-                st.c.pending_prefetches -= 1;
-                st.c.wasted_prefetches += 1;
-            }
             // Accounted gone first: if ordering fails, dropping the slot
             // waits for its readers on the host, and the ring stays consistent.
-            if let Some(r) = st.ring.as_mut() {
-                r.vacate(v);
-            }
-            st.resident_weights -= 1;
-            st.c.ring_weights -= 1;
-            st.c.evictions += 1;
+            let Some(slot) = Self::take_ring_slot(st, v)? else { continue };
             st.c.ordered_reuses += 1;
             let spent = slot.order_before(&st.order)?;
             st.spare.extend(spent);
@@ -189,20 +178,9 @@ impl ResidencyManager {
     /// Evict streamed unit `v` on the host's side (unregister, re-plan):
     /// waits for its readers.
     pub(super) fn evict_slot(&self, st: &mut State, v: WeightId) -> Result<()> {
-        let e = st.reg.get_mut(v)?;
-        let Some(mut slot) = e.slot.take() else {
+        let Some(mut slot) = Self::take_ring_slot(st, v)? else {
             return Ok(());
         };
-        if std::mem::take(&mut e.prefetched) {
-            st.c.pending_prefetches -= 1;
-            st.c.wasted_prefetches += 1;
-        }
-        if let Some(r) = st.ring.as_mut() {
-            r.vacate(v);
-        }
-        st.resident_weights -= 1;
-        st.c.ring_weights -= 1;
-        st.c.evictions += 1;
         let spent_early = slot.prune()?;
         st.spare.extend(spent_early);
         let pending = !slot.page_in_done()? || slot.pending() > 0;
@@ -215,5 +193,26 @@ impl ResidencyManager {
         st.spare.extend(spent);
         st.policy.removed(v);
         Ok(())
+    }
+
+    /// Take streamed unit `v`'s ring slot out of the books (a prefetch never
+    /// read counts as wasted, its ring bytes are vacated, one eviction); the
+    /// caller then hands the slot's bytes on or waits for its readers.
+    fn take_ring_slot(st: &mut State, v: WeightId) -> Result<Option<RingSlot>> {
+        let e = st.reg.get_mut(v)?;
+        let Some(slot) = e.slot.take() else {
+            return Ok(None);
+        };
+        if std::mem::take(&mut e.prefetched) {
+            st.c.pending_prefetches -= 1;
+            st.c.wasted_prefetches += 1;
+        }
+        if let Some(r) = st.ring.as_mut() {
+            r.vacate(v);
+        }
+        st.resident_weights -= 1;
+        st.c.ring_weights -= 1;
+        st.c.evictions += 1;
+        Ok(Some(slot))
     }
 }
