@@ -8,54 +8,14 @@ use epmem::device::{self, Device, DeviceBuffer, HostRange, Stream, checksum_host
 use epmem::residency::sim::{belady, simulate};
 use epmem::residency::{PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId, new_policy};
 
+mod residency_util;
+use residency_util::Weights;
+
 fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
 }
 
 /// Page-aligned host weights of pseudo-random bytes (page alignment lets
-/// each weight's source be registered on its own).
-struct Weights {
-    buf: Vec<u8>,
-    spans: Vec<(usize, usize)>,
-}
-
-impl Weights {
-    fn new(sizes: &[usize], seed: u64) -> Self {
-        let page = 4096;
-        let total: usize = sizes.iter().map(|s| s.next_multiple_of(page)).sum::<usize>() + page;
-        let mut buf = vec![0u8; total];
-        let mut s = seed | 1;
-        for b in buf.chunks_mut(8) {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let v = s.to_le_bytes();
-            b.copy_from_slice(&v[..b.len()]);
-        }
-        let mut off = buf.as_ptr().align_offset(page);
-        let mut spans = Vec::new();
-        for &n in sizes {
-            spans.push((off, n));
-            off += n.next_multiple_of(page);
-        }
-        Self { buf, spans }
-    }
-    fn range(&self, i: usize) -> HostRange {
-        let (o, n) = self.spans[i];
-        // SAFETY: the span lies inside `buf`, which outlives every manager in
-        // these tests and is never written after construction.
-        unsafe { HostRange::new(self.buf.as_ptr().add(o), n) }
-    }
-    fn checksum(&self, i: usize) -> u64 {
-        let (o, n) = self.spans[i];
-        checksum_host(&self.buf[o..o + n])
-    }
-    fn register_all(&self, m: &ResidencyManager) -> Vec<WeightId> {
-        (0..self.spans.len())
-            .map(|i| m.register(self.range(i)).unwrap())
-            .collect()
-    }
-}
 
 /// Device slots for checksums, read back after a synchronize.
 struct Slots {

@@ -17,10 +17,13 @@
 
 use std::sync::Arc;
 
-use epmem::device::{self, Device, DeviceBuffer, HostRange, Stream, checksum_host};
+use epmem::device::{self, Device, DeviceBuffer, Stream};
 use epmem::residency::placement::{self, Hold, best_static_fill, whole_weight_floor};
 use epmem::residency::sim::belady;
 use epmem::residency::{ResidencyConfig, ResidencyManager, ResidencyStats, WeightId};
+
+mod residency_util;
+use residency_util::Weights;
 
 fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
@@ -42,47 +45,6 @@ fn shapes() -> Vec<(&'static str, [usize; 7])> {
     ]
 }
 
-/// Page-aligned host weights of pseudo-random bytes.
-struct Weights {
-    buf: Vec<u8>,
-    spans: Vec<(usize, usize)>,
-}
-
-impl Weights {
-    fn new(sizes: &[usize], seed: u64) -> Self {
-        let page = 4096;
-        let total: usize = sizes
-            .iter()
-            .map(|s| s.next_multiple_of(page))
-            .sum::<usize>()
-            + page;
-        let mut buf = vec![0u8; total];
-        let mut s = seed | 1;
-        for b in buf.chunks_mut(8) {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            b.copy_from_slice(&s.to_le_bytes()[..b.len()]);
-        }
-        let mut off = buf.as_ptr().align_offset(page);
-        let mut spans = Vec::new();
-        for &n in sizes {
-            spans.push((off, n));
-            off += n.next_multiple_of(page);
-        }
-        Self { buf, spans }
-    }
-    fn range(&self, i: usize) -> HostRange {
-        let (o, n) = self.spans[i];
-        // SAFETY: the span lies inside `buf`, which outlives every manager in
-        // these tests and is never written after construction.
-        unsafe { HostRange::new(self.buf.as_ptr().add(o), n) }
-    }
-    fn checksum(&self, i: usize) -> u64 {
-        let (o, n) = self.spans[i];
-        checksum_host(&self.buf[o..o + n])
-    }
-}
 
 fn cfg(budget: usize, depth: usize) -> ResidencyConfig {
     let mut c = ResidencyConfig::with_budget(budget);
