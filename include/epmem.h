@@ -867,6 +867,17 @@ typedef struct EpmResidencyConfig {
    * Largest coalesced unit (default 8 MiB; never above budget / 8).
    */
   uint64_t coalesce_max_bytes;
+  /**
+   * Nonzero: prefetches from staged (pageable, unregistered) sources are
+   * filled on the thread that calls `epm_residency_release`, as before
+   * this field existed. Zero: a background thread of the manager fills and
+   * enqueues them, so the calling thread (the one launching kernels) does
+   * not spend the fill, and an acquire waits only while that fill is
+   * behind (`background_waits`, `background_wait_ms`). Demand
+   * page-ins are always issued by the caller. Added after the v1 freeze:
+   * a caller passing the v1 size gets the default. Default 0.
+   */
+  uint32_t caller_fills;
 } EpmResidencyConfig;
 
 /**
@@ -983,6 +994,18 @@ typedef struct EpmResidencyStats {
    * another call, and not counted in `registered_bytes`. (epmem 0.2)
    */
   uint64_t attached_bytes;
+  /**
+   * Prefetches from staged sources filled by the manager's background
+   * thread (see `EpmResidencyConfig.caller_fills`).
+   */
+  uint64_t background_page_ins;
+  /**
+   * Acquires that found their weight's background fill not yet enqueued
+   * and waited for it on the host, and the time they waited (the fill
+   * falling behind the caller; not counted in `host_stall_ms`).
+   */
+  uint64_t background_waits;
+  double background_wait_ms;
 } EpmResidencyStats;
 
 /**

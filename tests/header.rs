@@ -325,6 +325,7 @@ fn documented_defaults_match_the_code() {
         ("EpmResidencyConfig", "policy", format!("`{policy}` (default)")),
         ("EpmResidencyConfig", "register_sources", format!("`{register}` (default)")),
         ("EpmResidencyConfig", "sync_page_in", format!("Default {}.", rc.sync_page_in)),
+        ("EpmResidencyConfig", "caller_fills", format!("Default {}.", rc.caller_fills)),
         ("EpmResidencyConfig", "budget_bytes", format!("Required (default {})", rc.budget_bytes)),
         ("EpmCopyEngineConfig", "flags", format!("bits (default {})", ec.flags)),
         ("EpmArenaConfig", "max_allocations", format!("0: {}", epmem::ffi::arena::DEFAULT_MAX_ALLOCATIONS)),
@@ -364,6 +365,7 @@ fn c_default_residency() -> epmem::ffi::residency::EpmResidencyConfig {
         staging_pool_bytes: u64::MAX,
         coalesce_below_bytes: u64::MAX,
         coalesce_max_bytes: u64::MAX,
+        caller_fills: u32::MAX,
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use epmem::EpmStatus;
 use epmem::device::{Device, DeviceBuffer, Gate, Stream};
-use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
+use epmem::staging::{BackgroundFill, CopyEngine, EngineConfig, HostRegistration, PinnedStagingPool, PoolConfig};
 use staging_util::{dev, first_diff, leak_range, random_bytes, read_back};
 
 const MIB: usize = 1 << 20;
@@ -288,4 +288,112 @@ fn configurations_outside_the_bounds_are_rejected() {
     assert_eq!(bad(EngineConfig { target_chunks: 0, ..ok }), EpmStatus::InvalidConfig);
     assert_eq!(bad(EngineConfig { fill_threads: 0, ..ok }), EpmStatus::InvalidConfig);
     assert_eq!(bad(EngineConfig { fill_threads: 65, ..ok }), EpmStatus::InvalidConfig);
+}
+
+// ---- the background filler (staging::background) --------------------------
+
+fn background(d: &Arc<dyn Device>) -> (Arc<CopyEngine>, BackgroundFill) {
+    let e = Arc::new(small_engine(d));
+    let b = BackgroundFill::new(&e).unwrap();
+    (e, b)
+}
+
+#[test]
+fn a_background_copy_is_pending_until_the_filler_enqueues_it_then_bit_exact() {
+    let d = dev();
+    let (e, bg) = background(&d);
+    let held = Stream::new(&d).unwrap();
+    let gate = Gate::new();
+    let wd = gate.watchdog(WATCHDOG);
+    d.hold_async(held.raw(), &gate).unwrap();
+    // Ordered after the held stream, the first copy's DMA cannot start, so its
+    // fill stops at the fourth of eight 1 MiB chunks (3 slots): the filler is
+    // stuck in that job, the second job waits behind it, and neither fence has
+    // an event yet.
+    let (n1, n2) = (8 * MIB, 3 * MIB + 5);
+    let (src1, src2) = (random_bytes(n1, 71), random_bytes(n2, 72));
+    let (dst1, dst2) = (DeviceBuffer::new(&d, n1).unwrap(), DeviceBuffer::new(&d, n2).unwrap());
+    let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(&held)).unwrap();
+    let f2 = bg.htod_after(dst2.ptr(), leak_range(src2.clone()), None).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(f1.is_pending() && f2.is_pending(), "the copies were enqueued past a held stream");
+    assert!(!f1.query().unwrap() && !f2.query().unwrap(), "a pending copy is not complete");
+    assert!(!f1.direct() && f1.bytes() == n1);
+    gate.open();
+    // make_wait waits (on the host) for the event to exist: a stream never
+    // waits on an event not yet recorded.
+    let s = Stream::new(&d).unwrap();
+    f2.make_wait(s.raw()).unwrap();
+    f1.make_wait(s.raw()).unwrap();
+    assert!(!f1.is_pending() && !f2.is_pending());
+    assert_same(&read_back(&d, &s, dst1.ptr(), n1), &src1, "first background copy");
+    assert_same(&read_back(&d, &s, dst2.ptr(), n2), &src2, "second background copy");
+    bg.drain();
+    e.synchronize().unwrap();
+    assert!(!wd.fired(), "the watchdog opened the gate: something waited on the held stream");
+    let st = e.stats();
+    assert_eq!((st.copies, st.htod_bytes), (2, (n1 + n2) as u64), "{st:?}");
+}
+
+#[test]
+fn dropping_the_filler_issues_every_queued_copy_first() {
+    let d = dev();
+    let (e, bg) = background(&d);
+    let n = 2 * MIB + 77;
+    let jobs: Vec<_> = (0..6)
+        .map(|i| {
+            let src = random_bytes(n, 100 + i);
+            let dst = DeviceBuffer::new(&d, n).unwrap();
+            let f = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
+            (src, dst, f)
+        })
+        .collect();
+    drop(bg);
+    let s = Stream::new(&d).unwrap();
+    for (i, (src, dst, f)) in jobs.iter().enumerate() {
+        assert!(!f.is_pending(), "copy {i} still pending after the filler was dropped");
+        f.make_wait(s.raw()).unwrap();
+        assert_same(&read_back(&d, &s, dst.ptr(), n), src, &format!("copy {i}"));
+    }
+    assert_eq!(e.stats().copies, 6);
+}
+
+#[test]
+fn a_background_copy_that_fails_reports_the_error_on_its_fence_and_the_filler_goes_on() {
+    use epmem::device::fault::{FaultKind, FaultyDevice};
+    let inner = dev();
+    let fd = Arc::new(FaultyDevice::new(inner));
+    let d: Arc<dyn Device> = fd.clone();
+    let (_e, bg) = background(&d);
+    let n = 3 * MIB;
+    let (src, dst) = (random_bytes(n, 9), DeviceBuffer::new(&d, n).unwrap());
+    fd.fail_nth(FaultKind::Copy, 2);
+    let bad = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let err = bad.make_wait(s.raw()).unwrap_err();
+    assert!(err.to_string().contains("injected fault"), "{err}");
+    // The same error from every way of observing the fence.
+    assert!(bad.ready().is_err() && bad.wait().is_err() && bad.query().is_err());
+    d.synchronize().unwrap();
+    let good = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
+    good.make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "the copy after a failed one");
+}
+
+#[test]
+fn a_page_locked_source_is_copied_directly_not_queued() {
+    let d = dev();
+    let (_e, bg) = background(&d);
+    let n = 2 * MIB;
+    let src = random_bytes(n, 5);
+    let range = leak_range(src.clone());
+    let reg = HostRegistration::new(&d, range).unwrap();
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    let f = bg.htod_after(dst.ptr(), range, None).unwrap();
+    assert!(f.direct() && !f.is_pending(), "a registered source needs no fill, so no queue");
+    let s = Stream::new(&d).unwrap();
+    f.make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "direct copy");
+    f.wait().unwrap();
+    drop(reg);
 }

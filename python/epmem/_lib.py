@@ -171,7 +171,7 @@ class EpmResidencyConfig(Structure):
                 ("register_sources", c_uint32), ("prefetch_depth", c_uint32), ("sync_page_in", c_uint32),
                 ("staging_slots", c_uint32), ("fill_threads", c_uint32), ("staging_chunk_bytes", c_uint64),
                 ("staging_pool_bytes", c_uint64), ("coalesce_below_bytes", c_uint64),
-                ("coalesce_max_bytes", c_uint64)]
+                ("coalesce_max_bytes", c_uint64), ("caller_fills", c_uint32)]
 
 
 class EpmResidencyStats(Structure):
@@ -186,7 +186,8 @@ class EpmResidencyStats(Structure):
             "arena_driver_alloc_calls", "arena_driver_free_calls", "arena_reserved_bytes",
             "arena_committed_bytes", "arena_in_use_bytes")
     ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64),
-         ("attached_bytes", c_uint64)]
+         ("attached_bytes", c_uint64), ("background_page_ins", c_uint64), ("background_waits", c_uint64),
+         ("background_wait_ms", c_double)]
 
 
 class EpmStagingStats(Structure):

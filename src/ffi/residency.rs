@@ -97,6 +97,15 @@ pub struct EpmResidencyConfig {
     pub coalesce_below_bytes: u64,
     /// Largest coalesced unit (default 8 MiB; never above budget / 8).
     pub coalesce_max_bytes: u64,
+    /// Nonzero: prefetches from staged (pageable, unregistered) sources are
+    /// filled on the thread that calls `epm_residency_release`, as before
+    /// this field existed. Zero: a background thread of the manager fills and
+    /// enqueues them, so the calling thread (the one launching kernels) does
+    /// not spend the fill, and an acquire waits only while that fill is
+    /// behind (`background_waits`, `background_wait_ms`). Demand
+    /// page-ins are always issued by the caller. Added after the v1 freeze:
+    /// a caller passing the v1 size gets the default. Default 0.
+    pub caller_fills: u32,
 }
 
 /// Counters of a residency manager, filled by `epm_residency_get_stats`;
@@ -167,6 +176,14 @@ pub struct EpmResidencyStats {
     /// (`epm_residency_attach_host_registration`): page-locked once, by
     /// another call, and not counted in `registered_bytes`. (epmem 0.2)
     pub attached_bytes: u64,
+    /// Prefetches from staged sources filled by the manager's background
+    /// thread (see `EpmResidencyConfig.caller_fills`).
+    pub background_page_ins: u64,
+    /// Acquires that found their weight's background fill not yet enqueued
+    /// and waited for it on the host, and the time they waited (the fill
+    /// falling behind the caller; not counted in `host_stall_ms`).
+    pub background_waits: u64,
+    pub background_wait_ms: f64,
 }
 
 /// `sizeof(EpmResidencyConfig)` in its first published version (epmem
@@ -190,7 +207,7 @@ config_in! {
         staging_chunk_bytes: engine.chunk_bytes,
         staging_pool_bytes: pool.max_bytes,
     }
-    flag { sync_page_in: sync_page_in }
+    flag { sync_page_in: sync_page_in, caller_fills: caller_fills }
     enums {
         policy: policy { EPM_POLICY_CYCLIC => PolicyKind::Cyclic, EPM_POLICY_LRU => PolicyKind::Lru },
         register_sources: register_sources {
@@ -519,6 +536,7 @@ mirror! {
             pinned_alloc_calls, pinned_reuses, fill_ms, htod_ms, stall_ms, device_stall_ms,
             host_stall_ms, resident_bytes, peak_resident_bytes, resident_weights,
             registered_weights, budget_bytes, coalesced_weights, ordered_reuses, attached_bytes,
+            background_page_ins, background_waits, background_wait_ms,
         }
         mapped {
             arena_driver_alloc_calls: arena.driver_alloc_calls,

@@ -450,7 +450,7 @@ pub extern "C" fn epm_fence_stream_wait(fence: *mut EpmFence, stream: *mut EpmSt
     ffi_boundary! {
         let fence = try_handle!(fence);
         let stream = try_handle!(stream);
-        same_device(fence.event().device(), stream.device(), "fence and stream")?;
+        same_device(fence.device(), stream.device(), "fence and stream")?;
         fence.make_wait(stream.raw())
     }
 }

@@ -24,6 +24,11 @@ pub struct ResidencyConfig {
     /// The seed's design: the host waits for every page-in to complete
     /// before `acquire` returns. For comparison only (default false).
     pub sync_page_in: bool,
+    /// Staged prefetches are filled on the calling thread, as the first
+    /// design did (default false: a background thread fills them, so the
+    /// thread that launches the kernels does not spend the fill; see
+    /// `staging::background`). Demand page-ins are always issued by the caller.
+    pub caller_fills: bool,
     /// Weights smaller than this that are adjacent both in host memory and in
     /// the declared cycle are coalesced into one page-in of up to
     /// `coalesce_max_bytes` (copies of a few hundred KiB never reach the
@@ -51,6 +56,7 @@ impl ResidencyConfig {
             register_sources: RegisterSources::WithinMemlock,
             prefetch_depth: 1,
             sync_page_in: false,
+            caller_fills: false,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
             stream_plan: true,
@@ -68,6 +74,7 @@ impl ResidencyConfig {
             register_sources: RegisterSources::Never,
             prefetch_depth: 0,
             sync_page_in: true,
+            caller_fills: true,
             coalesce_below_bytes: 0,
             ..Self::with_budget(budget_bytes)
         };

@@ -17,7 +17,7 @@ use crate::transfer::pinning::SharedHostRegistration;
 use crate::device::rlimit::memlock_limit;
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
-use crate::staging::{CopyEngine, PinnedStagingPool};
+use crate::staging::{BackgroundFill, CopyEngine, Copier, Fence, PinnedStagingPool};
 
 /// What making room for a page-in produced.
 pub(super) enum Room {
@@ -47,6 +47,9 @@ pub(super) struct State {
     /// Gates page-ins into reused blocks behind their readers (see
     /// [`Fenced::reuse_after`]).
     pub(super) order: Stream,
+    /// Issues staged prefetches off the caller's thread (started on the
+    /// first one; see `staging::background`).
+    pub(super) fill: Option<BackgroundFill>,
     /// A weight prefetch may not evict: the one just released (see `release`).
     pub(super) shield: Option<WeightId>,
     /// The active plan, its streaming region and the units it streams.
@@ -78,7 +81,7 @@ pub struct ResidencyManager {
     pub(super) dev: Arc<dyn Device>,
     pub(super) cfg: ResidencyConfig,
     pub(super) arena: Arc<DeviceArena>,
-    pub(super) engine: CopyEngine,
+    pub(super) engine: Arc<CopyEngine>,
     pub(super) state: Mutex<State>,
 }
 
@@ -98,7 +101,7 @@ impl ResidencyManager {
             },
         )?);
         let pool = PinnedStagingPool::new(dev, cfg.pool)?;
-        let engine = CopyEngine::new(&pool, cfg.engine)?;
+        let engine = Arc::new(CopyEngine::new(&pool, cfg.engine)?);
         Ok(Self {
             dev: dev.clone(),
             cfg,
@@ -117,6 +120,7 @@ impl ResidencyManager {
                 spare: Vec::new(),
                 memlock: memlock_limit(),
                 order: Stream::new(dev)?,
+                fill: None,
                 shield: None,
                 plan: None,
                 ring: None,
@@ -398,6 +402,15 @@ impl ResidencyManager {
                         f.wait()?;
                         st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
                     } else {
+                        if f.is_pending() {
+                            // The background fill is behind: the host waits
+                            // for the copy to be enqueued (never a stream
+                            // waiting on an event not yet recorded).
+                            let t = Instant::now();
+                            f.ready()?;
+                            st.c.background_wait_ns += t.elapsed().as_nanos() as u64;
+                            st.c.background_waits += 1;
+                        }
                         st.stalls.around(&self.dev, stream, || f.make_wait(stream))?;
                     }
                 }
@@ -471,6 +484,39 @@ impl ResidencyManager {
 
     // ---- internals ------------------------------------------------------
 
+    /// Who issues the page-in of `range`: a prefetch from a staged source
+    /// goes to the background filler (unless `caller_fills` or
+    /// `sync_page_in`), so the caller's thread — the one launching kernels —
+    /// does not spend the fill; everything else is issued on the caller's
+    /// thread.
+    pub(super) fn copier<'s>(
+        &'s self,
+        fill: &'s mut Option<BackgroundFill>,
+        c: &mut Counters,
+        range: HostRange,
+        demand: bool,
+    ) -> Result<Copier<'s>> {
+        if demand || self.cfg.caller_fills || self.cfg.sync_page_in || !self.engine.stages(range) {
+            return Ok(Copier::Caller(&self.engine));
+        }
+        if fill.is_none() {
+            *fill = Some(BackgroundFill::new(&self.engine)?);
+        }
+        c.background_page_ins += 1;
+        match fill.as_ref() {
+            Some(f) => Ok(Copier::Background(f)),
+            None => Err(Error::internal("background filler missing")),
+        }
+    }
+
+    /// Issue `w`'s page-in copy of `range` into `dst` (after the order
+    /// stream when `ordered`), through [`Self::copier`].
+    pub(super) fn copy_in(&self, st: &mut State, dst: u64, range: HostRange, ordered: bool, demand: bool) -> Result<Fence> {
+        let State { fill, c, order, .. } = st;
+        let copier = self.copier(fill, c, range, demand)?;
+        copier.htod_after(dst, range, ordered.then_some(&*order))
+    }
+
     fn harvest(&self, st: &mut State) -> Result<()> {
         st.c.device_stall_ms += st.stalls.harvest()?;
         Ok(())
@@ -478,6 +524,10 @@ impl ResidencyManager {
 
     /// Wait for every page-in and read fence, so the stats are final.
     pub fn synchronize(&self) -> Result<()> {
+        // Copies still queued for the background filler are on no stream yet.
+        if let Some(f) = self.lock().fill.as_ref() {
+            f.drain();
+        }
         self.engine.synchronize()?;
         self.dev.synchronize()?;
         let mut st = self.lock();
@@ -526,6 +576,9 @@ impl ResidencyManager {
             planned_resident_bytes: st.plan.as_ref().map_or(0, |p| p.resident_bytes as u64),
             ring_page_ins: c.ring_page_ins,
             plans: c.plans,
+            background_page_ins: c.background_page_ins,
+            background_waits: c.background_waits,
+            background_wait_ms: c.background_wait_ns as f64 / 1e6,
             ring_weights: c.ring_weights,
             resident_bytes: st.resident_bytes as u64,
             peak_resident_bytes: st.peak_resident_bytes as u64,
@@ -547,6 +600,11 @@ impl Drop for ResidencyManager {
         // Resident blocks wait for their fences when dropped (Fenced::drop);
         // drop them before the engine and arena go.
         let mut st = self.lock();
+        // Every queued background copy onto a stream first, so the device
+        // synchronizes below cover them.
+        if let Some(f) = st.fill.as_ref() {
+            f.drain();
+        }
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {

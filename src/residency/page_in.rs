@@ -41,11 +41,14 @@ impl ResidencyManager {
         self.maybe_register(st, w)?;
         let range = st.reg.get(w)?.unit;
         let fenced = match reused {
-            Some(r) => r.fill(&self.engine, range, &st.order)?,
+            Some(r) => {
+                let super::manager::State { fill, c, order, .. } = st;
+                r.fill(self.copier(fill, c, range, demand)?, range, order)?
+            }
             None => {
                 let block = self.alloc_block(st, w, len, demand)?;
                 let Some(block) = block else { return Ok(false) };
-                let fence = self.engine.htod(block.addr(), range, None)?;
+                let fence = self.copy_in(st, block.addr(), range, false, demand)?;
                 Fenced::new(block, fence)
             }
         };

@@ -70,6 +70,10 @@ impl ResidencyManager {
                 self.evict(st, w)?;
             }
         }
+        if let Some(f) = st.fill.as_ref() {
+            // Queued copies onto a stream before the ring's synchronize.
+            f.drain();
+        }
         if let Some(r) = st.ring.take() {
             st.resident_bytes -= r.cap();
         }
@@ -151,10 +155,12 @@ impl ResidencyManager {
             return Ok(RingPageIn::Blocked);
         };
         let addr = ring.occupy(w, off, len);
-        let fence = match self.engine.htod(addr, range, Some(st.order.raw())) {
+        let fence = match self.copy_in(st, addr, range, true, demand) {
             Ok(f) => f,
             Err(e) => {
-                ring.vacate(w);
+                if let Some(ring) = st.ring.as_mut() {
+                    ring.vacate(w);
+                }
                 return Err(e);
             }
         };

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use crate::arena::DeviceArena;
 use crate::device::{Event, HostRange, Stream};
 use crate::error::Result;
-use crate::staging::{CopyEngine, Fence};
+use crate::staging::{Copier, Fence};
 
 /// A block together with the proof that every event fencing it was observed
 /// complete. Move-only; minted only in this module. Dropping it frees the
@@ -319,10 +319,10 @@ impl Reused {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Copy `src` (at most the block's length) into the block on `engine`,
+    /// Copy `src` (at most the block's length) into the block with `copier`,
     /// ordered after `order` — the stream [`Fenced::reuse_after`] made wait
     /// for the block's readers.
-    pub fn fill(mut self, engine: &CopyEngine, src: HostRange, order: &Stream) -> Result<Fenced> {
+    pub fn fill(mut self, copier: Copier<'_>, src: HostRange, order: &Stream) -> Result<Fenced> {
         crate::ensure!(
             src.len() <= self.len(),
             InvalidArgument,
@@ -334,7 +334,7 @@ impl Reused {
             Some(b) => b,
             None => unreachable!("Reused filled twice"),
         };
-        match engine.htod(block.addr(), src, Some(order.raw())) {
+        match copier.htod_after(block.addr(), src, Some(order)) {
             Ok(fence) => Ok(Fenced::new(block, fence)),
             Err(e) => {
                 // Nothing was queued into the block: it goes back through
@@ -392,7 +392,7 @@ mod tests {
     use super::*;
     use crate::arena::{Arena, ArenaConfig};
     use crate::device::{self, DeviceSelect, Gate};
-    use crate::staging::{EngineConfig, PinnedStagingPool, PoolConfig};
+    use crate::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 
     fn setup() -> (Arc<dyn device::Device>, Arc<DeviceArena>) {
         let d = device::open(DeviceSelect::Host, 0).unwrap();

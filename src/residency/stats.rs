@@ -83,6 +83,14 @@ pub struct ResidencyStats {
     /// Plans installed (declare_cycle, or a caller found holding more
     /// weights at once than the plan assumed).
     pub plans: u64,
+    /// Prefetches from staged sources issued by the background filler
+    /// (`ResidencyConfig::caller_fills` false), the acquires that found one
+    /// not yet enqueued and waited for it on the host, and that wait's time
+    /// (the fill falling behind; not in `host_stall_ms`, which counts the
+    /// waits a plan or policy causes).
+    pub background_page_ins: u64,
+    pub background_waits: u64,
+    pub background_wait_ms: f64,
     /// The device arena holding resident weights.
     pub arena: ArenaStats,
 }
@@ -108,6 +116,9 @@ pub(crate) struct Counters {
     pub device_stall_ms: f64,
     pub ring_page_ins: u64,
     pub plans: u64,
+    pub background_page_ins: u64,
+    pub background_waits: u64,
+    pub background_wait_ns: u64,
     pub ring_weights: u64,
 }
 

@@ -135,32 +135,96 @@ impl Default for EngineConfig {
 }
 
 /// The completion of one `htod`: an event on the engine's copy stream,
-/// recorded after the copy's last chunk.
+/// recorded after the copy's last chunk — or, for a copy handed to the
+/// engine's background filler ([`super::BackgroundFill`]), recorded once that
+/// thread has enqueued it: until then the fence is *pending*, and every method
+/// that needs the event first waits (on the host) for it to exist.
 #[derive(Debug)]
 pub struct Fence {
     dev: Arc<dyn Device>,
-    event: Event,
+    event: FenceEvent,
     bytes: usize,
     direct: bool,
 }
 
+#[derive(Debug)]
+enum FenceEvent {
+    Recorded(Event),
+    Deferred(Arc<Deferred>),
+}
+
+/// The event of a copy the background filler will enqueue, set exactly once
+/// (an `Err` if the copy could not be issued). A stream must never wait on an
+/// event before it is recorded (the wait would be a no-op), so waiters block
+/// until it is set.
+#[derive(Debug, Default)]
+pub(super) struct Deferred {
+    done: std::sync::OnceLock<Result<Event>>,
+}
+
+impl Deferred {
+    pub(super) fn set(&self, r: Result<Event>) {
+        if self.done.set(r).is_err() {
+            log::error!("epmem: a deferred copy's fence was set twice");
+        }
+    }
+    pub(super) fn is_set(&self) -> bool {
+        self.done.get().is_some()
+    }
+    fn wait(&self) -> Result<&Event> {
+        self.done.wait().as_ref().map_err(Clone::clone)
+    }
+    /// Block until set; whether the copy was issued.
+    pub(super) fn wait_set(&self) -> bool {
+        self.done.wait().is_ok()
+    }
+}
+
 impl Fence {
-    /// Non-blocking: has the copy completed?
+    pub(super) fn deferred(dev: &Arc<dyn Device>, d: Arc<Deferred>, bytes: usize) -> Self {
+        Fence { dev: dev.clone(), event: FenceEvent::Deferred(d), bytes, direct: false }
+    }
+    /// Whether the copy is still waiting to be enqueued by the background
+    /// filler (its event does not exist yet). Never blocks.
+    pub fn is_pending(&self) -> bool {
+        matches!(&self.event, FenceEvent::Deferred(d) if !d.is_set())
+    }
+    /// Block the host until the copy is enqueued (at once for a copy that
+    /// `htod` issued itself), and return its completion event; the error of a
+    /// deferred copy that could not be issued.
+    pub fn ready(&self) -> Result<&Event> {
+        match &self.event {
+            FenceEvent::Recorded(e) => Ok(e),
+            FenceEvent::Deferred(d) => d.wait(),
+        }
+    }
+    /// Non-blocking: has the copy completed? (A pending copy has not.)
     pub fn query(&self) -> Result<bool> {
-        self.event.query()
+        if self.is_pending() {
+            return Ok(false);
+        }
+        self.ready()?.query()
     }
     /// Block the host until the copy completes (prefer [`Fence::make_wait`]).
     pub fn wait(&self) -> Result<()> {
-        self.event.synchronize()
+        self.ready()?.synchronize()
     }
     /// Make work queued on `s` after this call wait for the copy. The host
-    /// does not wait.
+    /// does not wait, except for a pending copy to be enqueued.
     pub fn make_wait(&self, s: RawStream) -> Result<()> {
-        self.dev.stream_wait_event(s, self.event.raw())
+        let e = self.ready()?;
+        self.dev.stream_wait_event(s, e.raw())
     }
-    /// The completion event (for callers that order work themselves).
-    pub fn event(&self) -> &Event {
-        &self.event
+    /// The recorded event of a fence `htod` issued itself (`None`: pending).
+    pub(super) fn into_event(self) -> Option<Event> {
+        match self.event {
+            FenceEvent::Recorded(e) => Some(e),
+            FenceEvent::Deferred(_) => None,
+        }
+    }
+    /// The device the copy runs on.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
     }
     /// Bytes copied.
     pub fn bytes(&self) -> usize {
@@ -171,6 +235,14 @@ impl Fence {
     pub fn direct(&self) -> bool {
         self.direct
     }
+}
+
+/// What a copy is ordered after.
+#[derive(Clone, Copy)]
+pub(super) enum Order<'a> {
+    None,
+    Stream(RawStream),
+    After(&'a Event),
 }
 
 /// A filled staging chunk waiting to be enqueued.
@@ -298,13 +370,29 @@ impl CopyEngine {
     ///
     /// `src` must stay readable and unmodified until the fence completes.
     pub fn htod(&self, dst: DevicePtr, src: HostRange, stream: Option<RawStream>) -> Result<Fence> {
+        self.htod_ordered(dst, src, stream.map_or(Order::None, Order::Stream))
+    }
+
+    /// Whether a copy from `src` would be staged (not direct).
+    pub fn stages(&self, src: HostRange) -> bool {
+        !src.is_empty() && !(self.cfg.direct && self.dev.host_is_page_locked(src.ptr(), src.len()))
+    }
+
+    /// `htod` ordered after `order`: nothing, a stream (both ways, as `htod`),
+    /// or an event already recorded (the copy waits for it; nothing waits for
+    /// the copy but through the fence).
+    pub(super) fn htod_ordered(&self, dst: DevicePtr, src: HostRange, order: Order<'_>) -> Result<Fence> {
         let mut st = self.lock();
         self.reap(&mut st, false)?;
-        if let Some(s) = stream {
-            st.order.record_raw(s)?;
-            self.dev.stream_wait_event(st.stream.raw(), st.order.raw())?;
+        match order {
+            Order::None => {}
+            Order::Stream(s) => {
+                st.order.record_raw(s)?;
+                self.dev.stream_wait_event(st.stream.raw(), st.order.raw())?;
+            }
+            Order::After(e) => self.dev.stream_wait_event(st.stream.raw(), e.raw())?,
         }
-        let direct = self.cfg.direct && !src.is_empty() && self.dev.host_is_page_locked(src.ptr(), src.len());
+        let direct = !self.stages(src) && !src.is_empty();
         let timing = if self.cfg.timing && !src.is_empty() { self.take_timing(&mut st)? } else { None };
         if direct {
             if let Some(t) = &timing {
@@ -320,7 +408,7 @@ impl CopyEngine {
         }
         let event = Event::new(&self.dev, false)?;
         event.record(&st.stream)?;
-        if let Some(s) = stream {
+        if let Order::Stream(s) = order {
             self.dev.stream_wait_event(s, event.raw())?;
         }
         if !src.is_empty() {
@@ -328,7 +416,7 @@ impl CopyEngine {
             stats::add(&self.counters.htod_bytes, src.len() as u64);
             stats::add(&self.counters.bypassed, direct as u64);
         }
-        Ok(Fence { dev: self.dev.clone(), event, bytes: src.len(), direct })
+        Ok(Fence { dev: self.dev.clone(), event: FenceEvent::Recorded(event), bytes: src.len(), direct })
     }
 
     /// The chunk length for a copy of `len` bytes (see the module docs).

@@ -124,6 +124,24 @@ class Offload(unittest.TestCase):
                             h.remove()
                         self.assert_usable()
 
+    def test_staged_prefetches_fill_in_the_background_unless_caller_fills(self):
+        budget = self.offloaded // 2
+        seen = {}
+        for caller_fills in (0, 1):
+            with self.subTest(caller_fills=caller_fills):
+                with et.offload(self.model, budget, sources="staged", granularity="linear",
+                                caller_fills=caller_fills) as h:
+                    self.assertEqual(greedy(self.model), self.ref)
+                    st = h.stats()
+                if caller_fills:
+                    self.assertEqual((st["background_page_ins"], st["background_waits"]), (0, 0), st)
+                else:
+                    self.assertGreater(st["prefetch_page_ins"], 0, st)
+                    self.assertEqual(st["background_page_ins"], st["prefetch_page_ins"], st)
+                seen[caller_fills] = (st["page_ins"], st["hits"], st["htod_bytes"])
+                self.assert_usable()
+        self.assertEqual(seen[0], seen[1], "who fills changes no residency decision")
+
     def test_bf16_model(self):
         m = Tiny(dtype=torch.bfloat16).to(self.dev).eval()
         ref = greedy(m)
@@ -370,16 +388,22 @@ class BenchSmoke(unittest.TestCase):
         self.assertIn("tokens identical in every row", p.stdout)
         self.assertTrue(res["tokens_identical"])
         sh = res["shapes"][0]
-        self.assertEqual(len(sh["rows"]), 6)
+        self.assertEqual(len(sh["rows"]), 9)  # 3 budgets x registered, staged, staged_caller
         for r in sh["rows"]:
             self.assertTrue(r["tokens_identical"])
             self.assertEqual(r["tokens_compared"], res["tokens"])
             self.assertGreaterEqual(r["streamed_bytes_per_token"], sh["offloaded_bytes"] - r["budget_bytes"])
             self.assertLessEqual(r["streamed_bytes_per_token"], sh["offloaded_bytes"])
-            if r["method"] == "staged":
+            if r["method"].startswith("staged"):
                 self.assertEqual(r["bypassed_page_ins"], 0)
             else:
                 self.assertEqual(r["staged_page_ins"], 0)
+            # Who fills the staged prefetches: epmem's thread, or the caller's.
+            if r["method"] == "staged":
+                self.assertLessEqual(r["background_page_ins"], r["staged_page_ins"])
+                self.assertGreater(r["background_page_ins"], 0)
+            else:
+                self.assertEqual(r["background_page_ins"], 0)
         self.assertIn("| 50% | registered |", p.stdout)
 
     def test_bench_torch_quick_split(self):
@@ -396,7 +420,7 @@ class BenchSmoke(unittest.TestCase):
                 res = json.load(f)
         sh = res["shapes"][0]
         self.assertIn("split into equal blocks", sh["model"])
-        self.assertEqual(len(sh["rows"]), 2)
+        self.assertEqual(len(sh["rows"]), 3)
         for r in sh["rows"]:
             self.assertTrue(r["tokens_identical"])
             self.assertEqual(r["ideal_bytes_per_token"], sh["offloaded_bytes"] - r["budget_bytes"])
