@@ -192,8 +192,71 @@ cleanup:
   free(big);
 }
 
+/* Who fills staged prefetches: the manager's background thread (caller_fills
+ * 0, the default, also for a caller passing the v1 config size, which has no
+ * such field) or the releasing thread (caller_fills 1). Either way every read
+ * sees the weight's bytes, and the counters say which thread filled. */
+static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fills(void) {
+  enum { W = 4 };
+  const size_t n = 4u * MIB;
+  EpmDevice *dev = NULL;
+  EpmStream *s = NULL;
+  EpmResidency *res = NULL;
+  EpmWeightId w[W];
+  unsigned char *host = aligned_alloc(4096, W * n), *back = malloc(n);
+  REQUIRE(host && back);
+  for (int i = 0; i < W; i++) th_fill_random(host + (size_t)i * n, n, 40 + i);
+  REQUIRE_OK(epm_device_open(0, &dev));
+  REQUIRE_OK(epm_stream_create(dev, &s));
+  for (int mode = 0; mode < 3; mode++) {
+    /* mode 0: caller_fills 0; 1: caller_fills 1; 2: the v1 size (default). */
+    EpmResidencyConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.size = sizeof cfg;
+    REQUIRE_OK(epm_residency_config_default(&cfg));
+    CHECK(cfg.caller_fills == 0);
+    cfg.budget_bytes = 2 * n + n / 2;
+    cfg.register_sources = EPM_REGISTER_NEVER;
+    cfg.fill_threads = 2;
+    cfg.caller_fills = mode == 1;
+    if (mode == 2) cfg.size = EPM_RESIDENCY_CONFIG_SIZE_V1;
+    REQUIRE_OK(epm_residency_create(dev, &cfg, &res));
+    for (int i = 0; i < W; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
+    REQUIRE_OK(epm_residency_declare_cycle(res, w, W));
+    for (int round = 0; round < 3; round++)
+      for (int i = 0; i < W; i++) {
+        th_checks++;
+        if (!host_read_matches(dev, res, s, w[i], host + (size_t)i * n, back, n))
+          TH_FAIL("mode %d round %d weight %d: the read did not see the weight (%s)", mode, round, i,
+                  epm_last_error_message());
+      }
+    REQUIRE_OK(epm_residency_synchronize(res));
+    EpmResidencyStats st;
+    memset(&st, 0, sizeof st);
+    st.size = sizeof st;
+    REQUIRE_OK(epm_residency_get_stats(res, &st));
+    CHECK(st.size == sizeof st);
+    CHECK(st.staged_page_ins == st.page_ins && st.prefetch_page_ins > 0);
+    if (mode == 1) {
+      CHECK(st.background_page_ins == 0 && st.background_waits == 0 && st.background_wait_ms == 0.0);
+    } else {
+      CHECK(st.background_page_ins == st.prefetch_page_ins);
+      CHECK(st.background_waits <= st.background_page_ins && st.background_wait_ms >= 0.0);
+    }
+    CHECK_OK(epm_residency_destroy(res));
+    res = NULL;
+  }
+cleanup:
+  epm_residency_destroy(res);
+  epm_stream_destroy(s);
+  epm_device_destroy(dev);
+  free(host);
+  free(back);
+}
+
 int main(void) {
   RUN(test_acquire_host_then_sync_read_sees_the_weight);
   RUN(test_cycle_and_unregister_name_the_coalesced_weights);
+  RUN(test_staged_prefetches_fill_in_the_background_unless_the_caller_fills);
   TEST_SUMMARY();
 }

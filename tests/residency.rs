@@ -537,8 +537,10 @@ fn host_ranges_join_only_when_adjacent() {
 }
 
 /// Staged prefetches go to the background filler (the default) or stay on
-/// the caller's thread (`caller_fills`): bit-exact either way, the same
-/// page-ins, and the counters say which thread filled them.
+/// the caller's thread (`caller_fills`): bit-exact either way, and the
+/// counters say which thread filled them. With the filler, a prefetch may
+/// overwrite the unit just released (its fill then overlaps that unit's
+/// read), so more page-ins are prefetches and none costs more bytes.
 #[test]
 fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
     let d = dev();
@@ -555,6 +557,8 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
             let m = ResidencyManager::new(&d, c).unwrap();
             let ids = w.register_all(&m);
             m.declare_cycle(&ids).unwrap();
+            decode(&d, &m, &w, &ids, 2);
+            let warm = m.stats();
             decode(&d, &m, &w, &ids, 4);
             m.synchronize().unwrap();
             let s = m.stats();
@@ -567,9 +571,16 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
                 assert_eq!(s.background_page_ins, s.prefetch_page_ins, "{s:?}");
                 assert!(s.background_waits <= s.background_page_ins, "{s:?}");
             }
-            seen.push((s.page_ins, s.hits, s.htod_bytes));
+            assert!(s.peak_resident_bytes <= budget as u64, "{s:?}");
+            // Steady state: page-ins issued ahead of use, and bytes per step.
+            let (pf, dm) = (s.prefetch_page_ins - warm.prefetch_page_ins, s.page_ins - warm.page_ins);
+            seen.push((pf, dm, (s.htod_bytes - warm.htod_bytes) / 4));
         }
-        assert_eq!(seen[0], seen[1], "the thread that fills changes no decision (page-ins, hits, bytes)");
+        let ((bg_pf, bg_all, bg_bytes), (c_pf, c_all, c_bytes)) = (seen[0], seen[1]);
+        eprintln!("sizes {sizes:?}: background {bg_pf}/{bg_all} prefetched, caller {c_pf}/{c_all}");
+        assert!(bg_pf * c_all >= c_pf * bg_all, "the filler issues no smaller share of page-ins ahead of use: {seen:?}");
+        assert!(bg_pf == bg_all, "with the filler every steady-state page-in is a prefetch: {seen:?}");
+        assert!(bg_bytes <= c_bytes, "and copies no more bytes per step: {seen:?}");
     }
     // Registered sources copy directly: nothing to fill, nothing queued.
     let w = Weights::new(&[n; 6], 13);

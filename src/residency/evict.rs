@@ -76,7 +76,7 @@ impl ResidencyManager {
         let limit = if demand { None } else { st.policy.distance(target) };
         st.policy.candidates().find(|&v| {
             v != target
-                && Some(v) != st.shield
+                && !self.shielded(st, v, target)
                 && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
                 && match (limit, st.policy.distance(v)) {
                     (Some(t), Some(d)) => d > t,

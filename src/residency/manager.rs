@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::config::ResidencyConfig;
 use super::read_fence::Reused;
 use super::placement::Plan;
-use super::registry::{Entry, HostRangeId, RangeReg, Registry};
+use super::registry::{Entry, HostRangeId, RangeReg, RegState, RegisterSources, Registry};
 use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
@@ -507,6 +507,35 @@ impl ResidencyManager {
             Some(f) => Ok(Copier::Background(f)),
             None => Err(Error::internal("background filler missing")),
         }
+    }
+
+    /// Whether a page-in of unit `w` would go to the background filler: a
+    /// prefetch from a source that will be staged (not page-locked, and not
+    /// about to be registered on this page-in).
+    pub(super) fn fills_in_background(&self, st: &State, w: WeightId) -> bool {
+        if self.cfg.caller_fills || self.cfg.sync_page_in {
+            return false;
+        }
+        st.reg.get(w).is_ok_and(|e| {
+            let will_register = e.reg_state == RegState::Untried && self.cfg.register_sources != RegisterSources::Never;
+            !will_register && self.engine.stages(e.unit)
+        })
+    }
+
+    /// Whether a prefetch of `target` must leave `v` alone because it is the
+    /// unit just released (see `release`). A copy ordered on the device waits
+    /// for that read anyway, so the next acquire's demand page-in loses
+    /// nothing by waiting too — unless the copy must be filled first: a
+    /// staged page-in issued now is filled by the background thread while the
+    /// read runs, issued on demand it is filled by the caller, in series with
+    /// everything else. So a background prefetch may overwrite the unit just
+    /// released, except a coalesced unit (its next member is acquired next).
+    pub(super) fn shielded(&self, st: &State, v: WeightId, target: WeightId) -> bool {
+        if Some(v) != st.shield {
+            return false;
+        }
+        let coalesced = st.reg.get(v).map_or(true, |e| !e.members.is_empty());
+        coalesced || !self.fills_in_background(st, target)
     }
 
     /// Issue `w`'s page-in copy of `range` into `dst` (after the order

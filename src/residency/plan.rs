@@ -129,11 +129,12 @@ impl ResidencyManager {
         };
         for &v in &victims {
             let e = st.reg.get(v)?;
-            // A prefetch never overwrites the unit just released either: a
-            // coalesced unit is acquired once per member in a row, and the
-            // demand page-in of the next unit orders the same copy behind the
-            // same read anyway.
-            if e.users > 0 || (!demand && (e.prefetched || Some(v) == st.shield)) {
+            // A prefetch overwrites the unit just released only when the
+            // background thread fills it (`shielded`): a coalesced unit is
+            // acquired once per member in a row, and otherwise the demand
+            // page-in of the next unit orders the same copy behind the same
+            // read anyway.
+            if e.users > 0 || (!demand && (e.prefetched || self.shielded(st, v, w))) {
                 return Ok(if demand {
                     RingPageIn::Blocked
                 } else {
