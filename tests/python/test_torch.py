@@ -126,21 +126,25 @@ class Offload(unittest.TestCase):
 
     def test_staged_prefetches_fill_in_the_background_unless_caller_fills(self):
         budget = self.offloaded // 2
-        seen = {}
         for caller_fills in (0, 1):
             with self.subTest(caller_fills=caller_fills):
                 with et.offload(self.model, budget, sources="staged", granularity="linear",
                                 caller_fills=caller_fills) as h:
                     self.assertEqual(greedy(self.model), self.ref)
                     st = h.stats()
+                self.assertEqual(st["staged_page_ins"], st["page_ins"], st)
+                self.assertLessEqual(st["peak_resident_bytes"], budget, st)
                 if caller_fills:
                     self.assertEqual((st["background_page_ins"], st["background_waits"]), (0, 0), st)
+                    self.assertEqual(st["background_wait_ms"], 0.0, st)
                 else:
+                    # Which page-ins are prefetches depends on timing (the filler
+                    # may overwrite the weight just released); every prefetch of
+                    # a staged source goes to the filler.
                     self.assertGreater(st["prefetch_page_ins"], 0, st)
                     self.assertEqual(st["background_page_ins"], st["prefetch_page_ins"], st)
-                seen[caller_fills] = (st["page_ins"], st["hits"], st["htod_bytes"])
+                    self.assertLessEqual(st["background_waits"], st["background_page_ins"], st)
                 self.assert_usable()
-        self.assertEqual(seen[0], seen[1], "who fills changes no residency decision")
 
     def test_bf16_model(self):
         m = Tiny(dtype=torch.bfloat16).to(self.dev).eval()
