@@ -496,7 +496,10 @@ pub extern "C" fn epm_residency_release_host(res: *mut EpmResidency, weight: Epm
 
 /// End a use of `weight` on `stream`: records the read fence. The weight
 /// stays resident and is evicted only after the work queued on `stream` so
-/// far has completed.
+/// far has completed. Then issues the next prefetches along the declared
+/// cycle; a prefetch from a staged source is handed to the manager's
+/// background thread (see `EpmResidencyConfig.caller_fills`), so this call
+/// does not spend the fill.
 ///
 /// Errors: INVALID_ARGUMENT (unknown weight, other device), INVALID_STATE
 /// when released more often than acquired. Threading: safe from any thread.
