@@ -313,7 +313,7 @@ fn a_background_copy_is_pending_until_the_filler_enqueues_it_then_bit_exact() {
     let (n1, n2) = (8 * MIB, 3 * MIB + 5);
     let (src1, src2) = (random_bytes(n1, 71), random_bytes(n2, 72));
     let (dst1, dst2) = (DeviceBuffer::new(&d, n1).unwrap(), DeviceBuffer::new(&d, n2).unwrap());
-    let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(&held)).unwrap();
+    let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(held.raw())).unwrap();
     let f2 = bg.htod_after(dst2.ptr(), leak_range(src2.clone()), None).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     assert!(f1.is_pending() && f2.is_pending(), "the copies were enqueued past a held stream");

@@ -484,21 +484,15 @@ impl ResidencyManager {
 
     // ---- internals ------------------------------------------------------
 
-    /// Who issues the page-in of `range`: a prefetch from a staged source
-    /// goes to the background filler (unless `caller_fills` or
-    /// `sync_page_in`), so the caller's thread — the one launching kernels —
-    /// does not spend the fill; everything else is issued on the caller's
-    /// thread.
-    pub(super) fn copier<'s>(
-        &'s self,
-        fill: &'s mut Option<BackgroundFill>,
-        c: &mut Counters,
-        range: HostRange,
-        demand: bool,
-    ) -> Result<Copier<'s>> {
-        if demand || self.cfg.caller_fills || self.cfg.sync_page_in || !self.engine.stages(range) {
+    /// Who issues unit `w`'s page-in: a prefetch that
+    /// [`Self::fills_in_background`] goes to the background filler, so the
+    /// caller's thread — the one launching kernels — does not spend the fill;
+    /// everything else is issued on the caller's thread.
+    pub(super) fn copier<'s>(&'s self, st: &'s mut State, w: WeightId, demand: bool) -> Result<Copier<'s>> {
+        if demand || !self.fills_in_background(st, w) {
             return Ok(Copier::Caller(&self.engine));
         }
+        let State { fill, c, .. } = st;
         if fill.is_none() {
             *fill = Some(BackgroundFill::new(&self.engine)?);
         }
@@ -538,12 +532,12 @@ impl ResidencyManager {
         coalesced || !self.fills_in_background(st, target)
     }
 
-    /// Issue `w`'s page-in copy of `range` into `dst` (after the order
-    /// stream when `ordered`), through [`Self::copier`].
-    pub(super) fn copy_in(&self, st: &mut State, dst: u64, range: HostRange, ordered: bool, demand: bool) -> Result<Fence> {
-        let State { fill, c, order, .. } = st;
-        let copier = self.copier(fill, c, range, demand)?;
-        copier.htod_after(dst, range, ordered.then_some(&*order))
+    /// Issue unit `w`'s page-in copy into `dst` (after the order stream when
+    /// `ordered`), through [`Self::copier`].
+    pub(super) fn copy_in(&self, st: &mut State, w: WeightId, dst: u64, ordered: bool, demand: bool) -> Result<Fence> {
+        let range = st.reg.get(w)?.unit;
+        let order = ordered.then(|| st.order.raw());
+        self.copier(st, w, demand)?.htod_after(dst, range, order)
     }
 
     fn harvest(&self, st: &mut State) -> Result<()> {

@@ -42,13 +42,13 @@ impl ResidencyManager {
         let range = st.reg.get(w)?.unit;
         let fenced = match reused {
             Some(r) => {
-                let super::manager::State { fill, c, order, .. } = st;
-                r.fill(self.copier(fill, c, range, demand)?, range, order)?
+                let order = st.order.raw();
+                r.fill(self.copier(st, w, demand)?, range, order)?
             }
             None => {
                 let block = self.alloc_block(st, w, len, demand)?;
                 let Some(block) = block else { return Ok(false) };
-                let fence = self.copy_in(st, block.addr(), range, false, demand)?;
+                let fence = self.copy_in(st, w, block.addr(), false, demand)?;
                 Fenced::new(block, fence)
             }
         };

@@ -151,12 +151,11 @@ impl ResidencyManager {
             st.spare.extend(spent);
         }
         self.maybe_register(st, w)?;
-        let range = st.reg.get(w)?.unit;
         let Some(ring) = st.ring.as_mut() else {
             return Ok(RingPageIn::Blocked);
         };
         let addr = ring.occupy(w, off, len);
-        let fence = match self.copy_in(st, addr, range, true, demand) {
+        let fence = match self.copy_in(st, w, addr, true, demand) {
             Ok(f) => f,
             Err(e) => {
                 if let Some(ring) = st.ring.as_mut() {

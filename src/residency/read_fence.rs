@@ -49,7 +49,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::arena::DeviceArena;
-use crate::device::{Event, HostRange, Stream};
+use crate::device::{Event, HostRange, RawStream, Stream};
 use crate::error::Result;
 use crate::staging::{Copier, Fence};
 
@@ -176,6 +176,21 @@ pub(super) fn page_in_done(slot: &mut Option<Fence>) -> Result<bool> {
     Ok(true)
 }
 
+/// Take the events observed complete out of `events` (for reuse); never
+/// blocks. Shared by resident blocks and ring slots.
+pub(super) fn prune_events(events: &mut Vec<Event>) -> Result<Vec<Event>> {
+    let mut done = Vec::new();
+    let mut i = 0;
+    while i < events.len() {
+        if events[i].query()? {
+            done.push(events.swap_remove(i));
+        } else {
+            i += 1;
+        }
+    }
+    Ok(done)
+}
+
 /// The result of [`Fenced::try_complete`].
 #[derive(Debug)]
 pub enum TryReadsDone {
@@ -240,16 +255,7 @@ impl Fenced {
     /// Drop events observed complete (returned for reuse), so a long-resident
     /// weight does not accumulate one per release. Never blocks.
     pub fn prune(&mut self) -> Result<Vec<Event>> {
-        let mut done = Vec::new();
-        let mut i = 0;
-        while i < self.events.len() {
-            if self.events[i].query()? {
-                done.push(self.events.swap_remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        Ok(done)
+        prune_events(&mut self.events)
     }
     /// Never blocks: the block and its witness if every event completed.
     pub fn try_complete(mut self) -> Result<TryReadsDone> {
@@ -322,7 +328,7 @@ impl Reused {
     /// Copy `src` (at most the block's length) into the block with `copier`,
     /// ordered after `order` — the stream [`Fenced::reuse_after`] made wait
     /// for the block's readers.
-    pub fn fill(mut self, copier: Copier<'_>, src: HostRange, order: &Stream) -> Result<Fenced> {
+    pub fn fill(mut self, copier: Copier<'_>, src: HostRange, order: RawStream) -> Result<Fenced> {
         crate::ensure!(
             src.len() <= self.len(),
             InvalidArgument,

@@ -123,16 +123,7 @@ impl RingSlot {
     }
     /// Events observed complete, for reuse. Never blocks.
     pub fn prune(&mut self) -> Result<Vec<Event>> {
-        let mut done = Vec::new();
-        let mut i = 0;
-        while i < self.events.len() {
-            if self.events[i].query()? {
-                done.push(self.events.swap_remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        Ok(done)
+        super::read_fence::prune_events(&mut self.events)
     }
     /// Give the bytes up to a later page-in: `order` waits (on the device)
     /// for the page-in and every read. Returns the events (their waits are

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::engine::{CopyEngine, Deferred, Fence, Order};
-use crate::device::{DevicePtr, Event, HostRange, Stream};
+use crate::device::{DevicePtr, Event, HostRange, RawStream};
 use crate::error::{Error, Result};
 
 struct Job {
@@ -88,23 +88,19 @@ impl BackgroundFill {
         })
     }
 
-    pub fn engine(&self) -> &Arc<CopyEngine> {
-        &self.engine
-    }
-
     /// Copy `src` to `dst`, ordered after the work queued on `order` so far
     /// (if given). A staged copy is queued for the thread and the fence comes
     /// back pending; a direct one (page-locked source, no fill) is issued
     /// here, as `htod` would. `src` must stay readable and unmodified until
     /// the fence completes — as for `htod`, but here that includes the fill.
-    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<&Stream>) -> Result<Fence> {
+    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<RawStream>) -> Result<Fence> {
         if !self.engine.stages(src) {
-            return self.engine.htod(dst, src, order.map(Stream::raw));
+            return self.engine.htod(dst, src, order);
         }
         let after = match order {
             Some(s) => {
                 let e = Event::new(self.engine.device(), false)?;
-                e.record(s)?;
+                e.record_raw(s)?;
                 Some(e)
             }
             None => None,
@@ -125,8 +121,7 @@ impl BackgroundFill {
     pub fn drain(&self) {
         let last = self.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(d) = last {
-            // Whether it failed is reported to whoever holds its fence.
-            let _ = d.wait_set();
+            d.wait_set();
         }
     }
 }
@@ -153,9 +148,9 @@ pub enum Copier<'a> {
 
 impl Copier<'_> {
     /// Copy `src` to `dst` after the work queued on `order` so far (if given).
-    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<&Stream>) -> Result<Fence> {
+    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<RawStream>) -> Result<Fence> {
         match self {
-            Copier::Caller(e) => e.htod(dst, src, order.map(Stream::raw)),
+            Copier::Caller(e) => e.htod(dst, src, order),
             Copier::Background(b) => b.htod_after(dst, src, order),
         }
     }

@@ -174,9 +174,9 @@ impl Deferred {
     fn wait(&self) -> Result<&Event> {
         self.done.wait().as_ref().map_err(Clone::clone)
     }
-    /// Block until set; whether the copy was issued.
-    pub(super) fn wait_set(&self) -> bool {
-        self.done.wait().is_ok()
+    /// Block until set (whether the copy was issued is the fence's to report).
+    pub(super) fn wait_set(&self) {
+        self.done.wait();
     }
 }
 
