@@ -30,7 +30,10 @@ static uint64_t coalesced(EpmResidency *res) {
   return s.coalesced_weights;
 }
 
-static EpmStatus make_res(EpmDevice *dev, uint64_t budget, uint32_t reg, EpmResidency **out) {
+/* A manager of `budget` with `reg` sources and 2 fill threads; `caller_fills`
+ * as given, and the config passed with `size` bytes (sizeof for today's). */
+static EpmStatus make_res_with(EpmDevice *dev, uint64_t budget, uint32_t reg, uint32_t caller_fills, size_t size,
+                               EpmResidency **out) {
   EpmResidencyConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.size = sizeof cfg;
@@ -39,7 +42,13 @@ static EpmStatus make_res(EpmDevice *dev, uint64_t budget, uint32_t reg, EpmResi
   cfg.budget_bytes = budget;
   cfg.register_sources = reg;
   cfg.fill_threads = 2;
+  cfg.caller_fills = caller_fills;
+  cfg.size = size;
   return epm_residency_create(dev, &cfg, out);
+}
+
+static EpmStatus make_res(EpmDevice *dev, uint64_t budget, uint32_t reg, EpmResidency **out) {
+  return make_res_with(dev, budget, reg, 0, sizeof(EpmResidencyConfig), out);
 }
 
 /* Acquire for the host, read back synchronously, compare every byte. */
@@ -208,19 +217,17 @@ static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fill
   for (int i = 0; i < W; i++) th_fill_random(host + (size_t)i * n, n, 40 + i);
   REQUIRE_OK(epm_device_open(0, &dev));
   REQUIRE_OK(epm_stream_create(dev, &s));
-  for (int mode = 0; mode < 3; mode++) {
-    /* mode 0: caller_fills 0; 1: caller_fills 1; 2: the v1 size (default). */
+  {
     EpmResidencyConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.size = sizeof cfg;
     REQUIRE_OK(epm_residency_config_default(&cfg));
     CHECK(cfg.caller_fills == 0);
-    cfg.budget_bytes = 2 * n + n / 2;
-    cfg.register_sources = EPM_REGISTER_NEVER;
-    cfg.fill_threads = 2;
-    cfg.caller_fills = mode == 1;
-    if (mode == 2) cfg.size = EPM_RESIDENCY_CONFIG_SIZE_V1;
-    REQUIRE_OK(epm_residency_create(dev, &cfg, &res));
+  }
+  for (int mode = 0; mode < 3; mode++) {
+    /* mode 0: caller_fills 0; 1: caller_fills 1; 2: the v1 size (default). */
+    REQUIRE_OK(make_res_with(dev, 2 * n + n / 2, EPM_REGISTER_NEVER, mode == 1,
+                             mode == 2 ? EPM_RESIDENCY_CONFIG_SIZE_V1 : sizeof(EpmResidencyConfig), &res));
     for (int i = 0; i < W; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
     REQUIRE_OK(epm_residency_declare_cycle(res, w, W));
     for (int round = 0; round < 3; round++)

@@ -492,7 +492,10 @@ mod tests {
         lag_us: u32,
     }
 
-    impl Replay<'_> {
+    impl<'a> Replay<'a> {
+        fn new(l: &'a StreamOrdered, s: RawStream, lag_us: u32) -> Self {
+            Replay { l, s, sizes: HashMap::new(), live: 0, peak: 0, lag_us }
+        }
         fn alloc(&mut self, bytes: usize) -> u64 {
             let (a, _) = self.l.alloc(bytes, Some(self.s)).unwrap();
             assert!(self.sizes.insert(a, bytes).is_none(), "{a:#x} handed out twice");
@@ -578,14 +581,7 @@ mod tests {
             1 + (seed >> 33) as usize % m
         };
         let trace: Vec<(usize, usize)> = (0..60).map(|_| (rnd(16), rnd(512))).collect();
-        let mut r = Replay {
-            l: &l,
-            s: a,
-            sizes: HashMap::new(),
-            live: 0,
-            peak: 0,
-            lag_us,
-        };
+        let mut r = Replay::new(&l, a, lag_us);
         for &(b, t) in &trace {
             r.pass(b, t);
         }
@@ -643,14 +639,7 @@ mod tests {
     fn ort_like_trace_timing() {
         let (dev, l) = layer(64 << 30);
         let a = dev.stream_create().unwrap();
-        let mut r = Replay {
-            l: &l,
-            s: a,
-            sizes: HashMap::new(),
-            live: 0,
-            peak: 0,
-            lag_us: 0,
-        };
+        let mut r = Replay::new(&l, a, 0);
         let trace: Vec<(usize, usize)> = (0..60).map(|i| (1 + i % 16, 1 + (i * 37) % 512)).collect();
         for &(b, t) in &trace {
             r.pass(b, t);
