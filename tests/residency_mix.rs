@@ -225,9 +225,9 @@ fn llama_mixes_stream_within_the_bound_at_every_budget() {
                 r.bytes_per_step
             );
             assert_eq!(
-                r.end.plans.min(1),
-                1,
-                "{name} {pct}%: a mixed cycle over budget gets a plan"
+                (r.end.plans.min(1), r.end.dropped_rings),
+                (1, 0),
+                "{name} {pct}%: a mixed cycle over budget gets a plan, and one walker keeps its ring"
             );
             // The plan's resident set is at least the optimal static set
             // that leaves two of the largest weights for streaming.

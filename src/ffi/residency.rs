@@ -551,7 +551,7 @@ mirror! {
         }
         // `arena` is flattened above; the plan's counters (issue 12) are not
         // in the C struct yet: growing it is an ABI decision, not this table's.
-        rust_only { arena, ring_bytes, planned_resident_bytes, ring_page_ins, ring_weights, plans }
+        rust_only { arena, ring_bytes, planned_resident_bytes, ring_page_ins, ring_weights, plans, dropped_rings }
     }
 }
 

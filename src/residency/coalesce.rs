@@ -24,6 +24,7 @@ impl ResidencyManager {
         st.starts_seen = false;
         // A plan is by cycle position: a new cycle needs a new one.
         st.replan = true;
+        st.ring_off = false;
         st.cycle = units;
         let _ = order;
         Ok(())

@@ -26,6 +26,7 @@ impl ResidencyManager {
                 // The arena has the bytes but not in one range: evict more.
                 Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
                     Some(v) => self.evict(st, v)?,
+                    None if demand && self.drop_ring(st)? => {}
                     None if demand => return Err(self.all_in_use(st, w, len)),
                     None => return Ok(None),
                 },
@@ -41,6 +42,9 @@ impl ResidencyManager {
     pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Room> {
         while st.resident_bytes + len > self.cfg.budget_bytes {
             let Some(v) = self.victim(st, w, demand) else {
+                if demand && self.drop_ring(st)? {
+                    continue;
+                }
                 return if demand {
                     Err(self.all_in_use(st, w, len))
                 } else {
@@ -127,11 +131,26 @@ impl ResidencyManager {
     }
 
     pub(super) fn all_in_use(&self, st: &State, w: WeightId, len: usize) -> Error {
+        let (mut held, mut held_bytes) = (0, 0);
+        for v in st.reg.ids() {
+            if let Ok(e) = st.reg.get(v)
+                && e.users > 0
+                && v != w
+            {
+                held += 1;
+                held_bytes += e.unit.len();
+            }
+        }
+        let ring = st
+            .ring
+            .as_ref()
+            .map_or(String::new(), |r| format!(", {} of them the streaming region", r.cap()));
         Error::new(
             EpmStatus::AllInUse,
             format!(
-                "weight {} ({len} bytes) does not fit: {} of {} budget bytes are held by weights that are \
-                 acquired and not released ({} resident weights); release weights or raise the budget",
+                "weight {} ({len} bytes) does not fit: {} of {} budget bytes are resident ({} weights{ring}) \
+                 and what could make room is acquired and not released ({held} weights, {held_bytes} bytes); \
+                 release weights or raise the budget",
                 w.0, st.resident_bytes, self.cfg.budget_bytes, st.resident_weights
             ),
         )

@@ -72,6 +72,9 @@ pub(super) struct State {
     pub(super) hold_began: usize,
     /// The order last passed to `declare_cycle` (cleared when a weight leaves it).
     pub(super) declared: Vec<WeightId>,
+    /// Callers walk the cycle concurrently: the ring was dropped and no plan
+    /// is made again until a new cycle is declared (see `drop_ring`).
+    pub(super) ring_off: bool,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -122,6 +125,7 @@ impl ResidencyManager {
                 order: Stream::new(dev)?,
                 fill: None,
                 shield: None,
+                ring_off: false,
                 plan: None,
                 ring: None,
                 streamed: HashSet::new(),
@@ -599,6 +603,7 @@ impl ResidencyManager {
             planned_resident_bytes: st.plan.as_ref().map_or(0, |p| p.resident_bytes as u64),
             ring_page_ins: c.ring_page_ins,
             plans: c.plans,
+            dropped_rings: c.dropped_rings,
             background_page_ins: c.background_page_ins,
             background_waits: c.background_waits,
             background_wait_ms: c.background_wait_ns as f64 / 1e6,

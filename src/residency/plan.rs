@@ -23,7 +23,7 @@ pub(super) enum RingPageIn {
 impl ResidencyManager {
     /// The plan the declared cycle wants now (units in cycle order).
     fn wanted_plan(&self, st: &State) -> Result<Option<Plan>> {
-        if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || st.cycle.is_empty() {
+        if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || st.cycle.is_empty() || st.ring_off {
             return Ok(None);
         }
         let sizes: Vec<usize> = st
@@ -179,6 +179,50 @@ impl ResidencyManager {
         st.c.prefetch_page_ins += !demand as u64;
         st.c.pending_prefetches += !demand as u64;
         Ok(RingPageIn::Done)
+    }
+
+    /// A demand page-in found no room: the ring's bytes and the planned
+    /// residents' are all taken, and what holds them is acquired. With one
+    /// caller that means it holds more than the budget allows; with callers
+    /// walking the cycle concurrently (two decoders on one manager) a unit
+    /// paged in beside the ring while another caller held its spot takes a
+    /// planned resident's bytes, and the next demand for that resident finds
+    /// them held — though the ring itself may hold nothing acquired. Then the
+    /// ring goes (its occupants waited for on the host, the device
+    /// synchronized: never in steady state), and page-ins go through the
+    /// arena by farthest-next-use alone until a new cycle is declared: a ring
+    /// laid out for one walker would block again. Returns whether it went;
+    /// a ring with an acquired occupant stays.
+    pub(super) fn drop_ring(&self, st: &mut State) -> Result<bool> {
+        if st.ring.is_none() {
+            return Ok(false);
+        }
+        let mut occupants = Vec::new();
+        for &v in &st.streamed {
+            let e = st.reg.get(v)?;
+            if e.slot.is_some() {
+                if e.users > 0 {
+                    return Ok(false);
+                }
+                occupants.push(v);
+            }
+        }
+        for v in occupants {
+            self.evict_slot(st, v)?;
+        }
+        if let Some(f) = st.fill.as_ref() {
+            // Queued copies onto a stream before the ring's synchronize.
+            f.drain();
+        }
+        if let Some(r) = st.ring.take() {
+            st.resident_bytes -= r.cap();
+        }
+        st.streamed.clear();
+        st.plan = None;
+        st.ring_off = true;
+        st.c.dropped_rings += 1;
+        log::info!("epmem: callers walk the cycle concurrently; streaming without a ring until a cycle is declared");
+        Ok(true)
     }
 
     /// Evict streamed unit `v` on the host's side (unregister, re-plan):

@@ -83,6 +83,10 @@ pub struct ResidencyStats {
     /// Plans installed (declare_cycle, or a caller found holding more
     /// weights at once than the plan assumed).
     pub plans: u64,
+    /// Rings dropped because callers walk the cycle concurrently (see
+    /// `ResidencyManager::acquire`): from then on, until a cycle is
+    /// declared, no plan; page-ins go through the arena alone.
+    pub dropped_rings: u64,
     /// Prefetches from staged sources issued by the background filler
     /// (`ResidencyConfig::caller_fills` false), the acquires that found one
     /// not yet enqueued and waited for it on the host, and that wait's time
@@ -116,6 +120,7 @@ pub(crate) struct Counters {
     pub device_stall_ms: f64,
     pub ring_page_ins: u64,
     pub plans: u64,
+    pub dropped_rings: u64,
     pub background_page_ins: u64,
     pub background_waits: u64,
     pub background_wait_ns: u64,
