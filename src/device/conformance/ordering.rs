@@ -226,3 +226,67 @@ pub fn hold_keeps_work_pending_until_opened(dev: &Arc<dyn Device>) -> Result<()>
         a.synchronize()
     })
 }
+
+/// Stream values (`stream_write_value` / `stream_wait_value`): stream B waits
+/// for a value that stream A writes behind a held gate and a copy; B's work
+/// stays pending while A is held, the host never waits, B then reads A's
+/// copy (the write comes after it), a smaller value already passed lets B
+/// through at once, and the word may be device memory or pinned memory. A
+/// device without them reports `Unsupported` from both calls (printed as a
+/// skip, never a silent pass).
+pub fn stream_values_order_work_across_streams(dev: &Arc<dyn Device>) -> Result<()> {
+    if !dev.stream_values() {
+        let e = dev.stream_write_value(Stream::new(dev)?.raw(), 0, 1).unwrap_err();
+        crate::ensure!(e.status() == EpmStatus::Unsupported, Internal, "no stream values, yet: {e}");
+        eprintln!("SKIPPED stream_values_order_work_across_streams: {e}");
+        return Ok(());
+    }
+    no_leaks(dev, "stream_values_order_work_across_streams", || {
+        let n = 8 << 20;
+        let (a, b) = (Stream::new(dev)?, Stream::new(dev)?);
+        let (buf, copy) = (DeviceBuffer::new(dev, n)?, DeviceBuffer::new(dev, n)?);
+        let mut src = PinnedBuffer::new(dev, n)?;
+        fastrand::Rng::with_seed(0x5EED).fill(&mut src);
+        let mut dst = PinnedBuffer::new(dev, n)?;
+        let dword = DeviceBuffer::new(dev, 8)?;
+        let mut pword = PinnedBuffer::new(dev, 8)?;
+        pword.fill(0);
+        dev.memset_d8_async(dword.ptr(), 0, 8, a.raw())?;
+        a.synchronize()?;
+        for (kind, word) in [("device", dword.ptr()), ("pinned", pword.as_ptr() as u64)] {
+            let gate = crate::device::Gate::new();
+            let wd = gate.watchdog(WATCHDOG);
+            if !hold(dev, &a, &gate, "stream_values_order_work_across_streams")? {
+                return Ok(());
+            }
+            // SAFETY: `src` lives until both streams are synchronized below.
+            unsafe { dev.memcpy_htod_async(buf.ptr(), src.as_ptr(), n, a.raw())? };
+            let t = Instant::now();
+            dev.stream_write_value(a.raw(), word, 7)?;
+            // Waits for 5: written 7 (a wait is "at least").
+            dev.stream_wait_value(b.raw(), word, 5)?;
+            dev.memcpy_dtod_async(copy.ptr(), buf.ptr(), n, b.raw())?;
+            let done = Event::new(dev, false)?;
+            done.record(&b)?;
+            let host = t.elapsed();
+            std::thread::sleep(Duration::from_millis(50));
+            let early = done.query()?;
+            gate.open();
+            // SAFETY: `dst` is written only by this copy, read after the synchronize.
+            unsafe { dev.memcpy_dtoh_async(dst.as_mut_ptr(), copy.ptr(), n, b.raw())? };
+            b.synchronize()?;
+            a.synchronize()?;
+            crate::ensure!(!wd.fired(), Internal, "{kind} word: a stream-value call blocked the host until the watchdog");
+            crate::ensure!(!early, Internal, "{kind} word: B ran past its wait while A (the writer) was held");
+            crate::ensure!(host < Duration::from_secs(1), Internal, "{kind} word: enqueueing took {host:?}");
+            assert_same(&format!("{kind} word: B's copy behind the wait"), &dst, &src);
+            // Already at 7: a wait for 7 or less passes without a writer.
+            dev.stream_wait_value(b.raw(), word, 7)?;
+            b.synchronize()?;
+        }
+        // Misaligned words are refused.
+        let e = dev.stream_wait_value(b.raw(), dword.ptr() + 4, 1).unwrap_err();
+        crate::ensure!(e.status() == EpmStatus::InvalidArgument, Internal, "a misaligned word: {e}");
+        Ok(())
+    })
+}
