@@ -873,7 +873,10 @@ typedef struct EpmResidencyConfig {
    * this field existed. Zero: a background thread of the manager fills and
    * enqueues them, so the calling thread (the one launching kernels) does
    * not spend the fill, and an acquire waits only while that fill is
-   * behind (`background_waits`, `background_wait_ms`). Demand
+   * behind (`background_waits`, `background_wait_ms`), and not even then
+   * where the device can wait for it (64-bit stream memory operations:
+   * the acquiring stream waits on the device; a failed fill it waited
+   * for is reported by the next acquire or synchronize). Demand
    * page-ins are always issued by the caller. Added after the v1 freeze:
    * a caller passing the v1 size gets the default. Default 0.
    */
@@ -995,14 +998,19 @@ typedef struct EpmResidencyStats {
    */
   uint64_t attached_bytes;
   /**
-   * Prefetches from staged sources filled by the manager's background
-   * thread (see `EpmResidencyConfig.caller_fills`).
+   * Page-ins issued by the manager's background thread (see
+   * `EpmResidencyConfig.caller_fills`): prefetches from staged sources,
+   * and, where the device waits for them itself, any page-in issued while
+   * one of those is still queued (it queues behind them, never ahead).
    */
   uint64_t background_page_ins;
   /**
    * Acquires that found their weight's background fill not yet enqueued
    * and waited for it on the host, and the time they waited (the fill
-   * falling behind the caller; not counted in `host_stall_ms`).
+   * falling behind the caller; not counted in `host_stall_ms`). Zero where
+   * the device waits for such a fill itself (64-bit stream memory
+   * operations, e.g. the H200): the acquiring stream waits on the device
+   * and the host does not.
    */
   uint64_t background_waits;
   double background_wait_ms;

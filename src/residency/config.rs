@@ -29,6 +29,13 @@ pub struct ResidencyConfig {
     /// thread that launches the kernels does not spend the fill; see
     /// `staging::background`). Demand page-ins are always issued by the caller.
     pub caller_fills: bool,
+    /// The caller's stream waits for a background fill not yet enqueued on
+    /// the host (`acquire` blocks until the filler has enqueued it), even
+    /// where the device could wait for it itself (stream values: CUDA's
+    /// 64-bit stream memory operations). Default false: the device waits, so
+    /// `acquire` never blocks on a fill (see `staging::background`). Rust
+    /// only; for comparison and for devices where those waits misbehave.
+    pub fill_waits_on_host: bool,
     /// Weights smaller than this that are adjacent both in host memory and in
     /// the declared cycle are coalesced into one page-in of up to
     /// `coalesce_max_bytes` (copies of a few hundred KiB never reach the
@@ -57,6 +64,7 @@ impl ResidencyConfig {
             prefetch_depth: 1,
             sync_page_in: false,
             caller_fills: false,
+            fill_waits_on_host: false,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
             stream_plan: true,
