@@ -31,9 +31,10 @@ static uint64_t coalesced(EpmResidency *res) {
 }
 
 /* A manager of `budget` with `reg` sources and 2 fill threads; `caller_fills`
- * as given, and the config passed with `size` bytes (sizeof for today's). */
-static EpmStatus make_res_with(EpmDevice *dev, uint64_t budget, uint32_t reg, uint32_t caller_fills, size_t size,
-                               EpmResidency **out) {
+ * and `fill_waits_on_host` as given, and the config passed with `size` bytes
+ * (sizeof for today's). */
+static EpmStatus make_res_modes(EpmDevice *dev, uint64_t budget, uint32_t reg, uint32_t caller_fills,
+                                uint32_t host_waits, size_t size, EpmResidency **out) {
   EpmResidencyConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.size = sizeof cfg;
@@ -43,8 +44,14 @@ static EpmStatus make_res_with(EpmDevice *dev, uint64_t budget, uint32_t reg, ui
   cfg.register_sources = reg;
   cfg.fill_threads = 2;
   cfg.caller_fills = caller_fills;
+  cfg.fill_waits_on_host = host_waits;
   cfg.size = size;
   return epm_residency_create(dev, &cfg, out);
+}
+
+static EpmStatus make_res_with(EpmDevice *dev, uint64_t budget, uint32_t reg, uint32_t caller_fills, size_t size,
+                               EpmResidency **out) {
+  return make_res_modes(dev, budget, reg, caller_fills, 1, size, out);
 }
 
 static EpmStatus make_res(EpmDevice *dev, uint64_t budget, uint32_t reg, EpmResidency **out) {
@@ -203,8 +210,11 @@ cleanup:
 
 /* Who fills staged prefetches: the manager's background thread (caller_fills
  * 0, the default, also for a caller passing the v1 config size, which has no
- * such field) or the releasing thread (caller_fills 1). Either way every read
- * sees the weight's bytes, and the counters say which thread filled. */
+ * such field) or the releasing thread (caller_fills 1); and who waits for a
+ * fill not enqueued yet: the host (fill_waits_on_host 1, the default) or,
+ * where the device can, the device (0: then no acquire waits on the host).
+ * Either way every read sees the weight's bytes, and the counters say which
+ * thread filled. */
 static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fills(void) {
   enum { W = 4 };
   const size_t n = 4u * MIB;
@@ -223,11 +233,17 @@ static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fill
     cfg.size = sizeof cfg;
     REQUIRE_OK(epm_residency_config_default(&cfg));
     CHECK(cfg.caller_fills == 0);
+    CHECK(cfg.fill_waits_on_host == 1);
   }
-  for (int mode = 0; mode < 3; mode++) {
-    /* mode 0: caller_fills 0; 1: caller_fills 1; 2: the v1 size (default). */
-    REQUIRE_OK(make_res_with(dev, 2 * n + n / 2, EPM_REGISTER_NEVER, mode == 1,
-                             mode == 2 ? EPM_RESIDENCY_CONFIG_SIZE_V1 : sizeof(EpmResidencyConfig), &res));
+  EpmDeviceInfo info;
+  memset(&info, 0, sizeof info);
+  info.size = sizeof info;
+  REQUIRE_OK(epm_device_get_info(dev, &info));
+  for (int mode = 0; mode < 4; mode++) {
+    /* mode 0: caller_fills 0; 1: caller_fills 1; 2: the v1 size (default);
+     * 3: caller_fills 0, fill_waits_on_host 0. */
+    REQUIRE_OK(make_res_modes(dev, 2 * n + n / 2, EPM_REGISTER_NEVER, mode == 1, mode != 3,
+                              mode == 2 ? EPM_RESIDENCY_CONFIG_SIZE_V1 : sizeof(EpmResidencyConfig), &res));
     for (int i = 0; i < W; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
     REQUIRE_OK(epm_residency_declare_cycle(res, w, W));
     for (int round = 0; round < 3; round++)
@@ -246,6 +262,12 @@ static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fill
     CHECK(st.staged_page_ins == st.page_ins && st.prefetch_page_ins > 0);
     if (mode == 1) {
       CHECK(st.background_page_ins == 0 && st.background_waits == 0 && st.background_wait_ms == 0.0);
+    } else if (mode == 3) {
+      /* Demand page-ins issued while a fill is queued queue behind it. */
+      CHECK(st.background_page_ins >= st.prefetch_page_ins && st.background_page_ins <= st.page_ins);
+      /* The host device has stream values (the fake libcuda has none: there
+       * the host waits, as in mode 0). */
+      if (info.kind == EPM_DEVICE_KIND_HOST) CHECK(st.background_waits == 0 && st.background_wait_ms == 0.0);
     } else {
       CHECK(st.background_page_ins == st.prefetch_page_ins);
       CHECK(st.background_waits <= st.background_page_ins && st.background_wait_ms >= 0.0);

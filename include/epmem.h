@@ -873,14 +873,24 @@ typedef struct EpmResidencyConfig {
    * this field existed. Zero: a background thread of the manager fills and
    * enqueues them, so the calling thread (the one launching kernels) does
    * not spend the fill, and an acquire waits only while that fill is
-   * behind (`background_waits`, `background_wait_ms`), and not even then
-   * where the device can wait for it (64-bit stream memory operations:
-   * the acquiring stream waits on the device; a failed fill it waited
-   * for is reported by the next acquire or synchronize). Demand
+   * behind (`background_waits`, `background_wait_ms`; with
+   * `fill_waits_on_host` 0, not even then). Demand
    * page-ins are always issued by the caller. Added after the v1 freeze:
    * a caller passing the v1 size gets the default. Default 0.
    */
   uint32_t caller_fills;
+  /**
+   * Nonzero: an acquire whose weight's background fill is not enqueued
+   * yet waits for it on the host (`background_waits`). Zero: where the
+   * device can (64-bit stream memory operations), the acquiring stream
+   * waits for it on the device instead and the host never waits, so the
+   * calling thread goes on launching kernels while the fill runs; a failed
+   * fill it waited for is reported by the next acquire or synchronize.
+   * Added after the v1 freeze, with `caller_fills`: a caller passing the
+   * v1 size gets the default. Default 1 (the device-side wait has not yet
+   * run on a GPU; docs/RESIDENCY.md).
+   */
+  uint32_t fill_waits_on_host;
 } EpmResidencyConfig;
 
 /**

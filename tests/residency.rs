@@ -726,6 +726,7 @@ fn with_device_waits_acquire_never_blocks_on_a_fill_held_behind_the_stream() {
     let sizes: Vec<usize> = (0..8).map(|i| n * (1 + i % 3)).collect();
     let w = Weights::new(&sizes, 33);
     let mut c = small_cfg(sizes.iter().sum::<usize>() / 2);
+    c.fill_waits_on_host = false;
     c.register_sources = RegisterSources::Never;
     let m = ResidencyManager::new(&d, c).unwrap();
     let ids = w.register_all(&m);

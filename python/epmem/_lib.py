@@ -171,7 +171,8 @@ class EpmResidencyConfig(Structure):
                 ("register_sources", c_uint32), ("prefetch_depth", c_uint32), ("sync_page_in", c_uint32),
                 ("staging_slots", c_uint32), ("fill_threads", c_uint32), ("staging_chunk_bytes", c_uint64),
                 ("staging_pool_bytes", c_uint64), ("coalesce_below_bytes", c_uint64),
-                ("coalesce_max_bytes", c_uint64), ("caller_fills", c_uint32)]
+                ("coalesce_max_bytes", c_uint64), ("caller_fills", c_uint32),
+                ("fill_waits_on_host", c_uint32)]
 
 
 class EpmResidencyStats(Structure):

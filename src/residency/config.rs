@@ -32,9 +32,10 @@ pub struct ResidencyConfig {
     /// The caller's stream waits for a background fill not yet enqueued on
     /// the host (`acquire` blocks until the filler has enqueued it), even
     /// where the device could wait for it itself (stream values: CUDA's
-    /// 64-bit stream memory operations). Default false: the device waits, so
-    /// `acquire` never blocks on a fill (see `staging::background`). Rust
-    /// only; for comparison and for devices where those waits misbehave.
+    /// 64-bit stream memory operations). False: the device waits, so
+    /// `acquire` never blocks on a fill (see `staging::background`).
+    /// Default true until the device-side wait has run on a GPU (it is
+    /// built and tested on the host device only; docs/RESIDENCY.md).
     pub fill_waits_on_host: bool,
     /// Weights smaller than this that are adjacent both in host memory and in
     /// the declared cycle are coalesced into one page-in of up to
@@ -64,7 +65,7 @@ impl ResidencyConfig {
             prefetch_depth: 1,
             sync_page_in: false,
             caller_fills: false,
-            fill_waits_on_host: false,
+            fill_waits_on_host: true,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
             stream_plan: true,

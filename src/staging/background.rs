@@ -53,7 +53,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::engine::{CopyEngine, Deferred, Fence, Order, Signal};
-use crate::device::{Device, DevicePtr, Event, HostRange, PinnedBuffer, RawStream};
+use crate::device::{Device, DevicePtr, Event, HostRange, PinnedBuffer, RawStream, Stream};
 use crate::error::{Error, Result};
 
 struct Job {
@@ -79,7 +79,14 @@ impl Word {
         let mut buf = PinnedBuffer::new(dev, 8)?;
         // Zeroed before any stream knows the word; never touched by the host after.
         buf.fill(0);
-        Ok(Self { dev: dev.clone(), buf: Some(buf) })
+        let w = Self { dev: dev.clone(), buf: Some(buf) };
+        // A driver that refuses the word must say so now, not on a job's
+        // signal (a refused signal would leave its waiters waiting).
+        let s = Stream::new(dev)?;
+        dev.stream_write_value(s.raw(), w.addr(), 0)?;
+        dev.stream_wait_value(s.raw(), w.addr(), 0)?;
+        s.synchronize()?;
+        Ok(w)
     }
     fn addr(&self) -> DevicePtr {
         self.buf.as_ref().map_or(0, |b| b.as_ptr() as DevicePtr)
@@ -139,7 +146,13 @@ impl BackgroundFill {
     pub fn new(engine: &Arc<CopyEngine>, device_waits: bool) -> Result<Self> {
         let dev = engine.device();
         let word = if device_waits && dev.stream_values() {
-            Some(Arc::new(Word::new(dev)?))
+            match Word::new(dev) {
+                Ok(w) => Some(Arc::new(w)),
+                Err(e) => {
+                    log::warn!("epmem: background fills are waited for on the host: the device refused a stream value ({e})");
+                    None
+                }
+            }
         } else {
             None
         };
