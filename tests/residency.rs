@@ -261,6 +261,8 @@ fn all_in_use_and_out_of_budget_are_clear_errors() {
     let e = m.acquire(ids[2], s.raw()).unwrap_err();
     assert_eq!(e.status(), EpmStatus::AllInUse, "{e}");
     assert!(e.message().contains("release"), "{e}");
+    // It says what holds the budget: the two weights acquired, 2 x 64 KiB.
+    assert!(e.message().contains(&format!("(2 weights, {} bytes)", 2 * n)), "{e}");
     m.release(ids[1], s.raw()).unwrap();
     m.acquire(ids[2], s.raw()).unwrap();
     m.release(ids[2], s.raw()).unwrap();
