@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use epmem::EpmStatus;
+use epmem::device::gate::Watchdog;
 use epmem::device::{Device, DeviceBuffer, Gate, Stream};
 use epmem::staging::{BackgroundFill, CopyEngine, EngineConfig, HostRegistration, PinnedStagingPool, PoolConfig};
 use staging_util::{dev, first_diff, leak_range, random_bytes, read_back};
@@ -305,14 +306,20 @@ fn background(d: &Arc<dyn Device>) -> (Arc<CopyEngine>, BackgroundFill) {
     filler(d, false)
 }
 
+/// A stream held on a gate, with a watchdog that opens it if a check blocks.
+fn held_stream(d: &Arc<dyn Device>) -> (Stream, Gate, Watchdog) {
+    let held = Stream::new(d).unwrap();
+    let gate = Gate::new();
+    let wd = gate.watchdog(WATCHDOG);
+    d.hold_async(held.raw(), &gate).unwrap();
+    (held, gate, wd)
+}
+
 #[test]
 fn a_background_copy_is_pending_until_the_filler_enqueues_it_then_bit_exact() {
     let d = dev();
     let (e, bg) = background(&d);
-    let held = Stream::new(&d).unwrap();
-    let gate = Gate::new();
-    let wd = gate.watchdog(WATCHDOG);
-    d.hold_async(held.raw(), &gate).unwrap();
+    let (held, gate, wd) = held_stream(&d);
     // Ordered after the held stream, the first copy's DMA cannot start, so its
     // fill stops at the fourth of eight 1 MiB chunks (3 slots): the filler is
     // stuck in that job, the second job waits behind it, and neither fence has
@@ -420,10 +427,7 @@ fn device_with_values() -> Arc<dyn Device> {
 fn a_stream_waits_on_the_device_for_a_pending_copy_and_the_host_does_not() {
     let d = device_with_values();
     let (e, bg) = filler(&d, true);
-    let held = Stream::new(&d).unwrap();
-    let gate = Gate::new();
-    let wd = gate.watchdog(WATCHDOG);
-    d.hold_async(held.raw(), &gate).unwrap();
+    let (held, gate, wd) = held_stream(&d);
     // As above: the first copy cannot finish its fill behind the held
     // stream, so both fences stay pending while the gate is closed.
     let (n1, n2) = (8 * MIB, 3 * MIB + 5);
@@ -468,10 +472,7 @@ fn a_failed_copy_waited_for_on_the_device_releases_its_waiters_and_is_reported_o
     let fd = Arc::new(FaultyDevice::new(inner));
     let d: Arc<dyn Device> = fd.clone();
     let (_e, bg) = filler(&d, true);
-    let held = Stream::new(&d).unwrap();
-    let gate = Gate::new();
-    let wd = gate.watchdog(WATCHDOG);
-    d.hold_async(held.raw(), &gate).unwrap();
+    let (held, gate, wd) = held_stream(&d);
     // The job's second chunk fails to enqueue. While it is still pending a
     // stream waits for it on the device; the failure must release that stream
     // (no hang) and be kept for the caller, since the wait saw no error.

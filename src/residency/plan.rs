@@ -70,15 +70,7 @@ impl ResidencyManager {
                 self.evict(st, w)?;
             }
         }
-        if let Some(f) = st.fill.as_ref() {
-            // Queued copies onto a stream before the ring's synchronize.
-            f.drain();
-        }
-        if let Some(r) = st.ring.take() {
-            st.resident_bytes -= r.cap();
-        }
-        st.streamed.clear();
-        st.plan = None;
+        Self::release_ring(st);
         let Some(p) = want else { return Ok(()) };
         let ring = match Ring::new(&self.arena, p.ring_bytes) {
             Ok(r) => r,
@@ -210,8 +202,18 @@ impl ResidencyManager {
         for v in occupants {
             self.evict_slot(st, v)?;
         }
+        Self::release_ring(st);
+        st.ring_off = true;
+        st.c.dropped_rings += 1;
+        log::info!("epmem: callers walk the cycle concurrently; streaming without a ring until a cycle is declared");
+        Ok(true)
+    }
+
+    /// Give the ring back (its occupants already evicted) and forget the
+    /// plan. The ring's drop synchronizes the device, so queued background
+    /// copies are put onto a stream first.
+    fn release_ring(st: &mut State) {
         if let Some(f) = st.fill.as_ref() {
-            // Queued copies onto a stream before the ring's synchronize.
             f.drain();
         }
         if let Some(r) = st.ring.take() {
@@ -219,10 +221,6 @@ impl ResidencyManager {
         }
         st.streamed.clear();
         st.plan = None;
-        st.ring_off = true;
-        st.c.dropped_rings += 1;
-        log::info!("epmem: callers walk the cycle concurrently; streaming without a ring until a cycle is declared");
-        Ok(true)
     }
 
     /// Evict streamed unit `v` on the host's side (unregister, re-plan):
