@@ -6,9 +6,6 @@ weights do not fit the VRAM budget, decoded greedily, side by side in one proces
   registered   epmem.torch.offload, sources="registered" (the default)
   staged       epmem.torch.offload, sources="staged" (pageable, staged; prefetches filled by
                epmem's background thread, the default)
-  staged_device  the same with fill_waits_on_host=0: a fill not enqueued yet is waited for
-               on the device (64-bit stream memory operations), so the thread that runs the
-               model never waits for the filler (--no-device-row skips it)
   staged_caller  the same with caller_fills=1: prefetches filled on the thread that runs the
                model (the behaviour before the background filler; --no-caller-row skips it)
   accelerate   accelerate.dispatch_model, the same bytes resident, the rest cpu-offloaded
@@ -348,7 +345,6 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-caller-row", action="store_true", help="skip the staged_caller rows")
-    ap.add_argument("--no-device-row", action="store_true", help="skip the staged_device rows")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
     # Per-Linear acquires (the default here) let the residency plan stream one
     # weight at a time: with whole-block holds no policy can copy less than
@@ -423,8 +419,6 @@ def main():
             unit_floor = whole_weight_floor(sizes, budget)
             rows = {}
             methods = [("registered", "registered", {}), ("staged", "staged", {})]
-            if not a.no_device_row:
-                methods.append(("staged_device", "staged", {"fill_waits_on_host": 0}))
             if not a.no_caller_row:
                 methods.append(("staged_caller", "staged", {"caller_fills": 1}))
             for method, sources, cfg in methods:
@@ -534,12 +528,6 @@ def table_md(res):
                 v = stg["tok_s"] / reg["tok_s"]
                 out(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
                       f"{'met' if v >= 0.8 else 'MISSED'}")
-            sdv = by.get((pct, "staged_device"))
-            if reg and sdv:
-                v = sdv["tok_s"] / reg["tok_s"]
-                out(f"target {sh['name']} {pct}%: staged_device (device waits) >= 0.8x registered: {v:.2f}x "
-                      f"{'met' if v >= 0.8 else 'MISSED'}; background waits on the host "
-                      f"{sdv.get('background_waits', 0)} (0 expected)")
             cal = by.get((pct, "staged_caller"))
             if stg and cal:
                 out(f"fill {sh['name']} {pct}%: staged (background fill) {stg['tok_s']:.3f} tok/s = "
@@ -561,7 +549,7 @@ def write_plot(res, path):
     fig, axes = plt.subplots(1, len(res["shapes"]), figsize=(6 * len(res["shapes"]), 4.2), squeeze=False)
     for ax, sh in zip(axes[0], res["shapes"]):
         pcts = sorted({r["budget_pct"] for r in sh["rows"]})
-        for method in ("registered", "staged", "staged_device", "staged_caller", "accelerate"):
+        for method in ("registered", "staged", "staged_caller", "accelerate"):
             ys = [next((r["tok_s"] for r in sh["rows"] if r["budget_pct"] == p and r["method"] == method), None)
                   for p in pcts]
             if any(y is not None for y in ys):

@@ -104,7 +104,7 @@ for c in examples-c/*.c; do
   step "example-$n" 'tok|GB/s|name|device' sh -c "gcc $CFLAGS '$c' -o '$CBIN/$n' -L.carry/lib -lepmem -lpthread -lm && '$CBIN/$n' ${EXAMPLE_ARGS[$n]:-}"
 done
 
-# 4. The Q1–Q5 probes (one question per binary: a poisoned context stays in its process).
+# 4. The Q1–Q6 probes (one question per binary: a poisoned context stays in its process).
 if [ -x ffi-tests/gpu/build.sh ]; then
   step gpu-probes-build 'error|built' ffi-tests/gpu/build.sh "$OUT/probes"
   for p in "$OUT"/probes/q*; do

@@ -1,10 +1,6 @@
 #!/usr/bin/env python3
 """Diagnostic (not a benchmark of record): staged page-ins under variants of
-prefetch depth and who fills, on bench_torch's shapes. Prints one line per row.
-
-A variant is sources:prefetch_depth:who[:fill_threads[:chunk_MiB[:slots]]], who being
-0 (the background filler, the host waits for a queued fill), d (the filler, the device
-waits: fill_waits_on_host=0) or 1 (the caller fills)."""
+prefetch depth and who fills, on bench_torch's shapes. Prints one line per row."""
 import argparse, json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_torch as bt  # noqa: E402
@@ -13,7 +9,7 @@ import torch  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="small")
 ap.add_argument("--budgets", default="25,75")
-ap.add_argument("--variants", default="registered:1:0,staged:1:0,staged:1:d,staged:2:d,staged:1:1")
+ap.add_argument("--variants", default="registered:1:0,staged:1:0,staged:2:0,staged:3:0,staged:1:1,staged:2:1")
 ap.add_argument("--tokens", type=int, default=16)
 ap.add_argument("--json")
 a = ap.parse_args()
@@ -28,8 +24,7 @@ for pct in [int(x) for x in a.budgets.split(",")]:
     budget = off * pct // 100
     for v in a.variants.split(","):
         src, depth, caller, *ft = v.split(":")
-        extra = {"fill_waits_on_host": 0} if caller == "d" else {}
-        caller = 0 if caller == "d" else int(caller)
+        extra = {}
         if ft and int(ft[0]):
             extra["fill_threads"] = int(ft[0])
         if len(ft) > 1:
@@ -37,9 +32,9 @@ for pct in [int(x) for x in a.budgets.split(",")]:
         if len(ft) > 2:
             extra["staging_slots"] = int(ft[2])
         r = bt.run_epmem(model, prompt, a.tokens, dev, budget, src, "linear",
-                         prefetch_depth=int(depth), caller_fills=caller, **extra)
+                         prefetch_depth=int(depth), caller_fills=int(caller), **extra)
         ms = r["seconds"] / a.tokens * 1e3
-        row = dict(pct=pct, variant=v, sources=src, depth=int(depth), caller_fills=caller, ms_per_token=ms,
+        row = dict(pct=pct, variant=v, sources=src, depth=int(depth), caller_fills=int(caller), ms_per_token=ms,
                    same=r["tokens"] == ref, **{k: v for k, v in r.items() if k not in ("tokens", "seconds")})
         out.append(row)
         print(f"{pct}% {v}: {ms:.1f} ms/token, "

@@ -33,7 +33,6 @@ checks!(
     memset_is_exact,
     checksum_matches_host,
     events_order_work_across_streams,
-    stream_values_order_work_across_streams,
     event_query_synchronize_elapsed,
     spin_delays_a_later_event,
     hold_keeps_work_pending_until_opened,

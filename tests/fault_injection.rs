@@ -254,14 +254,9 @@ fn residency_acquire_and_prefetch() {
         // Without and with a streaming plan (these sizes are mixed): the
         // plan allocates its ring at declare_cycle, so arena-growth faults on
         // acquire are the first pass's; the second covers the ring's paths.
-        // And with the background filler's pending copies waited for on the
-        // host or on the device (a sweep here found a deadlock of the latter:
-        // a demand copy jumping the filler's queue).
-        let modes = |k| [(k, false, true), (k, true, true), (k, false, false), (k, true, false)];
-        for (kind, plan, host_waits) in FaultKind::ALL.into_iter().flat_map(modes) {
+        for (kind, plan) in FaultKind::ALL.into_iter().flat_map(|k| [(k, false), (k, true)]) {
             let mut cfg = ResidencyConfig::with_budget(4 * MIB);
             cfg.stream_plan = plan;
-            cfg.fill_waits_on_host = host_waits;
             cfg.register_sources = RegisterSources::Always;
             cfg.engine = EngineConfig { slots: 2, chunk_bytes: MIB, target_chunks: 2, fill_threads: 2, ..Default::default() };
             let live = fd.live_counts();

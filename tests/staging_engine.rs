@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use epmem::EpmStatus;
-use epmem::device::gate::Watchdog;
 use epmem::device::{Device, DeviceBuffer, Gate, Stream};
 use epmem::staging::{BackgroundFill, CopyEngine, EngineConfig, HostRegistration, PinnedStagingPool, PoolConfig};
 use staging_util::{dev, first_diff, leak_range, random_bytes, read_back};
@@ -293,33 +292,20 @@ fn configurations_outside_the_bounds_are_rejected() {
 
 // ---- the background filler (staging::background) --------------------------
 
-/// A filler whose pending fences the host waits for (`device_waits` false)
-/// or, where the device has stream values, the device.
-fn filler(d: &Arc<dyn Device>, device_waits: bool) -> (Arc<CopyEngine>, BackgroundFill) {
-    let e = Arc::new(small_engine(d));
-    let b = BackgroundFill::new(&e, device_waits).unwrap();
-    assert_eq!(b.waits_on_device(), device_waits && d.stream_values());
-    (e, b)
-}
-
 fn background(d: &Arc<dyn Device>) -> (Arc<CopyEngine>, BackgroundFill) {
-    filler(d, false)
-}
-
-/// A stream held on a gate, with a watchdog that opens it if a check blocks.
-fn held_stream(d: &Arc<dyn Device>) -> (Stream, Gate, Watchdog) {
-    let held = Stream::new(d).unwrap();
-    let gate = Gate::new();
-    let wd = gate.watchdog(WATCHDOG);
-    d.hold_async(held.raw(), &gate).unwrap();
-    (held, gate, wd)
+    let e = Arc::new(small_engine(d));
+    let b = BackgroundFill::new(&e).unwrap();
+    (e, b)
 }
 
 #[test]
 fn a_background_copy_is_pending_until_the_filler_enqueues_it_then_bit_exact() {
     let d = dev();
     let (e, bg) = background(&d);
-    let (held, gate, wd) = held_stream(&d);
+    let held = Stream::new(&d).unwrap();
+    let gate = Gate::new();
+    let wd = gate.watchdog(WATCHDOG);
+    d.hold_async(held.raw(), &gate).unwrap();
     // Ordered after the held stream, the first copy's DMA cannot start, so its
     // fill stops at the fourth of eight 1 MiB chunks (3 slots): the filler is
     // stuck in that job, the second job waits behind it, and neither fence has
@@ -410,96 +396,4 @@ fn a_page_locked_source_is_copied_directly_not_queued() {
     assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "direct copy");
     f.wait().unwrap();
     drop(reg);
-}
-
-// ---- device-side waits for pending fills (stream values) ------------------
-
-/// The device (host device and CUDA) has the stream values the filler's
-/// device-side waits need; a CUDA device without them is reported here
-/// rather than passing every test below vacuously.
-fn device_with_values() -> Arc<dyn Device> {
-    let d = dev();
-    assert!(d.stream_values(), "{} has no stream values: device-side fill waits are off", d.info().name);
-    d
-}
-
-#[test]
-fn a_stream_waits_on_the_device_for_a_pending_copy_and_the_host_does_not() {
-    let d = device_with_values();
-    let (e, bg) = filler(&d, true);
-    let (held, gate, wd) = held_stream(&d);
-    // As above: the first copy cannot finish its fill behind the held
-    // stream, so both fences stay pending while the gate is closed.
-    let (n1, n2) = (8 * MIB, 3 * MIB + 5);
-    let (src1, src2) = (random_bytes(n1, 81), random_bytes(n2, 82));
-    let (dst1, dst2) = (DeviceBuffer::new(&d, n1).unwrap(), DeviceBuffer::new(&d, n2).unwrap());
-    let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(held.raw())).unwrap();
-    let f2 = bg.htod_after(dst2.ptr(), leak_range(src2.clone()), None).unwrap();
-    assert!(f1.waits_on_device() && f2.waits_on_device());
-    let s = Stream::new(&d).unwrap();
-    // Returns with the copies still pending: the host did not wait for them.
-    f2.make_wait(s.raw()).unwrap();
-    f1.make_wait(s.raw()).unwrap();
-    assert!(f1.is_pending() && f2.is_pending(), "make_wait waited on the host for a pending copy");
-    let after = epmem::device::Event::new(&d, false).unwrap();
-    after.record(&s).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    assert!(!after.query().unwrap(), "work behind the waits ran before the copies were enqueued");
-    // What the stream reads after its waits is the copied bytes.
-    let out = DeviceBuffer::new(&d, 16).unwrap();
-    d.checksum_async(dst1.ptr(), n1 & !3, out.ptr(), s.raw()).unwrap();
-    d.checksum_async(dst2.ptr(), n2 & !3, out.ptr() + 8, s.raw()).unwrap();
-    gate.open();
-    let mut sums = [0u64; 2];
-    // SAFETY: `sums` is 16 writable bytes, read only after the stream synchronizes.
-    unsafe { d.memcpy_dtoh_async(sums.as_mut_ptr().cast(), out.ptr(), 16, s.raw()).unwrap() };
-    s.synchronize().unwrap();
-    assert_eq!(sums[0], epmem::device::checksum_host(&src1[..n1 & !3]), "first copy, read behind a device wait");
-    assert_eq!(sums[1], epmem::device::checksum_host(&src2[..n2 & !3]), "second copy, read behind a device wait");
-    assert_same(&read_back(&d, &s, dst1.ptr(), n1), &src1, "first background copy");
-    assert_same(&read_back(&d, &s, dst2.ptr(), n2), &src2, "second background copy");
-    assert!(!f1.is_pending() && !f2.is_pending());
-    bg.drain();
-    e.synchronize().unwrap();
-    assert!(bg.take_failure().is_none());
-    assert!(!wd.fired(), "the watchdog opened the gate: something waited on the held stream");
-}
-
-#[test]
-fn a_failed_copy_waited_for_on_the_device_releases_its_waiters_and_is_reported_once() {
-    use epmem::device::fault::{FaultKind, FaultyDevice};
-    let inner = device_with_values();
-    let fd = Arc::new(FaultyDevice::new(inner));
-    let d: Arc<dyn Device> = fd.clone();
-    let (_e, bg) = filler(&d, true);
-    let (held, gate, wd) = held_stream(&d);
-    // The job's second chunk fails to enqueue. While it is still pending a
-    // stream waits for it on the device; the failure must release that stream
-    // (no hang) and be kept for the caller, since the wait saw no error.
-    let n = 8 * MIB;
-    let (src, dst) = (random_bytes(n, 19), DeviceBuffer::new(&d, n).unwrap());
-    let s = Stream::new(&d).unwrap();
-    fd.fail_nth(FaultKind::Copy, 2);
-    let bad = bg.htod_after(dst.ptr(), leak_range(src.clone()), Some(held.raw())).unwrap();
-    let waited = bad.make_wait(s.raw());
-    gate.open();
-    s.synchronize().unwrap();
-    bg.drain();
-    assert!(bad.ready().is_err() && bad.wait().is_err(), "the fence carries the copy's error");
-    match waited {
-        // The wait went to the device before the copy failed: reported once.
-        Ok(()) => {
-            let err = bg.take_failure().expect("a failure a device wait did not see is kept");
-            assert!(err.to_string().contains("injected fault"), "{err}");
-            assert!(err.to_string().contains("unfilled memory"), "{err}");
-        }
-        // The copy had already failed: make_wait said so itself.
-        Err(err) => assert!(err.to_string().contains("injected fault"), "{err}"),
-    }
-    assert!(bg.take_failure().is_none(), "a failure is reported once");
-    // The filler goes on, and its next copy is waited for on the device too.
-    let good = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
-    good.make_wait(s.raw()).unwrap();
-    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "the copy after a failed one");
-    assert!(!wd.fired(), "the watchdog opened the gate");
 }

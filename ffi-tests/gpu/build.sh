@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the Q1–Q5 probes with nvcc against include/epmem.h and libepmem.so.
+# Build the Q1–Q6 probes with nvcc against include/epmem.h and libepmem.so.
 #
 #   ffi-tests/gpu/build.sh [OUTDIR]        (default target/gpu-probes)
 #

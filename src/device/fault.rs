@@ -193,19 +193,6 @@ impl Device for FaultyDevice {
         self.hit(FaultKind::Event)?;
         self.inner.stream_wait_event(s, e)
     }
-    fn stream_values(&self) -> bool {
-        self.inner.stream_values()
-    }
-    /// Not injected: this write is what releases the streams waiting on the
-    /// value, and a real driver fails it only with the context lost (when
-    /// every wait fails too); a fault here would model a hang, not an error.
-    fn stream_write_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()> {
-        self.inner.stream_write_value(s, addr, value)
-    }
-    fn stream_wait_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()> {
-        self.hit(FaultKind::Event)?;
-        self.inner.stream_wait_value(s, addr, value)
-    }
     fn event_create(&self, timing: bool) -> Result<RawEvent> {
         self.hit(FaultKind::Event)?;
         self.inner.event_create(timing)

@@ -198,21 +198,6 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Work queued on `s` after this call waits until `e`'s recorded work completes.
     /// The host does not wait.
     fn stream_wait_event(&self, s: RawStream, e: RawEvent) -> Result<()>;
-    /// Whether [`Device::stream_write_value`] and [`Device::stream_wait_value`]
-    /// work here (CUDA: 64-bit stream memory operations, a device attribute).
-    /// Where not, both return [`EpmStatus::Unsupported`].
-    fn stream_values(&self) -> bool;
-    /// After the work queued on `s` so far has completed (its writes visible
-    /// first), write `value` to the 8 bytes at `addr` (8-aligned): device
-    /// memory, or memory from [`Device::pinned_alloc`] (mapped into the
-    /// device's address space: CUDA's unified addressing). The host does not wait.
-    fn stream_write_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()>;
-    /// Work queued on `s` after this call waits until the u64 at `addr` (as
-    /// for [`Device::stream_write_value`]) is at least `value`. The host does not wait. Something
-    /// must write that value (a [`Device::stream_write_value`] already queued
-    /// or sure to be): a wait never satisfied holds `s`, and whatever waits
-    /// for `s`, for ever.
-    fn stream_wait_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()>;
 
     // ---- events --------------------------------------------------------
     /// A new event. `timing` events can be used with [`Device::event_elapsed_ms`].

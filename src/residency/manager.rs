@@ -334,7 +334,6 @@ impl ResidencyManager {
     pub fn acquire(&self, w: WeightId, stream: RawStream) -> Result<u64> {
         let mut st = self.lock();
         let st = &mut *st;
-        Self::fill_failure(st)?;
         self.harvest(st)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
@@ -407,7 +406,7 @@ impl ResidencyManager {
                         f.wait()?;
                         st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
                     } else {
-                        if !f.waits_on_device() {
+                        if f.is_pending() {
                             // The background fill is behind: the host waits
                             // for the copy to be enqueued (never a stream
                             // waiting on an event not yet recorded).
@@ -494,16 +493,12 @@ impl ResidencyManager {
     /// caller's thread — the one launching kernels — does not spend the fill;
     /// everything else is issued on the caller's thread.
     pub(super) fn copier<'s>(&'s self, st: &'s mut State, w: WeightId, demand: bool) -> Result<Copier<'s>> {
-        // With device-side waits, nothing may jump the filler's queue (see
-        // `BackgroundFill::pending`): a demand or direct copy goes behind the
-        // jobs still queued, and is waited for like them.
-        let behind_queue = st.fill.as_ref().is_some_and(|f| f.waits_on_device() && f.pending());
-        if !behind_queue && (demand || !self.fills_in_background(st, w)) {
+        if demand || !self.fills_in_background(st, w) {
             return Ok(Copier::Caller(&self.engine));
         }
         let State { fill, c, .. } = st;
         if fill.is_none() {
-            *fill = Some(BackgroundFill::new(&self.engine, !self.cfg.fill_waits_on_host)?);
+            *fill = Some(BackgroundFill::new(&self.engine)?);
         }
         c.background_page_ins += 1;
         match fill.as_ref() {
@@ -549,16 +544,6 @@ impl ResidencyManager {
         self.copier(st, w, demand)?.htod_after(dst, range, order)
     }
 
-    /// A background copy that failed after a stream was made to wait for it
-    /// on the device: reported once, by the next acquire or synchronize (the
-    /// work queued behind it read unfilled memory; see `staging::background`).
-    fn fill_failure(st: &State) -> Result<()> {
-        match st.fill.as_ref().and_then(BackgroundFill::take_failure) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
     fn harvest(&self, st: &mut State) -> Result<()> {
         st.c.device_stall_ms += st.stalls.harvest()?;
         Ok(())
@@ -573,7 +558,6 @@ impl ResidencyManager {
         self.engine.synchronize()?;
         self.dev.synchronize()?;
         let mut st = self.lock();
-        Self::fill_failure(&st)?;
         self.harvest(&mut st)
     }
 

@@ -87,13 +87,11 @@ pub struct ResidencyStats {
     /// `ResidencyManager::acquire`): from then on, until a cycle is
     /// declared, no plan; page-ins go through the arena alone.
     pub dropped_rings: u64,
-    /// Page-ins issued by the background filler (prefetches from staged
-    /// sources with `ResidencyConfig::caller_fills` false, and, with
-    /// device-side waits, any page-in issued while one of those is queued),
-    /// the acquires that found one not yet enqueued and waited for it on the
-    /// host (never with device-side waits), and that wait's time (the fill
-    /// falling behind; not in `host_stall_ms`, which counts the waits a plan
-    /// or policy causes).
+    /// Prefetches from staged sources issued by the background filler
+    /// (`ResidencyConfig::caller_fills` false), the acquires that found one
+    /// not yet enqueued and waited for it on the host, and that wait's time
+    /// (the fill falling behind; not in `host_stall_ms`, which counts the
+    /// waits a plan or policy causes).
     pub background_page_ins: u64,
     pub background_waits: u64,
     pub background_wait_ms: f64,

@@ -150,18 +150,7 @@ pub struct Fence {
 #[derive(Debug)]
 enum FenceEvent {
     Recorded(Event),
-    /// With a [`Signal`] when the filler will also write it after the copy,
-    /// so a stream can wait for the copy before it is enqueued.
-    Deferred(Arc<Deferred>, Option<Signal>),
-}
-
-/// A device word and the value the copy stream writes to it after a copy
-/// (see [`Device::stream_write_value`]): a stream waiting for `value` waits
-/// for that copy on the device, even before the copy is enqueued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Signal {
-    pub addr: DevicePtr,
-    pub value: u64,
+    Deferred(Arc<Deferred>),
 }
 
 /// The event of a copy the background filler will enqueue, set exactly once
@@ -171,9 +160,6 @@ pub(super) struct Signal {
 #[derive(Debug, Default)]
 pub(super) struct Deferred {
     done: std::sync::OnceLock<Result<Event>>,
-    /// A stream was (or is about to be) made to wait for the copy on the
-    /// device before it was set (see [`Fence::make_wait`]).
-    device_waited: std::sync::atomic::AtomicBool,
 }
 
 impl Deferred {
@@ -185,11 +171,6 @@ impl Deferred {
     pub(super) fn is_set(&self) -> bool {
         self.done.get().is_some()
     }
-    /// Whether a stream may have waited for the copy on the device: read
-    /// after [`Self::set`], it is true whenever a `make_wait` saw it unset.
-    pub(super) fn device_waited(&self) -> bool {
-        self.device_waited.load(std::sync::atomic::Ordering::SeqCst)
-    }
     fn wait(&self) -> Result<&Event> {
         self.done.wait().as_ref().map_err(Clone::clone)
     }
@@ -200,18 +181,13 @@ impl Deferred {
 }
 
 impl Fence {
-    pub(super) fn deferred(dev: &Arc<dyn Device>, d: Arc<Deferred>, signal: Option<Signal>, bytes: usize) -> Self {
-        Fence { dev: dev.clone(), event: FenceEvent::Deferred(d, signal), bytes, direct: false }
+    pub(super) fn deferred(dev: &Arc<dyn Device>, d: Arc<Deferred>, bytes: usize) -> Self {
+        Fence { dev: dev.clone(), event: FenceEvent::Deferred(d), bytes, direct: false }
     }
     /// Whether the copy is still waiting to be enqueued by the background
     /// filler (its event does not exist yet). Never blocks.
     pub fn is_pending(&self) -> bool {
-        matches!(&self.event, FenceEvent::Deferred(d, _) if !d.is_set())
-    }
-    /// Whether [`Fence::make_wait`] returns without waiting on the host: the
-    /// copy is enqueued, or the filler signals it on the device.
-    pub fn waits_on_device(&self) -> bool {
-        !self.is_pending() || matches!(&self.event, FenceEvent::Deferred(_, Some(_)))
+        matches!(&self.event, FenceEvent::Deferred(d) if !d.is_set())
     }
     /// Block the host until the copy is enqueued (at once for a copy that
     /// `htod` issued itself), and return its completion event; the error of a
@@ -219,7 +195,7 @@ impl Fence {
     pub fn ready(&self) -> Result<&Event> {
         match &self.event {
             FenceEvent::Recorded(e) => Ok(e),
-            FenceEvent::Deferred(d, _) => d.wait(),
+            FenceEvent::Deferred(d) => d.wait(),
         }
     }
     /// Non-blocking: has the copy completed? (A pending copy has not.)
@@ -234,17 +210,8 @@ impl Fence {
         self.ready()?.synchronize()
     }
     /// Make work queued on `s` after this call wait for the copy. The host
-    /// does not wait, except for a pending copy to be enqueued when the
-    /// filler does not signal it on the device ([`Fence::waits_on_device`]).
+    /// does not wait, except for a pending copy to be enqueued.
     pub fn make_wait(&self, s: RawStream) -> Result<()> {
-        if let FenceEvent::Deferred(d, Some(sig)) = &self.event {
-            // Flagged before the check: a filler that fails the copy sets it
-            // and then reads the flag, so it cannot miss this wait.
-            d.device_waited.store(true, std::sync::atomic::Ordering::SeqCst);
-            if !d.is_set() {
-                return self.dev.stream_wait_value(s, sig.addr, sig.value);
-            }
-        }
         let e = self.ready()?;
         self.dev.stream_wait_event(s, e.raw())
     }
@@ -252,7 +219,7 @@ impl Fence {
     pub(super) fn into_event(self) -> Option<Event> {
         match self.event {
             FenceEvent::Recorded(e) => Some(e),
-            FenceEvent::Deferred(..) => None,
+            FenceEvent::Deferred(_) => None,
         }
     }
     /// The device the copy runs on.
@@ -415,18 +382,6 @@ impl CopyEngine {
     /// or an event already recorded (the copy waits for it; nothing waits for
     /// the copy but through the fence).
     pub(super) fn htod_ordered(&self, dst: DevicePtr, src: HostRange, order: Order<'_>) -> Result<Fence> {
-        self.htod_signalled(dst, src, order, None)
-    }
-
-    /// [`Self::htod_ordered`], then (with `signal`) the copy stream writes
-    /// `signal.value` to `signal.addr` once the copy has completed.
-    pub(super) fn htod_signalled(
-        &self,
-        dst: DevicePtr,
-        src: HostRange,
-        order: Order<'_>,
-        signal: Option<Signal>,
-    ) -> Result<Fence> {
         let mut st = self.lock();
         self.reap(&mut st, false)?;
         match order {
@@ -453,9 +408,6 @@ impl CopyEngine {
         }
         let event = Event::new(&self.dev, false)?;
         event.record(&st.stream)?;
-        if let Some(sig) = signal {
-            self.dev.stream_write_value(st.stream.raw(), sig.addr, sig.value)?;
-        }
         if let Order::Stream(s) = order {
             self.dev.stream_wait_event(s, event.raw())?;
         }
@@ -575,13 +527,6 @@ impl CopyEngine {
             Some(t) => Ok(Some(t)),
             None => CopyTiming::new(&self.dev).map(Some),
         }
-    }
-
-    /// Write `signal` on the copy stream after everything enqueued so far
-    /// (a copy that failed still releases the streams waiting for it).
-    pub(super) fn signal(&self, signal: Signal) -> Result<()> {
-        let st = self.lock();
-        self.dev.stream_write_value(st.stream.raw(), signal.addr, signal.value)
     }
 
     /// Block until every copy enqueued so far has completed, then retire all

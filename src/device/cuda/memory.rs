@@ -36,10 +36,6 @@ fn overlaps<V>(map: &BTreeMap<usize, V>, p: usize, len: usize, size: impl Fn(&V)
 }
 
 impl HostTables {
-    /// Whether `[p, p+len)` lies in one `pinned_alloc` allocation.
-    pub(super) fn is_pinned(&self, p: usize, len: usize) -> bool {
-        p != 0 && containing(&self.pinned, p, len, |&l| l).is_some()
-    }
     pub(super) fn is_page_locked(&self, p: usize, len: usize) -> bool {
         p != 0
             && (containing(&self.pinned, p, len, |&l| l).is_some()

@@ -65,8 +65,6 @@ pub struct CudaDevice {
     read_only_register: bool,
     /// Multiprocessor count, sizes the checksum grid.
     sm_count: u32,
-    /// 64-bit stream memory operations work (the attribute and the symbols).
-    stream_values: bool,
     counts: Counters,
     streams: Mutex<HashMap<u64, streams::StreamEntry>>,
     events: Mutex<HashMap<u64, streams::EventEntry>>,
@@ -173,19 +171,11 @@ impl CudaDevice {
         if !read_only_register {
             log::info!("epmem: cuda:{ordinal} cannot register host memory read-only; registrations will be read-write");
         }
-        // A driver without the entry points or the attribute leaves them off
-        // (the fake libcuda of the C tests has neither).
-        let stream_values = streams::VALUE_SYMBOLS.iter().all(|n| driver::has_symbol(n))
-            && attr(A::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS).unwrap_or(0) != 0;
-        if !stream_values {
-            log::info!("epmem: cuda:{ordinal} has no 64-bit stream memory operations; background fills are waited for on the host");
-        }
         Ok(Self {
             info,
             dev,
             ctx: Handle(ctx),
             read_only_register,
-            stream_values,
             sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
             counts: Counters::default(),
             streams: Mutex::default(),
@@ -277,15 +267,6 @@ impl Device for CudaDevice {
     }
     fn stream_wait_event(&self, s: RawStream, e: RawEvent) -> Result<()> {
         self.cu_stream_wait_event(s, e)
-    }
-    fn stream_values(&self) -> bool {
-        self.stream_values
-    }
-    fn stream_write_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()> {
-        self.cu_stream_value(s, addr, value, true)
-    }
-    fn stream_wait_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()> {
-        self.cu_stream_value(s, addr, value, false)
     }
 
     fn event_create(&self, timing: bool) -> Result<RawEvent> {

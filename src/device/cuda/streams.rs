@@ -6,12 +6,8 @@ use cudarc::driver::sys;
 
 use super::driver::Handle;
 use super::{CudaDevice, lock};
-use crate::device::{DevicePtr, RawEvent, RawStream};
+use crate::device::{RawEvent, RawStream};
 use crate::error::{EpmStatus, Error, Result};
-
-/// The optional entry points of `stream_write_value` / `stream_wait_value`
-/// (checked at open: cudarc panics on a missing symbol).
-pub(super) const VALUE_SYMBOLS: &[&str] = &["cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2"];
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StreamEntry {
@@ -113,32 +109,6 @@ impl CudaDevice {
         let _g = self.enter()?;
         // SAFETY: a live stream and a live event of our context; flags must be 0.
         unsafe { cu!(cuStreamWaitEvent(raw.0, ev.raw.0, 0)) }
-    }
-
-    /// `stream_write_value` (`write`) or `stream_wait_value` on `s`.
-    pub(super) fn cu_stream_value(&self, s: RawStream, addr: DevicePtr, value: u64, write: bool) -> Result<()> {
-        crate::ensure!(
-            self.stream_values,
-            Unsupported,
-            "cuda:{} has no 64-bit stream memory operations (cuStreamWriteValue64/cuStreamWaitValue64)",
-            self.info.ordinal
-        );
-        crate::ensure!(addr.is_multiple_of(8), InvalidArgument, "stream value address {addr:#x} is not 8-aligned");
-        let raw = self.stream(s)?;
-        let _g = self.enter()?;
-        // Pinned memory is mapped at its host address (unified addressing).
-        if !lock(&self.host).is_pinned(addr as usize, 8) {
-            self.check_device_range("stream value", addr, 8, write)?;
-        }
-        if write {
-            // SAFETY: a live stream of our context and 8 device bytes checked
-            // above; flags 0 = CU_STREAM_WRITE_VALUE_DEFAULT (a memory barrier
-            // first, so the stream's earlier writes are visible before it).
-            unsafe { cu!(cuStreamWriteValue64_v2(raw.0, addr, value, 0)) }
-        } else {
-            // SAFETY: as above; flags 0 = CU_STREAM_WAIT_VALUE_GEQ.
-            unsafe { cu!(cuStreamWaitValue64_v2(raw.0, addr, value, 0)) }
-        }
     }
 
     pub(super) fn cu_event_create(&self, timing: bool) -> Result<RawEvent> {

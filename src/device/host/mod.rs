@@ -181,17 +181,6 @@ impl HostDevice {
 }
 
 impl HostDevice {
-    /// Check a stream value's word: 8-aligned, in a pinned allocation (true)
-    /// or in device memory with `need` access (false).
-    fn value_word(&self, addr: DevicePtr, need: Need) -> Result<bool> {
-        crate::ensure!(addr.is_multiple_of(8), InvalidArgument, "stream value address {addr:#x} is not 8-aligned");
-        if lock(&self.host).is_pinned(addr as usize, 8) {
-            return Ok(true);
-        }
-        self.read().check(addr, 8, need)?;
-        Ok(false)
-    }
-
     /// Register in this device's table; a portable registration also goes
     /// into the process-wide table every host device consults, as CUDA's
     /// PORTABLE flag makes a range pinned for every context.
@@ -316,20 +305,6 @@ impl Device for HostDevice {
         if let Some((on, seq)) = self.event(e)?.pending() {
             stream.push(Op::Wait { on, seq })?;
         }
-        Ok(())
-    }
-    fn stream_values(&self) -> bool {
-        true
-    }
-    fn stream_write_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()> {
-        let pinned = self.value_word(addr, Need::Write)?;
-        let op = MemOp::WriteU64 { dst: addr as usize, value };
-        self.enqueue_mem(s, op, if pinned { Vec::new() } else { vec![(addr, 8, Need::Write)] }, None)
-    }
-    fn stream_wait_value(&self, s: RawStream, addr: DevicePtr, value: u64) -> Result<()> {
-        let stream = self.stream(s)?;
-        let pinned = self.value_word(addr, Need::Read)?;
-        stream.push(Op::WaitValue { addr, value, pinned })?;
         Ok(())
     }
 

@@ -72,11 +72,6 @@ impl HostMem {
         Ok(())
     }
 
-    /// Whether `[p, p+len)` lies in one `pinned_alloc` allocation.
-    pub fn is_pinned(&self, p: usize, len: usize) -> bool {
-        contains(&self.pinned, p, p.saturating_add(len.max(1)), |&(_, req)| req)
-    }
-
     pub fn is_page_locked(&self, p: usize, len: usize) -> bool {
         let end = p.saturating_add(len.max(1));
         contains(&self.registered, p, end, |&(l, _)| l) || contains(&self.pinned, p, end, |&(_, req)| req)

@@ -9,7 +9,6 @@
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,8 +31,6 @@ pub(super) enum MemOp {
     Copy { dst: usize, src: usize, n: usize },
     Fill { dst: usize, value: u8, n: usize },
     Checksum { p: usize, n: usize, out: usize },
-    /// Store a u64 (8-aligned), after everything before it on the stream.
-    WriteU64 { dst: usize, value: u64 },
 }
 
 #[derive(Debug)]
@@ -54,9 +51,6 @@ pub(super) enum Op {
         on: Arc<StreamShared>,
         seq: u64,
     },
-    /// Blocks the stream until the u64 at `addr` (device memory, or a pinned
-    /// allocation when `pinned`) is ≥ `value`.
-    WaitValue { addr: DevicePtr, value: u64, pinned: bool },
 }
 
 #[derive(Debug, Default)]
@@ -196,41 +190,6 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
             on.wait_for(seq);
             Ok(())
         }
-        Op::WaitValue { addr, value, pinned } => wait_value(space, addr, value, pinned),
-    }
-}
-
-/// Poll the u64 at `addr` until it is ≥ `value`. The address space is read
-/// locked only for each look, never across the wait: a mapping change queued
-/// meanwhile (a writer) would otherwise block the stream that is to write the
-/// value, and so this wait, for ever.
-fn wait_value(space: &RwLock<AddrSpace>, addr: DevicePtr, value: u64, pinned: bool) -> Result<()> {
-    let mut polls = 0u32;
-    loop {
-        {
-            let sp = space.read().unwrap_or_else(|e| e.into_inner());
-            if !pinned {
-                sp.check(addr, 8, Need::Read)?;
-            }
-            // SAFETY: 8 readable bytes: device memory checked just above
-            // under the read lock, or a pinned allocation the caller keeps
-            // until no stream waits on it (the trait's contract); 8-aligned
-            // (checked at enqueue); written only atomically
-            // (`MemOp::WriteU64`) by streams.
-            let now = unsafe { AtomicU64::from_ptr(std::ptr::with_exposed_provenance_mut::<u64>(addr as usize)) }
-                .load(AtomicOrdering::Acquire);
-            if now >= value {
-                return Ok(());
-            }
-        }
-        polls = polls.saturating_add(1);
-        if polls < 64 {
-            std::hint::spin_loop();
-        } else if polls < 128 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
     }
 }
 
@@ -254,12 +213,6 @@ unsafe fn run_mem(op: MemOp) {
         MemOp::Fill { dst, value, n } => {
             // SAFETY: a writable device range (caller).
             unsafe { std::ptr::write_bytes(std::ptr::with_exposed_provenance_mut::<u8>(dst), value, n) }
-        }
-        MemOp::WriteU64 { dst, value } => {
-            // SAFETY: 8 writable, 8-aligned device bytes (caller); read only
-            // atomically by `wait_value`, so the store is atomic too.
-            unsafe { AtomicU64::from_ptr(std::ptr::with_exposed_provenance_mut::<u64>(dst)) }
-                .store(value, AtomicOrdering::Release)
         }
         MemOp::Checksum { p, n, out } => {
             // SAFETY: a readable device range (caller).
