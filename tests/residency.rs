@@ -246,6 +246,21 @@ fn eviction_of_a_block_that_cannot_be_reused_waits_on_the_host() {
     assert!(s.host_stall_ms > 50.0, "the host waited for the 200 ms reader: {s:?}");
 }
 
+/// A device-side wait for a background fill not yet issued deadlocked on
+/// the H200 (docs/RESIDENCY.md, "Why the host waits"): the config that asks
+/// for it is refused, clearly, and nothing is created.
+#[test]
+fn device_side_fill_waits_are_refused() {
+    let d = dev();
+    let mut c = small_cfg(1 << 20);
+    c.fill_waits_on_host = false;
+    let e = ResidencyManager::new(&d, c).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::Unsupported, "{e}");
+    assert!(e.message().contains("fill_waits_on_host") && e.message().contains("deadlock"), "{e}");
+    c.fill_waits_on_host = true;
+    ResidencyManager::new(&d, c).unwrap();
+}
+
 #[test]
 fn all_in_use_and_out_of_budget_are_clear_errors() {
     let d = dev();
@@ -261,6 +276,8 @@ fn all_in_use_and_out_of_budget_are_clear_errors() {
     let e = m.acquire(ids[2], s.raw()).unwrap_err();
     assert_eq!(e.status(), EpmStatus::AllInUse, "{e}");
     assert!(e.message().contains("release"), "{e}");
+    // It says what holds the budget: the two weights acquired, 2 x 64 KiB.
+    assert!(e.message().contains(&format!("(2 weights, {} bytes)", 2 * n)), "{e}");
     m.release(ids[1], s.raw()).unwrap();
     m.acquire(ids[2], s.raw()).unwrap();
     m.release(ids[2], s.raw()).unwrap();

@@ -102,20 +102,18 @@ pub struct EpmResidencyConfig {
     /// this field existed. Zero: a background thread of the manager fills and
     /// enqueues them, so the calling thread (the one launching kernels) does
     /// not spend the fill, and an acquire waits only while that fill is
-    /// behind (`background_waits`, `background_wait_ms`; with
-    /// `fill_waits_on_host` 0, not even then). Demand
+    /// behind (`background_waits`, `background_wait_ms`). Demand
     /// page-ins are always issued by the caller. Added after the v1 freeze:
     /// a caller passing the v1 size gets the default. Default 0.
     pub caller_fills: u32,
     /// Nonzero: an acquire whose weight's background fill is not enqueued
-    /// yet waits for it on the host (`background_waits`). Zero: where the
-    /// device can (64-bit stream memory operations), the acquiring stream
-    /// waits for it on the device instead and the host never waits, so the
-    /// calling thread goes on launching kernels while the fill runs; a failed
-    /// fill it waited for is reported by the next acquire or synchronize.
-    /// Added after the v1 freeze, with `caller_fills`: a caller passing the
-    /// v1 size gets the default. Default 1 (the device-side wait has not yet
-    /// run on a GPU; docs/RESIDENCY.md).
+    /// yet waits for it on the host (`background_waits`). Must be nonzero:
+    /// 0 (the acquiring stream waiting on the device for a fill not yet
+    /// issued) is refused with `EPM_STATUS_UNSUPPORTED`, because on CUDA such
+    /// a wait deadlocks: driver calls the filler needs block while it is
+    /// pending (docs/RESIDENCY.md, "Why the host waits"). Added after the v1
+    /// freeze, with `caller_fills`: a caller passing the v1 size gets the
+    /// default. Default 1 (the only value accepted).
     pub fill_waits_on_host: u32,
 }
 
@@ -187,17 +185,12 @@ pub struct EpmResidencyStats {
     /// (`epm_residency_attach_host_registration`): page-locked once, by
     /// another call, and not counted in `registered_bytes`. (epmem 0.2)
     pub attached_bytes: u64,
-    /// Page-ins issued by the manager's background thread (see
-    /// `EpmResidencyConfig.caller_fills`): prefetches from staged sources,
-    /// and, where the device waits for them itself, any page-in issued while
-    /// one of those is still queued (it queues behind them, never ahead).
+    /// Prefetches from staged sources filled by the manager's background
+    /// thread (see `EpmResidencyConfig.caller_fills`).
     pub background_page_ins: u64,
     /// Acquires that found their weight's background fill not yet enqueued
     /// and waited for it on the host, and the time they waited (the fill
-    /// falling behind the caller; not counted in `host_stall_ms`). Zero where
-    /// the device waits for such a fill itself (64-bit stream memory
-    /// operations, e.g. the H200): the acquiring stream waits on the device
-    /// and the host does not.
+    /// falling behind the caller; not counted in `host_stall_ms`).
     pub background_waits: u64,
     pub background_wait_ms: f64,
 }

@@ -29,13 +29,16 @@ pub struct ResidencyConfig {
     /// thread that launches the kernels does not spend the fill; see
     /// `staging::background`). Demand page-ins are always issued by the caller.
     pub caller_fills: bool,
-    /// The caller's stream waits for a background fill not yet enqueued on
-    /// the host (`acquire` blocks until the filler has enqueued it), even
-    /// where the device could wait for it itself (stream values: CUDA's
-    /// 64-bit stream memory operations). False: the device waits, so
-    /// `acquire` never blocks on a fill (see `staging::background`).
-    /// Default true until the device-side wait has run on a GPU (it is
-    /// built and tested on the host device only; docs/RESIDENCY.md).
+    /// An acquire whose background fill is not enqueued yet waits for it on
+    /// the host. Must stay true: false (the acquiring stream waiting on the
+    /// device for a copy the filler has not issued yet) is refused with
+    /// `Unsupported`. On the H200 that wait deadlocked: while a stream waits
+    /// on a value no copy has written yet, a thread copying to pageable
+    /// memory on that stream (what `tensor.item()` does) makes other threads'
+    /// `cuEventCreate`, `cuMemHostAlloc`, `cuStreamCreate` block, and
+    /// `cuMemFreeHost`, `cuMemHostUnregister`, `cuMemFree` block regardless,
+    /// so the filler could never issue the copy the wait was for
+    /// (docs/RESIDENCY.md, "Why the host waits"; `ffi-tests/gpu/q6_value_wait_blocks.cu`).
     pub fill_waits_on_host: bool,
     /// Weights smaller than this that are adjacent both in host memory and in
     /// the declared cycle are coalesced into one page-in of up to

@@ -91,6 +91,12 @@ pub struct ResidencyManager {
 impl ResidencyManager {
     pub fn new(dev: &Arc<dyn Device>, cfg: ResidencyConfig) -> Result<Self> {
         crate::ensure!(cfg.budget_bytes > 0, InvalidArgument, "residency budget of 0 bytes");
+        crate::ensure!(
+            cfg.fill_waits_on_host,
+            Unsupported,
+            "fill_waits_on_host must be set: a stream waiting on the device for a background fill not yet issued \
+             deadlocks on CUDA (driver calls the filler needs block while such a wait is pending; docs/RESIDENCY.md)"
+        );
         // Slack over the budget absorbs the arena's bin rounding and holes
         // left by uneven sizes, so eviction follows the policy rather than
         // fragmentation.

@@ -257,6 +257,15 @@ class Offload(unittest.TestCase):
         with self.assertRaises(ValueError):
             et.offload(self.model, 0)
 
+    def test_refuses_device_side_fill_waits(self):
+        # fill_waits_on_host=0 (the stream waiting on the device for a fill
+        # not yet issued) deadlocked on the H200: refused, the module intact.
+        with self.assertRaisesRegex(epmem.errors.Unsupported, "fill_waits_on_host") as cm:
+            et.offload(self.model, self.offloaded // 2, sources="staged", fill_waits_on_host=0)
+        self.assertEqual(cm.exception.name, "EPM_STATUS_UNSUPPORTED")
+        self.assertIsNone(et.offload_of(self.model))
+        self.assert_usable()
+
     def test_refuses_module_with_no_matching_parameters(self):
         with self.assertRaisesRegex(et.OffloadError, "no parameters to offload"):
             et.offload(self.model, self.offloaded, include=lambda name, m: isinstance(m, nn.Conv2d))
