@@ -205,6 +205,36 @@ fn a_copy_bigger_than_the_slots_waits_for_slots_and_stays_exact() {
     assert!(st.slot_wait_ms > 0.0, "{st:?}");
 }
 
+/// The first staged copy reserves a buffer for every slot, so however later
+/// copies overlap (here: one chunk first, then seven through three slots
+/// behind a held stream, the most a copy can have on loan) staging allocates
+/// nothing more. Lazily, the first copy allocated one buffer and the second
+/// two more: a steady state measured after a short warm-up could still see
+/// an allocation (the residency bench's smoke test did, about one run in 8).
+#[test]
+fn the_first_staged_copy_reserves_every_slot() {
+    let d = dev();
+    let e = small_engine(&d);
+    let slots = e.config().slots as u64;
+    let dst = DeviceBuffer::new(&d, 8 * MIB).unwrap();
+    let small = random_bytes(64 << 10, 5);
+    e.htod(dst.ptr(), leak_range(small.clone()), None).unwrap().wait().unwrap();
+    assert_eq!(e.stats().pinned_alloc_calls, slots, "one buffer per slot at the first staged copy");
+    let producer = Stream::new(&d).unwrap();
+    let gate = Gate::new();
+    let wd = gate.watchdog(std::time::Duration::from_millis(200));
+    d.hold_async(producer.raw(), &gate).unwrap();
+    let n = 6 * MIB + 1;
+    let src = random_bytes(n, 6);
+    e.htod(dst.ptr(), leak_range(src.clone()), Some(producer.raw())).unwrap();
+    assert!(wd.fired());
+    assert_same(&read_back(&d, &producer, dst.ptr(), n), &src, "through the reserved slots");
+    e.synchronize().unwrap();
+    let st = e.stats();
+    assert_eq!(st.pinned_alloc_calls, slots, "no allocation after the reserve: {st:?}");
+    assert_eq!(st.retained_buffers, slots, "{st:?}");
+}
+
 #[test]
 fn steady_state_makes_no_pinned_allocations() {
     let d = dev();

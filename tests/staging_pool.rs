@@ -43,6 +43,48 @@ fn regression_guard_64_same_size_cycles_allocate_once() {
     assert!(read_back(&d, &s, dst.ptr(), 8 * MIB).iter().all(|&b| b == 63));
 }
 
+/// `reserve` (what a copy engine does at its first staged copy, one buffer
+/// per slot) allocates only the buffers missing, of the size asked, within
+/// the bounds; acquires are then served from them.
+#[test]
+fn reserve_allocates_only_what_is_missing_within_the_bounds() {
+    let d = dev();
+    let pool = PinnedStagingPool::new(&d, PoolConfig { max_buffers: 3, max_bytes: 64 * MIB }).unwrap();
+    pool.reserve(2, MIB).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.pinned_alloc_calls, st.retained_buffers, st.retained_bytes), (2, 2, 2 * MIB as u64), "{st:?}");
+    // Already there (a larger buffer fits a smaller request): nothing new.
+    pool.reserve(2, MIB).unwrap();
+    pool.reserve(1, MIB / 2).unwrap();
+    assert_eq!(pool.stats().pinned_alloc_calls, 2);
+    // 4 MiB buffers: the 1 MiB ones do not count, and the 3-buffer bound stops it at one.
+    pool.reserve(2, 4 * MIB).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.pinned_alloc_calls, st.retained_buffers, st.retained_bytes), (3, 3, 6 * MIB as u64), "{st:?}");
+    let a = pool.acquire(4 * MIB).unwrap();
+    assert_eq!((a.capacity(), pool.stats().pinned_alloc_calls), (4 * MIB, 3), "served from the reserve");
+    assert_eq!(pool.reserve(1, 0).unwrap_err().status(), epmem::EpmStatus::InvalidArgument);
+    drop(a);
+}
+
+/// A reserve whose allocation fails returns the error and keeps what it had
+/// allocated (never frees the retained buffers to retry, as an acquire does).
+#[test]
+fn a_failed_reserve_keeps_what_it_allocated() {
+    use epmem::device::Device;
+    use epmem::device::fault::{FaultKind, FaultyDevice};
+    let fd = Arc::new(FaultyDevice::new(dev()));
+    let d: Arc<dyn Device> = fd.clone();
+    let pool = PinnedStagingPool::new(&d, PoolConfig::default()).unwrap();
+    fd.fail_nth(FaultKind::PinnedAlloc, 2);
+    let e = pool.reserve(3, MIB).unwrap_err();
+    assert!(e.to_string().contains("injected"), "{e}");
+    let st = pool.stats();
+    assert_eq!((st.pinned_alloc_calls, st.retained_buffers, st.pinned_free_calls), (1, 1, 0), "{st:?}");
+    pool.reserve(3, MIB).unwrap();
+    assert_eq!((pool.stats().pinned_alloc_calls, pool.stats().retained_buffers), (3, 3));
+}
+
 #[test]
 fn smallest_fit_is_handed_out_and_larger_requests_allocate() {
     let d = dev();

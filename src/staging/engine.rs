@@ -262,6 +262,8 @@ struct State {
     timings: VecDeque<CopyTiming>,
     /// Read pairs, reused so timing costs no event creation in steady state.
     spare_timings: Vec<CopyTiming>,
+    /// The pool holds a buffer for every slot (see `stage`).
+    reserved: bool,
 }
 
 /// A host → device copy engine with its own copy stream, staging slots and
@@ -322,6 +324,7 @@ impl CopyEngine {
             order: Event::new(&dev, false)?,
             timings: VecDeque::new(),
             spare_timings: Vec::new(),
+            reserved: false,
         };
         Ok(Self {
             fill: FillThreads::new(cfg.fill_threads)?,
@@ -437,6 +440,14 @@ impl CopyEngine {
     }
 
     fn stage(&self, st: &mut State, dst: DevicePtr, src: HostRange, timing: Option<&CopyTiming>) -> Result<()> {
+        // One buffer per slot, allocated at the first staged copy: loans never
+        // exceed the slots, so from then on staging allocates nothing, however
+        // the copies overlap (lazily, a run whose first copies overlapped less
+        // allocated its last buffer later, in what should be steady state).
+        if !st.reserved {
+            self.pool.reserve(self.cfg.slots, self.cfg.chunk_bytes)?;
+            st.reserved = true;
+        }
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
         // Decided once for the whole page-in (transfer::fill::STREAM_BELOW).

@@ -184,6 +184,47 @@ impl PinnedStagingPool {
         Ok(buf)
     }
 
+    /// Retain at least `n` buffers of at least `len` bytes, allocating the
+    /// missing ones now (the bounds permitting): a user whose loans never
+    /// exceed `n` buffers of `len` then allocates nothing after this call,
+    /// however its copies happen to overlap. On an allocation failure the
+    /// buffers allocated so far stay retained and the error is returned.
+    pub fn reserve(&self, n: usize, len: usize) -> Result<()> {
+        crate::ensure!(len > 0, InvalidArgument, "staging buffer of 0 bytes");
+        let cfg = self.shared.cfg;
+        loop {
+            let missing = {
+                let free = self.shared.lock();
+                let fitting = free.buffers.len() - free.buffers.partition_point(|b| b.len() < len);
+                n > fitting && free.buffers.len() < cfg.max_buffers && free.bytes + len <= cfg.max_bytes
+            };
+            if !missing {
+                return Ok(());
+            }
+            // Not `allocate`: its fallback frees the retained buffers, the
+            // very ones this call is for.
+            let buf = PinnedBuffer::new(&self.shared.dev, len)?;
+            self.shared.alloc_calls.fetch_add(1, Ordering::Relaxed);
+            let rejected = {
+                let mut free = self.shared.lock();
+                if free.buffers.len() < cfg.max_buffers && free.bytes + buf.len() <= cfg.max_bytes {
+                    free.bytes += buf.len();
+                    let i = free.buffers.partition_point(|b| b.len() < buf.len());
+                    free.buffers.insert(i, buf);
+                    None
+                } else {
+                    Some(buf)
+                }
+            };
+            if let Some(buf) = rejected {
+                // Another thread filled the pool meanwhile: nothing missing.
+                self.shared.free_calls.fetch_add(1, Ordering::Relaxed);
+                drop(buf);
+                return Ok(());
+            }
+        }
+    }
+
     /// Free every retained buffer; returns how many were freed.
     pub fn trim(&self) -> usize {
         let taken = {
