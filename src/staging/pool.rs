@@ -85,6 +85,20 @@ struct FreeList {
     bytes: usize,
 }
 
+impl FreeList {
+    /// Keep `buf` if the bounds allow (sorted in), else hand it back.
+    fn try_keep(&mut self, cfg: PoolConfig, buf: PinnedBuffer) -> Option<PinnedBuffer> {
+        if self.buffers.len() < cfg.max_buffers && self.bytes + buf.len() <= cfg.max_bytes {
+            self.bytes += buf.len();
+            let i = self.buffers.partition_point(|b| b.len() < buf.len());
+            self.buffers.insert(i, buf);
+            None
+        } else {
+            Some(buf)
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Shared {
     dev: Arc<dyn Device>,
@@ -205,17 +219,7 @@ impl PinnedStagingPool {
             // very ones this call is for.
             let buf = PinnedBuffer::new(&self.shared.dev, len)?;
             self.shared.alloc_calls.fetch_add(1, Ordering::Relaxed);
-            let rejected = {
-                let mut free = self.shared.lock();
-                if free.buffers.len() < cfg.max_buffers && free.bytes + buf.len() <= cfg.max_bytes {
-                    free.bytes += buf.len();
-                    let i = free.buffers.partition_point(|b| b.len() < buf.len());
-                    free.buffers.insert(i, buf);
-                    None
-                } else {
-                    Some(buf)
-                }
-            };
+            let rejected = self.shared.lock().try_keep(cfg, buf);
             if let Some(buf) = rejected {
                 // Another thread filled the pool meanwhile: nothing missing.
                 self.shared.free_calls.fetch_add(1, Ordering::Relaxed);
@@ -295,18 +299,7 @@ impl CopyCompleted<PooledStaging> {
         let mut staging = self.into_buffer();
         let Some(buf) = staging.buf.take() else { return };
         let pool = &staging.pool;
-        let cfg = pool.cfg;
-        let rejected = {
-            let mut free = pool.lock();
-            if free.buffers.len() < cfg.max_buffers && free.bytes + buf.len() <= cfg.max_bytes {
-                free.bytes += buf.len();
-                let i = free.buffers.partition_point(|b| b.len() < buf.len());
-                free.buffers.insert(i, buf);
-                None
-            } else {
-                Some(buf)
-            }
-        };
+        let rejected = pool.lock().try_keep(pool.cfg, buf);
         if let Some(buf) = rejected {
             pool.free_calls.fetch_add(1, Ordering::Relaxed);
             drop(buf);
