@@ -416,12 +416,17 @@ fn prefetch_hides_page_ins_behind_compute() {
     assert_eq!(st.prefetch_page_ins, st.page_ins, "{st:?}");
 }
 
+/// The two-walker tests' weights: ten uneven sizes (so a plan with a ring)
+/// and a budget of half of them.
+fn two_walker_weights() -> (Weights, usize) {
+    let sizes: Vec<usize> = (0..10).map(|i| (48 << 10) + 4096 * i).collect();
+    (Weights::new(&sizes, 21), sizes.iter().sum::<usize>() / 2)
+}
+
 #[test]
 fn concurrent_decoders_on_two_streams_stay_bit_exact() {
     let d = dev();
-    let sizes: Vec<usize> = (0..10).map(|i| (48 << 10) + 4096 * i).collect();
-    let w = Weights::new(&sizes, 21);
-    let budget = sizes.iter().sum::<usize>() / 2;
+    let (w, budget) = two_walker_weights();
     let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
     let ids = w.register_all(&m);
     m.declare_cycle(&ids).unwrap();
@@ -661,10 +666,8 @@ fn unregister_replan_and_drop_wait_for_queued_background_fills() {
 #[test]
 fn two_walkers_interleaved_never_find_everything_in_use() {
     let d = dev();
-    let sizes: Vec<usize> = (0..10).map(|i| (48 << 10) + 4096 * i).collect();
-    let w = Weights::new(&sizes, 21);
-    let budget = sizes.iter().sum::<usize>() / 2;
-    let n = sizes.len();
+    let (w, budget) = two_walker_weights();
+    let n = w.spans.len();
     let mut dropped = 0;
     for seed in 0..200u64 {
         let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
