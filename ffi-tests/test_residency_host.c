@@ -15,8 +15,10 @@
  * Runs on the device EPM_DEVICE names (host in CI, cuda on a GPU machine).
  *   make test-c
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "testhelper.h"
 
@@ -280,9 +282,95 @@ cleanup:
   free(back);
 }
 
+/* fill_ahead_chunks: 0 by default (also for a caller passing the v1 size or
+ * the size before the field, 80 bytes, whatever lies past that size); more
+ * than the staging slots is refused; with 2, prefetching the first weight
+ * makes the background thread fill the second's first chunks ahead, the
+ * second's page-in uses them, and every read sees the weights' bytes. */
+static void test_fill_ahead_through_c(void) {
+  enum { W = 3 };
+  const size_t n = 4u * MIB;
+  EpmDevice *dev = NULL;
+  EpmStream *s = NULL;
+  EpmResidency *res = NULL;
+  EpmWeightId w[W];
+  unsigned char *host = aligned_alloc(4096, W * n), *back = malloc(n);
+  REQUIRE(host && back);
+  for (int i = 0; i < W; i++) th_fill_random(host + (size_t)i * n, n, 60 + i);
+  REQUIRE_OK(epm_device_open(0, &dev));
+  REQUIRE_OK(epm_stream_create(dev, &s));
+  EpmResidencyConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.size = sizeof cfg;
+  REQUIRE_OK(epm_residency_config_default(&cfg));
+  CHECK(cfg.fill_ahead_chunks == 0);
+  CHECK(offsetof(EpmResidencyConfig, fill_ahead_chunks) == 80);
+  cfg.budget_bytes = W * n + n;
+  cfg.register_sources = EPM_REGISTER_NEVER;
+  cfg.fill_threads = 2;
+  {
+    EpmResidencyConfig bad = cfg;
+    bad.fill_ahead_chunks = (cfg.staging_slots ? cfg.staging_slots : 3) + 1;
+    CHECK(epm_residency_create(dev, &bad, &res) == EPM_STATUS_INVALID_CONFIG);
+    CHECK(res == NULL);
+    CHECK(strstr(epm_last_error_message(), "fill_ahead_chunks") != NULL);
+    res = NULL;
+  }
+  for (int mode = 0; mode < 3; mode++) {
+    /* mode 0: today's size, 2 chunks ahead; 1: 80 bytes and 2: the v1 size,
+     * each with a value past its size that would be refused if read. */
+    EpmResidencyConfig c = cfg;
+    c.fill_ahead_chunks = mode == 0 ? 2 : 1000;
+    c.size = mode == 0 ? sizeof c : mode == 1 ? offsetof(EpmResidencyConfig, fill_ahead_chunks) : EPM_RESIDENCY_CONFIG_SIZE_V1;
+    REQUIRE_OK(epm_residency_create(dev, &c, &res));
+    for (int i = 0; i < W; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
+    REQUIRE_OK(epm_residency_declare_cycle(res, w, W));
+    size_t issued = 0;
+    REQUIRE_OK(epm_residency_prefetch(res, w, 1, &issued));
+    CHECK(issued == 1);
+    EpmResidencyStats st;
+    memset(&st, 0, sizeof st);
+    st.size = sizeof st;
+    if (mode == 0) {
+      /* The background thread fills ahead once the first fill is issued. */
+      for (int tries = 0; tries < 30000; tries++) {
+        REQUIRE_OK(epm_residency_get_stats(res, &st));
+        if (st.fill_ahead_bytes > 0) break;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+      }
+      CHECK(st.fill_ahead_bytes > 0);
+    }
+    for (int round = 0; round < 3; round++)
+      for (int i = 0; i < W; i++) {
+        th_checks++;
+        if (!host_read_matches(dev, res, s, w[i], host + (size_t)i * n, back, n))
+          TH_FAIL("mode %d round %d weight %d: the read did not see the weight (%s)", mode, round, i,
+                  epm_last_error_message());
+      }
+    REQUIRE_OK(epm_residency_synchronize(res));
+    REQUIRE_OK(epm_residency_get_stats(res, &st));
+    if (mode == 0) {
+      /* Every hint was right: each byte filled ahead was used. */
+      CHECK(st.fill_ahead_bytes > 0 && st.fill_ahead_used_bytes == st.fill_ahead_bytes);
+    } else {
+      CHECK(st.fill_ahead_bytes == 0 && st.fill_ahead_used_bytes == 0);
+    }
+    CHECK_OK(epm_residency_destroy(res));
+    res = NULL;
+  }
+cleanup:
+  epm_residency_destroy(res);
+  epm_stream_destroy(s);
+  epm_device_destroy(dev);
+  free(host);
+  free(back);
+}
+
 int main(void) {
   RUN(test_acquire_host_then_sync_read_sees_the_weight);
   RUN(test_cycle_and_unregister_name_the_coalesced_weights);
   RUN(test_staged_prefetches_fill_in_the_background_unless_the_caller_fills);
+  RUN(test_fill_ahead_through_c);
   TEST_SUMMARY();
 }

@@ -889,6 +889,18 @@ typedef struct EpmResidencyConfig {
    * default. Default 1 (the only value accepted).
    */
   uint32_t fill_waits_on_host;
+  /**
+   * With the background thread (`caller_fills` 0): between two staged
+   * prefetches, fill up to this many staging chunks of the next staged
+   * weight along the declared cycle while that thread would otherwise
+   * wait for the next `epm_residency_release` to queue it; the prefetch
+   * then starts with them filled (`fill_ahead_bytes`,
+   * `fill_ahead_used_bytes`). At most `staging_slots`, else
+   * `EPM_STATUS_INVALID_CONFIG`. Added in the config's second growth
+   * (80 → 88 bytes): a caller passing an older size gets the default.
+   * Default 0 (off).
+   */
+  uint32_t fill_ahead_chunks;
 } EpmResidencyConfig;
 
 /**
@@ -1017,6 +1029,14 @@ typedef struct EpmResidencyStats {
    */
   uint64_t background_waits;
   double background_wait_ms;
+  /**
+   * Bytes the background thread filled into staging buffers ahead of
+   * their prefetch (`EpmResidencyConfig.fill_ahead_chunks`), and how many
+   * of them that prefetch then used without filling them again (the rest
+   * were filled for a unit that was not prefetched next).
+   */
+  uint64_t fill_ahead_bytes;
+  uint64_t fill_ahead_used_bytes;
 } EpmResidencyStats;
 
 /**

@@ -327,6 +327,7 @@ fn documented_defaults_match_the_code() {
         ("EpmResidencyConfig", "sync_page_in", format!("Default {}.", rc.sync_page_in)),
         ("EpmResidencyConfig", "caller_fills", format!("Default {}.", rc.caller_fills)),
         ("EpmResidencyConfig", "fill_waits_on_host", format!("Default {} ", rc.fill_waits_on_host)),
+        ("EpmResidencyConfig", "fill_ahead_chunks", format!("Default {} (off)", rc.fill_ahead_chunks)),
         ("EpmResidencyConfig", "budget_bytes", format!("Required (default {})", rc.budget_bytes)),
         ("EpmCopyEngineConfig", "flags", format!("bits (default {})", ec.flags)),
         ("EpmArenaConfig", "max_allocations", format!("0: {}", epmem::ffi::arena::DEFAULT_MAX_ALLOCATIONS)),
@@ -368,6 +369,7 @@ fn c_default_residency() -> epmem::ffi::residency::EpmResidencyConfig {
         coalesce_max_bytes: u64::MAX,
         caller_fills: u32::MAX,
         fill_waits_on_host: u32::MAX,
+        fill_ahead_chunks: u32::MAX,
     }
 }
 

@@ -616,6 +616,89 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
     }
 }
 
+/// Poll `f` until it holds (a background thread's progress), failing after a minute.
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(60), "timed out waiting until {what}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// `fill_ahead_chunks`: once a staged prefetch is issued and nothing else is
+/// queued, the filler fills the first chunks of the next staged unit along
+/// the cycle, and that unit's page-in starts from them. Unregistering a
+/// weight forgets them: its bytes may then change, and a page-in of the same
+/// host range afterwards copies the new bytes, not those filled ahead.
+#[test]
+fn the_filler_fills_the_next_staged_unit_ahead_and_unregister_forgets_it() {
+    let d = dev();
+    let n = 3 << 20;
+    let mut w = Weights::new(&[n; 3], 31);
+    let mut c = small_cfg(4 * n); // all three fit: nothing is evicted
+    c.register_sources = RegisterSources::Never;
+    c.fill_ahead_chunks = 2;
+    let ahead = 2 << 20; // two chunks of small_cfg's 1 MiB
+    // Prefetching the first weight queues its fill with the second as the
+    // hint; the second's acquire (a demand page-in) starts from its chunks.
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    assert_eq!(m.prefetch(&ids[..1]).unwrap(), 1);
+    wait_until("the second weight is filled ahead", || m.stats().fill_ahead_bytes >= ahead);
+    decode(&d, &m, &w, &ids, 2);
+    m.synchronize().unwrap();
+    // Every hint was right (the third weight may be filled ahead too, after
+    // the second's prefetch), so every byte filled ahead was used.
+    let s = m.stats();
+    assert!(s.fill_ahead_bytes >= ahead && s.fill_ahead_used_bytes == s.fill_ahead_bytes, "{s:?}");
+    drop(m);
+    // The same, but the second weight is unregistered while filled ahead,
+    // its bytes change and it is registered again over the same range.
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    assert_eq!(m.prefetch(&ids[..1]).unwrap(), 1);
+    wait_until("the second weight is filled ahead", || m.stats().fill_ahead_bytes >= ahead);
+    m.unregister(ids[1]).unwrap();
+    let (o, len) = w.spans[1];
+    w.buf[o..o + len].iter_mut().for_each(|b| *b = !*b);
+    let again = m.register(w.range(1)).unwrap();
+    let ids = vec![ids[0], again, ids[2]];
+    m.declare_cycle(&ids).unwrap();
+    decode(&d, &m, &w, &ids, 2);
+    m.synchronize().unwrap();
+    // (decode checked every byte; the third weight's may be filled ahead and
+    // used as before, but not the second's old bytes.)
+    let s = m.stats();
+    assert!(s.fill_ahead_used_bytes + ahead <= s.fill_ahead_bytes, "chunks filled before the unregister were used: {s:?}");
+    drop(m);
+    // Decode under eviction, uniform and mixed sizes (a plan with a ring):
+    // bit-exact, within the budget, and no more staging buffers than slots.
+    let k = 1 << 20;
+    for sizes in [vec![2 * k; 8], (0..8).map(|i| k * (1 + i % 3)).collect::<Vec<_>>()] {
+        let w = Weights::new(&sizes, 32);
+        let budget = sizes.iter().sum::<usize>() / 2;
+        let mut c = small_cfg(budget);
+        c.register_sources = RegisterSources::Never;
+        c.fill_ahead_chunks = 2;
+        let m = ResidencyManager::new(&d, c).unwrap();
+        let ids = w.register_all(&m);
+        m.declare_cycle(&ids).unwrap();
+        decode(&d, &m, &w, &ids, 6);
+        m.synchronize().unwrap();
+        let s = m.stats();
+        assert!(s.fill_ahead_used_bytes <= s.fill_ahead_bytes, "{s:?}");
+        assert!(s.peak_resident_bytes <= budget as u64, "{s:?}");
+        assert!(s.pinned_alloc_calls as usize <= c.engine.slots, "{s:?}");
+        eprintln!("sizes {sizes:?}: filled ahead {} bytes, used {}", s.fill_ahead_bytes, s.fill_ahead_used_bytes);
+    }
+    // More chunks ahead than slots is refused.
+    let mut c = small_cfg(4 * n);
+    c.fill_ahead_chunks = c.engine.slots + 1;
+    assert_eq!(ResidencyManager::new(&d, c).unwrap_err().status(), EpmStatus::InvalidConfig);
+}
+
 /// Background fills still queued when a weight is unregistered, the cycle is
 /// re-declared (a new plan drops the ring) or the manager is dropped: each
 /// waits for them, nothing is read or freed early, and the data stays exact.

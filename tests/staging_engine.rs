@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use epmem::EpmStatus;
 use epmem::device::{Device, DeviceBuffer, Gate, Stream};
+use epmem::device::HostRange;
+use epmem::staging::background::Hint;
 use epmem::staging::{BackgroundFill, CopyEngine, EngineConfig, HostRegistration, PinnedStagingPool, PoolConfig};
 use staging_util::{dev, first_diff, leak_range, random_bytes, read_back};
 
@@ -324,7 +326,7 @@ fn configurations_outside_the_bounds_are_rejected() {
 
 fn background(d: &Arc<dyn Device>) -> (Arc<CopyEngine>, BackgroundFill) {
     let e = Arc::new(small_engine(d));
-    let b = BackgroundFill::new(&e).unwrap();
+    let b = BackgroundFill::new(&e, 0).unwrap();
     (e, b)
 }
 
@@ -343,8 +345,8 @@ fn a_background_copy_is_pending_until_the_filler_enqueues_it_then_bit_exact() {
     let (n1, n2) = (8 * MIB, 3 * MIB + 5);
     let (src1, src2) = (random_bytes(n1, 71), random_bytes(n2, 72));
     let (dst1, dst2) = (DeviceBuffer::new(&d, n1).unwrap(), DeviceBuffer::new(&d, n2).unwrap());
-    let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(held.raw())).unwrap();
-    let f2 = bg.htod_after(dst2.ptr(), leak_range(src2.clone()), None).unwrap();
+    let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(held.raw()), None).unwrap();
+    let f2 = bg.htod_after(dst2.ptr(), leak_range(src2.clone()), None, None).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     assert!(f1.is_pending() && f2.is_pending(), "the copies were enqueued past a held stream");
     assert!(!f1.query().unwrap() && !f2.query().unwrap(), "a pending copy is not complete");
@@ -374,7 +376,7 @@ fn dropping_the_filler_issues_every_queued_copy_first() {
         .map(|i| {
             let src = random_bytes(n, 100 + i);
             let dst = DeviceBuffer::new(&d, n).unwrap();
-            let f = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
+            let f = bg.htod_after(dst.ptr(), leak_range(src.clone()), None, None).unwrap();
             (src, dst, f)
         })
         .collect();
@@ -398,14 +400,14 @@ fn a_background_copy_that_fails_reports_the_error_on_its_fence_and_the_filler_go
     let n = 3 * MIB;
     let (src, dst) = (random_bytes(n, 9), DeviceBuffer::new(&d, n).unwrap());
     fd.fail_nth(FaultKind::Copy, 2);
-    let bad = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
+    let bad = bg.htod_after(dst.ptr(), leak_range(src.clone()), None, None).unwrap();
     let s = Stream::new(&d).unwrap();
     let err = bad.make_wait(s.raw()).unwrap_err();
     assert!(err.to_string().contains("injected fault"), "{err}");
     // The same error from every way of observing the fence.
     assert!(bad.ready().is_err() && bad.wait().is_err() && bad.query().is_err());
     d.synchronize().unwrap();
-    let good = bg.htod_after(dst.ptr(), leak_range(src.clone()), None).unwrap();
+    let good = bg.htod_after(dst.ptr(), leak_range(src.clone()), None, None).unwrap();
     good.make_wait(s.raw()).unwrap();
     assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "the copy after a failed one");
 }
@@ -419,11 +421,199 @@ fn a_page_locked_source_is_copied_directly_not_queued() {
     let range = leak_range(src.clone());
     let reg = HostRegistration::new(&d, range).unwrap();
     let dst = DeviceBuffer::new(&d, n).unwrap();
-    let f = bg.htod_after(dst.ptr(), range, None).unwrap();
+    let f = bg.htod_after(dst.ptr(), range, None, None).unwrap();
     assert!(f.direct() && !f.is_pending(), "a registered source needs no fill, so no queue");
     let s = Stream::new(&d).unwrap();
     f.make_wait(s.raw()).unwrap();
     assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "direct copy");
     f.wait().unwrap();
     drop(reg);
+}
+
+// ---- filling ahead (CopyEngine::fill_ahead) ----------------------------------
+
+/// Bytes in the first `k` chunks of a staged copy of `n` bytes.
+fn first_chunks_bytes(e: &CopyEngine, n: usize, k: usize) -> usize {
+    let (chunk, mut left, mut bytes) = (e.chunk_len(n), n, 0);
+    for _ in 0..k {
+        if left == 0 {
+            break;
+        }
+        let c = e.next_chunk_len(chunk, left);
+        left -= c;
+        bytes += c;
+    }
+    bytes
+}
+
+#[test]
+fn chunks_filled_ahead_start_the_next_copy_of_that_source_bit_exact() {
+    let d = dev();
+    let e = small_engine(&d);
+    let s = Stream::new(&d).unwrap();
+    let n = 5 * MIB + 3;
+    let src = random_bytes(n, 41);
+    let range = leak_range(src.clone());
+    e.fill_ahead(range, e.ahead_ticket(), 2, &mut || false);
+    let filled = first_chunks_bytes(&e, n, 2);
+    let st = e.stats();
+    assert_eq!((st.ahead_bytes, st.ahead_used_bytes, st.copies), (filled as u64, 0, 0), "{st:?}");
+    // Asking again fills nothing more: two chunks are there.
+    e.fill_ahead(range, e.ahead_ticket(), 2, &mut || false);
+    assert_eq!(e.stats().ahead_bytes, filled as u64);
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    let f = e.htod(dst.ptr(), range, None).unwrap();
+    f.make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "a copy that started from chunks filled ahead");
+    e.synchronize().unwrap();
+    let st = e.stats();
+    assert_eq!(st.ahead_used_bytes, filled as u64, "the copy filled its first chunks again: {st:?}");
+    assert_eq!(st.chunks as usize, chunk_count(&e, n), "every chunk, filled ahead or not, is copied once: {st:?}");
+    // No more buffers than slots, whichever way they were filled.
+    assert!(st.pinned_alloc_calls as usize <= e.config().slots, "{st:?}");
+    // A second copy of the same source fills everything itself.
+    let f = e.htod(dst.ptr(), range, None).unwrap();
+    f.make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "the next copy");
+    assert_eq!(e.stats().ahead_used_bytes, filled as u64);
+}
+
+#[test]
+fn chunks_filled_ahead_for_another_source_are_only_buffers() {
+    let d = dev();
+    let e = small_engine(&d);
+    let s = Stream::new(&d).unwrap();
+    let n = 4 * MIB;
+    let (a, b) = (random_bytes(n, 42), random_bytes(n, 43));
+    let (ra, rb) = (leak_range(a.clone()), leak_range(b.clone()));
+    // Every slot filled ahead with A's bytes, then a copy of B of the same
+    // length: it must fill all of B (and use A's buffers as its slots).
+    e.fill_ahead(ra, e.ahead_ticket(), e.config().slots, &mut || false);
+    assert_eq!(e.stats().ahead_bytes as usize, first_chunks_bytes(&e, n, e.config().slots));
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    e.htod(dst.ptr(), rb, None).unwrap().make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &b, "a copy of B after A was filled ahead");
+    e.synchronize().unwrap();
+    // A's chunks are gone with that copy: a copy of A now fills A itself.
+    e.htod(dst.ptr(), ra, None).unwrap().make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &a, "A after B");
+    e.synchronize().unwrap();
+    let st = e.stats();
+    assert_eq!(st.ahead_used_bytes, 0, "{st:?}");
+    assert!(st.pinned_alloc_calls as usize <= e.config().slots, "buffers filled ahead were not reused: {st:?}");
+    assert_eq!(st.pinned_free_calls, 0, "a buffer filled ahead was freed instead of reused: {st:?}");
+}
+
+#[test]
+fn forgetting_ahead_discards_the_filled_bytes_and_spends_the_ticket() {
+    let d = dev();
+    let e = small_engine(&d);
+    let s = Stream::new(&d).unwrap();
+    let n = 3 * MIB + 5;
+    let bytes: &'static mut [u8] = Box::leak(random_bytes(n, 44).into_boxed_slice());
+    // SAFETY: `bytes` is leaked, so always readable; this test changes it
+    // only after `forget_ahead`, with no copy of it in flight.
+    let range = unsafe { HostRange::new(bytes.as_ptr(), n) };
+    let ticket = e.ahead_ticket();
+    e.fill_ahead(range, ticket, 2, &mut || false);
+    let filled = e.stats().ahead_bytes;
+    assert!(filled > 0);
+    e.forget_ahead();
+    // The source may now change (a weight unregistered, its memory reused).
+    bytes.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+    let want = bytes.to_vec();
+    // The spent ticket fills nothing.
+    e.fill_ahead(range, ticket, 2, &mut || false);
+    assert_eq!(e.stats().ahead_bytes, filled, "a fill ahead ran on a spent ticket");
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    e.htod(dst.ptr(), range, None).unwrap().make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &want, "a copy after forget_ahead read the old bytes");
+    e.synchronize().unwrap();
+    let st = e.stats();
+    assert_eq!(st.ahead_used_bytes, 0, "{st:?}");
+    assert_eq!(st.pinned_free_calls, 0, "forgotten chunks' buffers were freed instead of reused: {st:?}");
+}
+
+#[test]
+fn filling_ahead_stops_when_asked_and_skips_what_needs_no_fill() {
+    let d = dev();
+    let e = small_engine(&d);
+    let n = 6 * MIB;
+    let range = leak_range(random_bytes(n, 45));
+    // `stop` is asked before each chunk: false once, then true.
+    let mut asked = 0;
+    e.fill_ahead(range, e.ahead_ticket(), 3, &mut || {
+        asked += 1;
+        asked > 1
+    });
+    assert_eq!((asked, e.stats().ahead_bytes as usize), (2, first_chunks_bytes(&e, n, 1)));
+    // Zero chunks, an empty source, a page-locked source: nothing filled.
+    let before = e.stats().ahead_bytes;
+    e.fill_ahead(range, e.ahead_ticket(), 0, &mut || false);
+    e.fill_ahead(leak_range(Vec::new()), e.ahead_ticket(), 2, &mut || false);
+    let locked = leak_range(random_bytes(2 * MIB, 46));
+    let reg = HostRegistration::new(&d, locked).unwrap();
+    e.fill_ahead(locked, e.ahead_ticket(), 2, &mut || false);
+    assert_eq!(e.stats().ahead_bytes, before);
+    drop(reg);
+}
+
+#[test]
+fn the_filler_fills_the_hinted_source_ahead_between_jobs() {
+    let d = dev();
+    let e = Arc::new(small_engine(&d));
+    let bg = BackgroundFill::new(&e, 2).unwrap();
+    let n = 4 * MIB + 9;
+    let (a, b) = (random_bytes(n, 47), random_bytes(n, 48));
+    let (ra, rb) = (leak_range(a.clone()), leak_range(b.clone()));
+    let (da, db) = (DeviceBuffer::new(&d, n).unwrap(), DeviceBuffer::new(&d, n).unwrap());
+    let s = Stream::new(&d).unwrap();
+    let hint = Hint { src: rb, ticket: e.ahead_ticket() };
+    let fa = bg.htod_after(da.ptr(), ra, None, Some(hint)).unwrap();
+    fa.make_wait(s.raw()).unwrap();
+    // Nothing else is queued, so the filler fills B's first two chunks next.
+    let want = first_chunks_bytes(&e, n, 2) as u64;
+    let t0 = std::time::Instant::now();
+    while e.stats().ahead_bytes < want {
+        assert!(t0.elapsed() < WATCHDOG, "the idle filler did not fill ahead: {:?}", e.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let fb = bg.htod_after(db.ptr(), rb, None, None).unwrap();
+    fb.make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, da.ptr(), n), &a, "the hinting copy");
+    assert_same(&read_back(&d, &s, db.ptr(), n), &b, "the hinted copy");
+    bg.drain();
+    e.synchronize().unwrap();
+    let st = e.stats();
+    assert_eq!((st.ahead_bytes, st.ahead_used_bytes), (want, want), "{st:?}");
+    // A filler made with 0 chunks ahead ignores hints.
+    let e0 = Arc::new(small_engine(&d));
+    let bg0 = BackgroundFill::new(&e0, 0).unwrap();
+    let f = bg0.htod_after(da.ptr(), ra, None, Some(Hint { src: rb, ticket: e0.ahead_ticket() })).unwrap();
+    f.make_wait(s.raw()).unwrap();
+    bg0.drain();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(e0.stats().ahead_bytes, 0);
+}
+
+#[test]
+fn a_failure_while_filling_ahead_is_reported_by_the_next_copy() {
+    use epmem::device::fault::{FaultKind, FaultyDevice};
+    let fd = Arc::new(FaultyDevice::new(dev()));
+    let d: Arc<dyn Device> = fd.clone();
+    let e = small_engine(&d);
+    let n = 3 * MIB;
+    let src = random_bytes(n, 49);
+    let range = leak_range(src.clone());
+    // The first fill ahead reserves the slots' pinned buffers: make that fail.
+    fd.fail_nth(FaultKind::PinnedAlloc, 1);
+    e.fill_ahead(range, e.ahead_ticket(), 2, &mut || false);
+    assert_eq!(e.stats().ahead_bytes, 0);
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    let err = e.htod(dst.ptr(), range, None).unwrap_err();
+    assert!(err.to_string().contains("injected fault"), "{err}");
+    // Reported once; the next copy reserves again and lands bit-exact.
+    let s = Stream::new(&d).unwrap();
+    e.htod(dst.ptr(), range, None).unwrap().make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "the copy after the reported failure");
 }

@@ -172,7 +172,7 @@ class EpmResidencyConfig(Structure):
                 ("staging_slots", c_uint32), ("fill_threads", c_uint32), ("staging_chunk_bytes", c_uint64),
                 ("staging_pool_bytes", c_uint64), ("coalesce_below_bytes", c_uint64),
                 ("coalesce_max_bytes", c_uint64), ("caller_fills", c_uint32),
-                ("fill_waits_on_host", c_uint32)]
+                ("fill_waits_on_host", c_uint32), ("fill_ahead_chunks", c_uint32)]
 
 
 class EpmResidencyStats(Structure):
@@ -188,7 +188,7 @@ class EpmResidencyStats(Structure):
             "arena_committed_bytes", "arena_in_use_bytes")
     ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64),
          ("attached_bytes", c_uint64), ("background_page_ins", c_uint64), ("background_waits", c_uint64),
-         ("background_wait_ms", c_double)]
+         ("background_wait_ms", c_double), ("fill_ahead_bytes", c_uint64), ("fill_ahead_used_bytes", c_uint64)]
 
 
 class EpmStagingStats(Structure):

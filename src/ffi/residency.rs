@@ -115,6 +115,16 @@ pub struct EpmResidencyConfig {
     /// freeze, with `caller_fills`: a caller passing the v1 size gets the
     /// default. Default 1 (the only value accepted).
     pub fill_waits_on_host: u32,
+    /// With the background thread (`caller_fills` 0): between two staged
+    /// prefetches, fill up to this many staging chunks of the next staged
+    /// weight along the declared cycle while that thread would otherwise
+    /// wait for the next `epm_residency_release` to queue it; the prefetch
+    /// then starts with them filled (`fill_ahead_bytes`,
+    /// `fill_ahead_used_bytes`). At most `staging_slots`, else
+    /// `EPM_STATUS_INVALID_CONFIG`. Added in the config's second growth
+    /// (80 → 88 bytes): a caller passing an older size gets the default.
+    /// Default 0 (off).
+    pub fill_ahead_chunks: u32,
 }
 
 /// Counters of a residency manager, filled by `epm_residency_get_stats`;
@@ -193,6 +203,12 @@ pub struct EpmResidencyStats {
     /// falling behind the caller; not counted in `host_stall_ms`).
     pub background_waits: u64,
     pub background_wait_ms: f64,
+    /// Bytes the background thread filled into staging buffers ahead of
+    /// their prefetch (`EpmResidencyConfig.fill_ahead_chunks`), and how many
+    /// of them that prefetch then used without filling them again (the rest
+    /// were filled for a unit that was not prefetched next).
+    pub fill_ahead_bytes: u64,
+    pub fill_ahead_used_bytes: u64,
 }
 
 /// `sizeof(EpmResidencyConfig)` in its first published version (epmem
@@ -209,7 +225,12 @@ config_in! {
     defaults from ResidencyConfig::with_budget(0);
     // Required: config_of checks it and builds the core config from it.
     manual { budget_bytes: 0 }
-    copy { prefetch_depth: prefetch_depth, coalesce_below_bytes: coalesce_below_bytes, coalesce_max_bytes: coalesce_max_bytes }
+    copy {
+        prefetch_depth: prefetch_depth,
+        coalesce_below_bytes: coalesce_below_bytes,
+        coalesce_max_bytes: coalesce_max_bytes,
+        fill_ahead_chunks: fill_ahead_chunks,
+    }
     zero_default {
         staging_slots: engine.slots,
         fill_threads: engine.fill_threads,
@@ -549,6 +570,7 @@ mirror! {
             host_stall_ms, resident_bytes, peak_resident_bytes, resident_weights,
             registered_weights, budget_bytes, coalesced_weights, ordered_reuses, attached_bytes,
             background_page_ins, background_waits, background_wait_ms,
+            fill_ahead_bytes, fill_ahead_used_bytes,
         }
         mapped {
             arena_driver_alloc_calls: arena.driver_alloc_calls,

@@ -129,7 +129,9 @@ mirror! {
             copies, bypassed, htod_bytes, chunks, fill_ms, slot_wait_ms, htod_ms, timed_copies,
         }
         mapped {}
-        rust_only {}
+        // Only a residency manager's filler fills ahead (EpmResidencyStats
+        // reports it); a C copy engine never does.
+        rust_only { ahead_bytes, ahead_used_bytes }
     }
 }
 

@@ -40,6 +40,11 @@ pub struct ResidencyConfig {
     /// so the filler could never issue the copy the wait was for
     /// (docs/RESIDENCY.md, "Why the host waits"; `ffi-tests/gpu/q6_value_wait_blocks.cu`).
     pub fill_waits_on_host: bool,
+    /// With the background filler: between two staged prefetches, fill up to
+    /// this many chunks of the next staged unit along the declared cycle
+    /// ahead, while the filler would otherwise wait for the caller to queue
+    /// it (`CopyEngine::fill_ahead`; at most `engine.slots`). Default 0 (off).
+    pub fill_ahead_chunks: usize,
     /// Weights smaller than this that are adjacent both in host memory and in
     /// the declared cycle are coalesced into one page-in of up to
     /// `coalesce_max_bytes` (copies of a few hundred KiB never reach the
@@ -69,6 +74,7 @@ impl ResidencyConfig {
             sync_page_in: false,
             caller_fills: false,
             fill_waits_on_host: true,
+            fill_ahead_chunks: 0,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
             stream_plan: true,

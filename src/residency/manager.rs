@@ -17,6 +17,7 @@ use crate::transfer::pinning::SharedHostRegistration;
 use crate::device::rlimit::memlock_limit;
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
+use crate::staging::background::Hint;
 use crate::staging::{BackgroundFill, CopyEngine, Copier, Fence, PinnedStagingPool};
 
 /// What making room for a page-in produced.
@@ -96,6 +97,13 @@ impl ResidencyManager {
             Unsupported,
             "fill_waits_on_host must be set: a stream waiting on the device for a background fill not yet issued \
              deadlocks on CUDA (driver calls the filler needs block while such a wait is pending; docs/RESIDENCY.md)"
+        );
+        crate::ensure!(
+            cfg.fill_ahead_chunks <= cfg.engine.slots,
+            InvalidConfig,
+            "fill_ahead_chunks {} exceeds the staging slots ({}): chunks filled ahead hold slots",
+            cfg.fill_ahead_chunks,
+            cfg.engine.slots
         );
         // Slack over the budget absorbs the arena's bin rounding and holes
         // left by uneven sizes, so eviction follows the policy rather than
@@ -194,6 +202,10 @@ impl ResidencyManager {
         if st.reg.get(w)?.resident() {
             self.evict(&mut st, w)?;
         }
+        // Its bytes (or a coalesced unit's around them) may be freed or
+        // reused once this returns: nothing filled ahead from them may be read
+        // again or used.
+        self.engine.forget_ahead();
         let e = st.reg.remove(w)?;
         st.c.registered_bytes -= e.reg_bytes as u64;
         if st.cycle_pos.contains_key(&w) {
@@ -504,13 +516,33 @@ impl ResidencyManager {
         }
         let State { fill, c, .. } = st;
         if fill.is_none() {
-            *fill = Some(BackgroundFill::new(&self.engine)?);
+            *fill = Some(BackgroundFill::new(&self.engine, self.cfg.fill_ahead_chunks)?);
         }
         c.background_page_ins += 1;
-        match fill.as_ref() {
-            Some(f) => Ok(Copier::Background(f)),
+        let next = self.fill_ahead_hint(st, w);
+        match st.fill.as_ref() {
+            Some(f) => Ok(Copier::Background(f, next)),
             None => Err(Error::internal("background filler missing")),
         }
+    }
+
+    /// The unit the filler may fill ahead after `w`'s page-in: the next unit
+    /// along the declared cycle that is not resident, if its page-in would go
+    /// to the filler too (the one the next `release` is expected to
+    /// prefetch). None with `fill_ahead_chunks` 0.
+    fn fill_ahead_hint(&self, st: &State, w: WeightId) -> Option<Hint> {
+        if self.cfg.fill_ahead_chunks == 0 {
+            return None;
+        }
+        let p = *st.cycle_pos.get(&w)?;
+        let n = st.cycle.len();
+        let x = (1..n).map(|k| st.cycle[(p + k) % n]).find(|&x| st.reg.get(x).is_ok_and(|e| !e.resident()))?;
+        // Taken under the manager's lock, which `unregister` holds when it
+        // calls `forget_ahead`: `x`'s source is readable while the ticket is.
+        if !self.fills_in_background(st, x) {
+            return None;
+        }
+        Some(Hint { src: st.reg.get(x).ok()?.unit, ticket: self.engine.ahead_ticket() })
     }
 
     /// Whether a page-in of unit `w` would go to the background filler: a
@@ -613,6 +645,8 @@ impl ResidencyManager {
             background_page_ins: c.background_page_ins,
             background_waits: c.background_waits,
             background_wait_ms: c.background_wait_ns as f64 / 1e6,
+            fill_ahead_bytes: s.ahead_bytes,
+            fill_ahead_used_bytes: s.ahead_used_bytes,
             ring_weights: c.ring_weights,
             resident_bytes: st.resident_bytes as u64,
             peak_resident_bytes: st.peak_resident_bytes as u64,
@@ -635,10 +669,11 @@ impl Drop for ResidencyManager {
         // drop them before the engine and arena go.
         let mut st = self.lock();
         // Every queued background copy onto a stream first, so the device
-        // synchronizes below cover them.
+        // synchronizes below cover them; nothing read ahead after it.
         if let Some(f) = st.fill.as_ref() {
             f.drain();
         }
+        self.engine.forget_ahead();
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {

@@ -95,6 +95,12 @@ pub struct ResidencyStats {
     pub background_page_ins: u64,
     pub background_waits: u64,
     pub background_wait_ms: f64,
+    /// Bytes the background filler filled ahead of their prefetch
+    /// (`ResidencyConfig::fill_ahead_chunks`), and how many of them that
+    /// prefetch used (the rest went to a prefetch of another unit, or were
+    /// forgotten by an unregister).
+    pub fill_ahead_bytes: u64,
+    pub fill_ahead_used_bytes: u64,
     /// The device arena holding resident weights.
     pub arena: ArenaStats,
 }

@@ -28,12 +28,21 @@
 //! drain first, since a queued job is not on any stream yet. Dropping drains
 //! and joins the thread. A job that panics sets its fence to an error
 //! instead of leaving waiters blocked.
+//!
+//! Filling ahead. Between jobs this thread idles while the caller runs the
+//! kernels and hooks that lead to the next job (a decode loop's next
+//! `release`), and each job then starts with a fill no DMA overlaps. A job
+//! may carry a [`Hint`]: the source the caller expects to queue next. With
+//! `ahead_chunks` > 0, once a job is issued and no other is queued, this
+//! thread fills the hinted source's first chunks
+//! ([`CopyEngine::fill_ahead`]), checking for a new job before each chunk;
+//! the next job of that source starts with them filled.
 
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use super::engine::{CopyEngine, Deferred, Fence, Order};
+use super::engine::{AheadTicket, CopyEngine, Deferred, Fence, Order};
 use crate::device::{DevicePtr, Event, HostRange, RawStream};
 use crate::error::{Error, Result};
 
@@ -42,6 +51,16 @@ struct Job {
     src: HostRange,
     after: Option<Event>,
     done: Arc<Deferred>,
+    next: Option<Hint>,
+}
+
+/// The source a caller expects its next staged copy to be from, with the
+/// engine's ticket taken while that source was known to be readable
+/// ([`CopyEngine::ahead_ticket`]); [`CopyEngine::forget_ahead`] cancels it.
+#[derive(Debug, Clone, Copy)]
+pub struct Hint {
+    pub src: HostRange,
+    pub ticket: AheadTicket,
 }
 
 /// Sets the job's fence to an error if the job ends without setting it (a
@@ -72,13 +91,14 @@ impl std::fmt::Debug for BackgroundFill {
 }
 
 impl BackgroundFill {
-    /// Start the thread.
-    pub fn new(engine: &Arc<CopyEngine>) -> Result<Self> {
+    /// Start the thread. Between jobs it fills up to `ahead_chunks` chunks
+    /// of a job's [`Hint`] ahead (0: never; see the module docs).
+    pub fn new(engine: &Arc<CopyEngine>, ahead_chunks: usize) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let e = engine.clone();
         let thread = std::thread::Builder::new()
             .name("epmem-fill".into())
-            .spawn(move || run(&e, &rx))
+            .spawn(move || run(&e, &rx, ahead_chunks))
             .map_err(|err| Error::internal(format!("starting the background fill thread: {err}")))?;
         Ok(Self {
             engine: engine.clone(),
@@ -93,7 +113,8 @@ impl BackgroundFill {
     /// back pending; a direct one (page-locked source, no fill) is issued
     /// here, as `htod` would. `src` must stay readable and unmodified until
     /// the fence completes — as for `htod`, but here that includes the fill.
-    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<RawStream>) -> Result<Fence> {
+    /// `next`, if given, is the source the caller expects to queue next.
+    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<RawStream>, next: Option<Hint>) -> Result<Fence> {
         if !self.engine.stages(src) {
             return self.engine.htod(dst, src, order);
         }
@@ -110,7 +131,7 @@ impl BackgroundFill {
         let Some(tx) = tx.as_ref() else {
             return Err(Error::internal("the background fill thread has stopped"));
         };
-        tx.send(Job { dst, src, after, done: done.clone() })
+        tx.send(Job { dst, src, after, done: done.clone(), next })
             .map_err(|_| Error::internal("the background fill thread has stopped"))?;
         *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(done.clone());
         Ok(Fence::deferred(self.engine.device(), done, src.len()))
@@ -143,7 +164,8 @@ impl Drop for BackgroundFill {
 #[derive(Debug, Clone, Copy)]
 pub enum Copier<'a> {
     Caller(&'a CopyEngine),
-    Background(&'a BackgroundFill),
+    /// The filler, with the source expected after this copy (if any).
+    Background(&'a BackgroundFill, Option<Hint>),
 }
 
 impl Copier<'_> {
@@ -151,13 +173,23 @@ impl Copier<'_> {
     pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<RawStream>) -> Result<Fence> {
         match self {
             Copier::Caller(e) => e.htod(dst, src, order),
-            Copier::Background(b) => b.htod_after(dst, src, order),
+            Copier::Background(b, next) => b.htod_after(dst, src, order, *next),
         }
     }
 }
 
-fn run(engine: &CopyEngine, rx: &Receiver<Job>) {
-    while let Ok(job) = rx.recv() {
+fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize) {
+    // A job that arrived while filling ahead, taken before the next `recv`.
+    let mut queued: Option<Job> = None;
+    loop {
+        let job = match queued.take() {
+            Some(j) => j,
+            None => match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            },
+        };
+        let next = job.next;
         let guard = SetOnExit(job.done.clone());
         let order = job.after.as_ref().map_or(Order::None, Order::After);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -172,5 +204,21 @@ fn run(engine: &CopyEngine, rx: &Receiver<Job>) {
             Err(_) => {} // the guard sets the error
         }
         drop(guard);
+        if let Some(h) = next.filter(|_| ahead_chunks > 0) {
+            let mut stop = || match rx.try_recv() {
+                Ok(j) => {
+                    queued = Some(j);
+                    true
+                }
+                Err(TryRecvError::Empty) => false,
+                Err(TryRecvError::Disconnected) => true,
+            };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.fill_ahead(h.src, h.ticket, ahead_chunks, &mut stop)
+            }));
+            if r.is_err() {
+                log::error!("epmem: filling ahead panicked; the next copy fills as usual");
+            }
+        }
     }
 }

@@ -71,6 +71,7 @@
 //! defaults now: 37.0 and 47.1 GB/s in that sweep.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -79,7 +80,7 @@ use super::stats::{self, EngineCounters, StagingStats};
 use crate::transfer::witness::{self, CopyTiming, InFlight, TryComplete};
 use crate::transfer::fill::{self, FillThreads, MAX_FILL_THREADS};
 use crate::device::{Device, DevicePtr, Event, HostRange, RawStream, Stream};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 pub use crate::transfer::pinning::HostRegistration;
 
@@ -252,6 +253,13 @@ struct Chunk {
     len: usize,
 }
 
+/// Proof that a [`CopyEngine::fill_ahead`] is still wanted: taken with
+/// [`CopyEngine::ahead_ticket`] while its source is known to be readable,
+/// spent by [`CopyEngine::forget_ahead`] (after which no fill ahead taken
+/// before it reads anything).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AheadTicket(u64);
+
 struct State {
     stream: Stream,
     /// Chunk copies still owning their staging buffers, oldest first.
@@ -264,6 +272,16 @@ struct State {
     spare_timings: Vec<CopyTiming>,
     /// The pool holds a buffer for every slot (see `stage`).
     reserved: bool,
+    /// Chunks filled ahead for `ahead_src`, contiguous from its start, not
+    /// enqueued (see `fill_ahead`).
+    ahead: Vec<Chunk>,
+    ahead_src: Option<HostRange>,
+    /// Buffers on loan from the pool that no copy uses and no chunk fills
+    /// (a fill ahead that no copy took): the next chunks fill them before
+    /// any slot is taken. `ring + ahead + spares` never exceeds the slots.
+    spares: Vec<PooledStaging>,
+    /// An earlier copy's failure seen by a fill ahead, reported by the next copy.
+    failed: Option<Error>,
 }
 
 /// A host → device copy engine with its own copy stream, staging slots and
@@ -275,6 +293,9 @@ pub struct CopyEngine {
     fill: FillThreads,
     state: Mutex<State>,
     counters: EngineCounters,
+    /// Bumped by `forget_ahead`; a fill ahead runs only under the ticket it
+    /// was given (read and compared under the state lock).
+    ahead_gen: AtomicU64,
 }
 
 impl std::fmt::Debug for CopyEngine {
@@ -325,6 +346,10 @@ impl CopyEngine {
             timings: VecDeque::new(),
             spare_timings: Vec::new(),
             reserved: false,
+            ahead: Vec::new(),
+            ahead_src: None,
+            spares: Vec::new(),
+            failed: None,
         };
         Ok(Self {
             fill: FillThreads::new(cfg.fill_threads)?,
@@ -333,6 +358,7 @@ impl CopyEngine {
             cfg,
             state: Mutex::new(state),
             counters: EngineCounters::default(),
+            ahead_gen: AtomicU64::new(0),
         })
     }
 
@@ -386,6 +412,9 @@ impl CopyEngine {
     /// the copy but through the fence).
     pub(super) fn htod_ordered(&self, dst: DevicePtr, src: HostRange, order: Order<'_>) -> Result<Fence> {
         let mut st = self.lock();
+        if let Some(e) = st.failed.take() {
+            return Err(e);
+        }
         self.reap(&mut st, false)?;
         match order {
             Order::None => {}
@@ -444,10 +473,7 @@ impl CopyEngine {
         // exceed the slots, so from then on staging allocates nothing, however
         // the copies overlap (lazily, a run whose first copies overlapped less
         // allocated its last buffer later, in what should be steady state).
-        if !st.reserved {
-            self.pool.reserve(self.cfg.slots, self.cfg.chunk_bytes)?;
-            st.reserved = true;
-        }
+        self.reserve_slots(st)?;
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
         // Decided once for the whole page-in (transfer::fill::STREAM_BELOW).
@@ -457,9 +483,29 @@ impl CopyEngine {
         // driver calls (copy, event: ~10 µs) cost no fill time.
         let mut filled: Option<Chunk> = None;
         let mut off = 0;
+        // Chunks filled ahead for this very source are this copy's first
+        // (cut the same way: `fill_ahead` uses `chunk_len` and
+        // `next_chunk_len` on the same length); those filled for another
+        // source are only buffers, filled again below.
+        let ahead = std::mem::take(&mut st.ahead);
+        let mut spares = std::mem::take(&mut st.spares);
+        if st.ahead_src.take() == Some(src) {
+            for c in ahead {
+                off = c.off + c.len;
+                stats::add(&self.counters.ahead_used_bytes, c.len as u64);
+                if let Some(prev) = filled.replace(c) {
+                    self.enqueue(st, dst, prev, timing)?;
+                }
+            }
+        } else {
+            spares.extend(ahead.into_iter().map(|c| c.buf));
+        }
         while off < bytes.len() {
             let n = self.next_chunk_len(chunk, bytes.len() - off);
-            let mut buf = self.slot(st, filled.is_some())?;
+            let mut buf = match spares.pop() {
+                Some(b) => b,
+                None => self.slot(st, usize::from(filled.is_some()))?,
+            };
             let prev = filled.take();
             let t0 = Instant::now();
             let enqueued = self.fill.copy_with_stores(&mut buf[..n], &bytes[off..off + n], streaming, || match prev {
@@ -471,10 +517,113 @@ impl CopyEngine {
             filled = Some(Chunk { buf, off, len: n });
             off += n;
         }
+        st.spares = spares;
         match filled {
             Some(c) => self.enqueue(st, dst, c, timing),
             None => Ok(()),
         }
+    }
+
+    /// A ticket for [`Self::fill_ahead`], valid until the next
+    /// [`Self::forget_ahead`]. Take it while the source is known to stay
+    /// readable (a registered weight, under the lock that unregisters it).
+    pub fn ahead_ticket(&self) -> AheadTicket {
+        AheadTicket(self.ahead_gen.load(Ordering::Acquire))
+    }
+
+    /// No fill ahead taken before this call reads its source from now on,
+    /// and no chunk filled ahead so far is used as a copy's data: call it
+    /// before a source may be freed or changed. Waits for a chunk being
+    /// filled ahead (one chunk's fill, and at most one copy's completion)
+    /// to finish. The buffers stay on loan for the next copies.
+    pub fn forget_ahead(&self) {
+        let mut st = self.lock();
+        self.ahead_gen.fetch_add(1, Ordering::AcqRel);
+        st.ahead_src = None;
+        let ahead = std::mem::take(&mut st.ahead);
+        st.spares.extend(ahead.into_iter().map(|c| c.buf));
+    }
+
+    /// Fill up to `max_chunks` of the first chunks of a coming staged copy
+    /// of `src` into staging buffers now, while the engine would otherwise
+    /// idle; the next copy of exactly `src` enqueues them without filling
+    /// them again, and a copy of anything else uses their buffers as its
+    /// slots (nothing is recycled without its copy's witness: these buffers
+    /// have no copy in flight). Stops early when `stop` returns true (it is
+    /// asked before each chunk), when the ticket was spent by
+    /// [`Self::forget_ahead`], or when filling another chunk would need a
+    /// slot that a copy in flight holds and `max_chunks` are filled.
+    ///
+    /// Holds the engine for one chunk at a time: a copy issued meanwhile
+    /// waits for at most one chunk's fill and, when the slots are all in
+    /// flight, the completion of the oldest. `src` must stay readable and
+    /// unmodified until the ticket is spent — as for a copy, since these
+    /// bytes become that copy's. A failure of an earlier copy seen while
+    /// waiting for a slot is returned by the next copy.
+    pub fn fill_ahead(&self, src: HostRange, ticket: AheadTicket, max_chunks: usize, stop: &mut dyn FnMut() -> bool) {
+        if max_chunks == 0 || !self.stages(src) {
+            return;
+        }
+        let chunk = self.chunk_len(src.len());
+        let bytes = src.as_slice();
+        let streaming = bytes.len() < fill::STREAM_BELOW;
+        loop {
+            if stop() {
+                return;
+            }
+            let mut st = self.lock();
+            if ticket != self.ahead_ticket() || st.failed.is_some() {
+                return;
+            }
+            if st.ahead_src != Some(src) {
+                st.ahead_src = Some(src);
+                let other = std::mem::take(&mut st.ahead);
+                st.spares.extend(other.into_iter().map(|c| c.buf));
+            }
+            let off = st.ahead.last().map_or(0, |c| c.off + c.len);
+            if off >= bytes.len() || st.ahead.len() >= max_chunks.min(self.cfg.slots) {
+                return;
+            }
+            let n = self.next_chunk_len(chunk, bytes.len() - off);
+            let buf = match st.spares.pop() {
+                Some(b) => Ok(b),
+                None => {
+                    let held = st.ahead.len();
+                    self.reserve_slots(&mut st).and_then(|()| self.slot(&mut st, held))
+                }
+            };
+            let mut buf = match buf {
+                Ok(b) => b,
+                Err(e) => {
+                    log::warn!("epmem: filling ahead: {e} (reported by the next copy)");
+                    st.failed = Some(e);
+                    return;
+                }
+            };
+            let t0 = Instant::now();
+            match self.fill.copy_with_stores(&mut buf[..n], &bytes[off..off + n], streaming, || ()) {
+                Ok(()) => {
+                    stats::add_time(&self.counters.fill_ns, t0.elapsed());
+                    stats::add(&self.counters.ahead_bytes, n as u64);
+                    st.ahead.push(Chunk { buf, off, len: n });
+                }
+                Err(e) => {
+                    // Only a length mismatch fails a fill: a bug, not the device.
+                    log::error!("epmem: filling ahead: {e}");
+                    st.spares.push(buf);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Once: the pool retains one buffer per slot (see `stage`).
+    fn reserve_slots(&self, st: &mut State) -> Result<()> {
+        if !st.reserved {
+            self.pool.reserve(self.cfg.slots, self.cfg.chunk_bytes)?;
+            st.reserved = true;
+        }
+        Ok(())
     }
 
     fn enqueue(&self, st: &mut State, dst: DevicePtr, c: Chunk, timing: Option<&CopyTiming>) -> Result<()> {
@@ -488,12 +637,12 @@ impl CopyEngine {
     }
 
     /// A staging buffer for the next chunk. The engine holds at most `slots`
-    /// buffers: those in flight, the one filled but not yet enqueued
-    /// (`holding`), and this one. When that would be exceeded, wait for the
+    /// buffers: those in flight, the `holding` ones filled but not yet
+    /// enqueued, and this one. When that would be exceeded, wait for the
     /// oldest copy (back-pressure: the DMA is behind the fill) and retire its
     /// buffer with the witness the wait hands back.
-    fn slot(&self, st: &mut State, holding: bool) -> Result<PooledStaging> {
-        while st.ring.len() + usize::from(holding) + 1 > self.cfg.slots {
+    fn slot(&self, st: &mut State, holding: usize) -> Result<PooledStaging> {
+        while st.ring.len() + holding + 1 > self.cfg.slots {
             let Some(oldest) = st.ring.pop_front() else { break };
             let t0 = Instant::now();
             let done = oldest.wait()?;

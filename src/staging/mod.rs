@@ -21,6 +21,6 @@ pub mod pool;
 pub mod stats;
 
 pub use background::{BackgroundFill, Copier};
-pub use engine::{CopyEngine, EngineConfig, Fence, HostRegistration};
+pub use engine::{AheadTicket, CopyEngine, EngineConfig, Fence, HostRegistration};
 pub use pool::{PinnedStagingPool, PoolConfig, PoolStats, PooledStaging};
 pub use stats::StagingStats;

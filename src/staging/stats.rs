@@ -42,6 +42,11 @@ pub struct StagingStats {
     pub htod_ms: f64,
     /// Copies whose `htod_ms` has been read so far.
     pub timed_copies: u64,
+    /// Bytes filled ahead of their copy ([`super::CopyEngine::fill_ahead`]),
+    /// and how many of them a copy of that source then used (the rest were
+    /// filled for a copy that came for another source, or were forgotten).
+    pub ahead_bytes: u64,
+    pub ahead_used_bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +59,8 @@ pub(crate) struct EngineCounters {
     pub slot_wait_ns: AtomicU64,
     pub htod_ns: AtomicU64,
     pub timed_copies: AtomicU64,
+    pub ahead_bytes: AtomicU64,
+    pub ahead_used_bytes: AtomicU64,
 }
 
 pub(crate) fn add(c: &AtomicU64, v: u64) {
@@ -85,6 +92,8 @@ impl EngineCounters {
             slot_wait_ms: ms(&self.slot_wait_ns),
             htod_ms: ms(&self.htod_ns),
             timed_copies: get(&self.timed_copies),
+            ahead_bytes: get(&self.ahead_bytes),
+            ahead_used_bytes: get(&self.ahead_used_bytes),
         }
     }
 }

@@ -37,7 +37,7 @@ impl Weights {
     pub fn range(&self, i: usize) -> HostRange {
         let (o, n) = self.spans[i];
         // SAFETY: the span lies inside `buf`, which outlives every manager in
-        // these tests and is never written after construction.
+        // these tests and is written only where no manager has it registered.
         unsafe { HostRange::new(self.buf.as_ptr().add(o), n) }
     }
 
