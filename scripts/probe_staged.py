@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Diagnostic (not a benchmark of record): staged page-ins under variants of
-prefetch depth and who fills, on bench_torch's shapes. Prints one line per row."""
+prefetch depth and who fills, on bench_torch's shapes. Prints one line per row.
+
+A variant is sources:prefetch_depth:caller_fills[:fill_threads[:chunk_MiB[:slots[:fill_ahead_chunks]]]]
+(0 for fill_threads or slots: the default), e.g. staged:1:0:0:16:3:2."""
 import argparse, json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_torch as bt  # noqa: E402
@@ -29,8 +32,10 @@ for pct in [int(x) for x in a.budgets.split(",")]:
             extra["fill_threads"] = int(ft[0])
         if len(ft) > 1:
             extra["staging_chunk_bytes"] = int(ft[1]) << 20
-        if len(ft) > 2:
+        if len(ft) > 2 and int(ft[2]):
             extra["staging_slots"] = int(ft[2])
+        if len(ft) > 3:
+            extra["fill_ahead_chunks"] = int(ft[3])
         r = bt.run_epmem(model, prompt, a.tokens, dev, budget, src, "linear",
                          prefetch_depth=int(depth), caller_fills=int(caller), **extra)
         ms = r["seconds"] / a.tokens * 1e3
@@ -40,6 +45,7 @@ for pct in [int(x) for x in a.budgets.split(",")]:
         print(f"{pct}% {v}: {ms:.1f} ms/token, "
               f"{r['streamed_bytes_per_token'] / 2**20:.0f} MiB/token, fill {r['fill_ms_per_token']:.1f}, "
               f"bg waits {r['background_wait_ms_per_token']:.1f} ms/token ({r['background_waits']}), "
+              f"ahead {r['fill_ahead_mib_per_token']:.0f}/{r['fill_ahead_used_mib_per_token']:.0f} MiB/token, "
               f"htod {r['htod_ms_per_token']:.1f}, dev stall {r['device_stall_ms_per_token']:.1f}, host stall {r['host_stall_ms_per_token']:.1f}, "
               f"{'same' if row['same'] else 'DIFFER'}", flush=True)
 if a.json:

@@ -421,7 +421,7 @@ class BenchSmoke(unittest.TestCase):
         self.assertIn("tokens identical in every row", p.stdout)
         self.assertTrue(res["tokens_identical"])
         sh = res["shapes"][0]
-        self.assertEqual(len(sh["rows"]), 9)  # 3 budgets x registered, staged, staged_caller
+        self.assertEqual(len(sh["rows"]), 12)  # 3 budgets x registered, staged, staged_caller, staged_ahead
         for r in sh["rows"]:
             self.assertTrue(r["tokens_identical"])
             self.assertEqual(r["tokens_compared"], res["tokens"])
@@ -432,11 +432,16 @@ class BenchSmoke(unittest.TestCase):
             else:
                 self.assertEqual(r["staged_page_ins"], 0)
             # Who fills the staged prefetches: epmem's thread, or the caller's.
-            if r["method"] == "staged":
+            if r["method"] in ("staged", "staged_ahead"):
                 self.assertLessEqual(r["background_page_ins"], r["staged_page_ins"])
                 self.assertGreater(r["background_page_ins"], 0)
             else:
                 self.assertEqual(r["background_page_ins"], 0)
+            # Only staged_ahead fills ahead; what it used was filled.
+            if r["method"] == "staged_ahead":
+                self.assertLessEqual(r["fill_ahead_used_mib_per_token"], r["fill_ahead_mib_per_token"])
+            else:
+                self.assertEqual(r["fill_ahead_mib_per_token"], 0)
         self.assertIn("| 50% | registered |", p.stdout)
 
     def test_bench_torch_quick_split(self):
@@ -453,7 +458,7 @@ class BenchSmoke(unittest.TestCase):
                 res = json.load(f)
         sh = res["shapes"][0]
         self.assertIn("split into equal blocks", sh["model"])
-        self.assertEqual(len(sh["rows"]), 3)
+        self.assertEqual(len(sh["rows"]), 4)
         for r in sh["rows"]:
             self.assertTrue(r["tokens_identical"])
             self.assertEqual(r["ideal_bytes_per_token"], sh["offloaded_bytes"] - r["budget_bytes"])
