@@ -549,10 +549,11 @@ impl CopyEngine {
     /// idle; the next copy of exactly `src` enqueues them without filling
     /// them again, and a copy of anything else uses their buffers as its
     /// slots (nothing is recycled without its copy's witness: these buffers
-    /// have no copy in flight). Stops early when `stop` returns true (it is
-    /// asked before each chunk), when the ticket was spent by
-    /// [`Self::forget_ahead`], or when filling another chunk would need a
-    /// slot that a copy in flight holds and `max_chunks` are filled.
+    /// have no copy in flight). Returns once `max_chunks` (at most the
+    /// slots) are filled or `src` ends, when `stop` returns true (it is
+    /// asked before each chunk), or when the ticket was spent by
+    /// [`Self::forget_ahead`]. When every slot is in flight it waits for the
+    /// oldest copy, as a copy would.
     ///
     /// Holds the engine for one chunk at a time: a copy issued meanwhile
     /// waits for at most one chunk's fill and, when the slots are all in
