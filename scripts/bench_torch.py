@@ -8,8 +8,9 @@ weights do not fit the VRAM budget, decoded greedily, side by side in one proces
                epmem's background thread, the default)
   staged_caller  the same with caller_fills=1: prefetches filled on the thread that runs the
                model (the behaviour before the background filler; --no-caller-row skips it)
-  staged_ahead the same as staged with fill_ahead_chunks=2: between two prefetches the filler
-               fills the next staged weight's first chunks (--no-ahead-row skips it)
+  staged_ahead the same as staged with fill_ahead_chunks=N (--ahead-chunks, default 3: every
+               staging slot): between two prefetches the filler fills the next staged weight's
+               first chunks (--no-ahead-row skips it)
   accelerate   accelerate.dispatch_model, the same bytes resident, the rest cpu-offloaded
   floor        (offloaded bytes - budget) / pinned H2D peak (measured here, torch pinned->cuda copy)
 
@@ -350,6 +351,8 @@ def main():
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-caller-row", action="store_true", help="skip the staged_caller rows")
     ap.add_argument("--no-ahead-row", action="store_true", help="skip the staged_ahead rows")
+    ap.add_argument("--ahead-chunks", type=int, default=3,
+                    help="fill_ahead_chunks of the staged_ahead rows (at most the staging slots, 3)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
     # Per-Linear acquires (the default here) let the residency plan stream one
     # weight at a time: with whole-block holds no policy can copy less than
@@ -427,7 +430,7 @@ def main():
             if not a.no_caller_row:
                 methods.append(("staged_caller", "staged", {"caller_fills": 1}))
             if not a.no_ahead_row:
-                methods.append(("staged_ahead", "staged", {"fill_ahead_chunks": 2}))
+                methods.append(("staged_ahead", "staged", {"fill_ahead_chunks": a.ahead_chunks}))
             for method, sources, cfg in methods:
                 r = run_epmem(model, prompt, a.tokens, dev, budget, sources, a.granularity, **cfg)
                 rows[method] = r
