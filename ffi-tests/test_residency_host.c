@@ -265,9 +265,12 @@ static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fill
     REQUIRE_OK(epm_residency_get_stats(res, &st));
     CHECK(st.size == sizeof st);
     CHECK(st.staged_page_ins == st.page_ins && st.prefetch_page_ins > 0);
+    CHECK(st.slot_wait_ms >= 0.0);
     if (mode == 1) {
       CHECK(st.background_page_ins == 0 && st.background_waits == 0 && st.background_wait_ms == 0.0);
+      CHECK(st.background_busy_ms == 0.0);
     } else {
+      CHECK(st.background_busy_ms > 0.0);
       CHECK(st.background_page_ins == st.prefetch_page_ins);
       CHECK(st.background_waits <= st.background_page_ins && st.background_wait_ms >= 0.0);
     }

@@ -1037,6 +1037,15 @@ typedef struct EpmResidencyStats {
    */
   uint64_t fill_ahead_bytes;
   uint64_t fill_ahead_used_bytes;
+  /**
+   * Host time waiting for a staging slot's previous copy to complete (the
+   * DMA behind the fill), over every staged page-in; and the time the
+   * background thread spent issuing its page-ins and filling ahead. With
+   * `fill_ms`, they split that thread's time: the rest of the wall time it
+   * waited for the next `epm_residency_release` to queue work.
+   */
+  double slot_wait_ms;
+  double background_busy_ms;
 } EpmResidencyStats;
 
 /**

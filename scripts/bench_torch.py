@@ -293,6 +293,8 @@ def run_epmem(model, prompt, steps, dev, budget, sources, granularity, **cfg):
         "fill_ms_per_token": (s1["fill_ms"] - s0["fill_ms"]) / (steps + 1),
         "htod_ms_per_token": (s1["htod_ms"] - s0["htod_ms"]) / (steps + 1),
         "fill_ahead_mib_per_token": (s1["fill_ahead_bytes"] - s0["fill_ahead_bytes"]) / (steps + 1) / 2**20,
+        "slot_wait_ms_per_token": (s1["slot_wait_ms"] - s0["slot_wait_ms"]) / (steps + 1),
+        "background_busy_ms_per_token": (s1["background_busy_ms"] - s0["background_busy_ms"]) / (steps + 1),
         "fill_ahead_used_mib_per_token": (s1["fill_ahead_used_bytes"] - s0["fill_ahead_used_bytes"]) / (steps + 1) / 2**20,
     }
 
@@ -550,6 +552,13 @@ def table_md(res):
                       f"{stg['tok_s'] / cal['tok_s']:.2f}x staged_caller (the caller fills) {cal['tok_s']:.3f}; "
                       f"background waits {stg.get('background_wait_ms_per_token', 0):.1f} ms/token, "
                       f"fill {stg.get('fill_ms_per_token', 0):.1f} ms/token")
+            for m in ("staged", "staged_ahead"):
+                r = by.get((pct, m))
+                if r and "background_busy_ms_per_token" in r:
+                    busy = r["background_busy_ms_per_token"]
+                    out(f"filler {sh['name']} {pct}% {m}: busy {busy:.1f} of {r['ms_per_token']:.1f} ms/token "
+                        f"(fill {r['fill_ms_per_token']:.1f}, slot waits {r['slot_wait_ms_per_token']:.1f}); "
+                        f"idle {r['ms_per_token'] - busy:.1f}")
         out("")
     return "\n".join(lines) + "\n"
 

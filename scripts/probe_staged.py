@@ -44,6 +44,7 @@ for pct in [int(x) for x in a.budgets.split(",")]:
         out.append(row)
         print(f"{pct}% {v}: {ms:.1f} ms/token, "
               f"{r['streamed_bytes_per_token'] / 2**20:.0f} MiB/token, fill {r['fill_ms_per_token']:.1f}, "
+              f"slot waits {r['slot_wait_ms_per_token']:.1f}, filler busy {r['background_busy_ms_per_token']:.1f}, "
               f"bg waits {r['background_wait_ms_per_token']:.1f} ms/token ({r['background_waits']}), "
               f"ahead {r['fill_ahead_mib_per_token']:.0f}/{r['fill_ahead_used_mib_per_token']:.0f} MiB/token, "
               f"htod {r['htod_ms_per_token']:.1f}, dev stall {r['device_stall_ms_per_token']:.1f}, host stall {r['host_stall_ms_per_token']:.1f}, "

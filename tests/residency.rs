@@ -585,9 +585,12 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
             m.synchronize().unwrap();
             let s = m.stats();
             assert_eq!(s.staged_page_ins, s.page_ins, "{s:?}");
+            assert!(s.slot_wait_ms >= 0.0, "{s:?}");
             if caller_fills {
                 assert_eq!((s.background_page_ins, s.background_waits), (0, 0), "{s:?}");
+                assert_eq!(s.background_busy_ms, 0.0, "no filler, no filler time: {s:?}");
             } else {
+                assert!(s.background_busy_ms > 0.0, "the filler issued copies and counted no time: {s:?}");
                 // Every prefetch was staged, so every one went to the filler.
                 assert!(s.prefetch_page_ins > 0, "{s:?}");
                 assert_eq!(s.background_page_ins, s.prefetch_page_ins, "{s:?}");

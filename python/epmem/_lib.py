@@ -188,7 +188,8 @@ class EpmResidencyStats(Structure):
             "arena_committed_bytes", "arena_in_use_bytes")
     ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64),
          ("attached_bytes", c_uint64), ("background_page_ins", c_uint64), ("background_waits", c_uint64),
-         ("background_wait_ms", c_double), ("fill_ahead_bytes", c_uint64), ("fill_ahead_used_bytes", c_uint64)]
+         ("background_wait_ms", c_double), ("fill_ahead_bytes", c_uint64), ("fill_ahead_used_bytes", c_uint64),
+         ("slot_wait_ms", c_double), ("background_busy_ms", c_double)]
 
 
 class EpmStagingStats(Structure):

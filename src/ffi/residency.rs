@@ -209,6 +209,13 @@ pub struct EpmResidencyStats {
     /// were filled for a unit that was not prefetched next).
     pub fill_ahead_bytes: u64,
     pub fill_ahead_used_bytes: u64,
+    /// Host time waiting for a staging slot's previous copy to complete (the
+    /// DMA behind the fill), over every staged page-in; and the time the
+    /// background thread spent issuing its page-ins and filling ahead. With
+    /// `fill_ms`, they split that thread's time: the rest of the wall time it
+    /// waited for the next `epm_residency_release` to queue work.
+    pub slot_wait_ms: f64,
+    pub background_busy_ms: f64,
 }
 
 /// `sizeof(EpmResidencyConfig)` in its first published version (epmem
@@ -570,7 +577,7 @@ mirror! {
             host_stall_ms, resident_bytes, peak_resident_bytes, resident_weights,
             registered_weights, budget_bytes, coalesced_weights, ordered_reuses, attached_bytes,
             background_page_ins, background_waits, background_wait_ms,
-            fill_ahead_bytes, fill_ahead_used_bytes,
+            fill_ahead_bytes, fill_ahead_used_bytes, slot_wait_ms, background_busy_ms,
         }
         mapped {
             arena_driver_alloc_calls: arena.driver_alloc_calls,

@@ -647,6 +647,8 @@ impl ResidencyManager {
             background_wait_ms: c.background_wait_ns as f64 / 1e6,
             fill_ahead_bytes: s.ahead_bytes,
             fill_ahead_used_bytes: s.ahead_used_bytes,
+            slot_wait_ms: s.slot_wait_ms,
+            background_busy_ms: st.fill.as_ref().map_or(0.0, |f| f.busy().as_secs_f64() * 1e3),
             ring_weights: c.ring_weights,
             resident_bytes: st.resident_bytes as u64,
             peak_resident_bytes: st.peak_resident_bytes as u64,

@@ -101,6 +101,13 @@ pub struct ResidencyStats {
     /// forgotten by an unregister).
     pub fill_ahead_bytes: u64,
     pub fill_ahead_used_bytes: u64,
+    /// Host time the copy engine waited for a staging slot's previous copy
+    /// (every staged copy, whichever thread issued it), and the time the
+    /// background filler spent issuing its copies and filling ahead: with
+    /// `fill_ms`, what the filler did; the rest of the wall time it idled,
+    /// waiting for the caller to queue the next copy.
+    pub slot_wait_ms: f64,
+    pub background_busy_ms: f64,
     /// The device arena holding resident weights.
     pub arena: ArenaStats,
 }

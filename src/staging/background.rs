@@ -38,8 +38,10 @@
 //! ([`CopyEngine::fill_ahead`]), checking for a new job before each chunk;
 //! the next job of that source starts with them filled.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use std::thread::JoinHandle;
 
 use super::engine::{AheadTicket, CopyEngine, Deferred, Fence, Order};
@@ -81,6 +83,8 @@ pub struct BackgroundFill {
     tx: Mutex<Option<Sender<Job>>>,
     /// The fence of the last job queued (jobs complete in order).
     last: Mutex<Option<Arc<Deferred>>>,
+    /// Nanoseconds the thread spent on jobs and filling ahead (not waiting).
+    busy_ns: Arc<AtomicU64>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -96,14 +100,17 @@ impl BackgroundFill {
     pub fn new(engine: &Arc<CopyEngine>, ahead_chunks: usize) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let e = engine.clone();
+        let busy_ns = Arc::new(AtomicU64::new(0));
+        let busy = busy_ns.clone();
         let thread = std::thread::Builder::new()
             .name("epmem-fill".into())
-            .spawn(move || run(&e, &rx, ahead_chunks))
+            .spawn(move || run(&e, &rx, ahead_chunks, &busy))
             .map_err(|err| Error::internal(format!("starting the background fill thread: {err}")))?;
         Ok(Self {
             engine: engine.clone(),
             tx: Mutex::new(Some(tx)),
             last: Mutex::new(None),
+            busy_ns,
             thread: Some(thread),
         })
     }
@@ -135,6 +142,12 @@ impl BackgroundFill {
             .map_err(|_| Error::internal("the background fill thread has stopped"))?;
         *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(done.clone());
         Ok(Fence::deferred(self.engine.device(), done, src.len()))
+    }
+
+    /// Time the thread has spent issuing copies and filling ahead (the rest
+    /// of its life it waited for work).
+    pub fn busy(&self) -> Duration {
+        Duration::from_nanos(self.busy_ns.load(Ordering::Relaxed))
     }
 
     /// Block until every copy queued so far has been enqueued on the copy
@@ -178,7 +191,10 @@ impl Copier<'_> {
     }
 }
 
-fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize) {
+fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize, busy_ns: &AtomicU64) {
+    let add_busy = |t0: Instant| {
+        busy_ns.fetch_add(u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    };
     // A job that arrived while filling ahead, taken before the next `recv`.
     let mut queued: Option<Job> = None;
     loop {
@@ -190,6 +206,7 @@ fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize) {
             },
         };
         let next = job.next;
+        let t0 = Instant::now();
         let guard = SetOnExit(job.done.clone());
         let order = job.after.as_ref().map_or(Order::None, Order::After);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -204,7 +221,9 @@ fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize) {
             Err(_) => {} // the guard sets the error
         }
         drop(guard);
+        add_busy(t0);
         if let Some(h) = next.filter(|_| ahead_chunks > 0) {
+            let t0 = Instant::now();
             let mut stop = || match rx.try_recv() {
                 Ok(j) => {
                     queued = Some(j);
@@ -219,6 +238,7 @@ fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize) {
             if r.is_err() {
                 log::error!("epmem: filling ahead panicked; the next copy fills as usual");
             }
+            add_busy(t0);
         }
     }
 }

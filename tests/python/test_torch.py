@@ -134,14 +134,17 @@ class Offload(unittest.TestCase):
                     st = h.stats()
                 self.assertEqual(st["staged_page_ins"], st["page_ins"], st)
                 self.assertLessEqual(st["peak_resident_bytes"], budget, st)
+                self.assertGreaterEqual(st["slot_wait_ms"], 0.0, st)
                 if caller_fills:
                     self.assertEqual((st["background_page_ins"], st["background_waits"]), (0, 0), st)
                     self.assertEqual(st["background_wait_ms"], 0.0, st)
+                    self.assertEqual(st["background_busy_ms"], 0.0, st)
                 else:
                     # Which page-ins are prefetches depends on timing (the filler
                     # may overwrite the weight just released); every prefetch of
                     # a staged source goes to the filler.
                     self.assertGreater(st["prefetch_page_ins"], 0, st)
+                    self.assertGreater(st["background_busy_ms"], 0.0, st)
                     self.assertEqual(st["background_page_ins"], st["prefetch_page_ins"], st)
                     self.assertLessEqual(st["background_waits"], st["background_page_ins"], st)
                 self.assert_usable()
