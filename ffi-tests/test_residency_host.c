@@ -210,6 +210,59 @@ cleanup:
   free(big);
 }
 
+/* `count` weights of `n` random bytes in one page-aligned host buffer, a
+ * read-back buffer, the device and a stream: what the background-fill tests
+ * share. */
+typedef struct {
+  EpmDevice *dev;
+  EpmStream *s;
+  unsigned char *host, *back;
+  size_t n;
+  int count;
+} Weights;
+
+static int weights_open(Weights *f, int count, size_t n, unsigned long long seed) {
+  memset(f, 0, sizeof *f);
+  f->n = n;
+  f->count = count;
+  f->host = aligned_alloc(4096, (size_t)count * n);
+  f->back = malloc(n);
+  REQUIRE(f->host && f->back);
+  for (int i = 0; i < count; i++) th_fill_random(f->host + (size_t)i * n, n, seed + (unsigned long long)i);
+  REQUIRE_OK(epm_device_open(0, &f->dev));
+  REQUIRE_OK(epm_stream_create(f->dev, &f->s));
+  return 1;
+cleanup:
+  return 0;
+}
+
+static void weights_close(Weights *f) {
+  epm_stream_destroy(f->s);
+  epm_device_destroy(f->dev);
+  free(f->host);
+  free(f->back);
+}
+
+/* Register every weight with `res` and declare them, in order, as the cycle. */
+static EpmStatus weights_register(const Weights *f, EpmResidency *res, EpmWeightId *w) {
+  for (int i = 0; i < f->count; i++) {
+    EpmStatus st = epm_residency_register_weight(res, f->host + (size_t)i * f->n, f->n, &w[i]);
+    if (st) return st;
+  }
+  return epm_residency_declare_cycle(res, w, (size_t)f->count);
+}
+
+/* `rounds` passes over the cycle, each weight read on the host and compared. */
+static void weights_read_rounds(const Weights *f, EpmResidency *res, const EpmWeightId *w, int rounds, int mode) {
+  for (int round = 0; round < rounds; round++)
+    for (int i = 0; i < f->count; i++) {
+      th_checks++;
+      if (!host_read_matches(f->dev, res, f->s, w[i], f->host + (size_t)i * f->n, f->back, f->n))
+        TH_FAIL("mode %d round %d weight %d: the read did not see the weight (%s)", mode, round, i,
+                epm_last_error_message());
+    }
+}
+
 /* Who fills staged prefetches: the manager's background thread (caller_fills
  * 0, the default, also for a caller passing the v1 config size, which has no
  * such field) or the releasing thread (caller_fills 1); and who waits for a
@@ -220,15 +273,11 @@ cleanup:
 static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fills(void) {
   enum { W = 4 };
   const size_t n = 4u * MIB;
-  EpmDevice *dev = NULL;
-  EpmStream *s = NULL;
+  Weights f;
   EpmResidency *res = NULL;
   EpmWeightId w[W];
-  unsigned char *host = aligned_alloc(4096, W * n), *back = malloc(n);
-  REQUIRE(host && back);
-  for (int i = 0; i < W; i++) th_fill_random(host + (size_t)i * n, n, 40 + i);
-  REQUIRE_OK(epm_device_open(0, &dev));
-  REQUIRE_OK(epm_stream_create(dev, &s));
+  if (!weights_open(&f, W, n, 40)) goto cleanup;
+  EpmDevice *dev = f.dev;
   {
     EpmResidencyConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -249,15 +298,8 @@ static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fill
     /* mode 0: caller_fills 0; 1: caller_fills 1; 2: the v1 size (default). */
     REQUIRE_OK(make_res_modes(dev, 2 * n + n / 2, EPM_REGISTER_NEVER, mode == 1, 1,
                               mode == 2 ? EPM_RESIDENCY_CONFIG_SIZE_V1 : sizeof(EpmResidencyConfig), &res));
-    for (int i = 0; i < W; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
-    REQUIRE_OK(epm_residency_declare_cycle(res, w, W));
-    for (int round = 0; round < 3; round++)
-      for (int i = 0; i < W; i++) {
-        th_checks++;
-        if (!host_read_matches(dev, res, s, w[i], host + (size_t)i * n, back, n))
-          TH_FAIL("mode %d round %d weight %d: the read did not see the weight (%s)", mode, round, i,
-                  epm_last_error_message());
-      }
+    REQUIRE_OK(weights_register(&f, res, w));
+    weights_read_rounds(&f, res, w, 3, mode);
     REQUIRE_OK(epm_residency_synchronize(res));
     EpmResidencyStats st;
     memset(&st, 0, sizeof st);
@@ -279,10 +321,7 @@ static void test_staged_prefetches_fill_in_the_background_unless_the_caller_fill
   }
 cleanup:
   epm_residency_destroy(res);
-  epm_stream_destroy(s);
-  epm_device_destroy(dev);
-  free(host);
-  free(back);
+  weights_close(&f);
 }
 
 /* fill_ahead_chunks: 0 by default (also for a caller passing the v1 size or
@@ -293,15 +332,11 @@ cleanup:
 static void test_fill_ahead_through_c(void) {
   enum { W = 3 };
   const size_t n = 4u * MIB;
-  EpmDevice *dev = NULL;
-  EpmStream *s = NULL;
+  Weights f;
   EpmResidency *res = NULL;
   EpmWeightId w[W];
-  unsigned char *host = aligned_alloc(4096, W * n), *back = malloc(n);
-  REQUIRE(host && back);
-  for (int i = 0; i < W; i++) th_fill_random(host + (size_t)i * n, n, 60 + i);
-  REQUIRE_OK(epm_device_open(0, &dev));
-  REQUIRE_OK(epm_stream_create(dev, &s));
+  if (!weights_open(&f, W, n, 60)) goto cleanup;
+  EpmDevice *dev = f.dev;
   EpmResidencyConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.size = sizeof cfg;
@@ -326,8 +361,7 @@ static void test_fill_ahead_through_c(void) {
     c.fill_ahead_chunks = mode == 0 ? 2 : 1000;
     c.size = mode == 0 ? sizeof c : mode == 1 ? offsetof(EpmResidencyConfig, fill_ahead_chunks) : EPM_RESIDENCY_CONFIG_SIZE_V1;
     REQUIRE_OK(epm_residency_create(dev, &c, &res));
-    for (int i = 0; i < W; i++) REQUIRE_OK(epm_residency_register_weight(res, host + (size_t)i * n, n, &w[i]));
-    REQUIRE_OK(epm_residency_declare_cycle(res, w, W));
+    REQUIRE_OK(weights_register(&f, res, w));
     size_t issued = 0;
     REQUIRE_OK(epm_residency_prefetch(res, w, 1, &issued));
     CHECK(issued == 1);
@@ -344,13 +378,7 @@ static void test_fill_ahead_through_c(void) {
       }
       CHECK(st.fill_ahead_bytes > 0);
     }
-    for (int round = 0; round < 3; round++)
-      for (int i = 0; i < W; i++) {
-        th_checks++;
-        if (!host_read_matches(dev, res, s, w[i], host + (size_t)i * n, back, n))
-          TH_FAIL("mode %d round %d weight %d: the read did not see the weight (%s)", mode, round, i,
-                  epm_last_error_message());
-      }
+    weights_read_rounds(&f, res, w, 3, mode);
     REQUIRE_OK(epm_residency_synchronize(res));
     REQUIRE_OK(epm_residency_get_stats(res, &st));
     if (mode == 0) {
@@ -364,10 +392,7 @@ static void test_fill_ahead_through_c(void) {
   }
 cleanup:
   epm_residency_destroy(res);
-  epm_stream_destroy(s);
-  epm_device_destroy(dev);
-  free(host);
-  free(back);
+  weights_close(&f);
 }
 
 int main(void) {
