@@ -284,6 +284,15 @@ struct State {
     failed: Option<Error>,
 }
 
+impl State {
+    /// Chunks filled ahead stop being anyone's data: their buffers become spares.
+    fn discard_ahead(&mut self) {
+        self.ahead_src = None;
+        let ahead = std::mem::take(&mut self.ahead);
+        self.spares.extend(ahead.into_iter().map(|c| c.buf));
+    }
+}
+
 /// A host → device copy engine with its own copy stream, staging slots and
 /// fill threads. Thread-safe: concurrent `htod` calls are serialized.
 pub struct CopyEngine {
@@ -487,18 +496,20 @@ impl CopyEngine {
         // (cut the same way: `fill_ahead` uses `chunk_len` and
         // `next_chunk_len` on the same length); those filled for another
         // source are only buffers, filled again below.
-        let ahead = std::mem::take(&mut st.ahead);
-        let mut spares = std::mem::take(&mut st.spares);
-        if st.ahead_src.take() == Some(src) {
-            for c in ahead {
-                off = c.off + c.len;
-                stats::add(&self.counters.ahead_used_bytes, c.len as u64);
-                if let Some(prev) = filled.replace(c) {
-                    self.enqueue(st, dst, prev, timing)?;
-                }
-            }
+        let ahead = if st.ahead_src == Some(src) {
+            st.ahead_src = None;
+            std::mem::take(&mut st.ahead)
         } else {
-            spares.extend(ahead.into_iter().map(|c| c.buf));
+            st.discard_ahead();
+            Vec::new()
+        };
+        let mut spares = std::mem::take(&mut st.spares);
+        for c in ahead {
+            off = c.off + c.len;
+            stats::add(&self.counters.ahead_used_bytes, c.len as u64);
+            if let Some(prev) = filled.replace(c) {
+                self.enqueue(st, dst, prev, timing)?;
+            }
         }
         while off < bytes.len() {
             let n = self.next_chunk_len(chunk, bytes.len() - off);
@@ -539,9 +550,7 @@ impl CopyEngine {
     pub fn forget_ahead(&self) {
         let mut st = self.lock();
         self.ahead_gen.fetch_add(1, Ordering::AcqRel);
-        st.ahead_src = None;
-        let ahead = std::mem::take(&mut st.ahead);
-        st.spares.extend(ahead.into_iter().map(|c| c.buf));
+        st.discard_ahead();
     }
 
     /// Fill up to `max_chunks` of the first chunks of a coming staged copy
@@ -577,9 +586,8 @@ impl CopyEngine {
                 return;
             }
             if st.ahead_src != Some(src) {
+                st.discard_ahead();
                 st.ahead_src = Some(src);
-                let other = std::mem::take(&mut st.ahead);
-                st.spares.extend(other.into_iter().map(|c| c.buf));
             }
             let off = st.ahead.last().map_or(0, |c| c.off + c.len);
             if off >= bytes.len() || st.ahead.len() >= max_chunks.min(self.cfg.slots) {
