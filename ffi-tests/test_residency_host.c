@@ -15,6 +15,7 @@
  * Runs on the device EPM_DEVICE names (host in CI, cuda on a GPU machine).
  *   make test-c
  */
+#define _POSIX_C_SOURCE 200809L /* nanosleep under -std=c11 */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
