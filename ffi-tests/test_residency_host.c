@@ -325,11 +325,13 @@ cleanup:
   weights_close(&f);
 }
 
-/* fill_ahead_chunks: 0 by default (also for a caller passing the v1 size or
- * the size before the field, 80 bytes, whatever lies past that size); more
- * than the staging slots is refused; with 2, prefetching the first weight
- * makes the background thread fill the second's first chunks ahead, the
- * second's page-in uses them, and every read sees the weights' bytes. */
+/* fill_ahead_chunks: EPM_FILL_AHEAD_ALL_SLOTS by default (also for a caller
+ * passing the v1 size or the size before the field, 80 bytes, whatever lies
+ * past that size), which means as many chunks as there are staging slots,
+ * whatever staging_slots is; 0 turns it off; any other value above the slots
+ * is refused. When on, prefetching the first weight makes the background
+ * thread fill the second's first chunks ahead, the second's page-in uses
+ * them, and every read sees the weights' bytes. */
 static void test_fill_ahead_through_c(void) {
   enum { W = 3 };
   const size_t n = 4u * MIB;
@@ -342,25 +344,29 @@ static void test_fill_ahead_through_c(void) {
   memset(&cfg, 0, sizeof cfg);
   cfg.size = sizeof cfg;
   REQUIRE_OK(epm_residency_config_default(&cfg));
-  CHECK(cfg.fill_ahead_chunks == 0);
+  CHECK(cfg.fill_ahead_chunks == EPM_FILL_AHEAD_ALL_SLOTS);
   CHECK(offsetof(EpmResidencyConfig, fill_ahead_chunks) == 80);
   cfg.budget_bytes = W * n + n;
   cfg.register_sources = EPM_REGISTER_NEVER;
   cfg.fill_threads = 2;
+  cfg.staging_slots = 3;
   {
     EpmResidencyConfig bad = cfg;
-    bad.fill_ahead_chunks = (cfg.staging_slots ? cfg.staging_slots : 3) + 1;
+    bad.fill_ahead_chunks = 4;
     CHECK(epm_residency_create(dev, &bad, &res) == EPM_STATUS_INVALID_CONFIG);
     CHECK(res == NULL);
-    CHECK(strstr(epm_last_error_message(), "fill_ahead_chunks") != NULL);
+    CHECK(strstr(epm_last_error_message(), "fill_ahead_chunks 4 exceeds the staging slots (3)") != NULL);
     res = NULL;
   }
-  for (int mode = 0; mode < 3; mode++) {
-    /* mode 0: today's size, 2 chunks ahead; 1: 80 bytes and 2: the v1 size,
-     * each with a value past its size that would be refused if read. */
+  for (int mode = 0; mode < 5; mode++) {
+    /* mode 0: today's size, 2 chunks ahead; 1: off (0); 2: all slots with 2
+     * slots; 3: 80 bytes and 4: the v1 size, each with a value past its size
+     * that would be refused if read (they get the default, all slots). */
     EpmResidencyConfig c = cfg;
-    c.fill_ahead_chunks = mode == 0 ? 2 : 1000;
-    c.size = mode == 0 ? sizeof c : mode == 1 ? offsetof(EpmResidencyConfig, fill_ahead_chunks) : EPM_RESIDENCY_CONFIG_SIZE_V1;
+    c.fill_ahead_chunks = mode == 0 ? 2 : mode == 1 ? 0 : mode == 2 ? EPM_FILL_AHEAD_ALL_SLOTS : 1000;
+    if (mode == 2) c.staging_slots = 2;
+    c.size = mode <= 2 ? sizeof c : mode == 3 ? offsetof(EpmResidencyConfig, fill_ahead_chunks) : EPM_RESIDENCY_CONFIG_SIZE_V1;
+    const int on = mode != 1;
     REQUIRE_OK(epm_residency_create(dev, &c, &res));
     REQUIRE_OK(weights_register(&f, res, w));
     size_t issued = 0;
@@ -369,7 +375,7 @@ static void test_fill_ahead_through_c(void) {
     EpmResidencyStats st;
     memset(&st, 0, sizeof st);
     st.size = sizeof st;
-    if (mode == 0) {
+    if (on) {
       /* The background thread fills ahead once the first fill is issued. */
       for (int tries = 0; tries < 30000; tries++) {
         REQUIRE_OK(epm_residency_get_stats(res, &st));
@@ -382,9 +388,12 @@ static void test_fill_ahead_through_c(void) {
     weights_read_rounds(&f, res, w, 3, mode);
     REQUIRE_OK(epm_residency_synchronize(res));
     REQUIRE_OK(epm_residency_get_stats(res, &st));
-    if (mode == 0) {
+    if (on) {
       /* Every hint was right: each byte filled ahead was used. */
       CHECK(st.fill_ahead_bytes > 0 && st.fill_ahead_used_bytes == st.fill_ahead_bytes);
+      if (st.fill_ahead_bytes == 0 || st.fill_ahead_used_bytes != st.fill_ahead_bytes)
+        fprintf(stderr, "  mode %d: filled ahead %llu, used %llu\n", mode,
+                (unsigned long long)st.fill_ahead_bytes, (unsigned long long)st.fill_ahead_used_bytes);
     } else {
       CHECK(st.fill_ahead_bytes == 0 && st.fill_ahead_used_bytes == 0);
     }

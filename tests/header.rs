@@ -287,7 +287,7 @@ fn documented_defaults_match_the_code() {
     assert_eq!(e.fill_threads, cpus.min(DEFAULT_FILL_THREADS));
     let expect = [
         ("EpmResidencyConfig", "prefetch_depth", format!("(default {})", r.prefetch_depth)),
-        ("EpmResidencyConfig", "staging_slots", format!("0: {})", e.slots)),
+        ("EpmResidencyConfig", "staging_slots", format!("0: {},", r.engine.slots)),
         ("EpmResidencyConfig", "fill_threads", format!("0: the copy engine's default, {DEFAULT_FILL_THREADS}, or the number of CPUs if fewer")),
         ("EpmResidencyConfig", "staging_chunk_bytes", format!("0: {};", mib(e.chunk_bytes))),
         ("EpmResidencyConfig", "staging_pool_bytes", format!("0: {})", mib(p.max_bytes))),
@@ -321,13 +321,18 @@ fn documented_defaults_match_the_code() {
     .find(|(v, _)| *v == rc.register_sources)
     .expect("the default register_sources is a published constant")
     .1;
+    let fill_ahead = [(fr::EPM_FILL_AHEAD_ALL_SLOTS, "EPM_FILL_AHEAD_ALL_SLOTS")]
+        .into_iter()
+        .find(|(v, _)| *v == rc.fill_ahead_chunks)
+        .expect("the default fill_ahead_chunks is a published constant")
+        .1;
     let expect = expect.into_iter().chain([
         ("EpmResidencyConfig", "policy", format!("`{policy}` (default)")),
         ("EpmResidencyConfig", "register_sources", format!("`{register}` (default)")),
         ("EpmResidencyConfig", "sync_page_in", format!("Default {}.", rc.sync_page_in)),
         ("EpmResidencyConfig", "caller_fills", format!("Default {}.", rc.caller_fills)),
         ("EpmResidencyConfig", "fill_waits_on_host", format!("Default {} ", rc.fill_waits_on_host)),
-        ("EpmResidencyConfig", "fill_ahead_chunks", format!("Default {} (off)", rc.fill_ahead_chunks)),
+        ("EpmResidencyConfig", "fill_ahead_chunks", format!("Default `{fill_ahead}`")),
         ("EpmResidencyConfig", "budget_bytes", format!("Required (default {})", rc.budget_bytes)),
         ("EpmCopyEngineConfig", "flags", format!("bits (default {})", ec.flags)),
         ("EpmArenaConfig", "max_allocations", format!("0: {}", epmem::ffi::arena::DEFAULT_MAX_ALLOCATIONS)),
@@ -369,7 +374,8 @@ fn c_default_residency() -> epmem::ffi::residency::EpmResidencyConfig {
         coalesce_max_bytes: u64::MAX,
         caller_fills: u32::MAX,
         fill_waits_on_host: u32::MAX,
-        fill_ahead_chunks: u32::MAX,
+        // Not u32::MAX: that is EPM_FILL_AHEAD_ALL_SLOTS, the default.
+        fill_ahead_chunks: u32::MAX - 1,
     }
 }
 

@@ -4,6 +4,17 @@ use super::PolicyKind;
 use super::registry::RegisterSources;
 use crate::staging::{EngineConfig, PoolConfig};
 
+/// `fill_ahead_chunks` meaning "as many chunks as there are staging slots"
+/// (the default): resolved to `engine.slots` when the manager is created, so
+/// a caller that changes the slots never has to change it too.
+pub const FILL_AHEAD_ALL_SLOTS: usize = u32::MAX as usize;
+
+/// Staging slots of a residency manager's copy engine by default: one more
+/// than a bare `EngineConfig`. On the H200 (scripts/probe_staged.py, small
+/// shape, docs/BENCHMARKS.md) 4 slots decoded faster than 3 from staged
+/// sources, at both budgets and prefetch depths tried.
+pub const RESIDENCY_STAGING_SLOTS: usize = 4;
+
 /// Configuration of a [`super::ResidencyManager`].
 #[derive(Debug, Clone, Copy)]
 pub struct ResidencyConfig {
@@ -43,7 +54,10 @@ pub struct ResidencyConfig {
     /// With the background filler: between two staged prefetches, fill up to
     /// this many chunks of the next staged unit along the declared cycle
     /// ahead, while the filler would otherwise wait for the caller to queue
-    /// it (`CopyEngine::fill_ahead`; at most `engine.slots`). Default 0 (off).
+    /// it (`CopyEngine::fill_ahead`). At most `engine.slots`, or
+    /// [`FILL_AHEAD_ALL_SLOTS`] (the default: every slot); 0 turns it off.
+    /// On the H200 at prefetch depth 1 it took a staged decode from 157 to
+    /// 133 ms/token (small shape, 25% budget; docs/BENCHMARKS.md).
     pub fill_ahead_chunks: usize,
     /// Weights smaller than this that are adjacent both in host memory and in
     /// the declared cycle are coalesced into one page-in of up to
@@ -74,18 +88,19 @@ impl ResidencyConfig {
             sync_page_in: false,
             caller_fills: false,
             fill_waits_on_host: true,
-            fill_ahead_chunks: 0,
+            fill_ahead_chunks: FILL_AHEAD_ALL_SLOTS,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
             stream_plan: true,
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
-            engine: EngineConfig::default(),
+            engine: EngineConfig { slots: RESIDENCY_STAGING_SLOTS, ..EngineConfig::default() },
         }
     }
     /// The unoptimized baseline the benchmarks compare against (the first
     /// design): LRU, synchronous page-ins, staged through the pool (no
-    /// registration, no coalescing), one fill thread, no prefetch.
+    /// registration, no coalescing), one fill thread, no prefetch, nothing
+    /// filled ahead, the engine's 3 slots.
     pub fn sync_lru_baseline(budget_bytes: usize) -> Self {
         let mut c = Self {
             policy: PolicyKind::Lru,
@@ -94,9 +109,11 @@ impl ResidencyConfig {
             sync_page_in: true,
             caller_fills: true,
             coalesce_below_bytes: 0,
+            fill_ahead_chunks: 0,
             ..Self::with_budget(budget_bytes)
         };
         c.engine.fill_threads = 1;
+        c.engine.slots = EngineConfig::default().slots;
         c
     }
 }

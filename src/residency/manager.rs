@@ -90,7 +90,10 @@ pub struct ResidencyManager {
 }
 
 impl ResidencyManager {
-    pub fn new(dev: &Arc<dyn Device>, cfg: ResidencyConfig) -> Result<Self> {
+    pub fn new(dev: &Arc<dyn Device>, mut cfg: ResidencyConfig) -> Result<Self> {
+        if cfg.fill_ahead_chunks == super::FILL_AHEAD_ALL_SLOTS {
+            cfg.fill_ahead_chunks = cfg.engine.slots;
+        }
         crate::ensure!(cfg.budget_bytes > 0, InvalidArgument, "residency budget of 0 bytes");
         crate::ensure!(
             cfg.fill_waits_on_host,
@@ -101,7 +104,8 @@ impl ResidencyManager {
         crate::ensure!(
             cfg.fill_ahead_chunks <= cfg.engine.slots,
             InvalidConfig,
-            "fill_ahead_chunks {} exceeds the staging slots ({}): chunks filled ahead hold slots",
+            "fill_ahead_chunks {} exceeds the staging slots ({}): chunks filled ahead hold slots \
+             (FILL_AHEAD_ALL_SLOTS, the default, fills as many as there are slots)",
             cfg.fill_ahead_chunks,
             cfg.engine.slots
         );
