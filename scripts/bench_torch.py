@@ -5,13 +5,13 @@ weights do not fit the VRAM budget, decoded greedily, side by side in one proces
   resident     every weight on the GPU (the reference tokens and ms/token)
   registered   epmem.torch.offload, sources="registered" (the default)
   staged       epmem.torch.offload, sources="staged" (pageable, staged; prefetches filled by
-               epmem's background thread, the default)
+               epmem's background thread, filling the next weight ahead into every one of
+               4 staging slots, prefetch depth 2: the defaults)
   staged_caller  the same with caller_fills=1: prefetches filled on the thread that runs the
                model (the behaviour before the background filler; --no-caller-row skips it)
-  staged_ahead staged with fill_ahead_chunks=N, staging_slots=S and prefetch_depth=D
-               (--ahead-chunks 4, --ahead-slots 4, --ahead-depth 2 by default): between two
-               prefetches the filler fills the next staged weight's first chunks, and two
-               prefetches are queued (--no-ahead-row skips it)
+  staged_plain staged as the defaults were before the H200 probe of 2026-12-01 (prefetch
+               depth 1, 3 staging slots, nothing filled ahead): what the tuning bought
+               (--no-plain-row skips it)
   accelerate   accelerate.dispatch_model, the same bytes resident, the rest cpu-offloaded
   floor        (offloaded bytes - budget) / pinned H2D peak (measured here, torch pinned->cuda copy)
 
@@ -394,11 +394,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-caller-row", action="store_true", help="skip the staged_caller rows")
-    ap.add_argument("--no-ahead-row", action="store_true", help="skip the staged_ahead rows")
-    ap.add_argument("--ahead-chunks", type=int, default=4,
-                    help="fill_ahead_chunks of the staged_ahead rows (at most --ahead-slots)")
-    ap.add_argument("--ahead-slots", type=int, default=4, help="staging_slots of the staged_ahead rows (2..4)")
-    ap.add_argument("--ahead-depth", type=int, default=2, help="prefetch_depth of the staged_ahead rows")
+    ap.add_argument("--no-plain-row", action="store_true",
+                    help="skip the staged_plain rows (staged with the defaults before the tuning)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
     # Per-Linear acquires (the default here) let the residency plan stream one
     # weight at a time: with whole-block holds no policy can copy less than
@@ -480,10 +477,9 @@ def main():
             methods = [("registered", "registered", {}), ("staged", "staged", {})]
             if not a.no_caller_row:
                 methods.append(("staged_caller", "staged", {"caller_fills": 1}))
-            if not a.no_ahead_row:
-                methods.append(("staged_ahead", "staged", {"fill_ahead_chunks": a.ahead_chunks,
-                                                           "staging_slots": a.ahead_slots,
-                                                           "prefetch_depth": a.ahead_depth}))
+            if not a.no_plain_row:
+                methods.append(("staged_plain", "staged", {"fill_ahead_chunks": 0, "staging_slots": 3,
+                                                           "prefetch_depth": 1}))
             for method, sources, cfg in methods:
                 r = run_epmem(model, prompt, a.tokens, dev, budget, sources, a.granularity, **cfg)
                 rows[method] = r
@@ -600,24 +596,25 @@ def table_md(res):
                 v = stg["tok_s"] / reg["tok_s"]
                 out(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
                       f"{'met' if v >= 0.8 else 'MISSED'}")
-            for m in ("staged", "staged_ahead"):
+            for m in ("staged", "staged_plain"):
                 r = by.get((pct, m))
                 if r and r.get("ratio_to_staged_floor") is not None:
                     out(f"staged floor {sh['name']} {pct}% {m}: {r['ratio_to_staged_floor']:.2f}x the staged floor "
                         f"({r['staged_floor_tok_s']:.3f} tok/s: offloaded - budget at the staged peak)")
-            ahd = by.get((pct, "staged_ahead"))
-            if reg and ahd:
-                v = ahd["tok_s"] / reg["tok_s"]
-                out(f"target {sh['name']} {pct}%: staged_ahead >= 0.8x registered: {v:.2f}x "
-                      f"{'met' if v >= 0.8 else 'MISSED'}; filled ahead {ahd.get('fill_ahead_mib_per_token', 0):.1f} "
-                      f"MiB/token, used {ahd.get('fill_ahead_used_mib_per_token', 0):.1f}")
+            pln = by.get((pct, "staged_plain"))
+            if reg and pln:
+                v = pln["tok_s"] / reg["tok_s"]
+                out(f"staged_plain {sh['name']} {pct}%: {v:.2f}x registered; staged (the defaults) "
+                    f"{stg['tok_s'] / pln['tok_s']:.2f}x staged_plain; staged filled ahead "
+                    f"{stg.get('fill_ahead_mib_per_token', 0):.1f} MiB/token, used "
+                    f"{stg.get('fill_ahead_used_mib_per_token', 0):.1f}" if stg else "")
             cal = by.get((pct, "staged_caller"))
             if stg and cal:
                 out(f"fill {sh['name']} {pct}%: staged (background fill) {stg['tok_s']:.3f} tok/s = "
                       f"{stg['tok_s'] / cal['tok_s']:.2f}x staged_caller (the caller fills) {cal['tok_s']:.3f}; "
                       f"background waits {stg.get('background_wait_ms_per_token', 0):.1f} ms/token, "
                       f"fill {stg.get('fill_ms_per_token', 0):.1f} ms/token")
-            for m in ("staged", "staged_ahead"):
+            for m in ("staged", "staged_plain"):
                 r = by.get((pct, m))
                 if r and "background_busy_ms_per_token" in r:
                     busy = r["background_busy_ms_per_token"]
@@ -639,7 +636,7 @@ def write_plot(res, path):
     fig, axes = plt.subplots(1, len(res["shapes"]), figsize=(6 * len(res["shapes"]), 4.2), squeeze=False)
     for ax, sh in zip(axes[0], res["shapes"]):
         pcts = sorted({r["budget_pct"] for r in sh["rows"]})
-        for method in ("registered", "staged", "staged_caller", "staged_ahead", "accelerate"):
+        for method in ("registered", "staged", "staged_caller", "staged_plain", "accelerate"):
             ys = [next((r["tok_s"] for r in sh["rows"] if r["budget_pct"] == p and r["method"] == method), None)
                   for p in pcts]
             if any(y is not None for y in ys):

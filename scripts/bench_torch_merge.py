@@ -35,7 +35,7 @@ def merge(results):
             for row in s["rows"]:
                 shapes[s["name"]]["rows"].append(dict(row, h2d_peak_bytes_per_s=r["h2d_peak_bytes_per_s"]))
     for s in shapes.values():
-        s["rows"].sort(key=lambda row: (row["budget_pct"], ("registered", "staged", "staged_caller", "staged_ahead", "accelerate").index(row["method"])))
+        s["rows"].sort(key=lambda row: (row["budget_pct"], ("registered", "staged", "staged_caller", "staged_plain", "accelerate").index(row["method"])))
     out["shapes"] = list(shapes.values())
     out["wall_s"] = sum(r.get("wall_s") or 0 for r in results)
     out["tokens_identical"] = all(r.get("tokens_identical") for r in results)

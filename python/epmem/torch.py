@@ -223,7 +223,7 @@ def _is_default_include(_name, sub):
 
 
 def offload(module, budget_bytes, *, blocks=None, include=None, sources="registered", granularity="block",
-            device=None, prefetch_depth=1, policy="cyclic", **residency_config):
+            device=None, prefetch_depth=None, policy="cyclic", **residency_config):
     """Offload the weights of `module`'s repeated blocks to host RAM and page them
     into a VRAM budget of `budget_bytes` through an epmem residency manager.
 
@@ -241,7 +241,12 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         "block" falls back to "linear" when the budget cannot hold a block.
     device: an epmem.Device, or "cuda"/"host"/"auto" (default: EPM_DEVICE, on the
         ordinal of the module's CUDA device).
-    prefetch_depth, policy ("cyclic" or "lru"), **residency_config: EpmResidencyConfig fields.
+    prefetch_depth: page-ins queued ahead along the forward order (default: 2 for
+        sources="staged", whose page-ins the background filler must fill first, 1
+        otherwise; on the H200 a staged decode at 75% budget took 63 ms/token at
+        depth 1 and 51 at depth 2, docs/BENCHMARKS.md).
+    policy ("cyclic" or "lru"), **residency_config: EpmResidencyConfig fields
+        (e.g. fill_ahead_chunks, staging_slots, caller_fills).
 
     Returns an Offload handle (stats(), remove()). Refuses (OffloadError, with
     the module left as it was): a module in training mode, a parameter shared
@@ -253,6 +258,8 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         raise ValueError(f"sources must be one of {SOURCES}, not {sources!r}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
+    if prefetch_depth is None:
+        prefetch_depth = 2 if sources == "staged" else 1
     if policy not in ("cyclic", "lru"):
         raise ValueError(f"policy must be 'cyclic' or 'lru', not {policy!r}")
     if getattr(module, "_epmem_offload", None) is not None:

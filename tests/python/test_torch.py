@@ -161,9 +161,16 @@ class Offload(unittest.TestCase):
         self.assertLessEqual(st["fill_ahead_used_bytes"], st["fill_ahead_bytes"], st)
         self.assertLessEqual(st["peak_resident_bytes"], budget, st)
         self.assert_usable()
+        with et.offload(self.model, budget, sources="staged", granularity="linear", fill_ahead_chunks=0) as h:
+            self.assertEqual(greedy(self.model), self.ref)
+            self.assertEqual(h.stats()["fill_ahead_bytes"], 0, "fill_ahead_chunks=0 turns it off")
+        # On by default: every staging slot (the C default the binding passes on).
+        self.assertEqual(epmem.core._config(epmem._lib.EpmResidencyConfig, epmem._lib.lib().epm_residency_config_default, {})
+                         .fill_ahead_chunks, epmem.EPM_FILL_AHEAD_ALL_SLOTS)
         with et.offload(self.model, budget, sources="staged", granularity="linear") as h:
             self.assertEqual(greedy(self.model), self.ref)
-            self.assertEqual(h.stats()["fill_ahead_bytes"], 0, "filling ahead is off by default")
+            st = h.stats()
+            self.assertLessEqual(st["fill_ahead_used_bytes"], st["fill_ahead_bytes"], st)
         # More chunks ahead than staging slots: refused, the module intact.
         with self.assertRaises(epmem.errors.InvalidConfig):
             et.offload(self.model, budget, sources="staged", fill_ahead_chunks=99)
@@ -424,7 +431,7 @@ class BenchSmoke(unittest.TestCase):
         self.assertIn("tokens identical in every row", p.stdout)
         self.assertTrue(res["tokens_identical"])
         sh = res["shapes"][0]
-        self.assertEqual(len(sh["rows"]), 12)  # 3 budgets x registered, staged, staged_caller, staged_ahead
+        self.assertEqual(len(sh["rows"]), 12)  # 3 budgets x registered, staged, staged_caller, staged_plain
         for r in sh["rows"]:
             self.assertTrue(r["tokens_identical"])
             self.assertEqual(r["tokens_compared"], res["tokens"])
@@ -435,13 +442,14 @@ class BenchSmoke(unittest.TestCase):
             else:
                 self.assertEqual(r["staged_page_ins"], 0)
             # Who fills the staged prefetches: epmem's thread, or the caller's.
-            if r["method"] in ("staged", "staged_ahead"):
+            if r["method"] in ("staged", "staged_plain"):
                 self.assertLessEqual(r["background_page_ins"], r["staged_page_ins"])
                 self.assertGreater(r["background_page_ins"], 0)
             else:
                 self.assertEqual(r["background_page_ins"], 0)
-            # Only staged_ahead fills ahead; what it used was filled.
-            if r["method"] == "staged_ahead":
+            # staged (the default) fills ahead, staged_plain does not; what
+            # was used was filled.
+            if r["method"] == "staged":
                 self.assertLessEqual(r["fill_ahead_used_mib_per_token"], r["fill_ahead_mib_per_token"])
             else:
                 self.assertEqual(r["fill_ahead_mib_per_token"], 0)
