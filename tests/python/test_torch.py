@@ -453,6 +453,16 @@ class BenchSmoke(unittest.TestCase):
                 self.assertLessEqual(r["fill_ahead_used_mib_per_token"], r["fill_ahead_mib_per_token"])
             else:
                 self.assertEqual(r["fill_ahead_mib_per_token"], 0)
+        # The staged floor: epmem's pageable copies measured in the same run.
+        self.assertEqual(set(res["pageable_h2d_bytes_per_s"]), {"epmem_default", "epmem_4_slots"})
+        self.assertGreater(res["staged_peak_bytes_per_s"], 0)
+        for r in sh["rows"]:
+            if r["method"].startswith("staged"):
+                self.assertAlmostEqual(r["staged_floor_tok_s"], res["staged_peak_bytes_per_s"]
+                                       / (sh["offloaded_bytes"] - r["budget_bytes"]))
+            else:
+                self.assertNotIn("staged_floor_tok_s", r)
+        self.assertIn("staged peak / pinned peak", p.stdout)
         self.assertIn("| 50% | registered |", p.stdout)
 
     def test_bench_torch_quick_split(self):
