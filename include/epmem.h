@@ -185,6 +185,13 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 #define EPM_COPY_ENGINE_NO_DIRECT 2
 
 /**
+ * `EpmCopyEngineConfig::flags`: cut every chunk full size to the end of a
+ * copy instead of halving the last ones down to 1 MiB (for copies issued
+ * back to back, whose next fill overlaps the last DMA anyway).
+ */
+#define EPM_COPY_ENGINE_NO_SPLIT_TAIL 4
+
+/**
  * `sizeof(EpmCopyEngineConfig)` in its first published version (epmem
  * 0.1): the smallest `size` ever accepted. Frozen; see docs/ABI.md.
  */

@@ -98,6 +98,47 @@ fn chunking_cuts_big_copies_into_many_slot_sized_pieces() {
     assert_eq!(e.next_chunk_len(16 * MIB, 700), 700, "never past the end");
 }
 
+/// `split_tail` false (a residency manager's engine; C
+/// `EPM_COPY_ENGINE_NO_SPLIT_TAIL`): full chunks to the end, so a copy that
+/// the next one follows at once does not end in small chunks; the bytes are
+/// the same, and chunks filled ahead are cut the same way and used.
+#[test]
+fn whole_tail_cuts_full_chunks_to_the_end_and_stays_bit_exact() {
+    let d = dev();
+    let whole = EngineConfig { split_tail: false, ..EngineConfig::default() };
+    let e = engine(&d, whole);
+    assert_eq!(chunk_count(&e, 32 * MIB), 4, "32 MiB: 4 x 8 MiB, no halving tail");
+    assert_eq!(chunk_count(&e, 128 * MIB), 8, "128 MiB: 8 x 16 MiB");
+    assert_eq!(e.next_chunk_len(16 * MIB, 6 * MIB + 5), 6 * MIB + 5, "the rest, when less than a chunk");
+    assert_eq!(e.next_chunk_len(16 * MIB, 700), 700, "never past the end");
+    assert_eq!(chunk_count(&engine(&d, EngineConfig::default()), 32 * MIB), 7, "the default still halves");
+    let e = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, split_tail: false, ..EngineConfig::default() });
+    let s = Stream::new(&d).unwrap();
+    let sizes = [1, MIB - 1, 3 * MIB + 4097, 9 * MIB + 13];
+    let mut chunks = 0;
+    for (i, &n) in sizes.iter().enumerate() {
+        let src = random_bytes(n, i as u64 + 40);
+        let dst = DeviceBuffer::new(&d, n).unwrap();
+        let f = e.htod(dst.ptr(), leak_range(src.clone()), None).unwrap();
+        f.make_wait(s.raw()).unwrap();
+        assert_same(&read_back(&d, &s, dst.ptr(), n), &src, &format!("{n} bytes, whole tail"));
+        chunks += chunk_count(&e, n);
+    }
+    // Filled ahead with the same cut: every chunk is used, the bytes exact.
+    let n = 3 * MIB + 4097;
+    let src = random_bytes(n, 99);
+    let range = leak_range(src.clone());
+    e.fill_ahead(range, e.ahead_ticket(), 3, &mut || false);
+    let dst = DeviceBuffer::new(&d, n).unwrap();
+    e.htod(dst.ptr(), range, None).unwrap().make_wait(s.raw()).unwrap();
+    assert_same(&read_back(&d, &s, dst.ptr(), n), &src, "filled ahead, whole tail");
+    chunks += chunk_count(&e, n);
+    e.synchronize().unwrap();
+    let st = e.stats();
+    assert_eq!(st.chunks, chunks as u64, "{st:?}");
+    assert_eq!(st.ahead_used_bytes, 3 * MIB as u64, "the three full chunks filled ahead were used: {st:?}");
+}
+
 #[test]
 fn direct_path_copies_registered_memory_without_staging() {
     let d = dev();

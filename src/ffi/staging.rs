@@ -48,6 +48,10 @@ impl_handle!(EpmHostRegistration => HostRegistration, tag = 0x13);
 pub const EPM_COPY_ENGINE_NO_TIMING: u32 = 1;
 /// `EpmCopyEngineConfig::flags`: stage every copy, even from page-locked memory.
 pub const EPM_COPY_ENGINE_NO_DIRECT: u32 = 2;
+/// `EpmCopyEngineConfig::flags`: cut every chunk full size to the end of a
+/// copy instead of halving the last ones down to 1 MiB (for copies issued
+/// back to back, whose next fill overlaps the last DMA anyway).
+pub const EPM_COPY_ENGINE_NO_SPLIT_TAIL: u32 = 4;
 
 /// How a copy engine stages. Fill it with `epm_copy_engine_config_default`,
 /// then change what you need.
@@ -152,11 +156,12 @@ config_in! {
 }
 
 fn engine_config_of(c: &EpmCopyEngineConfig) -> Result<EngineConfig> {
-    let known = EPM_COPY_ENGINE_NO_TIMING | EPM_COPY_ENGINE_NO_DIRECT;
+    let known = EPM_COPY_ENGINE_NO_TIMING | EPM_COPY_ENGINE_NO_DIRECT | EPM_COPY_ENGINE_NO_SPLIT_TAIL;
     ensure!(c.flags & !known == 0, InvalidArgument, "unknown copy engine flags {:#x}", c.flags);
     let mut cfg = EngineConfig {
         timing: c.flags & EPM_COPY_ENGINE_NO_TIMING == 0,
         direct: c.flags & EPM_COPY_ENGINE_NO_DIRECT == 0,
+        split_tail: c.flags & EPM_COPY_ENGINE_NO_SPLIT_TAIL == 0,
         ..EngineConfig::default()
     };
     apply_config(c, &mut cfg)?;

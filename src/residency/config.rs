@@ -94,7 +94,8 @@ impl ResidencyConfig {
             stream_plan: true,
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
-            engine: EngineConfig { slots: RESIDENCY_STAGING_SLOTS, ..EngineConfig::default() },
+            // The filler issues staged copies back to back: see `split_tail`.
+            engine: EngineConfig { slots: RESIDENCY_STAGING_SLOTS, split_tail: false, ..EngineConfig::default() },
         }
     }
     /// The unoptimized baseline the benchmarks compare against (the first
@@ -114,6 +115,7 @@ impl ResidencyConfig {
         };
         c.engine.fill_threads = 1;
         c.engine.slots = EngineConfig::default().slots;
+        c.engine.split_tail = true;
         c
     }
 }
