@@ -6,7 +6,8 @@ distinct, cold sources, one synchronize at the end. Says whether the staged
 rows' fill rate in bench_torch is lost at copy boundaries (the engine) or to
 what runs beside it (the model).
 
-    EPM_DEVICE=cuda python3 scripts/probe_pageable.py [--total-mib 4096] [--slots 3,4]
+    EPM_DEVICE=cuda python3 scripts/probe_pageable.py [--total-mib 4096] [--slots 3,4] [--fill-threads 0,16]
+        [--target-chunks 0,2] [--tails split,whole]
 """
 import argparse
 import os
@@ -23,6 +24,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--total-mib", type=int, default=4096)
 ap.add_argument("--slots", default="3,4")
 ap.add_argument("--fill-threads", default="0", help="comma list; 0 = the engine's default")
+ap.add_argument("--target-chunks", default="0", help="comma list of target_chunks; 0 = the engine's default (4)")
 ap.add_argument("--tails", default="split,whole", help="split: the last chunks halve (the engine default); "
                 "whole: EPM_COPY_ENGINE_NO_SPLIT_TAIL")
 a = ap.parse_args()
@@ -36,8 +38,11 @@ src = torch.empty(total, dtype=torch.uint8)
 src.fill_(3)
 with epmem.Device() as dev, dev.alloc(total) as dst, epmem.StagingPool(dev) as pool:
     for slots in [int(x) for x in a.slots.split(",")]:
-        for ft, tail in [(int(x), t) for x in a.fill_threads.split(",") for t in a.tails.split(",")]:
+        for ft, tail, tc in [(int(x), t, int(c)) for x in a.fill_threads.split(",") for t in a.tails.split(",")
+                             for c in a.target_chunks.split(",")]:
             cfg = {"slots": slots, "flags": epmem.EPM_COPY_ENGINE_NO_SPLIT_TAIL if tail == "whole" else 0}
+            if tc:
+                cfg["target_chunks"] = tc
             if ft:
                 cfg["fill_threads"] = ft
             with epmem.CopyEngine(pool, **cfg) as eng:
@@ -54,6 +59,6 @@ with epmem.Device() as dev, dev.alloc(total) as dst, epmem.StagingPool(dev) as p
                         if rep:
                             best = max(best, off / secs)
                     st = eng.stats()
-                    print(f"slots {slots} fill_threads {ft or 'default'} tail {tail} {name}: {best / 1e9:.1f} GB/s "
+                    print(f"slots {slots} fill_threads {ft or 'default'} target_chunks {tc or 'default'} tail {tail} {name}: {best / 1e9:.1f} GB/s "
                           f"({len(seq)} copies, {off / MiB:.0f} MiB; engine totals: fill {st['fill_ms']:.0f} ms, "
                           f"slot waits {st['slot_wait_ms']:.0f} ms, bypassed {st['bypassed']})", flush=True)
