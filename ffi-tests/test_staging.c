@@ -83,7 +83,8 @@ cleanup:
 /* EPM_COPY_ENGINE_NO_SPLIT_TAIL: full chunks to the end of a copy (for
  * copies issued back to back) instead of halving the last ones; the bytes
  * are the same either way. 9 MiB + 3 in chunks of ~2.3 MiB: 6 chunks with the
- * halving tail, 4 without. */
+ * halving tail, 4 without. Pass 2 adds EPM_COPY_ENGINE_NO_STREAMING_STORES
+ * (plain stores for a copy below 64 MiB): the same bytes. */
 static void test_whole_tail_flag(void) {
   const size_t n = 9 * MIB + 3;
   EpmDevice *dev = NULL;
@@ -99,13 +100,14 @@ static void test_whole_tail_flag(void) {
   REQUIRE_OK(epm_stream_create(dev, &s));
   REQUIRE_OK(epm_staging_pool_create(dev, 0, 0, &pool));
   REQUIRE_OK(epm_device_alloc(dev, n, &d));
-  for (int whole = 0; whole < 2; whole++) {
+  for (int pass = 0; pass < 3; pass++) {
+    const int whole = pass > 0;
     EpmCopyEngineConfig cfg;
     cfg.size = sizeof cfg;
     REQUIRE_OK(epm_copy_engine_config_default(&cfg));
     cfg.chunk_bytes = 4 * MIB;
     cfg.fill_threads = 2;
-    cfg.flags = whole ? EPM_COPY_ENGINE_NO_SPLIT_TAIL : 0;
+    cfg.flags = (whole ? EPM_COPY_ENGINE_NO_SPLIT_TAIL : 0) | (pass == 2 ? EPM_COPY_ENGINE_NO_STREAMING_STORES : 0);
     REQUIRE_OK(epm_copy_engine_create(pool, &cfg, &eng));
     memset(dst, 0, n);
     REQUIRE_OK(epm_copy_engine_htod(eng, d, src, n, s, NULL));
@@ -301,7 +303,7 @@ static void test_bad_input_is_a_clean_status(void) {
   cfg.target_chunks = 16;
   cfg.flags = 0x80;
   CHECK_STATUS(epm_copy_engine_create(pool, &cfg, &never), EPM_STATUS_INVALID_ARGUMENT);
-  cfg.flags = EPM_COPY_ENGINE_NO_SPLIT_TAIL << 1; /* the next bit: not a flag yet */
+  cfg.flags = EPM_COPY_ENGINE_NO_STREAMING_STORES << 1; /* the next bit: not a flag yet */
   CHECK_STATUS(epm_copy_engine_create(pool, &cfg, &never), EPM_STATUS_INVALID_ARGUMENT);
   cfg.flags = 0;
   cfg.size = 4;

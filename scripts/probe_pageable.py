@@ -7,7 +7,7 @@ rows' fill rate in bench_torch is lost at copy boundaries (the engine) or to
 what runs beside it (the model).
 
     EPM_DEVICE=cuda python3 scripts/probe_pageable.py [--total-mib 4096] [--slots 3,4] [--fill-threads 0,16]
-        [--target-chunks 0,2] [--tails split,whole]
+        [--target-chunks 0,2] [--tails split,whole] [--stores default,plain]
 """
 import argparse
 import os
@@ -25,6 +25,8 @@ ap.add_argument("--total-mib", type=int, default=4096)
 ap.add_argument("--slots", default="3,4")
 ap.add_argument("--fill-threads", default="0", help="comma list; 0 = the engine's default")
 ap.add_argument("--target-chunks", default="0", help="comma list of target_chunks; 0 = the engine's default (4)")
+ap.add_argument("--stores", default="default", help="comma list: default (streaming below 64 MiB), plain "
+                "(EPM_COPY_ENGINE_NO_STREAMING_STORES)")
 ap.add_argument("--tails", default="split,whole", help="split: the last chunks halve (the engine default); "
                 "whole: EPM_COPY_ENGINE_NO_SPLIT_TAIL")
 a = ap.parse_args()
@@ -33,14 +35,17 @@ block = [32 * MiB] * 4 + [86 * MiB] * 3
 sizes = {"one copy": [a.total_mib * MiB], "32 MiB copies": [32 * MiB] * (a.total_mib // 32),
          "86 MiB copies": [86 * MiB] * (a.total_mib // 86),
          "block mix": block * max(1, (a.total_mib * MiB) // sum(block))}
+sizes = {k: v for k, v in sizes.items() if v}  # --total-mib below a pattern's copy size drops it
 total = max(sum(v) for v in sizes.values())
 src = torch.empty(total, dtype=torch.uint8)
 src.fill_(3)
 with epmem.Device() as dev, dev.alloc(total) as dst, epmem.StagingPool(dev) as pool:
     for slots in [int(x) for x in a.slots.split(",")]:
-        for ft, tail, tc in [(int(x), t, int(c)) for x in a.fill_threads.split(",") for t in a.tails.split(",")
-                             for c in a.target_chunks.split(",")]:
-            cfg = {"slots": slots, "flags": epmem.EPM_COPY_ENGINE_NO_SPLIT_TAIL if tail == "whole" else 0}
+        for ft, tail, tc, stores in [(int(x), t, int(c), w) for x in a.fill_threads.split(",")
+                                     for t in a.tails.split(",") for c in a.target_chunks.split(",")
+                                     for w in a.stores.split(",")]:
+            cfg = {"slots": slots, "flags": (epmem.EPM_COPY_ENGINE_NO_SPLIT_TAIL if tail == "whole" else 0)
+                   | (epmem.EPM_COPY_ENGINE_NO_STREAMING_STORES if stores == "plain" else 0)}
             if tc:
                 cfg["target_chunks"] = tc
             if ft:
@@ -59,6 +64,6 @@ with epmem.Device() as dev, dev.alloc(total) as dst, epmem.StagingPool(dev) as p
                         if rep:
                             best = max(best, off / secs)
                     st = eng.stats()
-                    print(f"slots {slots} fill_threads {ft or 'default'} target_chunks {tc or 'default'} tail {tail} {name}: {best / 1e9:.1f} GB/s "
+                    print(f"slots {slots} fill_threads {ft or 'default'} target_chunks {tc or 'default'} tail {tail} stores {stores} {name}: {best / 1e9:.1f} GB/s "
                           f"({len(seq)} copies, {off / MiB:.0f} MiB; engine totals: fill {st['fill_ms']:.0f} ms, "
                           f"slot waits {st['slot_wait_ms']:.0f} ms, bypassed {st['bypassed']})", flush=True)

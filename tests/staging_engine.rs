@@ -114,6 +114,14 @@ fn whole_tail_cuts_full_chunks_to_the_end_and_stays_bit_exact() {
     assert_eq!(chunk_count(&engine(&d, EngineConfig::default()), 32 * MIB), 7, "the default still halves");
     let e = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, split_tail: false, ..EngineConfig::default() });
     let s = Stream::new(&d).unwrap();
+    // Plain stores only (streaming_stores false): the same bytes.
+    let plain = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, streaming_stores: false, ..EngineConfig::default() });
+    for (i, n) in [4095, 5 * MIB + 7].into_iter().enumerate() {
+        let src = random_bytes(n, i as u64 + 60);
+        let dst = DeviceBuffer::new(&d, n).unwrap();
+        plain.htod(dst.ptr(), leak_range(src.clone()), None).unwrap().make_wait(s.raw()).unwrap();
+        assert_same(&read_back(&d, &s, dst.ptr(), n), &src, &format!("{n} bytes, plain stores"));
+    }
     let sizes = [1, MIB - 1, 3 * MIB + 4097, 9 * MIB + 13];
     let mut chunks = 0;
     for (i, &n) in sizes.iter().enumerate() {

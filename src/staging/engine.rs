@@ -130,6 +130,10 @@ pub struct EngineConfig {
     /// once (a residency manager's filler), its fill overlaps this copy's
     /// last DMA anyway, and the small chunks only add per-chunk costs.
     pub split_tail: bool,
+    /// Fill copies shorter than `transfer::fill::STREAM_BELOW` (64 MiB) with
+    /// streaming stores (default true; measured on copies issued one at a
+    /// time). False fills every copy with plain stores.
+    pub streaming_stores: bool,
 }
 
 impl Default for EngineConfig {
@@ -143,6 +147,7 @@ impl Default for EngineConfig {
             timing: true,
             direct: true,
             split_tail: true,
+            streaming_stores: true,
         }
     }
 }
@@ -482,6 +487,13 @@ impl CopyEngine {
     /// last chunk's DMA is not overlapped with a fill, so a small last chunk
     /// shortens the exposed tail: at 128 MiB in 16 MiB chunks the last DMA is
     /// ~300 µs of a ~2.9 ms page-in, in 1 MiB ~20 µs, for 4 more chunks (12).
+    /// Whether a copy of `len` bytes is filled with streaming stores: decided
+    /// once for the whole page-in (`transfer::fill::STREAM_BELOW`), and the
+    /// same for its chunks filled ahead.
+    fn streams(&self, len: usize) -> bool {
+        self.cfg.streaming_stores && len < fill::STREAM_BELOW
+    }
+
     /// With `split_tail` false: full chunks to the end.
     pub fn next_chunk_len(&self, chunk: usize, left: usize) -> usize {
         if !self.cfg.split_tail {
@@ -501,8 +513,7 @@ impl CopyEngine {
         self.reserve_slots(st)?;
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
-        // Decided once for the whole page-in (transfer::fill::STREAM_BELOW).
-        let streaming = bytes.len() < fill::STREAM_BELOW;
+        let streaming = self.streams(bytes.len());
         // The chunk filled last, not yet enqueued: its copy is enqueued by the
         // calling thread while the fill threads fill the next chunk, so the
         // driver calls (copy, event: ~10 µs) cost no fill time.
@@ -592,7 +603,7 @@ impl CopyEngine {
         }
         let chunk = self.chunk_len(src.len());
         let bytes = src.as_slice();
-        let streaming = bytes.len() < fill::STREAM_BELOW;
+        let streaming = self.streams(bytes.len());
         loop {
             if stop() {
                 return;
