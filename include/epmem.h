@@ -131,16 +131,16 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 #define EPM_POLICY_CYCLIC 0
 
 /**
- * `EpmResidencyConfig::fill_ahead_chunks`: fill as many chunks ahead as
- * there are staging slots (the default), whatever `staging_slots` is.
- */
-#define EPM_FILL_AHEAD_ALL_SLOTS UINT32_MAX
-
-/**
  * `EpmResidencyConfig::policy`: least recently used (hits ~0% on a cyclic
  * scan larger than the budget; kept for comparison).
  */
 #define EPM_POLICY_LRU 1
+
+/**
+ * `EpmResidencyConfig::fill_ahead_chunks`: fill as many chunks ahead as
+ * there are staging slots (the default), whatever `staging_slots` is.
+ */
+#define EPM_FILL_AHEAD_ALL_SLOTS UINT32_MAX
 
 /**
  * `EpmResidencyConfig::register_sources`: register a pageable weight's

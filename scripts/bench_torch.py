@@ -10,8 +10,8 @@ weights do not fit the VRAM budget, decoded greedily, side by side in one proces
   staged_caller  the same with caller_fills=1: prefetches filled on the thread that runs the
                model (the behaviour before the background filler; --no-caller-row skips it)
   staged_plain staged as the defaults were before the H200 probe of 2026-12-01 (prefetch
-               depth 1, 3 staging slots, nothing filled ahead): what the tuning bought
-               (--no-plain-row skips it)
+               depth 1, 3 staging slots, nothing filled ahead; the engine's full-chunk tail,
+               not a config field, stays): what the tuning bought (--no-plain-row skips it)
   accelerate   accelerate.dispatch_model, the same bytes resident, the rest cpu-offloaded
   floor        (offloaded bytes - budget) / pinned H2D peak (measured here, torch pinned->cuda copy)
 
@@ -609,12 +609,12 @@ def table_md(res):
                     out(f"staged floor {sh['name']} {pct}% {m}: {r['ratio_to_staged_floor']:.2f}x the staged floor "
                         f"({r['staged_floor_tok_s']:.3f} tok/s: offloaded - budget at the staged peak)")
             pln = by.get((pct, "staged_plain"))
-            if reg and pln:
+            if reg and pln and stg:
                 v = pln["tok_s"] / reg["tok_s"]
                 out(f"staged_plain {sh['name']} {pct}%: {v:.2f}x registered; staged (the defaults) "
                     f"{stg['tok_s'] / pln['tok_s']:.2f}x staged_plain; staged filled ahead "
                     f"{stg.get('fill_ahead_mib_per_token', 0):.1f} MiB/token, used "
-                    f"{stg.get('fill_ahead_used_mib_per_token', 0):.1f}" if stg else "")
+                    f"{stg.get('fill_ahead_used_mib_per_token', 0):.1f}")
             cal = by.get((pct, "staged_caller"))
             if stg and cal:
                 out(f"fill {sh['name']} {pct}%: staged (background fill) {stg['tok_s']:.3f} tok/s = "

@@ -35,13 +35,14 @@ pub type EpmHostRangeId = u32;
 /// least recently used first. The default.
 pub const EPM_POLICY_CYCLIC: u32 = 0;
 
+/// `EpmResidencyConfig::policy`: least recently used (hits ~0% on a cyclic
+/// scan larger than the budget; kept for comparison).
+pub const EPM_POLICY_LRU: u32 = 1;
+
 /// `EpmResidencyConfig::fill_ahead_chunks`: fill as many chunks ahead as
 /// there are staging slots (the default), whatever `staging_slots` is.
 pub const EPM_FILL_AHEAD_ALL_SLOTS: u32 = u32::MAX;
 const _: () = assert!(EPM_FILL_AHEAD_ALL_SLOTS as usize == crate::residency::FILL_AHEAD_ALL_SLOTS);
-/// `EpmResidencyConfig::policy`: least recently used (hits ~0% on a cyclic
-/// scan larger than the budget; kept for comparison).
-pub const EPM_POLICY_LRU: u32 = 1;
 
 /// `EpmResidencyConfig::register_sources`: register a pageable weight's
 /// source with the device on its first page-in while the registered bytes

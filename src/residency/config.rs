@@ -113,9 +113,7 @@ impl ResidencyConfig {
             fill_ahead_chunks: 0,
             ..Self::with_budget(budget_bytes)
         };
-        c.engine.fill_threads = 1;
-        c.engine.slots = EngineConfig::default().slots;
-        c.engine.split_tail = true;
+        c.engine = EngineConfig { fill_threads: 1, ..EngineConfig::default() };
         c
     }
 }
