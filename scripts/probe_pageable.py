@@ -8,6 +8,7 @@ what runs beside it (the model).
 
     EPM_DEVICE=cuda python3 scripts/probe_pageable.py [--total-mib 4096] [--slots 3,4] [--fill-threads 0,16]
         [--target-chunks 0,2] [--tails split,whole] [--stores default,plain]
+        [--extra-mib 2,8]
 """
 import argparse
 import os
@@ -27,6 +28,8 @@ ap.add_argument("--fill-threads", default="0", help="comma list; 0 = the engine'
 ap.add_argument("--target-chunks", default="0", help="comma list of target_chunks; 0 = the engine's default (4)")
 ap.add_argument("--stores", default="default", help="comma list: default (streaming below 64 MiB), plain "
                 "(EPM_COPY_ENGINE_NO_STREAMING_STORES)")
+ap.add_argument("--extra-mib", default="", help="comma list of more copy sizes in MiB (e.g. 2,8: a 1B model's "
+                "k/v and q)")
 ap.add_argument("--tails", default="split,whole", help="split: the last chunks halve (the engine default); "
                 "whole: EPM_COPY_ENGINE_NO_SPLIT_TAIL")
 a = ap.parse_args()
@@ -35,6 +38,8 @@ block = [32 * MiB] * 4 + [86 * MiB] * 3
 sizes = {"one copy": [a.total_mib * MiB], "32 MiB copies": [32 * MiB] * (a.total_mib // 32),
          "86 MiB copies": [86 * MiB] * (a.total_mib // 86),
          "block mix": block * max(1, (a.total_mib * MiB) // sum(block))}
+for m in [int(x) for x in a.extra_mib.split(",") if x]:
+    sizes[f"{m} MiB copies"] = [m * MiB] * (a.total_mib // m)
 sizes = {k: v for k, v in sizes.items() if v}  # --total-mib below a pattern's copy size drops it
 total = max(sum(v) for v in sizes.values())
 src = torch.empty(total, dtype=torch.uint8)

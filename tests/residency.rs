@@ -619,6 +619,32 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
     }
 }
 
+/// A residency manager's engine cuts full chunks to each copy's end and fills
+/// with plain stores (its filler issues copies back to back); staged decode is
+/// bit-exact with those defaults and with streaming stores asked for.
+#[test]
+fn residency_engines_default_to_whole_tails_and_plain_stores_and_both_stores_are_bit_exact() {
+    let c = ResidencyConfig::with_budget(1);
+    assert!(!c.engine.split_tail && !c.engine.streaming_stores, "{:?}", c.engine);
+    let d = dev();
+    // Odd sizes over several 1 MiB chunks, so every fill has a partial tail.
+    let sizes: Vec<usize> = (0..6).map(|i| (5 << 19) + i * 4100).collect();
+    let w = Weights::new(&sizes, 21);
+    for streaming in [false, true] {
+        let mut c = small_cfg(sizes.iter().sum::<usize>() / 2);
+        c.register_sources = RegisterSources::Never;
+        c.engine.streaming_stores = streaming;
+        let m = ResidencyManager::new(&d, c).unwrap();
+        let ids = w.register_all(&m);
+        m.declare_cycle(&ids).unwrap();
+        decode(&d, &m, &w, &ids, 3);
+        m.synchronize().unwrap();
+        let s = m.stats();
+        assert!(s.staged_page_ins >= 6, "streaming {streaming}: every page-in staged: {s:?}");
+        assert_eq!(s.staged_page_ins, s.page_ins, "{s:?}");
+    }
+}
+
 /// Poll `f` until it holds (a background thread's progress), failing after a minute.
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let t0 = std::time::Instant::now();

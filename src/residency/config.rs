@@ -94,8 +94,15 @@ impl ResidencyConfig {
             stream_plan: true,
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
-            // The filler issues staged copies back to back: see `split_tail`.
-            engine: EngineConfig { slots: RESIDENCY_STAGING_SLOTS, split_tail: false, ..EngineConfig::default() },
+            // The filler issues staged copies back to back: see `split_tail`
+            // and `streaming_stores` (plain stores: 32 MiB copies back to
+            // back 36.7 -> 53.8 GB/s on the H200, docs/BENCHMARKS.md).
+            engine: EngineConfig {
+                slots: RESIDENCY_STAGING_SLOTS,
+                split_tail: false,
+                streaming_stores: false,
+                ..EngineConfig::default()
+            },
         }
     }
     /// The unoptimized baseline the benchmarks compare against (the first
