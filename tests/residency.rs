@@ -6,7 +6,9 @@ use std::sync::Arc;
 use epmem::EpmStatus;
 use epmem::device::{self, Device, DeviceBuffer, HostRange, Stream, checksum_host};
 use epmem::residency::sim::{belady, simulate};
-use epmem::residency::{PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId, new_policy};
+use epmem::residency::{
+    PolicyKind, RESIDENCY_STREAM_BELOW, RegisterSources, ResidencyConfig, ResidencyManager, WeightId, new_policy,
+};
 
 mod residency_util;
 use residency_util::Weights;
@@ -620,27 +622,31 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
 }
 
 /// A residency manager's engine cuts full chunks to each copy's end and fills
-/// with plain stores (its filler issues copies back to back); staged decode is
-/// bit-exact with those defaults and with streaming stores asked for.
+/// copies from `RESIDENCY_STREAM_BELOW` up with plain stores (its filler
+/// issues copies back to back); staged decode is bit-exact with weights on
+/// both sides of that line, with streaming stores always and never.
 #[test]
 fn residency_engines_default_to_whole_tails_and_plain_stores_and_both_stores_are_bit_exact() {
     let c = ResidencyConfig::with_budget(1);
-    assert!(!c.engine.split_tail && !c.engine.streaming_stores, "{:?}", c.engine);
+    assert!(!c.engine.split_tail, "{:?}", c.engine);
+    assert_eq!(c.engine.stream_below, RESIDENCY_STREAM_BELOW);
+    assert!(RESIDENCY_STREAM_BELOW < epmem::staging::EngineConfig::default().stream_below);
     let d = dev();
     // Odd sizes over several 1 MiB chunks, so every fill has a partial tail.
     let sizes: Vec<usize> = (0..6).map(|i| (5 << 19) + i * 4100).collect();
     let w = Weights::new(&sizes, 21);
-    for streaming in [false, true] {
+    // Streamed below 2.6 MiB (half the weights), never, always.
+    for stream_below in [sizes[3], 0, usize::MAX] {
         let mut c = small_cfg(sizes.iter().sum::<usize>() / 2);
         c.register_sources = RegisterSources::Never;
-        c.engine.streaming_stores = streaming;
+        c.engine.stream_below = stream_below;
         let m = ResidencyManager::new(&d, c).unwrap();
         let ids = w.register_all(&m);
         m.declare_cycle(&ids).unwrap();
         decode(&d, &m, &w, &ids, 3);
         m.synchronize().unwrap();
         let s = m.stats();
-        assert!(s.staged_page_ins >= 6, "streaming {streaming}: every page-in staged: {s:?}");
+        assert!(s.staged_page_ins >= 6, "stream_below {stream_below}: every page-in staged: {s:?}");
         assert_eq!(s.staged_page_ins, s.page_ins, "{s:?}");
     }
 }

@@ -114,8 +114,8 @@ fn whole_tail_cuts_full_chunks_to_the_end_and_stays_bit_exact() {
     assert_eq!(chunk_count(&engine(&d, EngineConfig::default()), 32 * MIB), 7, "the default still halves");
     let e = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, split_tail: false, ..EngineConfig::default() });
     let s = Stream::new(&d).unwrap();
-    // Plain stores only (streaming_stores false): the same bytes.
-    let plain = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, streaming_stores: false, ..EngineConfig::default() });
+    // Plain stores only (stream_below 0): the same bytes.
+    let plain = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, stream_below: 0, ..EngineConfig::default() });
     for (i, n) in [4095, 5 * MIB + 7].into_iter().enumerate() {
         let src = random_bytes(n, i as u64 + 60);
         let dst = DeviceBuffer::new(&d, n).unwrap();

@@ -165,12 +165,13 @@ fn engine_config_of(c: &EpmCopyEngineConfig) -> Result<EngineConfig> {
         | EPM_COPY_ENGINE_NO_SPLIT_TAIL
         | EPM_COPY_ENGINE_NO_STREAMING_STORES;
     ensure!(c.flags & !known == 0, InvalidArgument, "unknown copy engine flags {:#x}", c.flags);
+    let base = EngineConfig::default();
     let mut cfg = EngineConfig {
         timing: c.flags & EPM_COPY_ENGINE_NO_TIMING == 0,
         direct: c.flags & EPM_COPY_ENGINE_NO_DIRECT == 0,
         split_tail: c.flags & EPM_COPY_ENGINE_NO_SPLIT_TAIL == 0,
-        streaming_stores: c.flags & EPM_COPY_ENGINE_NO_STREAMING_STORES == 0,
-        ..EngineConfig::default()
+        stream_below: if c.flags & EPM_COPY_ENGINE_NO_STREAMING_STORES != 0 { 0 } else { base.stream_below },
+        ..base
     };
     apply_config(c, &mut cfg)?;
     Ok(cfg)

@@ -15,6 +15,14 @@ pub const FILL_AHEAD_ALL_SLOTS: usize = u32::MAX as usize;
 /// sources, at both budgets and prefetch depths tried.
 pub const RESIDENCY_STAGING_SLOTS: usize = 4;
 
+/// A residency manager's engine fills staged copies shorter than this with
+/// streaming stores, longer ones with plain stores (a bare engine: 64 MiB).
+/// On the H200 (scripts/probe_pageable.py, 4 slots, full chunks to the end,
+/// copies back to back, docs/BENCHMARKS.md) plain stores copied 32 MiB
+/// copies at 53-54 GB/s against 37-43 streamed, and streamed 2 and 8 MiB
+/// copies at 23.5 and 31 GB/s against 18 and 25 plain.
+pub const RESIDENCY_STREAM_BELOW: usize = 16 << 20;
+
 /// Configuration of a [`super::ResidencyManager`].
 #[derive(Debug, Clone, Copy)]
 pub struct ResidencyConfig {
@@ -95,12 +103,11 @@ impl ResidencyConfig {
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
             // The filler issues staged copies back to back: see `split_tail`
-            // and `streaming_stores` (plain stores: 32 MiB copies back to
-            // back 36.7 -> 53.8 GB/s on the H200, docs/BENCHMARKS.md).
+            // and `RESIDENCY_STREAM_BELOW`.
             engine: EngineConfig {
                 slots: RESIDENCY_STAGING_SLOTS,
                 split_tail: false,
-                streaming_stores: false,
+                stream_below: RESIDENCY_STREAM_BELOW,
                 ..EngineConfig::default()
             },
         }

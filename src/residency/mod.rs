@@ -26,7 +26,7 @@ pub mod stats;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WeightId(pub u32);
 
-pub use config::{FILL_AHEAD_ALL_SLOTS, RESIDENCY_STAGING_SLOTS, ResidencyConfig};
+pub use config::{FILL_AHEAD_ALL_SLOTS, RESIDENCY_STAGING_SLOTS, RESIDENCY_STREAM_BELOW, ResidencyConfig};
 pub use manager::ResidencyManager;
 pub use placement::Hold;
 pub use policy::{CyclicPolicy, LruPolicy, Policy, PolicyKind, new_policy};

@@ -130,10 +130,12 @@ pub struct EngineConfig {
     /// once (a residency manager's filler), its fill overlaps this copy's
     /// last DMA anyway, and the small chunks only add per-chunk costs.
     pub split_tail: bool,
-    /// Fill copies shorter than `transfer::fill::STREAM_BELOW` (64 MiB) with
-    /// streaming stores (default true; measured on copies issued one at a
-    /// time). False fills every copy with plain stores.
-    pub streaming_stores: bool,
+    /// Fill copies shorter than this many bytes with streaming stores, longer
+    /// ones with plain stores (default `transfer::fill::STREAM_BELOW`, 64 MiB,
+    /// measured on copies issued one at a time; 0: plain stores always, C
+    /// `EPM_COPY_ENGINE_NO_STREAMING_STORES`). A residency manager's engine
+    /// uses [`crate::residency::RESIDENCY_STREAM_BELOW`].
+    pub stream_below: usize,
 }
 
 impl Default for EngineConfig {
@@ -147,7 +149,7 @@ impl Default for EngineConfig {
             timing: true,
             direct: true,
             split_tail: true,
-            streaming_stores: true,
+            stream_below: fill::STREAM_BELOW,
         }
     }
 }
@@ -488,10 +490,10 @@ impl CopyEngine {
     /// shortens the exposed tail: at 128 MiB in 16 MiB chunks the last DMA is
     /// ~300 µs of a ~2.9 ms page-in, in 1 MiB ~20 µs, for 4 more chunks (12).
     /// Whether a copy of `len` bytes is filled with streaming stores: decided
-    /// once for the whole page-in (`transfer::fill::STREAM_BELOW`), and the
+    /// once for the whole page-in (`EngineConfig::stream_below`), and the
     /// same for its chunks filled ahead.
     fn streams(&self, len: usize) -> bool {
-        self.cfg.streaming_stores && len < fill::STREAM_BELOW
+        len < self.cfg.stream_below
     }
 
     /// With `split_tail` false: full chunks to the end.
