@@ -18,10 +18,10 @@ pub const RESIDENCY_STAGING_SLOTS: usize = 4;
 /// A residency manager's engine fills staged copies shorter than this with
 /// streaming stores, longer ones with plain stores (a bare engine: 64 MiB).
 /// On the H200 (scripts/probe_pageable.py, 4 slots, full chunks to the end,
-/// copies back to back, docs/BENCHMARKS.md) plain stores copied 32 MiB
-/// copies at 53-54 GB/s against 37-43 streamed, and streamed 2 and 8 MiB
-/// copies at 23.5 and 31 GB/s against 18 and 25 plain.
-pub const RESIDENCY_STREAM_BELOW: usize = 16 << 20;
+/// copies back to back, docs/BENCHMARKS.md) streaming stores won at 2 and 8
+/// MiB (23.5 and 31 GB/s against 18 and 24-25 plain) and plain ones from 12
+/// MiB up (12: 35.1 against 33.1; 16: 46.2 / 36.4; 32: 53-54 / 37-43).
+pub const RESIDENCY_STREAM_BELOW: usize = 12 << 20;
 
 /// Configuration of a [`super::ResidencyManager`].
 #[derive(Debug, Clone, Copy)]
