@@ -819,6 +819,11 @@ typedef uint64_t EpmDevicePtr;
 /**
  * How a residency manager is set up; versioned by `size`. Fill with
  * `epm_residency_config_default`, then set `budget_bytes`.
+ *
+ * A residency manager's copy engine differs from a bare one's defaults
+ * (`EpmCopyEngineConfig`) where its filler issues copies back to back: full
+ * chunks to each copy's end (`EPM_COPY_ENGINE_NO_SPLIT_TAIL`'s cut), and
+ * streaming stores only for copies below 12 MiB (a bare engine: 64 MiB).
  */
 typedef struct EpmResidencyConfig {
   /**

@@ -453,8 +453,8 @@ class BenchSmoke(unittest.TestCase):
                 self.assertLessEqual(r["fill_ahead_used_mib_per_token"], r["fill_ahead_mib_per_token"])
             else:
                 self.assertEqual(r["fill_ahead_mib_per_token"], 0)
-        # The staged floor: epmem's pageable copies measured in the same run.
-        # (and on CUDA torch's own pageable copy beside them).
+        # The staged floor: epmem's pageable copies measured in the same run
+        # (on CUDA with torch's own pageable copy beside them).
         self.assertEqual(set(res["pageable_h2d_bytes_per_s"]),
                          {"epmem_default", "epmem_4_slots"} | ({"torch_pageable"} if torch_device().type == "cuda" else set()))
         self.assertGreater(res["staged_peak_bytes_per_s"], 0)
