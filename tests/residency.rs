@@ -59,6 +59,14 @@ fn small_cfg(budget: usize) -> ResidencyConfig {
     c
 }
 
+/// A manager made with `c`, `w` registered, its order declared as the cycle.
+fn cycled(d: &Arc<dyn Device>, w: &Weights, c: ResidencyConfig) -> (ResidencyManager, Vec<WeightId>) {
+    let m = ResidencyManager::new(d, c).unwrap();
+    let ids = w.register_all(&m);
+    m.declare_cycle(&ids).unwrap();
+    (m, ids)
+}
+
 /// Run `steps` decode steps: acquire, checksum on the device, release.
 /// Returns (every device checksum matched, per-step checksums read back).
 fn decode(d: &Arc<dyn Device>, m: &ResidencyManager, w: &Weights, ids: &[WeightId], steps: usize) {
@@ -94,9 +102,7 @@ fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
     // measures it against the byte-optimal static set.
     let mut c = small_cfg(budget);
     c.stream_plan = false;
-    let m = ResidencyManager::new(&d, c).unwrap();
-    let ids = w.register_all(&m);
-    m.declare_cycle(&ids).unwrap();
+    let (m, ids) = cycled(&d, &w, c);
     decode(&d, &m, &w, &ids, 2);
     let warm = m.stats();
     let warm_driver = d.driver_counts();
@@ -168,9 +174,7 @@ fn lru_on_a_cycle_hits_nothing_and_cyclic_matches_the_simulator() {
         let mut c = small_cfg(budget);
         c.policy = kind;
         c.prefetch_depth = depth;
-        let m = ResidencyManager::new(&d, c).unwrap();
-        let ids = w.register_all(&m);
-        m.declare_cycle(&ids).unwrap();
+        let (m, ids) = cycled(&d, &w, c);
         decode(&d, &m, &w, &ids, 5);
         let s = m.stats();
         let trace: Vec<WeightId> = (0..5).flat_map(|_| ids.iter().copied()).collect();
@@ -333,9 +337,7 @@ fn sources_are_registered_on_first_page_in_or_staged_when_told() {
     for reg in [RegisterSources::WithinMemlock, RegisterSources::Never] {
         let mut c = small_cfg(budget);
         c.register_sources = reg;
-        let m = ResidencyManager::new(&d, c).unwrap();
-        let ids = w.register_all(&m);
-        m.declare_cycle(&ids).unwrap();
+        let (m, ids) = cycled(&d, &w, c);
         decode(&d, &m, &w, &ids, 3);
         let s = m.stats();
         assert_eq!(s.bypassed_page_ins + s.staged_page_ins, s.page_ins, "{s:?}");
@@ -392,9 +394,7 @@ fn prefetch_hides_page_ins_behind_compute() {
     let d = dev();
     let n = 256 << 10;
     let w = Weights::new(&[n; 8], 4);
-    let m = ResidencyManager::new(&d, small_cfg(4 * n)).unwrap();
-    let ids = w.register_all(&m);
-    m.declare_cycle(&ids).unwrap();
+    let (m, ids) = cycled(&d, &w, small_cfg(4 * n));
     assert_eq!(m.prefetch(&ids[..2]).unwrap(), 2);
     let s = Stream::new(&d).unwrap();
     for _ in 0..3 {
@@ -429,9 +429,7 @@ fn two_walker_weights() -> (Weights, usize) {
 fn concurrent_decoders_on_two_streams_stay_bit_exact() {
     let d = dev();
     let (w, budget) = two_walker_weights();
-    let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
-    let ids = w.register_all(&m);
-    m.declare_cycle(&ids).unwrap();
+    let (m, ids) = cycled(&d, &w, small_cfg(budget));
     std::thread::scope(|scope| {
         for t in 0..2 {
             let (d, m, w, ids) = (&d, &m, &w, &ids);
@@ -578,9 +576,7 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
             let mut c = small_cfg(budget);
             c.register_sources = RegisterSources::Never;
             c.caller_fills = caller_fills;
-            let m = ResidencyManager::new(&d, c).unwrap();
-            let ids = w.register_all(&m);
-            m.declare_cycle(&ids).unwrap();
+            let (m, ids) = cycled(&d, &w, c);
             decode(&d, &m, &w, &ids, 2);
             let warm = m.stats();
             decode(&d, &m, &w, &ids, 4);
@@ -611,9 +607,7 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
     }
     // Registered sources copy directly: nothing to fill, nothing queued.
     let w = Weights::new(&[n; 6], 13);
-    let m = ResidencyManager::new(&d, small_cfg(3 * n)).unwrap();
-    let ids = w.register_all(&m);
-    m.declare_cycle(&ids).unwrap();
+    let (m, ids) = cycled(&d, &w, small_cfg(3 * n));
     decode(&d, &m, &w, &ids, 3);
     let s = m.stats();
     if s.register_refusals == 0 {
@@ -640,9 +634,7 @@ fn residency_engines_default_to_whole_tails_and_plain_stores_and_both_stores_are
         let mut c = small_cfg(sizes.iter().sum::<usize>() / 2);
         c.register_sources = RegisterSources::Never;
         c.engine.stream_below = stream_below;
-        let m = ResidencyManager::new(&d, c).unwrap();
-        let ids = w.register_all(&m);
-        m.declare_cycle(&ids).unwrap();
+        let (m, ids) = cycled(&d, &w, c);
         decode(&d, &m, &w, &ids, 3);
         m.synchronize().unwrap();
         let s = m.stats();
@@ -676,9 +668,7 @@ fn the_filler_fills_the_next_staged_unit_ahead_and_unregister_forgets_it() {
     let ahead = 2 << 20; // two chunks of small_cfg's 1 MiB
     // Prefetching the first weight queues its fill with the second as the
     // hint; the second's acquire (a demand page-in) starts from its chunks.
-    let m = ResidencyManager::new(&d, c).unwrap();
-    let ids = w.register_all(&m);
-    m.declare_cycle(&ids).unwrap();
+    let (m, ids) = cycled(&d, &w, c);
     assert_eq!(m.prefetch(&ids[..1]).unwrap(), 1);
     wait_until("the second weight is filled ahead", || m.stats().fill_ahead_bytes >= ahead);
     decode(&d, &m, &w, &ids, 2);
@@ -690,9 +680,7 @@ fn the_filler_fills_the_next_staged_unit_ahead_and_unregister_forgets_it() {
     drop(m);
     // The same, but the second weight is unregistered while filled ahead,
     // its bytes change and it is registered again over the same range.
-    let m = ResidencyManager::new(&d, c).unwrap();
-    let ids = w.register_all(&m);
-    m.declare_cycle(&ids).unwrap();
+    let (m, ids) = cycled(&d, &w, c);
     assert_eq!(m.prefetch(&ids[..1]).unwrap(), 1);
     wait_until("the second weight is filled ahead", || m.stats().fill_ahead_bytes >= ahead);
     m.unregister(ids[1]).unwrap();
@@ -717,9 +705,7 @@ fn the_filler_fills_the_next_staged_unit_ahead_and_unregister_forgets_it() {
         let mut c = small_cfg(budget);
         c.register_sources = RegisterSources::Never;
         c.fill_ahead_chunks = 2;
-        let m = ResidencyManager::new(&d, c).unwrap();
-        let ids = w.register_all(&m);
-        m.declare_cycle(&ids).unwrap();
+        let (m, ids) = cycled(&d, &w, c);
         decode(&d, &m, &w, &ids, 6);
         m.synchronize().unwrap();
         let s = m.stats();
@@ -748,9 +734,7 @@ fn unregister_replan_and_drop_wait_for_queued_background_fills() {
     c.register_sources = RegisterSources::Never;
     c.prefetch_depth = 3;
     for round in 0..3 {
-        let m = ResidencyManager::new(&d, c).unwrap();
-        let ids = w.register_all(&m);
-        m.declare_cycle(&ids).unwrap();
+        let (m, ids) = cycled(&d, &w, c);
         decode(&d, &m, &w, &ids, 1);
         // Queue prefetches, then at once do what must wait for them.
         let queued = m.prefetch(&ids).unwrap();
@@ -788,9 +772,7 @@ fn two_walkers_interleaved_never_find_everything_in_use() {
     let n = w.spans.len();
     let mut dropped = 0;
     for seed in 0..200u64 {
-        let m = ResidencyManager::new(&d, small_cfg(budget)).unwrap();
-        let ids = w.register_all(&m);
-        m.declare_cycle(&ids).unwrap();
+        let (m, ids) = cycled(&d, &w, small_cfg(budget));
         assert!(m.stats().ring_bytes > 0, "mixed sizes over budget get a ring");
         let s = [Stream::new(&d).unwrap(), Stream::new(&d).unwrap()];
         let slots = [Slots::new(&d, n), Slots::new(&d, n)];
