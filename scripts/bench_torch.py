@@ -1,52 +1,41 @@
 #!/usr/bin/env python3
-"""End-to-end PyTorch benchmark: a Llama-style decoder whose decoder-layer
-weights do not fit the VRAM budget, decoded greedily, side by side in one process:
+"""Weight offload as users call it, beside the peers a user would pick instead,
+in one process: a transformers Llama-shaped decoder (random bf16 weights, fixed
+seed) whose decoder-layer linears do not fit a VRAM budget, decoded greedily.
 
-  resident     every weight on the GPU (the reference tokens and ms/token)
-  registered   epmem.torch.offload, sources="registered" (the default)
-  staged       epmem.torch.offload, sources="staged" (pageable, staged; prefetches filled by
-               epmem's background thread, filling the next weight ahead into every one of
-               4 staging slots, prefetch depth 2: the defaults)
-  staged_caller  the same with caller_fills=1: prefetches filled on the thread that runs the
-               model (the behaviour before the background filler; --no-caller-row skips it)
-  staged_plain staged as the defaults were before the H200 probe of 2026-12-01 (prefetch
-               depth 1, 3 staging slots, nothing filled ahead; the engine's full-chunk tail,
-               not a config field, stays): what the tuning bought (--no-plain-row skips it)
-  accelerate   accelerate.dispatch_model, the same bytes resident, the rest cpu-offloaded
-  floor        (offloaded bytes - budget) / pinned H2D peak (measured here, torch pinned->cuda copy)
+Rows (each at 25/50/75% of the offloaded bytes unless it has no budget):
 
-The staged rows copy from pageable memory, so they also get a floor of their own:
-(offloaded bytes - budget) / the staged peak, the best of epmem's copy engine copying
-1 GiB of pageable memory to the device with nothing else running (default slots and
-4 slots), measured here beside torch's own pageable->cuda copy (the CUDA driver's
-staging, what a user without epmem gets). staged peak / pinned peak bounds what any
-staged row can reach against the registered row on a PCIe-bound decode.
+  epmem         epmem.torch.offload(model, budget) with nothing else set, on torch's
+                default stream: the product path, exactly as docs/PYTHON.md shows it
+  epmem_staged  epmem.torch.offload(model, budget, sources="staged"): pageable sources
+                (no page-locking), every page-in staged; the product API with one argument
+  uva           UVA zero-copy (vLLM's --cpu-offload-gb): the first budget-worth of
+                linears (forward order) stays on the GPU, the rest are pin_memory()
+                copies aliased as CUDA tensors through the CUDA array interface, so the
+                GEMMs read them in place over PCIe. No library, no VRAM for them.
+  accelerate    accelerate.dispatch_model: the first budget-worth of linears on the
+                GPU, the rest cpu-offloaded (AlignDevicesHook copies each per forward).
+                Its host copies are pinned (faster than the pageable state dict a user
+                would have: the stronger peer)
+  diffusers     diffusers' apply_group_offloading(model.model, block_level,
+                num_blocks_per_group=1, use_stream=True, record_stream=True): prefetches
+                the next block on a side stream, no budget (every block streams every
+                token), so one row per shape with its own floor (offloaded / peak)
+  resident      every weight on the GPU: the reference tokens and times
 
-Per epmem row: streamed bytes/token against the ideal (offloaded - budget), the
-whole-weight floor (the fewest bytes any schedule copying whole matrices can
-copy: (offloaded - budget) + the smallest largest-streamed-matrix the budget
-allows, docs/RESIDENCY.md) and the issue's bound (offloaded - budget) + 2 x largest.
-With whole matrices the floor above is out of reach by the whole-weight floor's
-margin (6% on "big" at 50%); --split-mib N splits every decoder-layer linear
-into equal blocks of about N MiB (rows, or columns where the rows do not divide;
-one matmul per block; the resident reference runs the same split model), so the
-streamed unit, and that margin, shrink ("big" at 32: every block 32 MiB).
+Modes: decode at batch 1 (--tokens steps after an 8-token prompt), decode at
+batch 16 and 64 (--batch-tokens steps), and a --prefill-token prompt's time to
+the first token. The floor of a row is the bytes it must move over the pinned
+H2D peak measured in this process: (offloaded - budget) / peak per token (per
+prefill), offloaded / peak for diffusers. Every row's tokens must equal the
+resident run's (same mode); a mismatch fails the run (exit 1).
 
-What is offloaded: every nn.Linear weight inside model.model.layers (q/k/v/o,
-gate/up/down). What stays resident in every row: the embedding, the norms, the
-rotary tables, lm_head (vocab 32000, so it is small next to the layers) and the
-KV cache. Budgets are 25/50/75% of the offloaded bytes. Tokens must be
-identical to the resident run's in every row (asserted; accelerate is compared on
-the tokens it decoded, the first --accelerate-tokens).
-
-    python3 scripts/bench_torch.py [--json PATH] [--plot PATH] [--tokens 32] [--shapes big,small]
-    python3 scripts/bench_torch.py --shapes big --budgets 50 --no-accelerate [--split-mib 32]
+    python3 scripts/bench_torch.py --json PATH [--shapes big,gqa,small] [--budgets 25,50,75]
     python3 scripts/bench_torch.py --quick     # seconds, CPU + host device, tiny model (CI smoke)
 
-Needs torch (CUDA build for the real run), transformers (else a transformers-free
-stand-in decoder is used: --quick only), accelerate (its rows are skipped, with a
-note, when it is absent), matplotlib for the PNG (skipped when absent).
-Markdown table on stdout; exit 1 if any row's tokens differ.
+Needs torch (CUDA build for the real run) and transformers; accelerate and
+diffusers for their rows (skipped with a note when missing, or when --no-X);
+matplotlib for the PNG. Markdown table on stdout and next to --json.
 """
 
 import argparse
@@ -71,146 +60,41 @@ import epmem.torch as et  # noqa: E402
 GiB = 1 << 30
 SHAPES = {
     # name: (blocks, hidden, intermediate, heads, kv_heads)
-    "big": (8, 8192, 28672, 64, 64),     # ~14.5 GiB of bf16 layer weights: PCIe-bound
-    "small": (16, 4096, 11008, 32, 32),  # ~6.0 GiB
-    "quick": (4, 128, 352, 4, 4),        # --quick
+    "big": (8, 8192, 28672, 64, 64),     # ~14.5 GiB of bf16 layer weights, multi-head: PCIe-bound
+    "gqa": (6, 8192, 28672, 64, 8),      # ~9.6 GiB, grouped-query (K/V 8x smaller than q/o)
+    "small": (16, 4096, 11008, 32, 32),  # ~6.0 GiB, smaller matrices
+    "quick": (4, 128, 352, 4, 2),        # --quick
 }
+BUDGET_METHODS = ("epmem", "epmem_staged", "uva", "accelerate")
+METHODS = BUDGET_METHODS + ("diffusers",)
 
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-# ---- models -------------------------------------------------------------------------
+# ---- model and decoding -----------------------------------------------------------------
 
-class _StandInBlock(nn.Module):
-    """A decoder layer's linears (q, k, v, o, gate, up, down) with no attention:
-    deterministic, so tokens can be compared. Used only without transformers."""
-
-    def __init__(self, d, f):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
-        self.gate, self.up = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
-        self.down = nn.Linear(f, d, bias=False)
-
-    def forward(self, x):
-        h = self.norm(x)
-        x = x + self.o(self.q(h) * torch.sigmoid(self.k(h)) + self.v(h))
-        h = self.norm(x)
-        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-
-
-class _StandIn(nn.Module):
-    def __init__(self, vocab, d, f, n):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab, d)
-        self.model.layers = nn.ModuleList(_StandInBlock(d, f) for _ in range(n))
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.model.embed_tokens(ids)
-        for blk in self.model.layers:
-            x = blk(x)
-        return self.lm_head(x)
-
-
-def make_model(shape, device, dtype, vocab, seed):
+def make_model(shape, device, dtype, vocab, seed, max_pos):
+    from transformers import LlamaConfig, LlamaForCausalLM
     n, d, f, heads, kv = SHAPES[shape]
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            try:
-                from transformers import LlamaConfig, LlamaForCausalLM
-                cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=n,
-                                  num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
-                                  tie_word_embeddings=False)
-                model, kind = LlamaForCausalLM(cfg), "transformers LlamaForCausalLM"
-            except ImportError:
-                model, kind = _StandIn(vocab, d, f, n), "stand-in decoder (no transformers)"
+            cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=n,
+                              num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos,
+                              tie_word_embeddings=False)
+            model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
-    return model.to(dtype).eval().requires_grad_(False), kind
-
-
-class SplitLinear(nn.Module):
-    """An nn.Linear (no bias) as k equal blocks of at most about `max_bytes`, each
-    its own nn.Linear, so epmem.torch (granularity="linear") streams each as its
-    own unit. Row blocks (y = cat(x @ W_i^T)) when k divides the rows, else column
-    blocks (y = sum(x_i @ W_i^T)) when k divides the columns: equal sizes keep
-    the cyclic policy exact (a Llama down_proj, 8192 rows by 7 x 4096 columns,
-    has no equal 32 MiB row blocks). k is the smallest count from
-    ceil(bytes / max_bytes) up that divides one of them."""
-
-    def __init__(self, lin, max_bytes):
-        super().__init__()
-        out, inp = lin.weight.shape
-        nbytes = lin.weight.numel() * lin.weight.element_size()
-        k = max(1, math.ceil(nbytes / max_bytes))
-        while out % k and inp % k:
-            k += 1
-        self.by_rows = out % k == 0
-        w = lin.weight.detach()
-        step = (out if self.by_rows else inp) // k
-        self.parts = nn.ModuleList()
-        for i in range(k):
-            piece = w[i * step:(i + 1) * step] if self.by_rows else w[:, i * step:(i + 1) * step]
-            part = nn.Linear(piece.shape[1], piece.shape[0], bias=False, device="meta")
-            part.weight = nn.Parameter(piece.clone(memory_format=torch.contiguous_format), requires_grad=False)
-            self.parts.append(part)
-        self.step = step
-
-    def forward(self, x):
-        if self.by_rows:
-            return torch.cat([p(x) for p in self.parts], dim=-1)
-        out = None
-        for i, p in enumerate(self.parts):
-            y = p(x[..., i * self.step:(i + 1) * self.step])
-            out = y if out is None else out + y
-        return out
-
-
-def split_linears(model, max_bytes):
-    """Replace every decoder-layer nn.Linear larger than `max_bytes` by a SplitLinear."""
-    for blk in model.model.layers:
-        for name, m in list(blk.named_modules()):
-            if isinstance(m, nn.Linear) and m.bias is None and m.weight.numel() * m.weight.element_size() > max_bytes:
-                parent = blk.get_submodule(name.rpartition(".")[0]) if "." in name else blk
-                setattr(parent, name.rpartition(".")[2], SplitLinear(m, max_bytes))
-    model.eval().requires_grad_(False)  # the new modules start in training mode
-    gc.collect()
-
-
-def whole_weight_floor(sizes, budget):
-    """The fewest bytes per token any schedule copying each streamed weight whole
-    can copy (src/residency/placement.rs whole_weight_floor): for each candidate
-    largest streamed size m, every larger weight is kept, the rest filled
-    byte-optimally (exact knapsack, a bitset over units of the sizes' gcd) in
-    budget - m."""
-    total = sum(sizes)
-    if total <= budget:
-        return 0
-    g = reduce(math.gcd, sizes)
-    best = total
-    for m in sorted(set(sizes)):
-        kept = sum(x for x in sizes if x > m)
-        room = budget - m - kept
-        if room < 0:
-            continue
-        cap = room // g
-        mask = (1 << (cap + 1)) - 1
-        reach = 1
-        for x in sizes:
-            if x <= m:
-                reach = (reach | (reach << (x // g))) & mask
-        best = min(best, total - kept - (reach.bit_length() - 1) * g)
-    return best
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def offloaded_linears(model):
+    """(name, module) of every nn.Linear inside model.model.layers, forward order:
+    what epmem.torch.offload offloads by default."""
     return [(f"model.layers.{i}.{n}", m) for i, blk in enumerate(model.model.layers)
             for n, m in blk.named_modules() if isinstance(m, nn.Linear)]
 
@@ -221,29 +105,43 @@ def sync(dev):
 
 
 def decode(model, prompt, steps, dev):
-    """Greedy: prefill `prompt`, then `steps` single-token steps (timed). Returns
-    (tokens of the timed steps, seconds of the timed steps)."""
-    hf = hasattr(model, "config")
+    """Greedy: prefill `prompt` (untimed), then `steps` single-token steps (timed).
+    Returns (tokens [batch][steps], seconds of the timed steps)."""
     with torch.no_grad():
-        if hf:
-            out = model(prompt, use_cache=True)
-            cache, logits = out.past_key_values, out.logits
-        else:
-            ids, logits = prompt, model(prompt)
+        out = model(prompt, use_cache=True)
+        cache, logits = out.past_key_values, out.logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         sync(dev)
-        toks, t0 = [], time.perf_counter()
+        cols, t0 = [], time.perf_counter()
         for _ in range(steps):
-            if hf:
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits
-            else:
-                ids = torch.cat([ids, nxt], 1)[:, -8:]
-                logits = model(ids)
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
-            toks.append(int(nxt.item()))
+            cols.append(nxt)
         sync(dev)
-        return toks, time.perf_counter() - t0
+        secs = time.perf_counter() - t0
+    toks = torch.cat(cols, 1).tolist() if cols else [[] for _ in range(prompt.shape[0])]
+    return toks, secs
+
+
+PREFILL_REPEATS = 2
+
+
+def prefill(model, prompt, dev, repeats=PREFILL_REPEATS):
+    """Time to the first token of `prompt` (best of `repeats`) and that token."""
+    best, tok = None, None
+    with torch.no_grad():
+        for _ in range(repeats):
+            sync(dev)
+            t0 = time.perf_counter()
+            logits = model(prompt, use_cache=True).logits
+            nxt = logits[:, -1].argmax(-1)
+            sync(dev)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+            tok = nxt.tolist()
+            del logits
+    return tok, best
 
 
 def h2d_peak(dev, nbytes):
@@ -273,146 +171,227 @@ def h2d_peak(dev, nbytes):
     return best
 
 
-def staged_peaks(dev, nbytes):
-    """Pageable host -> device bytes/s: epmem's copy engine (default slots, and 4
-    slots) into epmem device memory, and on CUDA torch's own pageable copy (the
-    driver stages); best of 3 after a warm-up each."""
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)
+def whole_weight_floor(sizes, budget):
+    """The fewest bytes per token any schedule copying each streamed weight whole
+    can copy (src/residency/placement.rs whole_weight_floor)."""
+    total = sum(sizes)
+    if total <= budget:
+        return 0
+    g = reduce(math.gcd, sizes)
+    best = total
+    for m in sorted(set(sizes)):
+        kept = sum(x for x in sizes if x > m)
+        room = budget - m - kept
+        if room < 0:
+            continue
+        cap = room // g
+        mask = (1 << (cap + 1)) - 1
+        reach = 1
+        for x in sizes:
+            if x <= m:
+                reach = (reach | (reach << (x // g))) & mask
+        best = min(best, total - kept - (reach.bit_length() - 1) * g)
+    return best
+
+
+class Workload:
+    """The prompts of every mode, made once per shape from the seed."""
+
+    def __init__(self, dev, vocab, seed, batches, batch_tokens, tokens, prefill_tokens):
+        g = torch.Generator().manual_seed(seed + 1)
+        self.modes = [("b1", torch.randint(1, vocab, (1, 8), generator=g), tokens)]
+        for b in batches:
+            self.modes.append((f"b{b}", torch.randint(1, vocab, (b, 8), generator=g), batch_tokens))
+        self.prefill = torch.randint(1, vocab, (1, prefill_tokens), generator=g) if prefill_tokens else None
+        self.modes = [(m, p.to(dev), s) for m, p, s in self.modes]
+        if self.prefill is not None:
+            self.prefill = self.prefill.to(dev)
+        self.dev = dev
+
+    def run(self, model, modes=None):
+        """{mode: {"tokens", "seconds"}} and "prefill": {"tokens", "seconds"}."""
+        out = {}
+        for m, prompt, steps in self.modes:
+            if modes is not None and m not in modes:
+                continue
+            toks, secs = decode(model, prompt, steps, self.dev)
+            out[m] = {"tokens": toks, "seconds": secs, "steps": steps, "batch": prompt.shape[0]}
+        if self.prefill is not None and (modes is None or "prefill" in modes):
+            tok, secs = prefill(model, self.prefill, self.dev)
+            out["prefill"] = {"tokens": [tok], "seconds": secs, "steps": 1, "batch": 1,
+                              "prompt_tokens": self.prefill.shape[1]}
+        return out
+
+
+# ---- the peers --------------------------------------------------------------------------
+
+_INT = {1: "|u1", 2: "<i2", 4: "<i4"}
+
+
+class _HostArray:
+    """A __cuda_array_interface__ over page-locked host memory: with unified
+    addressing a pinned host pointer is a valid device pointer (UVA)."""
+
+    def __init__(self, t):
+        self.t = t
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": _INT[t.element_size()],
+                                         "data": (t.data_ptr(), False), "strides": None, "version": 3}
+
+
+def uva_alias(host, dev):
+    t = torch.as_tensor(_HostArray(host), device=dev)
+    if t.data_ptr() != host.data_ptr():
+        raise RuntimeError("torch copied the pinned host array instead of aliasing it")
+    return t.view(host.dtype)
+
+
+def pinned_copies(model, dev):
+    """{param name: pinned host copy} of every offloadable weight (one copy per shape,
+    shared by the uva and accelerate rows)."""
     out = {}
-
-    def best(fn):
-        fn()
-        b = 0.0
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            b = max(b, nbytes / (time.perf_counter() - t0))
-        return b
-
-    if dev.type == "cuda":
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-
-        def torch_copy():
-            dst.copy_(src)
-            torch.cuda.synchronize(dev)
-        out["torch_pageable"] = best(torch_copy)
-        del dst
-    with epmem.Device("cuda" if dev.type == "cuda" else "host", dev.index or 0) as edev, \
-            edev.alloc(nbytes) as dmem, epmem.StagingPool(edev) as pool:
-        for name, cfg in (("epmem_default", {}), ("epmem_4_slots", {"slots": 4})):
-            with epmem.CopyEngine(pool, **cfg) as eng:
-                def eng_copy():
-                    eng.htod(dmem, src, nbytes, fence=False)
-                    eng.synchronize()
-                out[name] = best(eng_copy)
-                st = eng.stats()
-                if st["bypassed"] or not st["chunks"]:
-                    raise RuntimeError(f"{name}: the copies were not staged ({st}): not a pageable peak")
+    for name, m in offloaded_linears(model):
+        for pn, p in m.named_parameters(recurse=False):
+            h = torch.empty(p.shape, dtype=p.dtype, pin_memory=dev.type == "cuda")
+            h.copy_(p.detach())
+            out[f"{name}.{pn}"] = h
     return out
 
 
-# ---- rows -------------------------------------------------------------------------------
+def split_by_budget(model, budget):
+    """The linears in forward order: the first ones up to `budget` bytes stay on
+    the GPU, the rest are offloaded. Returns (names offloaded, bytes kept)."""
+    used, off = 0, []
+    for name, m in offloaded_linears(model):
+        nb = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        if used + nb <= budget and not off:
+            used += nb
+        else:
+            off.append(name)
+    return off, used
 
-def run_epmem(model, prompt, steps, dev, budget, sources, granularity, **cfg):
-    h = et.offload(model, budget, sources=sources, granularity=granularity, **cfg)
+
+def run_uva(model, work, dev, budget, host):
+    mods = dict(offloaded_linears(model))
+    off, kept = split_by_budget(model, budget)
+    saved = {}
+    for name in off:
+        m = mods[name]
+        for pn, p in m.named_parameters(recurse=False):
+            saved[(name, pn)] = p.data
+            h = host[f"{name}.{pn}"]
+            p.data = uva_alias(h, dev) if dev.type == "cuda" else h
+    gc.collect()
     try:
-        decode(model, prompt, 2, dev)  # warm-up: first page-ins, registrations, kernels
-        s0 = h.stats()
-        toks, secs = decode(model, prompt, steps, dev)
-        s1 = h.stats()
+        work.run(model, modes={"b1"})  # warm-up
+        res = work.run(model)
     finally:
-        h.remove()
-    # decode() includes one untimed prefill forward: count only the timed steps'
-    # bytes by subtracting a prefill's worth (one pass over the layers).
-    per_pass = (s1["htod_bytes"] - s0["htod_bytes"]) / (steps + 1)
-    return {
-        "tokens": toks, "seconds": secs, "streamed_bytes_per_token": per_pass,
-        "host_stall_ms_per_token": (s1["host_stall_ms"] - s0["host_stall_ms"]) / (steps + 1),
-        "device_stall_ms_per_token": (s1["device_stall_ms"] - s0["device_stall_ms"]) / (steps + 1),
-        "hit_rate": s1["hit_rate"], "granularity": s1["granularity"],
-        "bypassed_page_ins": s1["bypassed_page_ins"] - s0["bypassed_page_ins"],
-        "staged_page_ins": s1["staged_page_ins"] - s0["staged_page_ins"],
-        "host_range_registered": s1["host_range_registered"],
-        "background_page_ins": s1["background_page_ins"] - s0["background_page_ins"],
-        "background_waits": s1["background_waits"] - s0["background_waits"],
-        "background_wait_ms_per_token": (s1["background_wait_ms"] - s0["background_wait_ms"]) / (steps + 1),
-        "fill_ms_per_token": (s1["fill_ms"] - s0["fill_ms"]) / (steps + 1),
-        "htod_ms_per_token": (s1["htod_ms"] - s0["htod_ms"]) / (steps + 1),
-        "fill_ahead_mib_per_token": (s1["fill_ahead_bytes"] - s0["fill_ahead_bytes"]) / (steps + 1) / 2**20,
-        "slot_wait_ms_per_token": (s1["slot_wait_ms"] - s0["slot_wait_ms"]) / (steps + 1),
-        "background_busy_ms_per_token": (s1["background_busy_ms"] - s0["background_busy_ms"]) / (steps + 1),
-        "fill_ahead_used_mib_per_token": (s1["fill_ahead_used_bytes"] - s0["fill_ahead_used_bytes"]) / (steps + 1) / 2**20,
-    }
+        for (name, pn), data in saved.items():
+            getattr(mods[name], pn).data = data
+    return res, {"resident_bytes": kept}
 
 
-def run_accelerate(model, prompt, steps, dev, budget, host_copy):
-    """dispatch_model with the first linears (in forward order) up to `budget`
-    bytes on the GPU and the rest cpu-offloaded (accelerate's AlignDevicesHook
-    moves them per forward). Restores the model afterwards."""
+def run_accelerate(model, work, dev, budget, host, tokens):
     from accelerate import dispatch_model
     from accelerate.hooks import remove_hook_from_submodules
-    linears = offloaded_linears(model)
-    main = dev.index if dev.type == "cuda" else "cpu"  # "cpu": a smoke run of this code only
-    device_map, used = {}, 0
-    for name, m in linears:
-        nb = sum(p.numel() * p.element_size() for p in m.parameters())
-        on_gpu = used + nb <= budget
-        used += nb if on_gpu else 0
-        device_map[name] = main if on_gpu else "cpu"
-        if not on_gpu:
-            for pn, p in m.named_parameters(recurse=False):
-                m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"], requires_grad=False)
-    # Every other module that holds tensors itself (embeddings, norms, rotary
-    # buffers, lm_head) stays on the GPU.
+    mods = dict(offloaded_linears(model))
+    off, kept = split_by_budget(model, budget)
+    main = dev.index if dev.type == "cuda" else "cpu"
+    device_map = {name: main for name in mods}
+    saved = {}
+    for name in off:
+        device_map[name] = "cpu"
+        m = mods[name]
+        for pn, p in list(m.named_parameters(recurse=False)):
+            saved[(name, pn)] = p
+            m._parameters[pn] = nn.Parameter(host[f"{name}.{pn}"], requires_grad=False)
     for name, m in model.named_modules():
         if name and name not in device_map and (next(m.parameters(recurse=False), None) is not None
                                                 or next(m.buffers(recurse=False), None) is not None):
             device_map[name] = main
+    dispatch_model(model, device_map=device_map, main_device=main)
+    short = Workload.__new__(Workload)
+    short.dev, short.prefill = dev, None
+    short.modes = [(m, p, min(s, tokens)) for m, p, s in work.modes if m == "b1"]
+    try:
+        short.run(model)
+        res = short.run(model)
+    finally:
+        remove_hook_from_submodules(model)
+        for (name, pn), p in saved.items():
+            mods[name]._parameters[pn] = p
+        if hasattr(model, "hf_device_map"):
+            del model.hf_device_map
+    return res, {"resident_bytes": kept}
+
+
+def run_diffusers(model, work, dev, tokens):
+    """Last on a shape: it moves model.model to the CPU and leaves hooks."""
+    from diffusers.hooks import apply_group_offloading
+    model.model.to("cpu")
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    dispatch_model(model, device_map=device_map, main_device=main)
-    try:
-        decode(model, prompt, 1, dev)
-        toks, secs = decode(model, prompt, steps, dev)
-    finally:
-        remove_hook_from_submodules(model)
-        for name, m in linears:
-            for pn, p in list(m.named_parameters(recurse=False)):
-                m._parameters[pn] = nn.Parameter(host_copy[f"{name}.{pn}"].to(dev, copy=True), requires_grad=False)
-        if hasattr(model, "hf_device_map"):
-            del model.hf_device_map
-        gc.collect()
-    return {"tokens": toks, "seconds": secs, "resident_bytes": used}
+    apply_group_offloading(model.model, onload_device=dev, offload_type="block_level", num_blocks_per_group=1,
+                           use_stream=dev.type == "cuda", record_stream=dev.type == "cuda")
+    short = Workload.__new__(Workload)
+    short.dev, short.prefill = dev, None
+    short.modes = [(m, p, min(s, tokens)) for m, p, s in work.modes if m == "b1"]
+    short.run(model)
+    return short.run(model), {}
 
+
+def run_epmem(model, work, budget, **kw):
+    h = et.offload(model, budget, **kw)
+    try:
+        work.run(model, modes={"b1"})  # warm-up: first page-ins, registrations, plan
+        s0 = h.stats()
+        res = work.run(model)
+        s1 = h.stats()
+    finally:
+        h.remove()
+    # Each decode mode runs one prefill forward and its steps; the prefill mode
+    # runs prefill()'s repeats: every forward is one pass over the layers.
+    passes = sum(r["steps"] + 1 for m, r in res.items() if m != "prefill") + (PREFILL_REPEATS if "prefill" in res else 0)
+    extra = {"granularity": s1["granularity"], "sources": s1["sources"],
+             "streamed_bytes_per_pass": (s1["htod_bytes"] - s0["htod_bytes"]) / passes,
+             "host_stall_ms": s1["host_stall_ms"] - s0["host_stall_ms"],
+             "peak_resident_bytes": s1["peak_resident_bytes"], "budget_held": s1["peak_resident_bytes"] <= budget,
+             "bypassed_page_ins": s1["bypassed_page_ins"] - s0["bypassed_page_ins"],
+             "staged_page_ins": s1["staged_page_ins"] - s0["staged_page_ins"],
+             "hook_calls": s1["hook_calls"], "bridged_calls": s1["bridged_calls"]}
+    return res, extra
+
+
+# ---- the run ----------------------------------------------------------------------------
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (and .md, .png beside it)")
     ap.add_argument("--plot", help="PNG of tok/s vs budget (default: next to --json)")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--accelerate-tokens", type=int, default=8)
+    ap.add_argument("--shapes", default="big,gqa,small")
     ap.add_argument("--budgets", default="25,50,75")
-    ap.add_argument("--shapes", default="big,small")
+    ap.add_argument("--tokens", type=int, default=32, help="batch-1 decode steps")
+    ap.add_argument("--batches", default="16,64", help="batched decode sizes ('' for none)")
+    ap.add_argument("--batch-tokens", type=int, default=16)
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="0: no prefill mode")
+    ap.add_argument("--peer-tokens", type=int, default=8, help="decode steps of the accelerate/diffusers rows")
+    ap.add_argument("--accelerate-budgets", default="50", help="budgets of the accelerate row ('' for none)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--no-accelerate", action="store_true")
-    ap.add_argument("--no-caller-row", action="store_true", help="skip the staged_caller rows")
-    ap.add_argument("--no-plain-row", action="store_true",
-                    help="skip the staged_plain rows (staged with the defaults before the tuning)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="rows to run (resident always runs)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
-    # Per-Linear acquires (the default here) let the residency plan stream one
-    # weight at a time: with whole-block holds no policy can copy less than
-    # (offloaded - budget) x blocks / (blocks - 1) per token (docs/RESIDENCY.md).
-    ap.add_argument("--granularity", default="linear", choices=("linear", "block"))
-    ap.add_argument("--split-mib", type=float, default=0,
-                    help="split each decoder-layer linear into equal blocks of about this many MiB (0: whole matrices)")
     a = ap.parse_args()
-    budgets = [int(b) for b in a.budgets.split(",")]
+    budgets = [int(b) for b in a.budgets.split(",") if b]
     shapes = a.shapes.split(",")
+    batches = [int(b) for b in a.batches.split(",") if b]
+    methods = [m for m in a.methods.split(",") if m]
+    for m in methods:
+        if m not in METHODS:
+            sys.exit(f"bench_torch: unknown method {m!r} (one of {', '.join(METHODS)})")
+    acc_budgets = [int(b) for b in a.accelerate_budgets.split(",") if b]
     if a.quick:
-        shapes, a.tokens, a.accelerate_tokens, a.vocab = ["quick"], 6, 3, 512
+        shapes, a.tokens, a.batch_tokens, a.peer_tokens, a.vocab = ["quick"], 6, 3, 3, 512
+        batches, a.prefill_tokens = [4], 64
 
     with epmem.Device() as edev:
         ekind = edev.kind
@@ -421,113 +400,108 @@ def main():
         sys.exit("bench_torch: epmem's device is CUDA but torch has no CUDA")
     if dev.type == "cpu" and not a.quick:
         sys.exit("bench_torch: no CUDA device (EPM_DEVICE=host): only --quick runs on the host device")
-    dtype = torch.bfloat16
-    have_acc = False
-    if not a.no_accelerate and dev.type == "cuda":
-        try:
-            import accelerate  # noqa: F401
-            have_acc = True
-        except ImportError:
-            log("accelerate is not installed: its rows are skipped")
+    notes = []
+    for m, mod in (("accelerate", "accelerate"), ("diffusers", "diffusers")):
+        if m in methods:
+            try:
+                __import__(mod)
+            except ImportError:
+                notes.append(f"{m} is not installed: its rows were not run")
+                methods.remove(m)
+    if dev.type != "cuda" and "diffusers" in methods:
+        notes.append("diffusers: runs on CUDA only (its stream prefetch); not run on the host device")
+        methods.remove("diffusers")
+    for n in notes:
+        log(n)
     peak = h2d_peak(dev, (64 << 20) if a.quick else GiB)
     log(f"pinned H2D peak: {peak / 1e9:.1f} GB/s")
-    pageable_n = (8 << 20) if a.quick else GiB
-    speaks = staged_peaks(dev, pageable_n)
-    stpeak = max(speaks.values()) if speaks else None
-    if speaks:
-        log("pageable H2D: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in speaks.items()))
     result = {"device": ekind, "torch": torch.__version__, "epmem": epmem.version_string(),
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "h2d_peak_bytes_per_s": peak,
-              "pageable_h2d_bytes_per_s": speaks, "pageable_h2d_copy_bytes": pageable_n,
-              "staged_peak_bytes_per_s": stpeak, "tokens": a.tokens, "accelerate_tokens": a.accelerate_tokens,
-              "shapes": []}
+              "h2d_peak_bytes_per_s": peak, "tokens": a.tokens, "batch_tokens": a.batch_tokens,
+              "peer_tokens": a.peer_tokens, "prefill_tokens": a.prefill_tokens, "methods": methods,
+              "notes": notes, "shapes": []}
     mismatches = []
     t_start = time.perf_counter()
     for shape in shapes:
-        model, kind = make_model(shape, dev, dtype, a.vocab, a.seed)
-        if a.split_mib > 0:
-            split_linears(model, int(a.split_mib * 2**20))
-            sz = sorted({p.numel() * p.element_size() for _, m in offloaded_linears(model) for p in m.parameters()})
-            kind += f", linears split into equal blocks (sizes {', '.join(f'{x / 2**20:g}' for x in sz)} MiB)"
-        off = sum(p.numel() * p.element_size() for _, m in offloaded_linears(model) for p in m.parameters())
+        max_pos = max(256, a.prefill_tokens + 64)
+        model = make_model(shape, dev, torch.bfloat16, a.vocab, a.seed, max_pos)
+        lin = offloaded_linears(model)
+        sizes = [p.numel() * p.element_size() for _, m in lin for p in m.parameters(recurse=False)]
+        off = sum(sizes)
         n, d, f, heads, kv = SHAPES[shape]
-        log(f"== {shape}: {kind}, {n} blocks {d}/{f}, {off / GiB:.2f} GiB offloadable")
-        prompt = torch.tensor([[1, 15043, 29892, 590, 1024, 338, 263, 4086]], device=dev) % a.vocab
-        decode(model, prompt, 2, dev)
-        # Two timed decodes: the first after building a model can run far
-        # slower (allocator, kernel selection); the faster is the reference.
-        ref, secs = decode(model, prompt, a.tokens, dev)
-        ref2, secs2 = decode(model, prompt, a.tokens, dev)
-        if ref2 != ref:
-            mismatches.append(f"{shape} resident (two decodes differ)")
-        resident_runs = [secs / a.tokens * 1e3, secs2 / a.tokens * 1e3]
-        secs = min(secs, secs2)
-        sh = {"name": shape, "model": kind, "blocks": n, "hidden": d, "intermediate": f, "heads": heads,
-              "kv_heads": kv, "vocab": a.vocab, "offloaded_bytes": off, "split_mib": a.split_mib,
-              "resident": {"tokens": ref, "ms_per_token": secs / a.tokens * 1e3, "tok_s": a.tokens / secs,
-                           "ms_per_token_runs": resident_runs},
+        log(f"== {shape}: {n} blocks {d}/{f}, {heads} heads / {kv} KV heads, {off / GiB:.2f} GiB offloadable")
+        work = Workload(dev, a.vocab, a.seed, batches, a.batch_tokens, a.tokens, a.prefill_tokens)
+        work.run(model, modes={"b1"})
+        ref = work.run(model)
+        ref2 = work.run(model, modes={"b1"})
+        if ref2["b1"]["tokens"] != ref["b1"]["tokens"]:
+            mismatches.append(f"{shape} resident: two decodes differ")
+        ref["b1"]["seconds"] = min(ref["b1"]["seconds"], ref2["b1"]["seconds"])
+        sh = {"name": shape, "blocks": n, "hidden": d, "intermediate": f, "heads": heads, "kv_heads": kv,
+              "vocab": a.vocab, "offloaded_bytes": off, "largest_weight_bytes": max(sizes),
+              "resident": {m: {"tok_s": r["batch"] * r["steps"] / r["seconds"] if m != "prefill" else None,
+                               "seconds": r["seconds"], "steps": r["steps"], "batch": r["batch"],
+                               "tokens": r["tokens"]}
+                           for m, r in ref.items()},
               "rows": []}
-        log(f"   resident: {a.tokens / secs:.2f} tok/s")
-        host_copy = None
-        if have_acc:
-            host_copy = {f"{name}.{pn}": p.detach().to("cpu") for name, m in offloaded_linears(model)
-                         for pn, p in m.named_parameters(recurse=False)}
+        log("   resident: " + ", ".join(f"{m} {r['seconds'] / r['steps'] * 1e3:.1f} ms/step" for m, r in ref.items()))
+
+        def add(method, pct, budget, res, extra):
+            floor_bytes = off - budget
+            for mode, r in res.items():
+                want = ref[mode]["tokens"]
+                got = r["tokens"]
+                same = all(g == w[:len(g)] for g, w in zip(got, want)) and len(got) == len(want)
+                if not same:
+                    mismatches.append(f"{shape} {pct}% {method} {mode}")
+                per_step = r["seconds"] / r["steps"]
+                row = {"method": method, "budget_pct": pct, "budget_bytes": budget, "mode": mode,
+                       "batch": r["batch"], "steps": r["steps"], "seconds_per_step": per_step,
+                       "tok_s": r["batch"] / per_step if mode != "prefill" else None,
+                       "ttft_s": per_step if mode == "prefill" else None,
+                       "floor_bytes": floor_bytes, "floor_s": floor_bytes / peak,
+                       "ratio_to_floor": (floor_bytes / peak) / per_step if floor_bytes > 0 else None,
+                       "tokens_identical": same, "tokens_compared": len(got[0]) if got else 0,
+                       "resident_seconds_per_step": ref[mode]["seconds"] / ref[mode]["steps"]}
+                row.update(extra)
+                sh["rows"].append(row)
+                log(f"   {pct}% {method} {mode}: {per_step * 1e3:.1f} ms/step, "
+                    f"{row['ratio_to_floor'] or 0:.3f} x floor{'' if same else ', TOKENS DIFFER'}")
+
+        host = None
+        if "uva" in methods or "accelerate" in methods:
+            host = pinned_copies(model, dev)
         for pct in budgets:
             budget = off * pct // 100
-            floor_s = (off - budget) / peak
-            sizes = [p.numel() * p.element_size() for _, m in offloaded_linears(model) for p in m.parameters()]
-            largest = max(sizes)
-            bound = off - budget + 2 * largest
-            unit_floor = whole_weight_floor(sizes, budget)
-            rows = {}
-            methods = [("registered", "registered", {}), ("staged", "staged", {})]
-            if not a.no_caller_row:
-                methods.append(("staged_caller", "staged", {"caller_fills": 1}))
-            if not a.no_plain_row:
-                methods.append(("staged_plain", "staged", {"fill_ahead_chunks": 0, "staging_slots": 3,
-                                                           "prefetch_depth": 1}))
-            for method, sources, cfg in methods:
-                r = run_epmem(model, prompt, a.tokens, dev, budget, sources, a.granularity, **cfg)
-                rows[method] = r
-                log(f"   {pct}% {method}: {a.tokens / r['seconds']:.2f} tok/s, "
-                    f"{r['streamed_bytes_per_token'] / GiB:.2f} GiB/token")
-            if have_acc:
-                r = run_accelerate(model, prompt, a.accelerate_tokens, dev, budget, host_copy)
-                rows["accelerate"] = r
-                log(f"   {pct}% accelerate: {a.accelerate_tokens / r['seconds']:.3f} tok/s")
-            acc_tok_s = (a.accelerate_tokens / rows["accelerate"]["seconds"]) if "accelerate" in rows else None
-            for method, r in rows.items():
-                steps = len(r["tokens"])
-                tok_s = steps / r["seconds"]
-                same = r["tokens"] == ref[:steps]
-                if not same:
-                    mismatches.append(f"{shape} {pct}% {method}")
-                row = {"budget_pct": pct, "budget_bytes": budget, "method": method, "tok_s": tok_s,
-                       "ms_per_token": r["seconds"] / steps * 1e3, "tokens_compared": steps,
-                       "tokens_identical": same, "floor_tok_s": 1 / floor_s if floor_s > 0 else None,
-                       "ratio_to_floor": tok_s * floor_s if floor_s > 0 else None,
-                       "ratio_to_accelerate": tok_s / acc_tok_s if acc_tok_s else None}
-                row.update({k: v for k, v in r.items() if k not in ("tokens", "seconds")})
-                if method.startswith("staged") and stpeak and off > budget:
-                    row["staged_floor_tok_s"] = stpeak / (off - budget)
-                    row["ratio_to_staged_floor"] = tok_s * (off - budget) / stpeak
-                if "streamed_bytes_per_token" in r:
-                    row["bound_bytes_per_token"] = bound
-                    row["within_bound"] = r["streamed_bytes_per_token"] <= bound
-                    row["ideal_bytes_per_token"] = off - budget
-                    row["whole_weight_floor_bytes_per_token"] = unit_floor
-                    row["streamed_over_ideal"] = r["streamed_bytes_per_token"] / (off - budget)
-                    row["streamed_over_whole_weight_floor"] = r["streamed_bytes_per_token"] / unit_floor
-                    row["host_stall_fraction"] = r["host_stall_ms_per_token"] / row["ms_per_token"]
-                sh["rows"].append(row)
+            extra_common = {"whole_weight_floor_bytes": whole_weight_floor(sizes, budget)}
+            for method in methods:
+                if method == "epmem":
+                    res, extra = run_epmem(model, work, budget)
+                elif method == "epmem_staged":
+                    res, extra = run_epmem(model, work, budget, sources="staged")
+                    res = {"b1": res["b1"]}
+                elif method == "uva":
+                    res, extra = run_uva(model, work, dev, budget, host)
+                elif method == "accelerate" and pct in acc_budgets:
+                    res, extra = run_accelerate(model, work, dev, budget, host, a.peer_tokens)
+                else:
+                    continue
+                add(method, pct, budget, res, dict(extra_common, **extra))
+                gc.collect()
+        del host
+        gc.collect()
+        if "diffusers" in methods:
+            res, extra = run_diffusers(model, work, dev, a.peer_tokens)
+            add("diffusers", None, 0, res, extra)
+        sh["wall_s"] = time.perf_counter() - t_start
         result["shapes"].append(sh)
-        del model, host_copy
+        del model, work
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     result["wall_s"] = time.perf_counter() - t_start
     result["tokens_identical"] = not mismatches
+    result["mismatches"] = mismatches
     table = table_md(result)
     print(table)
     if a.json:
@@ -545,89 +519,82 @@ def main():
     return 0
 
 
+# ---- report -----------------------------------------------------------------------------
+
 def fmt(x, spec):
     return "—" if x is None else format(x, spec)
+
+
+def _verdict(ok):
+    return "met" if ok else "MISSED"
 
 
 def table_md(res):
     lines = []
     out = lines.append
     out(f"\n# bench_torch: {res['gpu']}, torch {res['torch']}, epmem {res['epmem']}, "
-          f"pinned H2D peak {res['h2d_peak_bytes_per_s'] / 1e9:.1f} GB/s\n")
-    sp = res.get("pageable_h2d_bytes_per_s") or {}
-    if sp:
-        out(f"pageable H2D, {res['pageable_h2d_copy_bytes'] / 2**20:g} MiB copies, nothing else running: "
-            + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in sp.items())
-            + f"; staged peak / pinned peak = {res['staged_peak_bytes_per_s'] / res['h2d_peak_bytes_per_s']:.2f} "
-            "(what a staged row can reach against the registered one when the decode is PCIe-bound)\n")
+        f"pinned H2D peak {res['h2d_peak_bytes_per_s'] / 1e9:.1f} GB/s\n")
+    for n in res.get("notes", []):
+        out(f"- {n}")
     for sh in res["shapes"]:
-        r0 = sh["resident"]
-        out(f"## {sh['name']}: {sh['model']}, {sh['blocks']} blocks {sh['hidden']}/{sh['intermediate']}, "
-              f"{sh['offloaded_bytes'] / GiB:.2f} GiB offloaded (decoder-layer linears); "
-              f"resident {r0['tok_s']:.2f} tok/s ({r0['ms_per_token']:.1f} ms/token)\n")
-        out("| budget | method | tok/s | ms/token | streamed MiB/token | ideal (offloaded − budget) MiB | "
-              "whole-weight floor MiB | bound MiB/token | streamed ÷ ideal | floor tok/s | × floor "
-              "| × accelerate | host stall ms/token | tokens |")
-        out("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in sh["rows"]:
-            streamed = r.get("streamed_bytes_per_token")
-            out(f"| {r['budget_pct']}% | {r['method']} | {r['tok_s']:.3f} | {r['ms_per_token']:.1f} | "
-                  f"{fmt(streamed and streamed / 2**20, '.1f')} | "
-                  f"{fmt(r.get('ideal_bytes_per_token') and r['ideal_bytes_per_token'] / 2**20, '.1f')} | "
-                  f"{fmt(r.get('whole_weight_floor_bytes_per_token') and r['whole_weight_floor_bytes_per_token'] / 2**20, '.1f')} | "
-                  f"{fmt(r.get('bound_bytes_per_token') and r['bound_bytes_per_token'] / 2**20, '.1f')} | "
-                  f"{fmt(r.get('streamed_over_ideal'), '.4f')} | "
-                  f"{fmt(r['floor_tok_s'], '.3f')} | "
-                  f"{fmt(r['ratio_to_floor'], '.2f')} | {fmt(r['ratio_to_accelerate'], '.1f')} | "
-                  f"{fmt(r.get('host_stall_ms_per_token'), '.1f')} | "
-                  f"{'identical' if r['tokens_identical'] else 'DIFFER'} ({r['tokens_compared']}) |")
+        out(f"\n## {sh['name']}: {sh['blocks']} blocks {sh['hidden']}/{sh['intermediate']}, "
+            f"{sh['heads']} heads, {sh['kv_heads']} KV heads, {sh['offloaded_bytes'] / GiB:.2f} GiB offloaded\n")
+        out("| mode | budget | method | ms/step | tok/s | × floor | × uva | streamed MiB/pass | "
+            "whole-weight floor MiB | tokens |")
+        out("|---|---|---|---|---|---|---|---|---|---|")
+        by = {(r["mode"], r["budget_pct"], r["method"]): r for r in sh["rows"]}
+        modes = [m for m in sh["resident"]]
+        for mode in modes:
+            rr = sh["resident"][mode]
+            out(f"| {mode} | — | resident | {rr['seconds'] / rr['steps'] * 1e3:.1f} | "
+                f"{fmt(rr['tok_s'], '.2f')} | — | — | — | — | reference |")
+            for r in sh["rows"]:
+                if r["mode"] != mode:
+                    continue
+                uva = by.get((mode, r["budget_pct"], "uva"))
+                x_uva = uva["seconds_per_step"] / r["seconds_per_step"] if uva else None
+                streamed = r.get("streamed_bytes_per_pass")
+                wwf = r.get("whole_weight_floor_bytes")
+                out(f"| {mode} | {'—' if r['budget_pct'] is None else str(r['budget_pct']) + '%'} | {r['method']} | "
+                    f"{r['seconds_per_step'] * 1e3:.1f} | {fmt(r['tok_s'], '.2f')} | "
+                    f"{fmt(r['ratio_to_floor'], '.3f')} | {fmt(x_uva, '.2f')} | "
+                    f"{fmt(streamed and streamed / 2**20, '.0f')} | {fmt(wwf and wwf / 2**20, '.0f')} | "
+                    f"{'identical' if r['tokens_identical'] else 'DIFFER'} ({r['tokens_compared']}) |")
         out("")
-        by = {(r["budget_pct"], r["method"]): r for r in sh["rows"]}
-        for pct in sorted({r["budget_pct"] for r in sh["rows"]}):
-            reg, stg, acc = by.get((pct, "registered")), by.get((pct, "staged")), by.get((pct, "accelerate"))
-            if reg and acc:
-                v = reg["tok_s"] / acc["tok_s"]
-                out(f"target {sh['name']} {pct}%: epmem >= 5x accelerate: {v:.1f}x {'met' if v >= 5 else 'MISSED'}")
-            if reg and reg.get("ratio_to_floor") is not None:
-                v = reg["ratio_to_floor"]
-                out(f"target {sh['name']} {pct}%: registered >= 0.95x floor: {v:.3f}x {'met' if v >= 0.95 else 'MISSED'}; "
-                      f"streamed within (offloaded - budget) + 2 x largest: "
-                      f"{'met' if reg['within_bound'] else 'MISSED'}; host stall {reg['host_stall_fraction']:.1%} of the run "
-                      f"{'met' if reg['host_stall_fraction'] < 0.02 else 'MISSED'}")
-                out(f"bytes {sh['name']} {pct}%: streamed {reg['streamed_bytes_per_token'] / 2**20:.1f} MiB/token = "
-                      f"{reg['streamed_over_ideal']:.4f} x ideal (offloaded - budget, {reg['ideal_bytes_per_token'] / 2**20:.1f} MiB), "
-                      f"{reg['streamed_over_whole_weight_floor']:.4f} x whole-weight floor "
-                      f"({reg['whole_weight_floor_bytes_per_token'] / 2**20:.1f} MiB: the best whole units can do; "
-                      "0.95x floor needs streamed <= ideal / 0.95 with copies at the full peak, ~1.02x ideal at 97% of it)")
-            if reg and stg:
-                v = stg["tok_s"] / reg["tok_s"]
-                out(f"target {sh['name']} {pct}%: staged >= 0.8x registered: {v:.2f}x "
-                      f"{'met' if v >= 0.8 else 'MISSED'}")
-            for m in ("staged", "staged_plain"):
-                r = by.get((pct, m))
-                if r and r.get("ratio_to_staged_floor") is not None:
-                    out(f"staged floor {sh['name']} {pct}% {m}: {r['ratio_to_staged_floor']:.2f}x the staged floor "
-                        f"({r['staged_floor_tok_s']:.3f} tok/s: offloaded - budget at the staged peak)")
-            pln = by.get((pct, "staged_plain"))
-            if reg and pln and stg:
-                v = pln["tok_s"] / reg["tok_s"]
-                out(f"staged_plain {sh['name']} {pct}%: {v:.2f}x registered; staged (the defaults) "
-                    f"{stg['tok_s'] / pln['tok_s']:.2f}x staged_plain; staged filled ahead "
-                    f"{stg.get('fill_ahead_mib_per_token', 0):.1f} MiB/token, used "
-                    f"{stg.get('fill_ahead_used_mib_per_token', 0):.1f}")
-            cal = by.get((pct, "staged_caller"))
-            if stg and cal:
-                out(f"fill {sh['name']} {pct}%: staged (background fill) {stg['tok_s']:.3f} tok/s = "
-                      f"{stg['tok_s'] / cal['tok_s']:.2f}x staged_caller (the caller fills) {cal['tok_s']:.3f}; "
-                      f"background waits {stg.get('background_wait_ms_per_token', 0):.1f} ms/token, "
-                      f"fill {stg.get('fill_ms_per_token', 0):.1f} ms/token")
-            for m in ("staged", "staged_plain"):
-                r = by.get((pct, m))
-                if r and "background_busy_ms_per_token" in r:
-                    busy = r["background_busy_ms_per_token"]
-                    out(f"filler {sh['name']} {pct}% {m}: busy {busy:.1f} of {r['ms_per_token']:.1f} ms/token "
-                        f"(fill {r['fill_ms_per_token']:.1f}, slot waits {r['slot_wait_ms_per_token']:.1f}); "
-                        f"idle {r['ms_per_token'] - busy:.1f}")
+        for pct in sorted({r["budget_pct"] for r in sh["rows"] if r["budget_pct"] is not None}):
+            ep, uva = by.get(("b1", pct, "epmem")), by.get(("b1", pct, "uva"))
+            if ep and ep["ratio_to_floor"] is not None:
+                v = ep["ratio_to_floor"]
+                line = f"target {sh['name']} {pct}% decode: epmem defaults >= 0.95 x floor: {v:.3f} {_verdict(v >= 0.95)}"
+                if uva:
+                    u = uva["seconds_per_step"] / ep["seconds_per_step"]
+                    line += f"; >= 1.05 x uva: {u:.3f} {_verdict(u >= 1.05)}"
+                out(line)
+            st = by.get(("b1", pct, "epmem_staged"))
+            if ep and st:
+                v = ep["seconds_per_step"] / st["seconds_per_step"]
+                out(f"target {sh['name']} {pct}% staged: >= 0.92 x registered: {v:.3f} {_verdict(v >= 0.92)}")
+            pf, pu = by.get(("prefill", pct, "epmem")), by.get(("prefill", pct, "uva"))
+            if pf:
+                bound = 1.15 * max(pf["floor_s"], pf["resident_seconds_per_step"])
+                line = (f"target {sh['name']} {pct}% prefill: ttft {pf['ttft_s']:.3f} s <= 1.15 x max(floor "
+                        f"{pf['floor_s']:.3f}, resident {pf['resident_seconds_per_step']:.3f}) = {bound:.3f}: "
+                        f"{_verdict(pf['ttft_s'] <= bound)}")
+                if pu:
+                    line += f"; <= 0.2 x uva ({pu['ttft_s']:.3f} s): {pf['ttft_s'] / pu['ttft_s']:.3f} {_verdict(pf['ttft_s'] <= 0.2 * pu['ttft_s'])}"
+                out(line)
+            for mode in [m for m in modes if m.startswith("b") and m != "b1"]:
+                e, u = by.get((mode, pct, "epmem")), by.get((mode, pct, "uva"))
+                if e and e["ratio_to_floor"] is not None:
+                    line = f"target {sh['name']} {pct}% {mode}: >= 0.95 x floor: {e['ratio_to_floor']:.3f} {_verdict(e['ratio_to_floor'] >= 0.95)}"
+                    if u:
+                        x = u["seconds_per_step"] / e["seconds_per_step"]
+                        line += f"; ahead of uva: {x:.3f} {_verdict(x > 1.0)}"
+                    out(line)
+            if ep and "budget_held" in ep:
+                out(f"budget {sh['name']} {pct}%: peak resident {ep['peak_resident_bytes'] / 2**20:.0f} MiB <= "
+                    f"budget {ep['budget_bytes'] / 2**20:.0f} MiB: {_verdict(ep['budget_held'])}; host stall "
+                    f"{ep['host_stall_ms']:.1f} ms")
         out("")
     return "\n".join(lines) + "\n"
 
@@ -640,22 +607,28 @@ def write_plot(res, path):
     except ImportError:
         log("matplotlib is not installed: no plot")
         return
-    fig, axes = plt.subplots(1, len(res["shapes"]), figsize=(6 * len(res["shapes"]), 4.2), squeeze=False)
-    for ax, sh in zip(axes[0], res["shapes"]):
-        pcts = sorted({r["budget_pct"] for r in sh["rows"]})
-        for method in ("registered", "staged", "staged_caller", "staged_plain", "accelerate"):
-            ys = [next((r["tok_s"] for r in sh["rows"] if r["budget_pct"] == p and r["method"] == method), None)
+    shapes = res["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
+    for ax, sh in zip(axes[0], shapes):
+        rows = [r for r in sh["rows"] if r["mode"] == "b1"]
+        pcts = sorted({r["budget_pct"] for r in rows if r["budget_pct"] is not None})
+        for method in BUDGET_METHODS:
+            ys = [next((r["tok_s"] for r in rows if r["budget_pct"] == p and r["method"] == method), None)
                   for p in pcts]
             if any(y is not None for y in ys):
-                ax.plot(pcts, ys, marker="o", label=f"epmem {method}" if method != "accelerate" else method)
-        floors = [next(r["floor_tok_s"] for r in sh["rows"] if r["budget_pct"] == p) for p in pcts]
-        ax.plot(pcts, floors, linestyle="--", color="gray", label="floor (PCIe peak)")
-        ax.axhline(sh["resident"]["tok_s"], linestyle=":", color="black", label="all resident")
+                ax.plot(pcts, ys, marker="o", label=method)
+        dif = next((r for r in rows if r["method"] == "diffusers"), None)
+        if dif:
+            ax.axhline(dif["tok_s"], linestyle="-.", color="tab:purple", label="diffusers (no budget)")
+        if pcts:
+            ax.plot(pcts, [res["h2d_peak_bytes_per_s"] / (sh["offloaded_bytes"] * (100 - p) / 100) for p in pcts],
+                    linestyle="--", color="gray", label="PCIe floor")
+        ax.axhline(sh["resident"]["b1"]["tok_s"], linestyle=":", color="black", label="all resident")
         ax.set_yscale("log")
         ax.set_xlabel("VRAM budget, % of offloaded bytes")
-        ax.set_ylabel("tokens/s")
+        ax.set_ylabel("tokens/s (batch 1)")
         ax.set_title(f"{sh['name']}: {sh['blocks']}x{sh['hidden']}/{sh['intermediate']}, "
-                     f"{sh['offloaded_bytes'] / GiB:.1f} GiB offloaded")
+                     f"{sh['kv_heads']} KV heads, {sh['offloaded_bytes'] / GiB:.1f} GiB")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

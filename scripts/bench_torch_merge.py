@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Merge bench_torch.py results from separate runs (one shape and budget per GPU
-call keeps each call under the device's time limit) into one JSON, table and plot.
+"""Merge bench_torch.py results from separate runs (a shape or two per GPU call
+keeps each call under the device's time limit) into one JSON, table and plot.
 
-    python3 scripts/bench_torch_merge.py big25.json big50.json small25.json ... \\
-        --json bench_torch.json [--plot bench_torch.png]
+    python3 scripts/bench_torch_merge.py big.json gqa.json small.json --json bench_torch.json [--plot P]
 
-Each row keeps the floor of its own run (its own pinned H2D peak). A shape's
-all-resident reference must be the same tokens in every run that has it: the
-model is rebuilt from the same config and seed, so anything else is a defect
-and the merge fails."""
+Each row keeps the floor of its own run (its own pinned H2D peak, kept as the
+row's h2d_peak_bytes_per_s). A shape may appear in several runs (e.g. budgets
+split across calls): its all-resident reference must then be the same tokens in
+every run (the model is rebuilt from the same config and seed, so anything else
+is a defect and the merge fails)."""
 
 import argparse
 import json
@@ -19,24 +19,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_torch  # noqa: E402  (its table and plot; importing it imports torch and epmem)
 
 
+def _tokens(sh):
+    return {m: r.get("tokens") for m, r in sh["resident"].items()}
+
+
 def merge(results):
-    out = {k: v for k, v in results[0].items() if k not in ("shapes", "wall_s")}
+    out = {k: v for k, v in results[0].items() if k not in ("shapes", "wall_s", "notes", "mismatches")}
     out["runs"] = [{"h2d_peak_bytes_per_s": r["h2d_peak_bytes_per_s"], "wall_s": r.get("wall_s"),
                     "shapes": [s["name"] for s in r["shapes"]],
-                    "budgets": sorted({row["budget_pct"] for s in r["shapes"] for row in s["rows"]})}
+                    "budgets": sorted({row["budget_pct"] for s in r["shapes"] for row in s["rows"]
+                                       if row["budget_pct"] is not None})}
                    for r in results]
     shapes = {}
     for r in results:
         for s in r["shapes"]:
             if s["name"] not in shapes:
                 shapes[s["name"]] = dict(s, rows=[])
-            elif shapes[s["name"]]["resident"]["tokens"] != s["resident"]["tokens"]:
+            elif _tokens(shapes[s["name"]]) != _tokens(s):
                 raise SystemExit(f"bench_torch_merge: {s['name']}: the all-resident tokens differ between runs")
             for row in s["rows"]:
                 shapes[s["name"]]["rows"].append(dict(row, h2d_peak_bytes_per_s=r["h2d_peak_bytes_per_s"]))
-    for s in shapes.values():
-        s["rows"].sort(key=lambda row: (row["budget_pct"], ("registered", "staged", "staged_caller", "staged_plain", "accelerate").index(row["method"])))
     out["shapes"] = list(shapes.values())
+    out["notes"] = sorted({n for r in results for n in r.get("notes", [])})
+    out["mismatches"] = [m for r in results for m in r.get("mismatches", [])]
     out["wall_s"] = sum(r.get("wall_s") or 0 for r in results)
     out["tokens_identical"] = all(r.get("tokens_identical") for r in results)
     return out

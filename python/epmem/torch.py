@@ -9,13 +9,14 @@ manager, and hand epmem memory to torch as tensors without copies.
     print(h.stats()["htod_bytes"])
     h.remove()                                     # weights back on the GPU, hooks gone
 
-What the hooks do: before a block runs, each of its offloaded weights is
-acquired on torch's *current* stream (wrapped with epm_stream_wrap_native), so
-the block's kernels wait on the device for a page-in and the host never
-waits; the parameters then point at the device copy (a tensor over epmem's
-memory, no copy). After the block, the parameters point back at the host copy
-and the weights are released on the same stream: epmem evicts a weight only
-after the work queued so far on that stream has completed. torch's legacy
+What the hooks do: before each offloaded linear runs (granularity="linear",
+the default; "block" hooks whole blocks instead), its weight is acquired on
+torch's *current* stream (wrapped with epm_stream_wrap_native), so the kernel
+waits on the device for a page-in and the host never waits; the parameter then
+points at the device copy (a tensor over epmem's memory, no copy). After it,
+the parameter points back at the host copy and the weight is released on the
+same stream: epmem evicts a weight only after the work queued so far on that
+stream has completed. torch's legacy
 default stream (handle 0) cannot be adopted, so on it epmem acquires on a
 private stream that the default stream then waits for (two event
 record/waits per block). On the host device (EPM_DEVICE=host, CPU tensors)
@@ -222,7 +223,7 @@ def _is_default_include(_name, sub):
     return isinstance(sub, nn.Linear)
 
 
-def offload(module, budget_bytes, *, blocks=None, include=None, sources="registered", granularity="block",
+def offload(module, budget_bytes, *, blocks=None, include=None, sources="registered", granularity="linear",
             device=None, prefetch_depth=None, policy="cyclic", **residency_config):
     """Offload the weights of `module`'s repeated blocks to host RAM and page them
     into a VRAM budget of `budget_bytes` through an epmem residency manager.
@@ -235,9 +236,14 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         device once, so page-ins copy directly), "staged" (pageable, every
         page-in staged through pinned buffers), or "pinned" (host memory from an
         epmem pinned arena).
-    granularity: "block" (default; a block's weights are acquired together, so
-        the budget must hold the largest block) or "linear" (one pair of hooks
-        per included submodule; the budget need only hold the largest weight).
+    granularity: "linear" (default: one pair of hooks per included submodule,
+        so each weight is acquired just before the kernel that reads it and
+        released just after; the budget need only hold the largest weight, and
+        the residency plan streams at most the whole-weight floor,
+        docs/RESIDENCY.md) or "block" (a block's weights are acquired together:
+        the budget must hold the largest block, and holding a block keeps its
+        weights resident during its whole forward, which costs streamed bytes:
+        at least (offloaded - budget) x blocks / (blocks - 1) per token).
         "block" falls back to "linear" when the budget cannot hold a block.
     device: an epmem.Device, or "cuda"/"host"/"auto" (default: EPM_DEVICE, on the
         ordinal of the module's CUDA device).
