@@ -3,6 +3,18 @@
  * budget, paging them in through epmem's residency manager, and prove on the
  * device that every weight a kernel read was bit-exact.
  *
+ * The acquisition pattern that streams the fewest bytes: declare the order of
+ * a step once (epm_residency_declare_cycle), then acquire each weight just
+ * before the kernel that reads it and release it right after, on the stream
+ * that runs the kernel. A step then copies the whole-weight floor: (weights
+ * - budget) + one weight (the one being read while the next arrives), at any
+ * --prefetch depth. Holding several weights at once (--hold N: acquire N
+ * layers, read them, release them, as a framework hook around a whole block
+ * does) keeps all N resident for the block's whole compute, so with B blocks
+ * a step copies at least (weights - budget) x B / (B - 1) (docs/RESIDENCY.md,
+ * "Holding whole blocks"). The demo prints the steady-state bytes per step
+ * against those floors.
+ *
  * Each step acquires every layer in order on one stream, queues device reads
  * of the device copy (four 4 KiB samples, head to tail, copied into pinned
  * host memory on the same stream, where a kernel of yours would read it), and
@@ -28,6 +40,7 @@
  *   --budget-pct P    VRAM budget, % of model (50)
  *   --steps S         decode steps (8)
  *   --prefetch D      prefetch depth (1)       --policy cyclic|lru
+ *   --hold N          acquire N layers together, then release them (1: around each weight)
  *   --register memlock|never|always            --sync          the host waits for every page-in
  * On the H200:  EPM_DEVICE=cuda ./offload_decode --layer-kib 65536 --steps 16
  */
@@ -43,7 +56,7 @@
 #include <epmem.h>
 
 typedef struct {
-  uint32_t layers, steps, prefetch, sync, budget_pct;
+  uint32_t layers, steps, prefetch, sync, budget_pct, hold;
   uint32_t policy, reg;
   size_t layer_bytes;
 } Options;
@@ -58,7 +71,7 @@ static double now_ms(void) {
 static void means(const char *what) { printf(what[0] == ' ' ? "    %s\n" : "    - %s\n", what); }
 
 static int parse(int argc, char **argv, Options *o) {
-  *o = (Options){.layers = 48, .steps = 8, .prefetch = 1, .budget_pct = 50,
+  *o = (Options){.layers = 48, .steps = 8, .prefetch = 1, .budget_pct = 50, .hold = 1,
                  .policy = EPM_POLICY_CYCLIC, .reg = EPM_REGISTER_WITHIN_MEMLOCK,
                  .layer_bytes = 512u << 10};
   for (int i = 1; i < argc; i++) {
@@ -71,13 +84,15 @@ static int parse(int argc, char **argv, Options *o) {
     else if (!strcmp(a, "--budget-pct")) o->budget_pct = (uint32_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--steps")) o->steps = (uint32_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--prefetch")) o->prefetch = (uint32_t)strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--hold")) o->hold = (uint32_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--policy")) o->policy = !strcmp(v, "lru") ? EPM_POLICY_LRU : EPM_POLICY_CYCLIC;
     else if (!strcmp(a, "--register"))
       o->reg = !strcmp(v, "never") ? EPM_REGISTER_NEVER
              : !strcmp(v, "always") ? EPM_REGISTER_ALWAYS : EPM_REGISTER_WITHIN_MEMLOCK;
     else { fprintf(stderr, "unknown option %s\n", a); return -1; }
   }
-  if (o->layers < 2 || o->steps < 1 || o->layer_bytes < 4096 || o->budget_pct < 1 || o->budget_pct > 100) {
+  if (o->layers < 2 || o->steps < 1 || o->layer_bytes < 4096 || o->budget_pct < 1 || o->budget_pct > 100 ||
+      o->hold < 1 || o->hold > o->layers) {
     fprintf(stderr, "need --layers >= 2, --steps >= 1, --layer-kib >= 4, --budget-pct in 1..100\n");
     return -1;
   }
@@ -147,7 +162,7 @@ int main(int argc, char **argv) {
   EpmResidency *res = NULL;
   EpmDeviceInfo info;
   EpmResidencyConfig cfg;
-  EpmResidencyStats stats;
+  EpmResidencyStats stats, warm;
   unsigned char *model = NULL, *samples = NULL;
   EpmArena *pinned = NULL;
   EpmArenaConfig acfg;
@@ -155,6 +170,7 @@ int main(int argc, char **argv) {
   EpmWeightId *ids = NULL;
   EpmStatus st = EPM_STATUS_OK;
   uint64_t mismatches = 0;
+  memset(&warm, 0, sizeof warm);
   double peak = 0, t_start = 0, t_decode = 0;
   int rc = 1, host = 1;
 
@@ -212,19 +228,31 @@ int main(int argc, char **argv) {
     printf("device: %s (CUDA, compute capability %" PRIu32 ".%" PRIu32 ", pci %s)\n", info.name,
            info.compute_capability_major, info.compute_capability_minor, info.pci_bus_id);
 
+  /* A caller holding whole blocks is re-planned once its holds were seen over
+   * a whole cycle: the first steps are not steady state. */
+  uint32_t warm_steps = o.steps > 4 ? 3 : 1;
   t_start = now_ms();
   for (uint32_t step = 0; step < o.steps; step++) {
-    for (uint32_t l = 0; l < o.layers; l++) {
-      EpmDevicePtr p = 0;
-      if ((st = epm_residency_acquire(res, ids[l], stream, &p))) goto cleanup;
-      /* Device reads of the weight, ordered after its page-in by the stream
-       * (as a kernel launched here would be) and before its release. */
-      for (int i = 0; i < SAMPLES; i++) {
-        size_t off = sample_offset(o.layer_bytes, i);
-        unsigned char *dst = samples + ((size_t)l * SAMPLES + (size_t)i) * SAMPLE_BYTES;
-        if ((st = epm_memcpy_dtoh_async(dev, dst, p + off, SAMPLE_BYTES, stream))) goto cleanup;
+    if (step == warm_steps) { /* the steady state: the plan learnt, the resident set filled */
+      if ((st = epm_residency_synchronize(res))) goto cleanup;
+      warm.size = sizeof warm;
+      if ((st = epm_residency_get_stats(res, &warm))) goto cleanup;
+    }
+    for (uint32_t l0 = 0; l0 < o.layers; l0 += o.hold) {
+      uint32_t l1 = l0 + o.hold < o.layers ? l0 + o.hold : o.layers;
+      for (uint32_t l = l0; l < l1; l++) {
+        EpmDevicePtr p = 0;
+        if ((st = epm_residency_acquire(res, ids[l], stream, &p))) goto cleanup;
+        /* Device reads of the weight, ordered after its page-in by the stream
+         * (as a kernel launched here would be) and before its release. */
+        for (int i = 0; i < SAMPLES; i++) {
+          size_t off = sample_offset(o.layer_bytes, i);
+          unsigned char *dst = samples + ((size_t)l * SAMPLES + (size_t)i) * SAMPLE_BYTES;
+          if ((st = epm_memcpy_dtoh_async(dev, dst, p + off, SAMPLE_BYTES, stream))) goto cleanup;
+        }
       }
-      if ((st = epm_residency_release(res, ids[l], stream))) goto cleanup;
+      for (uint32_t l = l0; l < l1; l++)
+        if ((st = epm_residency_release(res, ids[l], stream))) goto cleanup;
     }
     /* End of a token: the host needs the result (here, the samples). */
     if ((st = epm_stream_synchronize(stream))) goto cleanup;
@@ -298,6 +326,21 @@ int main(int argc, char **argv) {
          "      in %.0f MiB chunks, so committed can exceed the budget (the bound is under budget_bytes in epmem.h);\n"
          "      driver allocs: chunks committed (flat after warm-up); fragmentation: 1 - largest free range / free bytes\n",
          chunk_mib);
+  if (o.steps > 1) {
+    double per_step = (double)(stats.htod_bytes - warm.htod_bytes) / (o.steps - warm_steps);
+    double forced = (double)(total > budget ? total - budget : 0);
+    uint32_t blocks = (o.layers + o.hold - 1) / o.hold;
+    printf("steady state: %.1f MiB streamed per step = %.3f x (weights - budget) %.1f MiB\n", per_step / 1048576.0,
+           forced > 0 ? per_step / forced : 0.0, forced / 1048576.0);
+    if (o.hold == 1) {
+      means("around each weight a step copies about (weights - budget) + the largest unit streamed, at any");
+      means("  --prefetch depth (a unit: a weight, or a run of small ones coalesced into one copy)");
+    } else if (blocks > 1) {
+      printf("    - %" PRIu32 " layers held together: each block's weights stay resident for its whole compute, so a step\n"
+             "      copies at least (weights - budget) x %" PRIu32 " / %" PRIu32 " = %.1f MiB; --hold 1 streams less\n",
+             o.hold, blocks, blocks - 1, forced * blocks / (blocks - 1) / 1048576.0);
+    }
+  }
   printf("streamed %.2f GB/s over the decode = %.0f%% of the pinned H2D peak %.2f GB/s measured here\n", gbps,
          100.0 * gbps / peak, peak);
   means("bytes copied to the device / decode time, against back-to-back copies from pinned memory timed just");

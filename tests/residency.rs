@@ -410,12 +410,17 @@ fn prefetch_hides_page_ins_behind_compute() {
         st.prefetch_page_ins > 0 && st.prefetch_page_ins <= st.page_ins,
         "{st:?}"
     );
-    // Every page-in was used, except the prefetch the last acquire issued.
-    assert_eq!((st.wasted_prefetches, st.pending_prefetches), (0, 1), "{st:?}");
-    assert_eq!(st.page_ins, st.acquires - st.hits + 1, "{st:?}");
-    // Every page-in was issued ahead of its use (none on demand); how much of
-    // the copy time that hides is the benchmark's to measure.
-    assert_eq!(st.prefetch_page_ins, st.page_ins, "{st:?}");
+    // Every page-in was used, except a prefetch the last release issued.
+    assert_eq!(st.wasted_prefetches, 0, "{st:?}");
+    assert!(st.pending_prefetches <= 1, "{st:?}");
+    assert_eq!(st.page_ins, st.acquires - st.hits + st.pending_prefetches, "{st:?}");
+    // Over budget with equal sizes the policy's victim is the weight just
+    // released: a prefetch leaves it to the next acquire (a second choice
+    // would keep one weight more live, a weight more per step), whose page-in
+    // is ordered behind that read on the device — the host never waits.
+    assert_eq!((st.eviction_waits, st.host_stall_ms), (0, 0.0), "{st:?}");
+    // Each steady-state step copies (total − budget) + one weight: 5 of 8.
+    assert!(st.page_ins <= 2 + 3 * 5, "{st:?}");
 }
 
 /// The two-walker tests' weights: ten uneven sizes (so a plan with a ring)
@@ -562,7 +567,8 @@ fn host_ranges_join_only_when_adjacent() {
 /// the caller's thread (`caller_fills`): bit-exact either way, and the
 /// counters say which thread filled them. With the filler, a prefetch may
 /// overwrite the unit just released (its fill then overlaps that unit's
-/// read), so more page-ins are prefetches and none costs more bytes.
+/// read), so more page-ins are prefetches; either way a step copies at most
+/// the whole-weight floor.
 #[test]
 fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
     let d = dev();
@@ -603,7 +609,8 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
         eprintln!("sizes {sizes:?}: background {bg_pf}/{bg_all} prefetched, caller {c_pf}/{c_all}");
         assert!(bg_pf * c_all >= c_pf * bg_all, "the filler issues no smaller share of page-ins ahead of use: {seen:?}");
         assert!(bg_pf == bg_all, "with the filler every steady-state page-in is a prefetch: {seen:?}");
-        assert!(bg_bytes <= c_bytes, "and copies no more bytes per step: {seen:?}");
+        let bound = (epmem::residency::placement::whole_weight_floor(&sizes, budget) + 256 * sizes.len()) as u64;
+        assert!(bg_bytes <= bound && c_bytes <= bound, "bytes per step over {bound}: {seen:?}");
     }
     // Registered sources copy directly: nothing to fill, nothing queued.
     let w = Weights::new(&[n; 6], 13);
@@ -735,8 +742,8 @@ fn unregister_replan_and_drop_wait_for_queued_background_fills() {
     c.prefetch_depth = 3;
     for round in 0..3 {
         let (m, ids) = cycled(&d, &w, c);
-        decode(&d, &m, &w, &ids, 1);
-        // Queue prefetches, then at once do what must wait for them.
+        // Queue prefetches (into a budget nothing holds yet), then at once do
+        // what must wait for them.
         let queued = m.prefetch(&ids).unwrap();
         assert!(queued > 0, "round {round}: nothing to prefetch");
         match round {

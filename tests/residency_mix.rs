@@ -456,3 +456,82 @@ fn split_matrices_stream_close_to_total_minus_budget() {
     }
     eprintln!("{table}");
 }
+
+/// The acquisition patterns a host may use, each at every prefetch depth it
+/// may ask for: a deeper window must buy overlap, never bytes.
+///
+/// Per weight along a declared cycle (mixed Llama sizes, a plan; and equal
+/// sizes, farthest-next-use without a plan): a step copies at most the
+/// whole-weight floor at depths 1 to 8.
+#[test]
+fn per_weight_acquisition_streams_the_whole_weight_floor_at_any_prefetch_depth() {
+    let mut table = String::from("| shape | budget % | depth | bytes/step | whole-weight floor | ÷ floor | eviction waits |\n");
+    let uniform = vec![(128 * 344 * 2); 24];
+    let mut cases: Vec<(&str, Vec<usize>)> = shapes()
+        .into_iter()
+        .filter(|(n, _)| *n != "llama13b/32")
+        .map(|(n, b)| (n, (0..4).flat_map(|_| b).collect()))
+        .collect();
+    cases.push(("uniform x24", uniform));
+    for (name, sizes) in cases {
+        let total: usize = sizes.iter().sum();
+        for pct in [25, 50, 75] {
+            let budget = total * pct / 100;
+            let wwf = whole_weight_floor(&sizes, budget);
+            for depth in [1, 2, 3, 4, 7, 8] {
+                let r = measure(&sizes, budget, depth, 1, 0);
+                table.push_str(&format!(
+                    "| {name} | {pct} | {depth} | {:.0} | {wwf} | {:.4} | {} |\n",
+                    r.bytes_per_step,
+                    r.bytes_per_step / wwf as f64,
+                    r.window.eviction_waits
+                ));
+                assert!(
+                    r.bytes_per_step <= (wwf + 256 * sizes.len()) as f64,
+                    "{name} {pct}% depth {depth}: {:.0} bytes per step > whole-weight floor {wwf}\n{table}",
+                    r.bytes_per_step
+                );
+                assert!(r.window.host_stall_ms == 0.0, "{name} {pct}% depth {depth}: {:?}", r.window);
+            }
+        }
+    }
+    eprintln!("{table}");
+}
+
+/// A block of seven weights held together (acquire all, compute, release
+/// all), the cycle declared, at prefetch depths 1 to 7 — the last is the
+/// natural C pattern of prefetching a whole layer ahead: a step copies at
+/// most the block floor, (total − budget) × nb / (nb − 1), plus one largest
+/// weight (and the arena's 256-byte alignment per weight, as elsewhere here).
+#[test]
+fn a_held_block_streams_within_the_block_floor_plus_one_weight_at_any_prefetch_depth() {
+    let nb = 8;
+    let mut table = String::from(
+        "| shape | budget % | depth | bytes/step | block floor | + largest | ÷ (total − budget) | eviction waits |\n",
+    );
+    for (name, b) in [("llama7b/32", block(128, 344, 128)), ("llama70b/64", block(128, 448, 16))] {
+        let sizes: Vec<usize> = (0..nb).flat_map(|_| b).collect();
+        let total: usize = sizes.iter().sum();
+        let largest = *sizes.iter().max().unwrap();
+        for pct in [25, 50, 75] {
+            let budget = total * pct / 100;
+            let block_floor = (total - budget) as f64 * nb as f64 / (nb - 1) as f64;
+            let bound = block_floor + (largest + 256 * sizes.len()) as f64;
+            for depth in [1, 2, 4, 7] {
+                let r = measure(&sizes, budget, depth, 7, 20);
+                table.push_str(&format!(
+                    "| {name} | {pct} | {depth} | {:.0} | {block_floor:.0} | {bound:.0} | {:.3} | {} |\n",
+                    r.bytes_per_step,
+                    r.bytes_per_step / (total - budget) as f64,
+                    r.window.eviction_waits
+                ));
+                assert!(
+                    r.bytes_per_step <= bound,
+                    "{name} {pct}% depth {depth}: {:.0} bytes per step > block floor + largest {bound:.0}\n{table}",
+                    r.bytes_per_step
+                );
+            }
+        }
+    }
+    eprintln!("{table}");
+}

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::WeightId;
 use super::read_fence::{DeviceBlock, TryReadsDone};
-use super::manager::{Room, State};
+use super::manager::{Need, Room, State};
 use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
 
@@ -18,13 +18,14 @@ impl ResidencyManager {
         st: &mut State,
         w: WeightId,
         len: usize,
-        demand: bool,
+        need: Need,
     ) -> Result<Option<DeviceBlock>> {
+        let demand = need.demand();
         Ok(Some(loop {
             match DeviceBlock::alloc(&self.arena, len) {
                 Ok(b) => break b,
                 // The arena has the bytes but not in one range: evict more.
-                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, demand) {
+                Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(st, w, need) {
                     Some(v) => self.evict(st, v)?,
                     None if demand && self.drop_ring(st)? => {}
                     None if demand => return Err(self.all_in_use(st, w, len)),
@@ -39,9 +40,10 @@ impl ResidencyManager {
     /// needed is still being read and its block fits `len` (without wasting
     /// more than a quarter of it), hand its block to this page-in, ordered
     /// on the device behind the readers, instead of waiting on the host.
-    pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, demand: bool) -> Result<Room> {
+    pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, need: Need) -> Result<Room> {
+        let demand = need.demand();
         while st.resident_bytes + len > self.cfg.budget_bytes {
-            let Some(v) = self.victim(st, w, demand) else {
+            let Some(v) = self.victim(st, w, need) else {
                 if demand && self.drop_ring(st)? {
                     continue;
                 }
@@ -75,18 +77,28 @@ impl ResidencyManager {
     }
 
     /// The policy's best victim that is not acquired and is not `target`;
-    /// for a prefetch, only one needed later than `target`.
-    pub(super) fn victim(&self, st: &State, target: WeightId, demand: bool) -> Option<WeightId> {
-        let limit = if demand { None } else { st.policy.distance(target) };
-        st.policy.candidates().find(|&v| {
+    /// for a prefetch, only one needed later than `target`; none for a
+    /// prefetch that may not evict.
+    ///
+    /// A prefetch takes the policy's first choice or nothing: when that is
+    /// the unit just released, which it must leave alone (`shielded`), the
+    /// next acquire's demand page-in takes it instead, ordered behind its
+    /// read. Taking the second choice would keep one more unit live than
+    /// the demand schedule does, a unit of streamed bytes per step.
+    pub(super) fn victim(&self, st: &State, target: WeightId, need: Need) -> Option<WeightId> {
+        if need == Need::PrefetchIntoFree {
+            return None;
+        }
+        let limit = if need.demand() { None } else { st.policy.distance(target) };
+        let v = st.policy.candidates().find(|&v| {
             v != target
-                && !self.shielded(st, v, target)
                 && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
                 && match (limit, st.policy.distance(v)) {
                     (Some(t), Some(d)) => d > t,
                     _ => true,
                 }
-        })
+        })?;
+        (!self.shielded(st, v, target)).then_some(v)
     }
 
     /// Evict `v`: its memory goes back to the arena only with a [`ReadsDone`]

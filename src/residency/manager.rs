@@ -20,6 +20,24 @@ use crate::error::{Error, Result};
 use crate::staging::background::Hint;
 use crate::staging::{BackgroundFill, CopyEngine, Copier, Fence, PinnedStagingPool};
 
+/// Why a unit is paged in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Need {
+    /// An acquire needs it now: evict what the policy says, or fail.
+    Demand,
+    /// The first missing unit ahead: may evict only units needed later.
+    Prefetch,
+    /// Further ahead in the prefetch window: only into room nothing has to
+    /// leave for.
+    PrefetchIntoFree,
+}
+
+impl Need {
+    pub(super) fn demand(self) -> bool {
+        self == Need::Demand
+    }
+}
+
 /// What making room for a page-in produced.
 pub(super) enum Room {
     /// The budget has room: allocate from the arena.
@@ -334,7 +352,7 @@ impl ResidencyManager {
         for &w in weights {
             let w = st.reg.leader(w)?;
             if !st.reg.get(w)?.resident() {
-                if !self.page_in(&mut st, w, false)? {
+                if !self.page_in(&mut st, w, Need::Prefetch)? {
                     break;
                 }
                 n += 1;
@@ -378,7 +396,7 @@ impl ResidencyManager {
             st.c.pending_prefetches -= 1;
         }
         if !e.resident() {
-            self.page_in(st, w, true)?;
+            self.page_in(st, w, Need::Demand)?;
         }
         st.c.acquires += 1;
         st.c.hits += hit as u64;

@@ -6,17 +6,17 @@ use std::time::Instant;
 
 use super::WeightId;
 use super::read_fence::Fenced;
-use super::manager::{Room, State};
+use super::manager::{Need, Room, State};
 use super::plan::RingPageIn;
 use super::registry::{RegState, RegisterSources};
 use crate::error::Result;
 use crate::residency::ResidencyManager;
 
 impl ResidencyManager {
-    /// Page `w` in. `demand`: an acquire needs it now (errors if no room);
-    /// otherwise a prefetch, which gives up (Ok(false)) rather than evict a
-    /// weight needed sooner.
-    pub(super) fn page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<bool> {
+    /// Page `w` in, for the reason `need` gives (a prefetch gives up,
+    /// Ok(false), rather than evict what it may not).
+    pub(super) fn page_in(&self, st: &mut State, w: WeightId, need: Need) -> Result<bool> {
+        let demand = need.demand();
         if st.ring.is_some() && st.streamed.contains(&w) {
             match self.ring_page_in(st, w, demand)? {
                 RingPageIn::Done => return Ok(true),
@@ -33,7 +33,7 @@ impl ResidencyManager {
             }
         }
         let len = st.reg.get(w)?.unit.len();
-        let reused = match self.make_room(st, w, len, demand)? {
+        let reused = match self.make_room(st, w, len, need)? {
             Room::No => return Ok(false),
             Room::Reuse(r) => Some(r),
             Room::Fits => None,
@@ -46,7 +46,7 @@ impl ResidencyManager {
                 r.fill(self.copier(st, w, demand)?, range, order)?
             }
             None => {
-                let block = self.alloc_block(st, w, len, demand)?;
+                let block = self.alloc_block(st, w, len, need)?;
                 let Some(block) = block else { return Ok(false) };
                 let fence = self.copy_in(st, w, block.addr(), false, demand)?;
                 Fenced::new(block, fence)
@@ -120,6 +120,11 @@ impl ResidencyManager {
     /// missing ones. Skipping resident weights matters: Belady's resident
     /// set is a run of the cycle, so misses come in runs, and the copies of
     /// the next run must start while the hit run computes.
+    ///
+    /// Only the first unit of the window may evict ([`Need::Prefetch`]);
+    /// the rest go only where nothing has to leave for them (free budget, or
+    /// ring bytes whose occupant was read already), so a deeper window
+    /// overlaps more but never copies a byte the depth-1 schedule would not.
     pub(super) fn prefetch_ahead(&self, st: &mut State, w: WeightId) -> Result<()> {
         let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
         let n = st.cycle.len();
@@ -132,7 +137,8 @@ impl ResidencyManager {
             let x = st.cycle[(p + k) % n];
             let e = st.reg.get(x)?;
             if !e.resident() {
-                if !self.page_in(st, x, false)? {
+                let need = if ahead == 0 { Need::Prefetch } else { Need::PrefetchIntoFree };
+                if !self.page_in(st, x, need)? {
                     break;
                 }
                 ahead += 1;

@@ -35,20 +35,30 @@ impl ResidencyManager {
             sizes.iter().min().copied().unwrap_or(0),
             sizes.iter().max().copied().unwrap_or(0),
         );
-        // Equal sizes (within the 25% an ordered reuse tolerates): every
-        // victim's block takes the next weight, nothing fragments, and
-        // farthest-next-use is Belady's optimum — keep it.
-        if hi <= lo + lo / 4 {
+        // Equal sizes (within the 25% an ordered reuse tolerates), acquired
+        // around each weight: every victim's block takes the next weight,
+        // nothing fragments, and farthest-next-use is Belady's optimum — keep
+        // it. A caller holding several at once is not served by it (a held
+        // window's weights all stay resident; farthest-next-use streamed
+        // about twice (total − budget) with blocks of 7): that gets a plan.
+        let width = st.max_held.max(1);
+        if hi <= lo + lo / 4 && width == 1 {
             return Ok(None);
         }
-        let width = st.max_held.max(1);
         let starts = (width > 1 && !st.sliding && st.starts_seen).then(|| st.starts.clone());
-        Ok(placement::plan(
-            &sizes,
-            self.cfg.budget_bytes,
-            &Hold { width, starts },
-            self.cfg.prefetch_depth,
-        ))
+        // Planned for the fewest bytes, whatever depth the caller asked for:
+        // each weight of prefetch window the ring keeps room for is a weight
+        // less of resident set, so about one weight more streamed per step
+        // (with held blocks, nb/(nb − 1) of one). Around each weight the
+        // window of one costs nothing (the ring holds the largest streamed
+        // weight either way); with held blocks it is left out, and the next
+        // block's copies land on the block just read, ordered behind its
+        // reads on the device: the copy engine waits for one block's compute
+        // (about 1% of a PCIe-bound decode step). Prefetches still run, into
+        // ring bytes whose occupant was read already (`ring_page_in` gives
+        // up otherwise), so depth buys overlap, never bytes.
+        let window = if width > 1 { 0 } else { 1 };
+        Ok(placement::plan(&sizes, self.cfg.budget_bytes, &Hold { width, starts }, window))
     }
 
     /// Install the plan the cycle wants (no unit may be held). A different
