@@ -495,6 +495,9 @@ def main():
             add("diffusers", None, 0, res, extra)
         sh["wall_s"] = time.perf_counter() - t_start
         result["shapes"].append(sh)
+        if a.json:  # what is done so far survives a run cut short by a time limit
+            with open(a.json, "w") as f:
+                json.dump(dict(result, partial=True, mismatches=mismatches), f, indent=1)
         del model, work
         gc.collect()
         if dev.type == "cuda":
