@@ -25,7 +25,7 @@ staged row can reach against the registered row on a PCIe-bound decode.
 Per epmem row: streamed bytes/token against the ideal (offloaded - budget), the
 whole-weight floor (the fewest bytes any schedule copying whole matrices can
 copy: (offloaded - budget) + the smallest largest-streamed-matrix the budget
-allows, docs/RESIDENCY.md) and the issue's bound (offloaded - budget) + 2 x largest.
+allows, docs/RESIDENCY.md) and the target bound (offloaded - budget) + 2 x largest.
 With whole matrices the floor above is out of reach by the whole-weight floor's
 margin (6% on "big" at 50%); --split-mib N splits every decoder-layer linear
 into equal blocks of about N MiB (rows, or columns where the rows do not divide;

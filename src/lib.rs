@@ -2,7 +2,8 @@
 //!
 //! Layers (data flows down; nothing below imports anything above):
 //! - [`ffi`]: the `epm_*` C functions — handles, status codes, panic boundary;
-//! - core, safe Rust: staging, residency, arena, kv, stats;
+//! - core, safe Rust: [`staging`], [`residency`], [`arena`], [`kv`] (each
+//!   keeps and reports its own counters; there is no shared stats module);
 //! - [`transfer`]: host↔device copies — the copy witness, fill threads,
 //!   page-locked host ranges;
 //! - [`device`]: the only code that talks to hardware (CUDA or the host device).

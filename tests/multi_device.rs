@@ -1,4 +1,4 @@
-//! Several devices in one process (issue 18). On the host device (CI) the
+//! Several devices in one process. On the host device (CI) the
 //! two devices are two separate host-device instances (ordinals 0 and 1);
 //! with EPM_DEVICE=cuda they are cuda:0 and cuda:1, and every test prints
 //! "skipped: 1 device" and passes when the machine has only one GPU.

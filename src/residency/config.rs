@@ -40,18 +40,18 @@ pub struct ResidencyConfig {
     /// are spread out; when they come in a run, a deeper window lets the
     /// run's copies start during the preceding hits' compute.
     pub prefetch_depth: usize,
-    /// The seed's design: the host waits for every page-in to complete
-    /// before `acquire` returns. For comparison only (default false).
+    /// The host waits for every page-in to complete before `acquire`
+    /// returns: the synchronous baseline, for comparison only (default false).
     pub sync_page_in: bool,
-    /// Staged prefetches are filled on the calling thread, as the first
-    /// design did (default false: a background thread fills them, so the
+    /// Staged prefetches are filled on the calling thread (default false:
+    /// a background thread fills them, so the
     /// thread that launches the kernels does not spend the fill; see
     /// `staging::background`). Demand page-ins are always issued by the caller.
     pub caller_fills: bool,
     /// An acquire whose background fill is not enqueued yet waits for it on
     /// the host. Must stay true: false (the acquiring stream waiting on the
     /// device for a copy the filler has not issued yet) is refused with
-    /// `Unsupported`. On the H200 that wait deadlocked: while a stream waits
+    /// `Unsupported`, because on CUDA that wait can deadlock: while a stream waits
     /// on a value no copy has written yet, a thread copying to pageable
     /// memory on that stream (what `tensor.item()` does) makes other threads'
     /// `cuEventCreate`, `cuMemHostAlloc`, `cuStreamCreate` block, and

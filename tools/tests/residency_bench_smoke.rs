@@ -1,6 +1,6 @@
 //! CI smoke test of the residency benchmark: `bench_residency --quick` runs
-//! on the host device, prints its tables and writes JSON with every case of
-//! issue 4 item 8. (The figures are the H200 run's business, not this test's.)
+//! on the host device, prints its tables and writes JSON with every case the
+//! report needs. (The figures are the H200 run's business, not this test's.)
 
 use std::process::Command;
 

@@ -1,5 +1,5 @@
 //! bench_kv: the KV pool against the VMM driver floor, and what prefix
-//! sharing saves (issue 5, seed 003).
+//! sharing saves.
 //!
 //!   EPM_DEVICE=cuda bench_kv [--json PATH] [--runs N]   # on the H200
 //!   bench_kv --quick                                     # small sizes (CI smoke on the host device)
@@ -12,7 +12,7 @@
 //! token prefixes × 2/4/8/16 sharers on qwen14b- and qwen2.5-0.5b-shaped
 //! layouts, from the ledger and from the driver's free memory, next to the
 //! seed's figures.
-//! Part 3 (issue 14): a batch of 8/32/128 slots, one prompt pinned from slot 0
+//! Part 3: a batch of 8/32/128 slots, one prompt pinned from slot 0
 //! and mapped into the others, against every slot holding a private copy —
 //! bytes from the ledger and from the driver's free memory.
 

@@ -1,5 +1,5 @@
-//! Two devices streaming weights at once from one registered host copy
-//! (issue 18, item 3): the aggregate page-in rate against twice the
+//! Two devices streaming weights at once from one registered host copy:
+//! the aggregate page-in rate against twice the
 //! single-device rate, and the host's memory-copy rate that caps both.
 //!
 //! One host buffer of `layers` weights is page-locked once

@@ -1,4 +1,4 @@
-//! Weight residency benchmark (issue 4): one synthetic model decoded under a
+//! Weight residency benchmark: one synthetic model decoded under a
 //! VRAM budget, every approach side by side in one run.
 //!
 //! - peak: pinned H2D copies of one layer (the physical ceiling, this run);
@@ -504,7 +504,7 @@ fn bench(a: &Args) -> Result<()> {
     let allocs: u64 = runs.iter().skip(1).map(|(_, r)| r.allocs).sum();
     let (d0, vs_opt, _) = hit_ratios[0];
     let (d1, vs_opt1, vs_window1) = hit_ratios[1];
-    md.push_str("\n### Targets (issue 4)\n\n| target | measured | |\n|---|---|---|\n");
+    md.push_str("\n### Targets (residency)\n\n| target | measured | |\n|---|---|---|\n");
     md.push_str(&format!(
         "| registered sources ≥ 95% of the pinned peak | {reg:.0}% | {} |\n",
         pass(reg >= 95.0)
@@ -555,7 +555,7 @@ fn llama_block(d: usize, ffn: usize, kv: usize) -> [usize; 7] {
     [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, d * ffn].map(|e| 2 * e)
 }
 
-/// Mixed-size weights (issue 12): Llama-7B (16 blocks of 4096/11008) and
+/// Mixed-size weights: Llama-7B (16 blocks of 4096/11008) and
 /// Llama-70B (8 blocks of 8192/28672, K/V 8192×1024; 4 with --quick) at 25/50/75% budgets,
 /// the plan (default) against farthest-next-use alone, acquiring around
 /// each weight and a whole block at once (a torch forward hook). Reports
@@ -580,7 +580,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
         ),
     ];
     let mut md = String::from(
-        "\n### Mixed sizes (issue 12)\n\nStreamed bytes per decode step against the floor (total − budget) and the bound \
+        "\n### Mixed sizes\n\nStreamed bytes per decode step against the floor (total − budget) and the bound \
          (floor + 2 × largest weight); `hold 7`: a block's seven weights acquired together, whose own floor is \
          floor × blocks / (blocks − 1). Steady state after warm-up; host stall = eviction waits on the host.\n\n\
          | shape | budget % | policy | hold | MiB/step | ÷ floor | ÷ bound | step ms | eviction waits | host stall ms | plans | ring MiB | demand page-ins/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -712,7 +712,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
     rep.push(Scenario::new("targets", "mixed_plan_bytes_over_bound", "ratio", false, vec![worst_over_bound]));
     let pass = |ok: bool| if ok { "PASS" } else { "FAIL" };
     md.push_str(&format!(
-        "\n| target (issue 12, plan, acquire around each weight) | measured | |\n|---|---|---|\n\
+        "\n| target (plan, acquire around each weight) | measured | |\n|---|---|---|\n\
          | bytes/step ≤ (total − budget) + 2 × largest | worst {worst_over_bound:.3} × bound | {} |\n\
          | no host waits on eviction in steady state | {plan_waits} | {} |\n",
         pass(worst_over_bound <= 1.0),

@@ -1,4 +1,4 @@
-//! Page-in bandwidth, side by side in one run (issue 3, item 8):
+//! Page-in bandwidth, side by side in one run:
 //!
 //! - (a) pageable source, pinned buffer allocated and freed per page-in (the seed's "before");
 //! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (the seed's "after");
@@ -420,7 +420,7 @@ fn run(args: &BenchArgs) -> Res<()> {
         cfg.slots
     );
     md.push_str(&sweep);
-    let _ = writeln!(md, "\n### Targets (issue 3)\n");
+    let _ = writeln!(md, "\n### Targets (staging)\n");
     for t in &targets {
         let _ = writeln!(md, "- {t}");
     }
