@@ -128,7 +128,7 @@ ffi-tests: build build-testing $(TEST_BINS)
 # ---- the test command --------------------------------------------------------
 
 # The CPU micro-benchmarks (tools/benches/micro.rs) are compiled, not timed: timings
-# on a shared CI machine mean nothing. Run them with `cargo bench --bench micro`.
+# on a shared CI machine mean nothing. Run them with `cargo bench -p epmem-tools --bench micro`.
 # --workspace: the benches, their smoke tests and kv_churn are the tools/ crate's.
 test-rust:
 	$(CARGO) test --workspace

@@ -7,7 +7,7 @@
 //! a safe call that does not return until every piece is written.
 //!
 //! Why several threads: on the H200 host one memcpy thread fills at ~10 GB/s
-//! and PCIe moves ~54 GB/s; 8–16 threads fill 47–75 GB/s alone and 30–43 GB/s
+//! and PCIe moves ~54 GB/s; 8–16 threads fill 52–92 GB/s alone and 34–49 GB/s
 //! while a DMA runs (bench_staging's fill-rate table, docs/BENCHMARKS.md,
 //! "Staging: page-in bandwidth").
 //!

@@ -4,7 +4,7 @@
 //! - peak: pinned H2D copies of one layer (the physical ceiling, this run);
 //! - (a) naive: every layer copied every step with a plain async memcpy from
 //!   pageable memory, then a synchronize (no residency);
-//! - (b) the seed's design: pooled staging, synchronous page-ins, LRU;
+//! - (b) the synchronous baseline: pooled staging, synchronous page-ins, LRU;
 //! - (c) ours: cyclic policy, prefetch, registered sources (the default), and
 //!   (c') the same with pageable sources left unregistered (staged);
 //! - overlap: (c) with a fixed per-layer compute kernel (`spin_async`) sized
@@ -280,7 +280,7 @@ fn bench(a: &Args) -> Result<()> {
         (
             "b_seed_sync_lru",
             {
-                // The seed filled one buffer on one thread; same chunking as ours.
+                // The baseline fills one buffer on one thread; same chunking as ours.
                 let mut seed = ResidencyConfig::sync_lru_baseline(budget);
                 seed.engine.chunk_bytes = ours.engine.chunk_bytes;
                 seed
@@ -420,10 +420,10 @@ fn bench(a: &Args) -> Result<()> {
     ));
 
     // Step time against the budget, as a fraction of the model: ours (the
-    // default) next to the seed's design, copy only.
+    // default) next to the synchronous LRU baseline, copy only.
     let fractions: &[u64] = if a.quick { &[50, 100] } else { &[25, 50, 75, 100] };
     let mut budget_md =
-        String::from("| budget (% of model) | ours step ms | ours hit rate | seed step ms | seed hit rate |\n|---|---|---|---|---|\n");
+        String::from("| budget (% of model) | ours step ms | ours hit rate | sync LRU baseline step ms | baseline hit rate |\n|---|---|---|---|---|\n");
     for &f in fractions {
         let b = (m.total() as u64 * f / 100) as usize;
         let ours_b = run(&dev, &m, a, ResidencyConfig { budget_bytes: b, ..ours }, 0)?;
@@ -471,11 +471,11 @@ fn bench(a: &Args) -> Result<()> {
     }
     md.push_str(&format!(
         "\nOverlap: fixed compute of {spin_us} µs per layer ({compute:.1} ms per step ≈ the default's copy-only step \
-         {copy_ms:.1} ms). Seed design with compute: {seed_ov_ms:.1} ms = {:.2} × max(copy, compute). Ours by prefetch depth \
+         {copy_ms:.1} ms). The synchronous LRU baseline (b_seed_*) with compute: {seed_ov_ms:.1} ms = {:.2} × max(copy, compute). Ours by prefetch depth \
          (target ≤ 1.1 × max; hit rate ≥ 0.99 × Belady):\n\n{sweep}\n\
          Hit rates count the whole run, warm-up included, as Belady sees the trace. Belady(budget − depth) is the optimum \
          for a pipeline that keeps `depth` page-ins ahead of use: the prefetched weights occupy room Belady's demand \
-         schedule would still use. LRU (seed) hit rate: {:.3}.\n",
+         schedule would still use. LRU baseline hit rate: {:.3}.\n",
         seed_ov_ms / copy_ms.max(compute),
         runs[0].1.end.hits as f64 / runs[0].1.end.acquires as f64
     ));

@@ -1,7 +1,7 @@
 //! Page-in bandwidth, side by side in one run:
 //!
-//! - (a) pageable source, pinned buffer allocated and freed per page-in (the seed's "before");
-//! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (the seed's "after");
+//! - (a) pageable source, pinned buffer allocated and freed per page-in (what a host without a pool does);
+//! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (a pool without overlap);
 //! - (c) ours: the copy engine — pooled slots, multi-threaded fill overlapped with the DMA;
 //! - (d) ours, direct path: the source registered once, copied with no staging;
 //! - (e) the physical peak: one copy from an already-filled pinned buffer
