@@ -9,8 +9,9 @@
 //! - [`device`]: the only code that talks to hardware (CUDA or the host device).
 //!
 //! `unsafe` is allowed only in device/, transfer/, ffi/ and ort/: the core
-//! modules below are `forbid(unsafe_code)`, and tests/unsafe_rule.rs checks
-//! the rule and the `// SAFETY:` line of every block.
+//! modules below are `forbid(unsafe_code)`, tests/unsafe_rule.rs checks the
+//! rule, and clippy (`make lint`, Cargo.toml's `[lints.clippy]`) the
+//! `// SAFETY:` comment of every block.
 //!
 //! See README.md and docs/ for the C-level documentation.
 
