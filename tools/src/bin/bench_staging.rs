@@ -13,9 +13,9 @@
 //! - (f) the host's fill ceiling: the best multi-threaded pageable → pinned
 //!   memcpy rate while a long DMA runs (fill and DMA share host memory bandwidth);
 //!   (f') the same fill cut into slot-sized pieces over the engine's number of
-//!   recycled buffers. The first H200 run had (c) at 128 MiB reach 1.39×(f),
-//!   so a big fresh destination is not the engine's ceiling; (f') shows
-//!   whether the recycled destinations are why.
+//!   recycled buffers. (c) at 128 MiB can exceed (f), so a big fresh
+//!   destination is not the engine's ceiling; (f') shows whether the
+//!   recycled destinations are why.
 //!
 //! (a) and (b) fill with the same fill threads as (c), so (b) → (c) isolates the
 //! overlap and (a) → (b) the allocation. Every page-in rate is bytes over host
