@@ -49,7 +49,7 @@ EX_LIBS   := -pthread -lm
 # device tour stands in, so `make demo` always shows something real.
 DEMO      := $(if $(wildcard examples-c/offload_decode.c),offload_decode,device_info)
 
-.PHONY: build build-testing install uninstall wheel test-python test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c
+.PHONY: build build-testing install uninstall wheel test-python test test-rust test-c test-valgrind test-long test-examples test-ort ffi-tests demo clean-c lint
 
 build:
 	$(CARGO) build --release
@@ -128,11 +128,18 @@ ffi-tests: build build-testing $(TEST_BINS)
 # ---- the test command --------------------------------------------------------
 
 # The CPU micro-benchmarks (tools/benches/micro.rs) are compiled, not timed: timings
-# on a shared CI machine mean nothing. Run them with `cargo bench --bench micro`.
+# on a shared CI machine mean nothing. Run them with `cargo bench -p epmem-tools --bench micro`.
 # --workspace: the benches, their smoke tests and kv_churn are the tools/ crate's.
 test-rust:
 	$(CARGO) test --workspace
 	$(CARGO) bench --workspace --no-run
+
+# The lints Cargo.toml's [lints.clippy] declares (every unsafe block has a
+# `// SAFETY:` comment on the line above), over every target; clippy's
+# default lint groups are off here: only the declared rules fail the build.
+lint:
+	@$(CARGO) clippy --version >/dev/null 2>&1 || { echo "make lint: cargo clippy is missing (rustup component add clippy)" >&2; exit 1; }
+	$(CARGO) clippy --workspace --all-targets --features testing -- -A clippy::all
 
 # The C tests run three ways: plain and sanitized on the host device, then
 # plain with EPM_DEVICE=cuda against the fake libcuda the CUDA device's own
@@ -242,6 +249,7 @@ test-examples: build
 
 test:
 	$(MAKE) test-rust
+	$(MAKE) lint
 	$(MAKE) test-c
 	$(MAKE) test-valgrind
 	$(MAKE) test-long

@@ -1,5 +1,5 @@
 /*
- * KV batch reservations through the C API (issue 14): slots at a fixed
+ * KV batch reservations through the C API: slots at a fixed
  * stride behind one base pointer; each slot reads and writes only its own
  * granules; a prefix shared into many slots is charged once; copy-on-write in
  * one slot leaves the others intact; slots join and leave while the others

@@ -1,5 +1,5 @@
 /*
- * Several devices through the C API (issue 18): one host copy of the
+ * Several devices through the C API: one host copy of the
  * weights, page-locked once by epm_shared_host_registration_create, feeds
  * the residency managers of devices 0 and 1, which copy from it directly and
  * register nothing themselves; it is unregistered after the last holder.

@@ -4,7 +4,7 @@
 #   here:   scripts/gpu-pack.sh            # builds .carry/bin/bench_* (no Rust on the GPU machine)
 #   there:  scripts/bench.sh [--repeat 2] [--quick]
 #
-# Each bench binary measures ours, the baselines of its issue and the physical
+# Each bench binary measures ours, the baselines it is judged against and the physical
 # peak in the same process, and reports medians after a warm-up. This script
 # merges their JSON into $OUT/results.json (date, GPU, driver, command), renders
 # $OUT/report/BENCHMARKS.md and PNG plots (matplotlib), and with --repeat 2 runs

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """bench_kv_batch: batched decode attention over an epmem KV batch vs the same
-data in one dense torch tensor (issue 14, bench item 4). GPU only.
+data in one dense torch tensor. GPU only.
 
     PYTHONPATH=python EPMEM_LIB=.carry/lib/libepmem.so python3 scripts/bench_kv_batch.py [--json PATH] [--iters N]
     PYTHONPATH=python EPMEM_LIB=target/release/libepmem.so python3 scripts/bench_kv_batch.py --dry-run

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Prefix sharing inside a real decoder: N requests of a transformers LlamaForCausalLM
-share a system prompt whose KV cache lives once in epmem (epmem.kvcache, issue 19).
+share a system prompt whose KV cache lives once in epmem (epmem.kvcache).
 
     python3 scripts/bench_kvcache.py --json /tmp/bench_kvcache.json   # GPU (EPM_DEVICE=cuda)
     python3 scripts/bench_kvcache.py --quick                          # host-device smoke (CI)

@@ -85,7 +85,7 @@ done
 # fails the step. API-error reports are off: the misuse tests provoke failing
 # driver calls on purpose (an allocation past the GPU's memory, a host pointer
 # given as a device range) and check that each comes back as a status; with
-# them on, the H200 run reported exactly those two calls and nothing else.
+# them on, the sanitizer reports exactly those two calls on the H200.
 if [ $SANITIZE = 1 ] && command -v compute-sanitizer >/dev/null; then
   for c in ffi-tests/*.c; do
     n=$(basename "$c" .c)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long runs (issue 8): driver allocations stay flat, the ledger does not
+# Long runs: driver allocations stay flat, the ledger does not
 # drift, and every acquired weight is bit-exact, over
 #   (a) 10,000 decode steps of examples-c/offload_decode.c (a device checksum
 #       of every acquired layer, compared with the host's), run after a

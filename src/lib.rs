@@ -2,14 +2,16 @@
 //!
 //! Layers (data flows down; nothing below imports anything above):
 //! - [`ffi`]: the `epm_*` C functions — handles, status codes, panic boundary;
-//! - core, safe Rust: staging, residency, arena, kv, stats;
+//! - core, safe Rust: [`staging`], [`residency`], [`arena`], [`kv`] (each
+//!   keeps and reports its own counters; there is no shared stats module);
 //! - [`transfer`]: host↔device copies — the copy witness, fill threads,
 //!   page-locked host ranges;
 //! - [`device`]: the only code that talks to hardware (CUDA or the host device).
 //!
 //! `unsafe` is allowed only in device/, transfer/, ffi/ and ort/: the core
-//! modules below are `forbid(unsafe_code)`, and tests/unsafe_rule.rs checks
-//! the rule and the `// SAFETY:` line of every block.
+//! modules below are `forbid(unsafe_code)`, tests/unsafe_rule.rs checks the
+//! rule, and clippy (`make lint`, Cargo.toml's `[lints.clippy]`) the
+//! `// SAFETY:` comment of every block.
 //!
 //! See README.md and docs/ for the C-level documentation.
 

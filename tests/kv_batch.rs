@@ -1,4 +1,4 @@
-//! Batch reservations (issue 14) on whatever device EPM_DEVICE names (host in
+//! Batch reservations on whatever device EPM_DEVICE names (host in
 //! CI, CUDA on the H200): slots at a fixed stride behind one base pointer,
 //! each an ordinary sequence — own granules, a shared prefix charged once,
 //! copy-on-write, the dummy tail — and slots joining and leaving while the

@@ -1,4 +1,4 @@
-//! Several devices in one process (issue 18). On the host device (CI) the
+//! Several devices in one process. On the host device (CI) the
 //! two devices are two separate host-device instances (ordinals 0 and 1);
 //! with EPM_DEVICE=cuda they are cuda:0 and cuda:1, and every test prints
 //! "skipped: 1 device" and passes when the machine has only one GPU.
@@ -51,13 +51,7 @@ impl Weights {
     fn new(sizes: &[usize], seed: u64) -> Self {
         let total: usize = sizes.iter().map(|s| s.next_multiple_of(PAGE)).sum();
         let mut buf = vec![0u8; total + PAGE];
-        let mut s = seed | 1;
-        for b in buf.chunks_mut(8) {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            b.copy_from_slice(&s.to_le_bytes()[..b.len()]);
-        }
+        fastrand::Rng::with_seed(seed).fill(&mut buf);
         let base = buf.as_ptr().align_offset(PAGE);
         Self { buf, base, sizes: sizes.to_vec() }
     }

@@ -783,12 +783,11 @@ fn two_walkers_interleaved_never_find_everything_in_use() {
         assert!(m.stats().ring_bytes > 0, "mixed sizes over budget get a ring");
         let s = [Stream::new(&d).unwrap(), Stream::new(&d).unwrap()];
         let slots = [Slots::new(&d, n), Slots::new(&d, n)];
-        let mut rng = seed;
+        let mut rng = fastrand::Rng::with_seed(seed);
         let mut held: [Option<usize>; 2] = [None, None];
         let mut next = [0usize; 2];
         for step in 0..8 * n {
-            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let t = (rng >> 33) as usize % 2;
+            let t = rng.usize(..2);
             match held[t].take() {
                 Some(i) => m.release(ids[i], s[t].raw()).unwrap(),
                 None => {

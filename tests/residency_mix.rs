@@ -1,4 +1,4 @@
-//! Residency on real weight mixes (issue 12), through the real manager on
+//! Residency on real weight mixes, through the real manager on
 //! the device `EPM_DEVICE` names (host in CI): Llama-7B, 13B and 70B block
 //! shapes (four attention matrices, grouped-query K/V for 70B, three MLP
 //! matrices), scaled down in the hidden size so a CPU run is quick but

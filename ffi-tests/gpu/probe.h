@@ -1,5 +1,5 @@
 /*
- * Shared plumbing of the Q1–Q5 probes (seed 003): one question per binary,
+ * Shared plumbing of the Q1–Q5 probes: one question per binary,
  * so a poisoned CUDA context cannot contaminate another answer. Each probe
  * uses the epmem C API for the arena and the CUDA runtime/driver directly
  * for kernels, graphs and access queries; epmem works in the device's

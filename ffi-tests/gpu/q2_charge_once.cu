@@ -84,7 +84,7 @@ int main() {
   EPM(epm_kv_admissible(3ull << 30, c.prefix_bytes, c.private_bytes, &ad));
   unsigned unshared = count_admitted(p, 3ull << 30, T, 2 * T, false);
   unsigned shared = count_admitted(p, 3ull << 30, T, 2 * T, true);
-  printf("3.0 GiB budget, 50/50: admitted %u unshared, %u shared (arithmetic %llu / %llu; seed 4 -> 8 via "
+  printf("3.0 GiB budget, 50/50: admitted %u unshared, %u shared (arithmetic %llu / %llu; shorthand 4 -> 8 via "
          "1+floor((B-P)/Q) = %llu, one more than fits)\n",
          unshared, shared, (unsigned long long)ad.without_sharing, (unsigned long long)ad.with_sharing,
          (unsigned long long)ad.seed_formula);

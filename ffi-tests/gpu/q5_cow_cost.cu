@@ -65,7 +65,7 @@ int main() {
   const double mc = median(cold), mp = median(pooled), mcopy = median(copy);
   printf("COW per boundary granule (%llu KiB), median of %d: cold %.1f us, pooled %.1f us; D2D copy alone %.1f us\n",
          (unsigned long long)(p.granule >> 10), N, mc, mp, mcopy);
-  printf("seed 003 (RTX 4060 laptop, WDDM): ~5,500 us pooled, ~9,800 us cold\n");
+  printf("reference (RTX 4060 laptop, WDDM): ~5,500 us pooled, ~9,800 us cold\n");
   EPM(epm_kv_seq_destroy(o));
   EPM(epm_kv_prefix_unpin(prefix));
   probe_close(p);

@@ -1,11 +1,13 @@
-//! Device and pinned-host arenas: O(1) sub-allocation with no driver call per
+//! Device and pinned-host arenas: exact best-fit sub-allocation in
+//! O(log free ranges) per call (`suballoc`), with no driver call per
 //! allocation or free in steady state.
 //!
 //! - [`DeviceArena`](crate::arena::DeviceArena): one VA reservation of `capacity` bytes, backed in
 //!   chunks of whole granules of physical memory ([`crate::device::PhysMem`]:
 //!   CUDA VMM on a GPU, memfd on the host device) that are committed the first
 //!   time an allocation lands in them and then kept. cuMemCreate + map + set
-//!   access cost ~50 µs per 2 MiB granule on the H200 (DESIGN.md floors), so
+//!   access cost ~50 µs per 2 MiB granule on the H200 (docs/BENCHMARKS.md,
+//!   "KV: granule operations against the driver floor"), so
 //!   the driver is paid once per chunk, never per allocation.
 //! - [`PinnedArena`](crate::arena::PinnedArena): the same interface over page-locked host memory, in
 //!   segments (pinned memory cannot be grown in place; cuMemHostAlloc of

@@ -5,8 +5,8 @@
 //! (so a free by address is checked, and a double free is an error, not
 //! undefined allocator state), the bytes in use and their peak.
 //!
-//! Why exact best fit rather than a TLSF-style bin search (offset-allocator,
-//! used here before): a bin search rounds the request *up* to its bin and so
+//! Why exact best fit rather than a TLSF-style bin search (as the
+//! offset-allocator crate does): a bin search rounds the request *up* to its bin and so
 //! never finds a free range of exactly the requested size unless that size is
 //! a bin boundary. ONNX Runtime frees and re-requests the same tensor sizes
 //! layer after layer; with the rounded search those requests skipped the

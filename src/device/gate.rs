@@ -8,9 +8,9 @@
 //! the work by an event the test controls, so such a test cannot pass or
 //! fail by timing. On the host device the hold is a queued op; on CUDA a
 //! stream memory wait (`cuStreamWaitValue32`) on a flag in mapped pinned
-//! memory that opening sets. (A host function that blocked the stream,
-//! the first design, also blocked `cuEventQuery`/`cuEventElapsedTime` on the
-//! H200's driver, so a test could not observe "pending" without hanging.)
+//! memory that opening sets. (A host function that blocks the stream also
+//! blocks `cuEventQuery`/`cuEventElapsedTime` on the H200's driver, so a
+//! test could not observe "pending" without hanging.)
 //!
 //! Dropping a [`Gate`] opens it, so a test that fails (panics) between hold
 //! and open never leaves a stream blocked forever.

@@ -1,6 +1,6 @@
 //! `EpmArena`: the device arena (VMM, grown in granule chunks) and the
-//! pinned-host arena, with O(1) sub-allocation and no driver call per
-//! allocation or free once warm.
+//! pinned-host arena, with O(log n) best-fit sub-allocation and no driver
+//! call per allocation or free once warm.
 //!
 //! Also the helpers for versioned structs both this file and
 //! `residency.rs` use: a caller's struct is read or written up to the `size`

@@ -7,8 +7,10 @@
 //! `EPM_DEPRECATED(...)` (a GNU `deprecated` attribute, or nothing: define
 //! `EPM_DEPRECATED(msg)` empty before including epmem.h to silence it), and
 //! the old type names are typedefs of the new types (cbindgen.toml's
-//! trailer). ffi-tests/test_deprecated.c builds a program with the old names
-//! and runs it. Delete this file, the trailer lines and that test at 1.0.
+//! trailer). ffi-tests/test_misuse_deprecated.c builds a program with the old
+//! names, runs it, and checks each old function fails on bad input exactly
+//! as its new twin does. Delete this file, the trailer lines and that test at
+//! 1.0.
 
 use crate::ffi::device::EpmDevice;
 use crate::ffi::kv::{EpmKvPool, EpmKvStats, epm_kv_pool_create, epm_kv_pool_destroy, epm_kv_pool_get_stats};

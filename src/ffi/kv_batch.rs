@@ -1,4 +1,4 @@
-//! `EpmKvBatch`: many KV sequences behind one base pointer (issue 14).
+//! `EpmKvBatch`: many KV sequences behind one base pointer.
 //!
 //! A batch is one VA reservation of `max_slots × slot_stride` bytes; slot `s`
 //! starts at `base + s × slot_stride`. A slot, once taken, is an ordinary

@@ -601,7 +601,7 @@ mirror! {
             arena_in_use_bytes: arena.in_use_bytes,
             arena_fragmentation: arena.fragmentation,
         }
-        // `arena` is flattened above; the plan's counters (issue 12) are not
+        // `arena` is flattened above; the stream plan's counters are not
         // in the C struct yet: growing it is an ABI decision, not this table's.
         rust_only { arena, ring_bytes, planned_resident_bytes, ring_page_ins, ring_weights, plans, dropped_rings }
     }

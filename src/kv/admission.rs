@@ -7,7 +7,7 @@
 //! prefix, every further one costs only its private bytes) and
 //! `floor(B / (P + Q))` without.
 //!
-//! A common shorthand (and DESIGN.md) states the shared figure as
+//! A common shorthand states the shared figure as
 //! `1 + floor((B − P) / Q)`, which counts one request more than fits: with
 //! B = 3.0 GiB and P = Q = 0.375 GiB it gives 8, but 8 requests need
 //! 0.375 + 8 × 0.375 = 3.375 GiB. We report that figure as

@@ -1,4 +1,4 @@
-//! Batch reservations: many sequences behind one base pointer (issue 14).
+//! Batch reservations: many sequences behind one base pointer.
 //!
 //! A batched decode kernel (FlashAttention, SDPA, vAttention's unmodified
 //! kernels) takes one base pointer and a batch stride; sequences that are

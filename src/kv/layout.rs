@@ -1,8 +1,8 @@
 //! The layout descriptor: where K and V of (layer, token, head) live.
 //!
 //! A descriptor of strides rather than an enum of named layouts, so a new
-//! layout is new numbers, not new code in every kernel (seed 003: "KV layout
-//! should be a stride descriptor negotiated per EP, not a growing enum").
+//! layout is new numbers, not new code in every kernel, and an execution
+//! provider can describe its own layout without a new enum variant here.
 //!
 //! The KV pool requires token-major: every byte of token `t` lies in
 //! `[t * token_stride, (t + 1) * token_stride)`, so an S-token prefix of all

@@ -3,7 +3,7 @@
 //! Two axes share one budget:
 //! - `owned`: physical granules with at least one reference. A granule is
 //!   charged when its reference count goes 0→1 and credited on 1→0, so a
-//!   granule mapped into N sequences is counted once (seed 003, Q2).
+//!   granule mapped into N sequences is counted once.
 //! - `promised`: bytes admitted sequences may still claim (their worst-case
 //!   private granules not yet committed). Admission moves budget into
 //!   `promised`; committing a granule for an admitted sequence moves it from

@@ -144,7 +144,7 @@ impl Api {
         use api_slot as s;
         use ep_api_slot as e;
         // SAFETY: GetApi(23) succeeded, so the table has every v23 slot, and
-        // each slot below has the signature documented in ORT_PLUGIN_ABI.md.
+        // each slot below has the signature documented in docs/ORT_ABI.md.
         unsafe {
             let get_ep_api: unsafe extern "C" fn() -> *const OrtEpApi = slot(t, s::GET_EP_API, "GetEpApi")?;
             let ep = get_ep_api() as *const c_void;

@@ -237,8 +237,8 @@ unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
 
 unsafe extern "C" fn release(this: *mut OrtDataTransferImpl) {
     if !this.is_null() {
-        // SAFETY: ORT releases the transfer we gave it, once.
         super::value_boundary("OrtDataTransferImpl::Release", (), || {
+            // SAFETY: ORT releases the transfer we gave it, once.
             drop(unsafe { Box::from_raw(this as *mut DataTransfer) })
         });
     }

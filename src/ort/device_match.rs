@@ -164,7 +164,7 @@ mod tests {
         );
     }
 
-    /// Two GPUs of one host (issue 18): ORT lists the GPU of ordinal 1
+    /// Two GPUs of one host: ORT lists the GPU of ordinal 1
     /// first. Each of our per-ordinal devices must land on the hardware
     /// device with its own bus id, in either order we list ours, and two
     /// GPUs differing only in PCI domain are not confused.

@@ -11,8 +11,9 @@ pub const FILL_AHEAD_ALL_SLOTS: usize = u32::MAX as usize;
 
 /// Staging slots of a residency manager's copy engine by default: one more
 /// than a bare `EngineConfig`. On the H200 (scripts/probe_staged.py, small
-/// shape, docs/BENCHMARKS.md) 4 slots decoded faster than 3 from staged
-/// sources, at both budgets and prefetch depths tried.
+/// shape, docs/BENCHMARKS.md) 4 slots filled ahead decoded faster than 3 from
+/// staged sources at prefetch depth 1: 133 against 139 ms/token at a 25%
+/// budget, 63 against 77 at 75%.
 pub const RESIDENCY_STAGING_SLOTS: usize = 4;
 
 /// A residency manager's engine fills staged copies shorter than this with
@@ -40,18 +41,18 @@ pub struct ResidencyConfig {
     /// are spread out; when they come in a run, a deeper window lets the
     /// run's copies start during the preceding hits' compute.
     pub prefetch_depth: usize,
-    /// The seed's design: the host waits for every page-in to complete
-    /// before `acquire` returns. For comparison only (default false).
+    /// The host waits for every page-in to complete before `acquire`
+    /// returns: the synchronous baseline, for comparison only (default false).
     pub sync_page_in: bool,
-    /// Staged prefetches are filled on the calling thread, as the first
-    /// design did (default false: a background thread fills them, so the
+    /// Staged prefetches are filled on the calling thread (default false:
+    /// a background thread fills them, so the
     /// thread that launches the kernels does not spend the fill; see
     /// `staging::background`). Demand page-ins are always issued by the caller.
     pub caller_fills: bool,
     /// An acquire whose background fill is not enqueued yet waits for it on
     /// the host. Must stay true: false (the acquiring stream waiting on the
     /// device for a copy the filler has not issued yet) is refused with
-    /// `Unsupported`. On the H200 that wait deadlocked: while a stream waits
+    /// `Unsupported`, because on CUDA that wait can deadlock: while a stream waits
     /// on a value no copy has written yet, a thread copying to pageable
     /// memory on that stream (what `tensor.item()` does) makes other threads'
     /// `cuEventCreate`, `cuMemHostAlloc`, `cuStreamCreate` block, and

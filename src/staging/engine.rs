@@ -22,58 +22,26 @@
 //! DMA of the last chunk, so more chunks hide more of the DMA. But every chunk
 //! also costs a hand-out to the fill threads, a pool round trip, one enqueue
 //! and one event on the caller's thread (~10–20 µs), hidden only while the
-//! other fill threads have enough of the chunk left to fill. The H200 run
-//! (bench_staging, docs/BENCHMARKS.md; 3 slots, median of 9) measured (c) by
-//! fill threads × chunks per page-in, chunks ≤ 32 MiB:
+//! other fill threads have enough of the chunk left to fill. The fill threads
+//! claim shrinking pieces of a chunk (`transfer::fill`), so the caller, which
+//! enqueues the previous chunk first, does not finish every chunk last.
 //!
-//! | threads × chunks | 4     | 8         | 16   | 32   |
-//! |------------------|-------|-----------|------|------|
-//! | 4,  32 MiB       | 29.2  | 30.4      | 30.3 | 18.4 |
-//! | 8,  32 MiB       | 28.9  | **34.0**  | 23.5 | 19.6 |
-//! | 16, 32 MiB       | 27.6  | 25.2      | 24.7 | 19.9 |
-//! | 4,  128 MiB      | 20.7  | 26.0      | 28.9 | 16.9 |
-//! | 8,  128 MiB      | 33.7  | **46.5**  | 32.9 | 41.1 |
-//! | 16, 128 MiB      | 40.7  | 44.3      | 44.2 | 28.2 |
+//! The defaults follow the tuning sweep of `bench_staging` (fill threads ×
+//! chunks per page-in; docs/BENCHMARKS.md, "Staging: page-in bandwidth"),
+//! which re-checks them on every run: `target_chunks` 4 within
+//! [1 MiB, `chunk_bytes` = 16 MiB] (8 MiB chunks at 32 MiB, 8 chunks of
+//! 16 MiB at 128 MiB) and 12 fill threads. Larger page-ins get more chunks
+//! rather than larger slots, so the engine retains 3 × 16 = 48 MiB of pinned
+//! memory. Three slots suffice: the DMA outruns the fill, so the third slot
+//! only absorbs jitter.
 //!
-//! 8 threads × 8 chunks won at both sizes: 34.0 GB/s at 32 MiB (1.01× the
-//! fill ceiling under DMA, 33.5 GB/s with 16 threads) and 46.5 GB/s at
-//! 128 MiB (85% of the pinned peak), against 26.0 and 38.6 GB/s for the old
-//! defaults (16 chunks of ≤ 8 MiB). So the defaults became 8 chunks
-//! (`target_chunks`) of 1 MiB to 16 MiB (`chunk_bytes`: the winner's chunk at
-//! 128 MiB; larger page-ins get more chunks rather than larger slots, so the
-//! engine retains 3 × 16 = 48 MiB of pinned memory) and 8 fill threads.
 //! The last chunks of a page-in halve down to 1 MiB
-//! ([`CopyEngine::next_chunk_len`]): only the last DMA is exposed. That is
-//! right for a copy on its own and wrong for copies issued back to back,
-//! where the next fill overlaps the last DMA anyway: on the H200 a run of
-//! 86 MiB pageable copies reached 46.6 GB/s with the halving tail and 54.1
-//! with full chunks to the end (`EngineConfig::split_tail` false, which a
+//! ([`CopyEngine::next_chunk_len`]) so that only a short last DMA is exposed.
+//! That is right for a copy on its own and wrong for copies issued back to
+//! back, where the next fill overlaps the last DMA anyway: 86 MiB pageable
+//! copies back to back reached 46.6 GB/s with the halving tail and 54.1 with
+//! full chunks to the end (`EngineConfig::split_tail` false, which a
 //! residency manager's engine uses; scripts/probe_pageable.py).
-//! Slots stay at 3: the DMA (54 GB/s) outruns the fill, so a third slot only
-//! absorbs jitter, and slot waits were 4.7 ms of 47.8 ms of fill.
-//!
-//! That sweep ran with fill threads that each owned one fixed piece of a
-//! chunk, so the caller, enqueueing the previous chunk first, was the last
-//! to finish every chunk — a cost per chunk that penalized many chunks. The
-//! fill threads now claim shrinking pieces (`transfer::fill`), which removes
-//! most of it; the sweep in `bench_staging` (8/12/16 threads × 4/8/16 chunks)
-//! re-checks the defaults on every run.
-//!
-//! The second H200 run, with the shrinking pieces (median of 9; (f) 39.1 GB/s):
-//!
-//! | threads × chunks | 4        | 8        | 16   |
-//! |------------------|----------|----------|------|
-//! | 8,  32 MiB       | 35.7     | 35.1     | 21.0 |
-//! | 12, 32 MiB       | **37.0** | 31.7     | 22.8 |
-//! | 16, 32 MiB       | 34.5     | 27.0     | 22.7 |
-//! | 8,  128 MiB      | 34.3     | 46.6     | 47.1 |
-//! | 12, 128 MiB      | 40.9     | 47.1     | 47.7 |
-//! | 16, 128 MiB      | 39.4     | 46.3     | 44.5 |
-//!
-//! Four chunks won at 32 MiB and 8–16 at 128 MiB. With the 16 MiB cap,
-//! `target_chunks = 4` gives exactly that (8 MiB chunks at 32 MiB, 8 chunks
-//! of 16 MiB at 128 MiB), and 12 threads led at both sizes, so those are the
-//! defaults now: 37.0 and 47.1 GB/s in that sweep.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};

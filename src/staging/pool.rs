@@ -1,4 +1,4 @@
-//! The bounded pool of pinned staging buffers (seed 000).
+//! The bounded pool of pinned staging buffers.
 //!
 //! Why a pool: `cuMemHostAlloc`/`cuMemFreeHost` cost 610/257 µs at 2 MiB and
 //! 12.6/3.5 ms at 32 MiB on the H200, and take the context lock; a 32 MiB

@@ -7,8 +7,9 @@
 //! a safe call that does not return until every piece is written.
 //!
 //! Why several threads: on the H200 host one memcpy thread fills at ~10 GB/s
-//! and PCIe moves ~54 GB/s; 6–16 threads reach 47–50 GB/s alone and 27–37 GB/s
-//! while a DMA runs (DESIGN.md, measured floors).
+//! and PCIe moves ~54 GB/s; 8–16 threads fill 52–92 GB/s alone and 34–49 GB/s
+//! while a DMA runs (bench_staging's fill-rate table, docs/BENCHMARKS.md,
+//! "Staging: page-in bandwidth").
 //!
 //! How the work is shared: every thread — the caller included, once it is
 //! done with its own work — claims the next piece until none is left, and the

@@ -15,7 +15,7 @@
 //! tied to an asynchronous copy (the witness, the page-lock), or where one
 //! buffer is split across threads (the fill), and a safe API over the device
 //! trait's raw level is exactly what it exists to give. Every block carries a
-//! `// SAFETY:` line (tests/unsafe_rule.rs checks it).
+//! `// SAFETY:` comment (clippy's `undocumented_unsafe_blocks`, `make lint`).
 
 pub mod fill;
 pub mod ntcopy;

@@ -1,7 +1,7 @@
 //! The copy fence and its witness: proof, checked by the compiler, that a
 //! staging buffer's DMA has finished before the buffer is reused or freed.
 //!
-//! The invariant (seed 000): a staging buffer is the source of an async H2D
+//! The invariant: a staging buffer is the source of an async H2D
 //! copy and may not be reused or freed until that copy has *completed* — not
 //! merely been enqueued. Two mechanisms hold it:
 //!

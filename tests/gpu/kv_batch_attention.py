@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Batched decode attention over an epmem KV batch, through the epmem package (issue 14).
+"""Batched decode attention over an epmem KV batch, through the epmem package.
 
     PYTHONPATH=python EPMEM_LIB=.carry/lib/libepmem.so python3 tests/gpu/kv_batch_attention.py
     PYTHONPATH=python EPMEM_LIB=target/release/libepmem.so python3 tests/gpu/kv_batch_attention.py --host

@@ -3,7 +3,7 @@
  * The onnxruntime wheel ships libonnxruntime.so but no headers, so this test
  * declares what it uses by hand, like src/ort/abi.rs does on the plugin side.
  * Function-table slots are indices into OrtApi (append-only since 1.0; the
- * indices below are those of ORT_PLUGIN_ABI.md and of onnxruntime_c_api.h).
+ * indices below are those of docs/ORT_ABI.md and of onnxruntime_c_api.h).
  */
 #ifndef EPMEM_ORT_MIN_H
 #define EPMEM_ORT_MIN_H

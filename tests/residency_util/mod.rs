@@ -17,14 +17,7 @@ impl Weights {
         let page = 4096;
         let total: usize = sizes.iter().map(|s| s.next_multiple_of(page)).sum::<usize>() + page;
         let mut buf = vec![0u8; total];
-        let mut s = seed | 1;
-        for b in buf.chunks_mut(8) {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let v = s.to_le_bytes();
-            b.copy_from_slice(&v[..b.len()]);
-        }
+        fastrand::Rng::with_seed(seed).fill(&mut buf);
         let mut off = buf.as_ptr().align_offset(page);
         let mut spans = Vec::new();
         for &n in sizes {

@@ -1,8 +1,8 @@
 //! CPU-side micro-benchmarks: the costs the hot paths add on the host, with
 //! no device work in the timed region.
 //!
-//!   cargo bench --bench micro              # times them (on any machine; host device by default)
-//!   cargo bench --bench micro -- --quick   # fewer iterations
+//!   cargo bench -p epmem-tools --bench micro              # times them (on any machine; host device by default)
+//!   cargo bench -p epmem-tools --bench micro -- --quick   # fewer iterations
 //!
 //! CI compiles this file (`cargo bench --workspace --no-run`) but does not
 //! time it: timings on a shared 2-core CI machine mean nothing. Each figure

@@ -18,7 +18,7 @@ fn bench_kv_quick_reports_ledger_figures() {
     // qwen2.5-0.5b, 512 tokens = 6 MiB: 2 and 4 sharers save 6 and 18 MiB.
     assert!(md.contains("| qwen2.5-0.5b | 512 | 2 | 6 | 6 |"), "{md}");
     assert!(md.contains("| qwen2.5-0.5b | 512 | 4 | 18 | 18 |"), "{md}");
-    // 50/50 split on 4 unshared requests' worth: 4 -> 7 measured, the seed's formula says 8.
+    // 50/50 split on 4 unshared requests' worth: 4 -> 7 measured, the shorthand 1+⌊(B−P)/Q⌋ says 8.
     assert!(md.contains("| 4 / 4 | 7 / 7 | 8 |"), "{md}");
     let j = std::fs::read_to_string(&json).expect("bench_kv wrote its JSON");
     let _ = std::fs::remove_file(&json);

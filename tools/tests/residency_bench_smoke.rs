@@ -1,6 +1,6 @@
 //! CI smoke test of the residency benchmark: `bench_residency --quick` runs
-//! on the host device, prints its tables and writes JSON with every case of
-//! issue 4 item 8. (The figures are the H200 run's business, not this test's.)
+//! on the host device, prints its tables and writes JSON with every case the
+//! report needs. (The figures are the H200 run's business, not this test's.)
 
 use std::process::Command;
 
@@ -51,14 +51,14 @@ fn quick_bench_runs_and_reports_every_case() {
         stdout.contains("in steady state (ours) | 0 | PASS"),
         "steady-state driver allocations: {stdout}"
     );
-    // Issue 12: the plan's mixed-size rows within the bound, no host waits.
+    // The plan's mixed-size rows: within the bound, no host waits.
     assert!(
         stdout.contains("| no host waits on eviction in steady state | 0 | PASS"),
         "{stdout}"
     );
     // LRU on a cyclic scan above the budget hits nothing, exactly.
     assert!(
-        stdout.contains("| b_seed_sync_lru |") && stdout.contains("LRU (seed) hit rate: 0.000"),
+        stdout.contains("| b_seed_sync_lru |") && stdout.contains("LRU baseline hit rate: 0.000"),
         "{stdout}"
     );
 }

@@ -1,6 +1,6 @@
 //! CI smoke test of the staging benchmark: `bench_staging --quick` runs on
-//! the host device, prints its table and writes JSON with every scenario of
-//! issue 3 item 8. (The figures are the H200 run's business, not this test's.)
+//! the host device, prints its table and writes JSON with every scenario the
+//! report needs. (The figures are the H200 run's business, not this test's.)
 
 use std::process::Command;
 

@@ -2,7 +2,7 @@
 //! stream memory wait (`cuStreamWaitValue32`) for a 4-byte flag in mapped
 //! pinned memory that opening the [`Gate`](crate::device::Gate) sets to 1.
 //!
-//! Why not a host function: one that blocks (the first design) also blocked
+//! Why not a host function: one that blocks the stream also blocks
 //! `cuEventQuery` and `cuEventElapsedTime` on the H200's driver, which is
 //! exactly what the gated tests must observe as "pending". A memory wait is
 //! done by the GPU's front end; the host's driver calls stay non-blocking.

@@ -397,15 +397,11 @@ fn gpu_unknown_handles_and_pointers_are_errors() {
     assert_eq!(d.mem_free(0x1000).unwrap_err().status(), EpmStatus::InvalidArgument);
     let mut x = 0u8;
     // SAFETY: `x` was never pinned; the call must refuse it without touching it.
-    assert_eq!(
-        unsafe { d.pinned_free(&mut x) }.unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    let freed = unsafe { d.pinned_free(&mut x) };
+    assert_eq!(freed.unwrap_err().status(), EpmStatus::InvalidArgument);
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { d.host_unregister(&mut x) }.unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    let unregistered = unsafe { d.host_unregister(&mut x) };
+    assert_eq!(unregistered.unwrap_err().status(), EpmStatus::InvalidArgument);
     let s = d.stream_create().unwrap();
     d.stream_destroy(s).unwrap();
     assert_eq!(
@@ -446,12 +442,8 @@ fn gpu_registered_range_is_page_locked_and_copies() {
     assert!(d.host_is_page_locked(src.as_ptr(), n));
     assert!(!d.host_is_page_locked(src.as_ptr(), n + 1));
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { d.host_register(src.as_mut_ptr(), 8, false) }
-            .unwrap_err()
-            .status(),
-        EpmStatus::InvalidState
-    );
+    let again = unsafe { d.host_register(src.as_mut_ptr(), 8, false) };
+    assert_eq!(again.unwrap_err().status(), EpmStatus::InvalidState);
     let dst = DeviceBuffer::new(&d, n).unwrap();
     // SAFETY: `src` is readable until the synchronize in read_back.
     unsafe { d.memcpy_htod_async(dst.ptr(), src.as_ptr(), n, s.raw()) }.unwrap();

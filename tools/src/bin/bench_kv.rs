@@ -1,5 +1,5 @@
 //! bench_kv: the KV pool against the VMM driver floor, and what prefix
-//! sharing saves (issue 5, seed 003).
+//! sharing saves.
 //!
 //!   EPM_DEVICE=cuda bench_kv [--json PATH] [--runs N]   # on the H200
 //!   bench_kv --quick                                     # small sizes (CI smoke on the host device)
@@ -11,8 +11,8 @@
 //! Part 2: physical bytes saved and admissible concurrency for 512/2,048/8,192
 //! token prefixes × 2/4/8/16 sharers on qwen14b- and qwen2.5-0.5b-shaped
 //! layouts, from the ledger and from the driver's free memory, next to the
-//! seed's figures.
-//! Part 3 (issue 14): a batch of 8/32/128 slots, one prompt pinned from slot 0
+//! arithmetic.
+//! Part 3: a batch of 8/32/128 slots, one prompt pinned from slot 0
 //! and mapped into the others, against every slot holding a private copy —
 //! bytes from the ledger and from the driver's free memory.
 
@@ -248,8 +248,8 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
             }
         }
     }
-    r.markdown.push_str("\nSeed 003: qwen14b, 2,048 tokens, 8 sharers: 2,688 MiB saved.\n\n");
-    r.markdown.push_str("### Admissible concurrency, 50/50 prefix/private split, budget = 4 unshared requests\n\n| layout | prefix tokens | budget (MiB) | unshared: arithmetic / ledger | shared: arithmetic / ledger | seed formula 1+⌊(B−P)/Q⌋ |\n|---|---|---|---|---|---|\n");
+    r.markdown.push_str("\nExpected: qwen14b, 2,048 tokens, 8 sharers: 7 × 384 MiB = 2,688 MiB saved.\n\n");
+    r.markdown.push_str("### Admissible concurrency, 50/50 prefix/private split, budget = 4 unshared requests\n\n| layout | prefix tokens | budget (MiB) | unshared: arithmetic / ledger | shared: arithmetic / ledger | shorthand 1+⌊(B−P)/Q⌋ |\n|---|---|---|---|---|---|\n");
     for (name, l) in models {
         for &pt in prefixes {
             let c = request_cost(l, g, pt, 2 * pt);
@@ -265,12 +265,12 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
         }
     }
     if !quick {
-        // The seed's cell: qwen14b, 3.0 GiB budget, 2,048 shared + 2,048 private tokens.
+        // The reference cell: qwen14b, 3.0 GiB budget, 2,048 shared + 2,048 private tokens.
         let l = layouts()[0].1;
         let (mu, ms) = (admit_count(dev, &l, 3 * GIB, 2048, 4096, false), admit_count(dev, &l, 3 * GIB, 2048, 4096, true));
         r.markdown.push_str(&format!(
-            "\nSeed 003: 3.0 GiB budget, 50/50 split: 4 → 8 requests. Measured on the ledger (qwen14b, 2,048 + 2,048 tokens): {mu} → {ms}. \
-             The seed's 8 comes from 1 + ⌊(B − P)/Q⌋, which counts one request more than fits (P + 8Q = 3.375 GiB).\n"
+            "\nExpected by the shorthand: 3.0 GiB budget, 50/50 split: 4 → 8 requests. Measured on the ledger (qwen14b, 2,048 + 2,048 tokens): {mu} → {ms}. \
+             The 8 comes from 1 + ⌊(B − P)/Q⌋, which counts one request more than fits (P + 8Q = 3.375 GiB).\n"
         ));
         r.scenarios.push(Scenario::new("admission", "seed_cell_shared", "requests", true, vec![ms as f64]));
     }

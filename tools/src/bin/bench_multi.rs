@@ -1,5 +1,5 @@
-//! Two devices streaming weights at once from one registered host copy
-//! (issue 18, item 3): the aggregate page-in rate against twice the
+//! Two devices streaming weights at once from one registered host copy:
+//! the aggregate page-in rate against twice the
 //! single-device rate, and the host's memory-copy rate that caps both.
 //!
 //! One host buffer of `layers` weights is page-locked once
@@ -29,8 +29,8 @@
 //! the two devices are two host-device instances (the CI smoke test runs
 //! `--quick` there; its figures mean nothing).
 //!
-//! Self-contained on purpose (its own median and JSON writer): it does not
-//! depend on where the shared bench helpers live.
+//! Arguments, medians and the JSON report are the shared ones of
+//! `epmem_tools::bench`, as in every other bench.
 
 use std::fmt::Write as _;
 use std::sync::{Arc, Barrier};
@@ -40,88 +40,9 @@ use epmem::EpmStatus;
 use epmem::transfer::pinning::SharedHostRegistration;
 use epmem::device::{self, Device, DeviceKind, DeviceSelect, HostRange, Stream};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
+use epmem_tools::bench::{self, BenchArgs, Report, Scenario};
 
 const MIB: usize = 1 << 20;
-
-struct Args {
-    quick: bool,
-    runs: Option<usize>,
-    json: Option<String>,
-}
-
-fn args() -> Args {
-    let mut a = Args { quick: false, runs: None, json: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(x) = it.next() {
-        match x.as_str() {
-            "--quick" => a.quick = true,
-            "--runs" => a.runs = it.next().and_then(|v| v.parse().ok()),
-            "--json" => a.json = it.next(),
-            other => eprintln!("ignoring unknown argument {other}"),
-        }
-    }
-    a
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s.sort_by(|a, b| a.total_cmp(b));
-    let n = s.len();
-    if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 }
-}
-
-struct Row {
-    group: &'static str,
-    name: String,
-    unit: &'static str,
-    samples: Vec<f64>,
-}
-
-fn num(v: f64) -> String {
-    if v.is_finite() { format!("{v}") } else { "null".into() }
-}
-
-fn esc(s: &str) -> String {
-    let mut o = String::new();
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o
-}
-
-/// The `epmem-bench/1` JSON every bench writes (scripts/bench.sh collects it).
-fn json(device: &str, kind: &str, runs: usize, rows: &[Row], markdown: &str) -> String {
-    let mut o = format!(
-        "{{\"schema\":\"epmem-bench/1\",\"bench\":\"bench_multi\",\"device\":\"{}\",\"kind\":\"{kind}\",\"runs\":{runs},\"warmup\":1,\"scenarios\":[",
-        esc(device)
-    );
-    for (i, r) in rows.iter().enumerate() {
-        let s: Vec<String> = r.samples.iter().map(|&v| num(v)).collect();
-        let _ = write!(
-            o,
-            "{}\n{{\"name\":\"{}\",\"group\":\"{}\",\"value\":{},\"unit\":\"{}\",\"higher_is_better\":true,\"x\":null,\"samples\":[{}]}}",
-            if i > 0 { "," } else { "" },
-            esc(&r.name),
-            r.group,
-            num(median(&r.samples)),
-            r.unit,
-            s.join(",")
-        );
-    }
-    let _ = write!(o, "\n],\"markdown\":\"{}\"}}\n", esc(markdown));
-    o
-}
 
 fn fail(msg: String) -> ! {
     eprintln!("bench_multi: {msg}");
@@ -152,11 +73,18 @@ impl Side {
 }
 
 fn gbps(bytes: u64, secs: f64) -> f64 {
-    bytes as f64 / secs / 1e9
+    bench::gbps(bytes, secs * 1e3)
+}
+
+/// Write the report as JSON where `--json` asked for it.
+fn write(a: &BenchArgs, r: &Report) {
+    if let Some(p) = &a.json {
+        r.write_json(p).unwrap_or_else(|e| fail(format!("{p}: {e}")));
+    }
 }
 
 fn main() {
-    let a = args();
+    let a = BenchArgs::parse();
     let (layer_mib, layers, resident, steps, runs) =
         if a.quick { (2, 8, 2, 2, a.runs.unwrap_or(2)) } else { (64, 32, 4, 3, a.runs.unwrap_or(5)) };
     let d0 = device::open_from_env(0).unwrap_or_else(|e| fail(format!("open device 0: {e}")));
@@ -167,10 +95,9 @@ fn main() {
         Err(e) if e.status() == EpmStatus::DeviceUnavailable => {
             let md = format!("not run: 1 GPU ({})\n", e.message());
             print!("{md}");
-            if let Some(p) = &a.json {
-                std::fs::write(p, json(&d0.info().name, kind.name(), 0, &[], &md))
-                    .unwrap_or_else(|e| fail(format!("{p}: {e}")));
-            }
+            let mut r = Report::new("bench_multi", &d0.info().name, kind.name(), 0, 1);
+            r.markdown = md;
+            write(&a, &r);
             return;
         }
         Err(e) => fail(format!("open device 1: {e}")),
@@ -246,13 +173,17 @@ fn main() {
             d1.driver_counts().host_register_calls - calls1
         ));
     }
-    let rows = vec![
-        Row { group: "single", name: "single/dev0".into(), unit: "GB/s", samples: one0 },
-        Row { group: "single", name: "single/dev1".into(), unit: "GB/s", samples: one1 },
-        Row { group: "both", name: "both/aggregate".into(), unit: "GB/s", samples: agg },
-        Row { group: "both", name: "both/vs_2x_single".into(), unit: "x", samples: ratio },
-        Row { group: "host", name: "host/memcpy_read".into(), unit: "GB/s", samples: host },
-    ];
+    let device = format!("{} + {}", d0.info().name, d1.info().name);
+    let mut r = Report::new("bench_multi", &device, kind.name(), runs, 1);
+    for s in [
+        Scenario::new("single", "single/dev0", "GB/s", true, one0),
+        Scenario::new("single", "single/dev1", "GB/s", true, one1),
+        Scenario::new("both", "both/aggregate", "GB/s", true, agg),
+        Scenario::new("both", "both/vs_2x_single", "x", true, ratio),
+        Scenario::new("host", "host/memcpy_read", "GB/s", true, host),
+    ] {
+        r.push(s);
+    }
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -262,8 +193,8 @@ fn main() {
         kind.name()
     );
     let _ = writeln!(md, "| scenario | median | unit |\n|---|---|---|");
-    for r in &rows {
-        let _ = writeln!(md, "| {} | {:.3} | {} |", r.name, median(&r.samples), r.unit);
+    for s in &r.scenarios {
+        let _ = writeln!(md, "| {} | {:.3} | {} |", s.name, s.value(), s.unit);
     }
     let _ = writeln!(
         md,
@@ -273,10 +204,8 @@ fn main() {
         st1.page_ins
     );
     print!("{md}");
-    if let Some(p) = &a.json {
-        std::fs::write(p, json(&format!("{} + {}", d0.info().name, d1.info().name), kind.name(), runs, &rows, &md))
-            .unwrap_or_else(|e| fail(format!("{p}: {e}")));
-    }
+    r.markdown = md;
+    write(&a, &r);
     drop((s0, s1, reg));
     drop(buf);
 }

@@ -1,10 +1,10 @@
-//! Weight residency benchmark (issue 4): one synthetic model decoded under a
+//! Weight residency benchmark: one synthetic model decoded under a
 //! VRAM budget, every approach side by side in one run.
 //!
 //! - peak: pinned H2D copies of one layer (the physical ceiling, this run);
 //! - (a) naive: every layer copied every step with a plain async memcpy from
 //!   pageable memory, then a synchronize (no residency);
-//! - (b) the seed's design: pooled staging, synchronous page-ins, LRU;
+//! - (b) the synchronous baseline: pooled staging, synchronous page-ins, LRU;
 //! - (c) ours: cyclic policy, prefetch, registered sources (the default), and
 //!   (c') the same with pageable sources left unregistered (staged);
 //! - overlap: (c) with a fixed per-layer compute kernel (`spin_async`) sized
@@ -280,7 +280,7 @@ fn bench(a: &Args) -> Result<()> {
         (
             "b_seed_sync_lru",
             {
-                // The seed filled one buffer on one thread; same chunking as ours.
+                // The baseline fills one buffer on one thread; same chunking as ours.
                 let mut seed = ResidencyConfig::sync_lru_baseline(budget);
                 seed.engine.chunk_bytes = ours.engine.chunk_bytes;
                 seed
@@ -420,10 +420,10 @@ fn bench(a: &Args) -> Result<()> {
     ));
 
     // Step time against the budget, as a fraction of the model: ours (the
-    // default) next to the seed's design, copy only.
+    // default) next to the synchronous LRU baseline, copy only.
     let fractions: &[u64] = if a.quick { &[50, 100] } else { &[25, 50, 75, 100] };
     let mut budget_md =
-        String::from("| budget (% of model) | ours step ms | ours hit rate | seed step ms | seed hit rate |\n|---|---|---|---|---|\n");
+        String::from("| budget (% of model) | ours step ms | ours hit rate | sync LRU baseline step ms | baseline hit rate |\n|---|---|---|---|---|\n");
     for &f in fractions {
         let b = (m.total() as u64 * f / 100) as usize;
         let ours_b = run(&dev, &m, a, ResidencyConfig { budget_bytes: b, ..ours }, 0)?;
@@ -471,11 +471,11 @@ fn bench(a: &Args) -> Result<()> {
     }
     md.push_str(&format!(
         "\nOverlap: fixed compute of {spin_us} µs per layer ({compute:.1} ms per step ≈ the default's copy-only step \
-         {copy_ms:.1} ms). Seed design with compute: {seed_ov_ms:.1} ms = {:.2} × max(copy, compute). Ours by prefetch depth \
+         {copy_ms:.1} ms). The synchronous LRU baseline (b_seed_*) with compute: {seed_ov_ms:.1} ms = {:.2} × max(copy, compute). Ours by prefetch depth \
          (target ≤ 1.1 × max; hit rate ≥ 0.99 × Belady):\n\n{sweep}\n\
          Hit rates count the whole run, warm-up included, as Belady sees the trace. Belady(budget − depth) is the optimum \
          for a pipeline that keeps `depth` page-ins ahead of use: the prefetched weights occupy room Belady's demand \
-         schedule would still use. LRU (seed) hit rate: {:.3}.\n",
+         schedule would still use. LRU baseline hit rate: {:.3}.\n",
         seed_ov_ms / copy_ms.max(compute),
         runs[0].1.end.hits as f64 / runs[0].1.end.acquires as f64
     ));
@@ -504,7 +504,7 @@ fn bench(a: &Args) -> Result<()> {
     let allocs: u64 = runs.iter().skip(1).map(|(_, r)| r.allocs).sum();
     let (d0, vs_opt, _) = hit_ratios[0];
     let (d1, vs_opt1, vs_window1) = hit_ratios[1];
-    md.push_str("\n### Targets (issue 4)\n\n| target | measured | |\n|---|---|---|\n");
+    md.push_str("\n### Targets (residency)\n\n| target | measured | |\n|---|---|---|\n");
     md.push_str(&format!(
         "| registered sources ≥ 95% of the pinned peak | {reg:.0}% | {} |\n",
         pass(reg >= 95.0)
@@ -555,7 +555,7 @@ fn llama_block(d: usize, ffn: usize, kv: usize) -> [usize; 7] {
     [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, d * ffn].map(|e| 2 * e)
 }
 
-/// Mixed-size weights (issue 12): Llama-7B (16 blocks of 4096/11008) and
+/// Mixed-size weights: Llama-7B (16 blocks of 4096/11008) and
 /// Llama-70B (8 blocks of 8192/28672, K/V 8192×1024; 4 with --quick) at 25/50/75% budgets,
 /// the plan (default) against farthest-next-use alone, acquiring around
 /// each weight and a whole block at once (a torch forward hook). Reports
@@ -580,7 +580,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
         ),
     ];
     let mut md = String::from(
-        "\n### Mixed sizes (issue 12)\n\nStreamed bytes per decode step against the floor (total − budget) and the bound \
+        "\n### Mixed sizes\n\nStreamed bytes per decode step against the floor (total − budget) and the bound \
          (floor + 2 × largest weight); `hold 7`: a block's seven weights acquired together, whose own floor is \
          floor × blocks / (blocks − 1). Steady state after warm-up; host stall = eviction waits on the host.\n\n\
          | shape | budget % | policy | hold | MiB/step | ÷ floor | ÷ bound | step ms | eviction waits | host stall ms | plans | ring MiB | demand page-ins/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -712,7 +712,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
     rep.push(Scenario::new("targets", "mixed_plan_bytes_over_bound", "ratio", false, vec![worst_over_bound]));
     let pass = |ok: bool| if ok { "PASS" } else { "FAIL" };
     md.push_str(&format!(
-        "\n| target (issue 12, plan, acquire around each weight) | measured | |\n|---|---|---|\n\
+        "\n| target (plan, acquire around each weight) | measured | |\n|---|---|---|\n\
          | bytes/step ≤ (total − budget) + 2 × largest | worst {worst_over_bound:.3} × bound | {} |\n\
          | no host waits on eviction in steady state | {plan_waits} | {} |\n",
         pass(worst_over_bound <= 1.0),

@@ -1,7 +1,7 @@
-//! Page-in bandwidth, side by side in one run (issue 3, item 8):
+//! Page-in bandwidth, side by side in one run:
 //!
-//! - (a) pageable source, pinned buffer allocated and freed per page-in (the seed's "before");
-//! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (the seed's "after");
+//! - (a) pageable source, pinned buffer allocated and freed per page-in (what a host without a pool does);
+//! - (b) pageable source, pooled buffer, host-synchronous: fill, copy, wait (a pool without overlap);
 //! - (c) ours: the copy engine — pooled slots, multi-threaded fill overlapped with the DMA;
 //! - (d) ours, direct path: the source registered once, copied with no staging;
 //! - (e) the physical peak: one copy from an already-filled pinned buffer
@@ -13,9 +13,9 @@
 //! - (f) the host's fill ceiling: the best multi-threaded pageable → pinned
 //!   memcpy rate while a long DMA runs (fill and DMA share host memory bandwidth);
 //!   (f') the same fill cut into slot-sized pieces over the engine's number of
-//!   recycled buffers. The first H200 run had (c) at 128 MiB reach 1.39×(f),
-//!   so a big fresh destination is not the engine's ceiling; (f') shows
-//!   whether the recycled destinations are why.
+//!   recycled buffers. (c) at 128 MiB can exceed (f), so a big fresh
+//!   destination is not the engine's ceiling; (f') shows whether the
+//!   recycled destinations are why.
 //!
 //! (a) and (b) fill with the same fill threads as (c), so (b) → (c) isolates the
 //! overlap and (a) → (b) the allocation. Every page-in rate is bytes over host
@@ -420,7 +420,7 @@ fn run(args: &BenchArgs) -> Res<()> {
         cfg.slots
     );
     md.push_str(&sweep);
-    let _ = writeln!(md, "\n### Targets (issue 3)\n");
+    let _ = writeln!(md, "\n### Targets (staging)\n");
     for t in &targets {
         let _ = writeln!(md, "- {t}");
     }

@@ -1,7 +1,7 @@
 //! kv_churn: a long prefix-sharing churn on the KV pool, watching for
-//! driver-allocation growth and ledger drift (issue 8, long runs).
+//! driver-allocation growth and ledger drift (the long runs of scripts/long-run.sh).
 //!
-//!   EPM_DEVICE=cuda kv_churn              # the H200 run: 20,000 requests, ~1 min
+//!   EPM_DEVICE=cuda kv_churn              # on a GPU: 20,000 requests, ~1 min
 //!   kv_churn --quick                      # 300 requests on the host device (CI smoke)
 //!   kv_churn --iters N --window K --rotate R --prefix-tokens P --append-tokens A
 //!
