@@ -36,7 +36,10 @@ impl Ep {
                 CreateSyncStreamForDevice: None,
                 GetCompiledModelCompatibilityInfo: None,
                 GetKernelRegistry: None,
-                _later: [None; 11],
+                IsConcurrentRunSupported: None,
+                Sync: None,
+                CreateProfiler: None,
+                _v26_v27: [None; 8],
             },
             factory,
         });

@@ -78,7 +78,7 @@ impl Factory {
 impl Drop for Factory {
     fn drop(&mut self) {
         let hw = std::mem::take(&mut *self.created_hw.lock().unwrap_or_else(|e| e.into_inner()));
-        if let Some(release) = self.api.release_hardware_device {
+        if let Some(release) = self.api.e.ReleaseHardwareDevice {
             for h in hw {
                 // SAFETY: we created h with CreateHardwareDevice; the EpDevices
                 // that referred to it were released by ORT before the factory.
