@@ -497,8 +497,6 @@ pub mod fns {
     pub type ReleaseMemoryInfo = unsafe extern "C" fn(info: *mut OrtMemoryInfo);
     pub type ReleaseTensorTypeAndShapeInfo = unsafe extern "C" fn(info: *mut OrtTensorTypeAndShapeInfo);
     pub type KernelContext_GetGPUComputeStream = unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut *mut c_void) -> *mut OrtStatus;
-    pub type HasSessionConfigEntry = unsafe extern "C" fn(options: *const OrtSessionOptions, key: *const c_char, out: *mut c_int) -> *mut OrtStatus;
-    pub type GetSessionConfigEntry = unsafe extern "C" fn(options: *const OrtSessionOptions, key: *const c_char, value: *mut c_char, size: *mut usize) -> *mut OrtStatus;
     pub type Logger_LogMessage = unsafe extern "C" fn(logger: *const OrtLogger, severity: OrtLoggingLevel, message: *const c_char, file: *const c_char, line: c_int, func: *const c_char) -> *mut OrtStatus;
     pub type Logger_GetLoggingSeverityLevel = unsafe extern "C" fn(logger: *const OrtLogger, out: *mut OrtLoggingLevel) -> *mut OrtStatus;
     pub type ReadOpAttr = unsafe extern "C" fn(attr: *const OrtOpAttr, ty: OrtOpAttrType, data: *mut c_void, len: usize, out: *mut usize) -> *mut OrtStatus;
@@ -530,6 +528,7 @@ pub mod fns {
     pub type Node_GetOutputs = unsafe extern "C" fn(node: *const OrtNode, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
     pub type Node_GetAttributeByName = unsafe extern "C" fn(node: *const OrtNode, name: *const c_char, out: *mut *const OrtOpAttr) -> *mut OrtStatus;
     pub type GetTensorData = unsafe extern "C" fn(value: *const OrtValue, out: *mut *const c_void) -> *mut OrtStatus;
+    pub type GetSessionOptionsConfigEntries = unsafe extern "C" fn(options: *const OrtSessionOptions, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus;
     pub type SyncStream_GetHandle = unsafe extern "C" fn(stream: *mut OrtSyncStream) -> *mut c_void;
 }
 
@@ -786,8 +785,8 @@ pub struct OrtApi {
     /* 234 */ pub KernelInfo_GetInputTypeInfo: Slot,
     /* 235 */ pub KernelInfo_GetOutputTypeInfo: Slot,
     /* 236 */ pub KernelInfoGetAttribute_tensor: Slot,
-    /* 237 */ pub HasSessionConfigEntry: Option<fns::HasSessionConfigEntry>,
-    /* 238 */ pub GetSessionConfigEntry: Option<fns::GetSessionConfigEntry>,
+    /* 237 */ pub HasSessionConfigEntry: Slot,
+    /* 238 */ pub GetSessionConfigEntry: Slot,
     // ---- added in 1.15 ----------------------------------------
     /* 239 */ pub SessionOptionsAppendExecutionProvider_Dnnl: Slot,
     /* 240 */ pub CreateDnnlProviderOptions: Slot,
@@ -935,7 +934,7 @@ pub struct OrtApi {
     /* 376 */ pub GetSharedAllocator: Slot,
     /* 377 */ pub ReleaseSharedAllocator: Slot,
     /* 378 */ pub GetTensorData: Option<fns::GetTensorData>,
-    /* 379 */ pub GetSessionOptionsConfigEntries: Slot,
+    /* 379 */ pub GetSessionOptionsConfigEntries: Option<fns::GetSessionOptionsConfigEntries>,
     /* 380 */ pub SessionGetMemoryInfoForInputs: Slot,
     /* 381 */ pub SessionGetMemoryInfoForOutputs: Slot,
     /* 382 */ pub SessionGetEpDeviceForInputs: Slot,

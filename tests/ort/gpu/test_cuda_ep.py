@@ -138,7 +138,9 @@ class CudaEpOnEpmem(unittest.TestCase):
         dev = next(d for d in ort.get_ep_devices() if d.ep_name == REG)
         so = ort.SessionOptions()
         so.add_session_config_entry("session.use_env_allocators", "1")
-        so.add_provider_for_devices([dev], {})
+        # Memory sharing only: streaming (which would compute the MatMuls
+        # with epmem's own GEMM) is tested by tests/ort/test_ort_streaming.py.
+        so.add_provider_for_devices([dev], {"stream_weights": "0"})
         so.add_provider(CUDA, {})
         s = ort.InferenceSession(MODEL, sess_options=so)
         self.assertIn(CUDA, s.get_providers())
