@@ -84,6 +84,14 @@ run_suites() {
   fi
   cat "$out"; tally "$out"
 
+  # The H200 benchmark's smoke run: the tiny Llama-shaped model with a KV
+  # cache, epmem at 25-100% budgets, 32 greedy tokens identical to the CPU EP's.
+  if [ -z "$FAKE" ] && "$py" -c 'import onnx' 2>/dev/null; then
+    out=$WORK/bench-$label.log
+    "$py" scripts/bench_ort_stream.py --size tiny --out "$WORK/bench-$label" >"$out" 2>&1
+    grep -E '^(TARGET|bench-ort-stream:)' "$out" || tail -20 "$out"; tally "$out"
+  fi
+
   capi=$("$py" -c 'import onnxruntime, os; print(os.path.join(os.path.dirname(onnxruntime.__file__), "capi"))')
   so=$(ls "$capi"/libonnxruntime.so.1.* 2>/dev/null | head -1)
   out=$WORK/c-$label.log

@@ -257,6 +257,17 @@ impl Blas {
     }
 }
 
+impl Blas {
+    /// Wait for all work in the device's primary context (ORT's CUDA EP
+    /// streams included): the ordering of last resort when ORT gives a node
+    /// no stream.
+    pub fn synchronize_context(&self) -> Result<()> {
+        let _c = Current::enter(self.ctx)?;
+        // SAFETY: our context is current.
+        cu_check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })
+    }
+}
+
 impl Drop for Blas {
     fn drop(&mut self) {
         // SAFETY: our handle and our retain; cublasDestroy synchronizes the

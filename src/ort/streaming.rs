@@ -492,9 +492,13 @@ impl Streamer {
                 if !self.warned_sync.swap(true, Ordering::Relaxed) {
                     log::warn!(
                         "epmem ({}): ORT gives the EP's nodes no GPU stream (no CUDA EP in the session?): \
-                         each node runs on the EP's own stream and waits for it",
+                         each node waits for the whole GPU, runs on the EP's own stream and waits for it",
                         self.ep_name
                     );
+                }
+                // Whatever produced the input ran on a stream we do not know.
+                if let Some(b) = self.blas.as_ref() {
+                    b.lock().unwrap_or_else(|p| p.into_inner()).synchronize_context()?;
                 }
                 let own = self.own_stream()?;
                 (own, self.dev.stream_native(own)?, true)
