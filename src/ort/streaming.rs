@@ -422,10 +422,12 @@ impl Streamer {
         let av = unsafe { api.tensor(a, false) }?;
         let yv = unsafe { api.tensor(y, true) }?;
         let shape = GemmShape { m, k: c.k, n: c.n, trans_b: c.trans_b, alpha: c.alpha, beta: c.beta };
+        // Asked on every device, so CI's host-device runs exercise the call;
+        // only a GPU node uses the answer.
+        let given = unsafe { api.kernel_gpu_stream(ctx) }?;
         match self.dev.info().kind {
             DeviceKind::Host => self.compute_host(k, shape, &av, &yv),
-            // SAFETY: per the caller.
-            DeviceKind::Cuda => unsafe { self.compute_cuda(k, shape, &av, &yv, ctx) },
+            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given),
         }
     }
 
@@ -465,16 +467,8 @@ impl Streamer {
         Ok(())
     }
 
-    /// # Safety
-    /// `ctx` is the live kernel context of the node's `Compute`.
-    unsafe fn compute_cuda(
-        &self,
-        k: &Kernel,
-        s: GemmShape,
-        av: &TensorView,
-        yv: &TensorView,
-        ctx: *mut OrtKernelContext,
-    ) -> Result<()> {
+    /// `given`: the native stream ORT runs the node on, if any.
+    fn compute_cuda(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, given: Option<u64>) -> Result<()> {
         crate::ensure!(
             self.on_device(av) && self.on_device(yv),
             InvalidArgument,
@@ -484,8 +478,6 @@ impl Streamer {
             av.desc,
             yv.desc
         );
-        // SAFETY: per the caller.
-        let given = unsafe { self.api.kernel_gpu_stream(ctx) }?;
         let (stream, native, sync) = match given {
             Some(n) => (self.adopt(n)?, n, false),
             None => {
