@@ -82,7 +82,8 @@ impl EpOptions {
                 }
                 OPT_BUDGET_BYTES => {
                     o.budget_bytes = Some(
-                        super::options::parse_bytes(v).map_err(|w| bad(w, "a byte count such as 4294967296 or 4GiB"))?,
+                        super::options::parse_bytes(v)
+                            .map_err(|w| bad(w, "a byte count such as 4294967296 or 4GiB"))?,
                     )
                 }
                 OPT_BUDGET_MARGIN_BYTES => {
@@ -90,10 +91,16 @@ impl EpOptions {
                         Some(super::options::parse_bytes(v).map_err(|w| bad(w, "a byte count such as 2GiB"))?)
                 }
                 OPT_PREFETCH_DEPTH => {
-                    o.prefetch_depth =
-                        Some(v.trim().parse().map_err(|_| bad("not a whole number", "0, 1, 2, ..."))?)
+                    o.prefetch_depth = Some(
+                        v.trim()
+                            .parse()
+                            .map_err(|_| bad("not a whole number", "0, 1, 2, ..."))?,
+                    )
                 }
-                _ => log::warn!("epmem: ignoring unknown EP option {k:?}; epmem's EP reads {}", KNOWN.join(", ")),
+                _ => log::warn!(
+                    "epmem: ignoring unknown EP option {k:?}; epmem's EP reads {}",
+                    KNOWN.join(", ")
+                ),
             }
         }
         Ok(o)
@@ -119,7 +126,12 @@ pub(crate) struct GemmAttrs {
 
 impl Default for GemmAttrs {
     fn default() -> Self {
-        Self { trans_a: 0, trans_b: 0, alpha: 1.0, beta: 1.0 }
+        Self {
+            trans_a: 0,
+            trans_b: 0,
+            alpha: 1.0,
+            beta: 1.0,
+        }
     }
 }
 
@@ -183,7 +195,11 @@ fn decide_gemm(
     min_bytes: u64,
 ) -> std::result::Result<Claim, Refusal> {
     let gemm = op == "Gemm";
-    let arity_ok = if gemm { (2..=3).contains(&inputs.len()) } else { inputs.len() == 2 };
+    let arity_ok = if gemm {
+        (2..=3).contains(&inputs.len())
+    } else {
+        inputs.len() == 2
+    };
     let (Some(a), Some(Some(w))) = (inputs.first().cloned().flatten(), inputs.get(1)) else {
         return Err(refuse(format!("{op} with {} inputs", inputs.len()), false));
     };
@@ -200,7 +216,10 @@ fn decide_gemm(
                 && elem_bytes(t.elem).is_some_and(|eb| (t.dims[0] * t.dims[1]) as u64 * eb as u64 >= min_bytes)
         });
         return Err(refuse(
-            format!("its weight input '{}' is not a constant initializer (it can change per run)", w.name),
+            format!(
+                "its weight input '{}' is not a constant initializer (it can change per run)",
+                w.name
+            ),
             weight_like,
         ));
     }
@@ -227,7 +246,10 @@ fn decide_gemm(
     let bytes = r.saturating_mul(c).saturating_mul(eb);
     if (bytes as u64) < min_bytes {
         return Err(refuse(
-            format!("weight '{}' has {bytes} bytes, below weight_min_bytes={min_bytes}", w.name),
+            format!(
+                "weight '{}' has {bytes} bytes, below weight_min_bytes={min_bytes}",
+                w.name
+            ),
             false,
         ));
     }
@@ -237,14 +259,22 @@ fn decide_gemm(
     let trans_b = gemm && attrs.trans_b != 0;
     let (k, n) = if trans_b { (c, r) } else { (r, c) };
     if a.constant {
-        return Err(refuse(format!("its input '{}' is a constant initializer too", a.name), true));
+        return Err(refuse(
+            format!("its input '{}' is a constant initializer too", a.name),
+            true,
+        ));
     }
     let Some(at) = a.ty.as_ref() else {
         return Err(refuse(format!("input '{}' has no tensor type", a.name), true));
     };
     if at.elem != wt.elem {
         return Err(refuse(
-            format!("input '{}' is {} but the weight is {}", a.name, elem_name(at.elem), elem_name(wt.elem)),
+            format!(
+                "input '{}' is {} but the weight is {}",
+                a.name,
+                elem_name(at.elem),
+                elem_name(wt.elem)
+            ),
             true,
         ));
     }
@@ -300,18 +330,33 @@ mod tests {
     use super::*;
 
     fn t(elem: ONNXTensorElementDataType, dims: &[i64]) -> Option<TensorType> {
-        Some(TensorType { elem, dims: dims.to_vec() })
+        Some(TensorType {
+            elem,
+            dims: dims.to_vec(),
+        })
     }
     fn input(name: &str, ty: Option<TensorType>, constant: bool) -> Option<InputFacts> {
-        Some(InputFacts { name: name.into(), ty, constant })
+        Some(InputFacts {
+            name: name.into(),
+            ty,
+            constant,
+        })
     }
     const F: ONNXTensorElementDataType = TENSOR_ELEMENT_FLOAT;
 
     #[test]
     fn claims_a_batched_matmul_with_a_large_constant_weight() {
-        let ins = [input("x", t(F, &[-1, -1, 512]), false), input("w", t(F, &[512, 1024]), true)];
-        let c = decide("MatMul", "", &ins, GemmAttrs::default(), 1 << 20).unwrap().unwrap();
-        assert_eq!((c.k, c.n, c.weight_bytes, c.trans_b, c.a_rank), (512, 1024, 2 << 20, false, 3));
+        let ins = [
+            input("x", t(F, &[-1, -1, 512]), false),
+            input("w", t(F, &[512, 1024]), true),
+        ];
+        let c = decide("MatMul", "", &ins, GemmAttrs::default(), 1 << 20)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (c.k, c.n, c.weight_bytes, c.trans_b, c.a_rank),
+            (512, 1024, 2 << 20, false, 3)
+        );
         assert_eq!(c.weight, "w");
     }
 
@@ -322,7 +367,12 @@ mod tests {
             input("w", t(TENSOR_ELEMENT_FLOAT16, &[2048, 1024]), true),
             input("b", t(TENSOR_ELEMENT_FLOAT16, &[2048]), true),
         ];
-        let attrs = GemmAttrs { trans_b: 1, alpha: 0.5, beta: 2.0, ..Default::default() };
+        let attrs = GemmAttrs {
+            trans_b: 1,
+            alpha: 0.5,
+            beta: 2.0,
+            ..Default::default()
+        };
         let c = decide("Gemm", "ai.onnx", &ins, attrs, 1 << 20).unwrap().unwrap();
         assert_eq!((c.k, c.n, c.trans_b), (1024, 2048, true));
         assert_eq!((c.alpha, c.beta, c.bias.as_deref()), (0.5, 2.0, Some("b")));
@@ -336,26 +386,79 @@ mod tests {
         let why = |op: &str, ins: &[Option<InputFacts>], attrs: GemmAttrs| {
             decide(op, "", ins, attrs, min).unwrap().unwrap_err()
         };
-        let r = why("MatMul", &[x.clone(), input("w", big.clone(), false)], GemmAttrs::default());
+        let r = why(
+            "MatMul",
+            &[x.clone(), input("w", big.clone(), false)],
+            GemmAttrs::default(),
+        );
         assert!(r.notable && r.reason.contains("not a constant initializer"), "{r:?}");
-        let r = why("MatMul", &[x.clone(), input("kt", t(F, &[-1, 1024, -1]), false)], GemmAttrs::default());
-        assert!(!r.notable && r.reason.contains("not a constant initializer"), "an activation: {r:?}");
-        let r = why("MatMul", &[x.clone(), input("w", t(7, &[1024, 1024]), true)], GemmAttrs::default());
+        let r = why(
+            "MatMul",
+            &[x.clone(), input("kt", t(F, &[-1, 1024, -1]), false)],
+            GemmAttrs::default(),
+        );
+        assert!(
+            !r.notable && r.reason.contains("not a constant initializer"),
+            "an activation: {r:?}"
+        );
+        let r = why(
+            "MatMul",
+            &[x.clone(), input("w", t(7, &[1024, 1024]), true)],
+            GemmAttrs::default(),
+        );
         assert!(r.notable && r.reason.contains("int64"), "{r:?}");
-        let r = why("MatMul", &[x.clone(), input("w", t(F, &[16, 16]), true)], GemmAttrs::default());
+        let r = why(
+            "MatMul",
+            &[x.clone(), input("w", t(F, &[16, 16]), true)],
+            GemmAttrs::default(),
+        );
         assert!(!r.notable && r.reason.contains("below weight_min_bytes"), "{r:?}");
-        let r = why("MatMul", &[x.clone(), input("w", t(F, &[8, 1024, 1024]), true)], GemmAttrs::default());
+        let r = why(
+            "MatMul",
+            &[x.clone(), input("w", t(F, &[8, 1024, 1024]), true)],
+            GemmAttrs::default(),
+        );
         assert!(r.reason.contains("2-D"), "{r:?}");
-        let r = why("MatMul", &[input("x", t(F, &[4, 512]), false), input("w", big.clone(), true)], GemmAttrs::default());
+        let r = why(
+            "MatMul",
+            &[input("x", t(F, &[4, 512]), false), input("w", big.clone(), true)],
+            GemmAttrs::default(),
+        );
         assert!(r.reason.contains("512 columns"), "{r:?}");
-        let attrs = GemmAttrs { trans_a: 1, ..Default::default() };
+        let attrs = GemmAttrs {
+            trans_a: 1,
+            ..Default::default()
+        };
         let r = why("Gemm", &[x.clone(), input("w", big.clone(), true)], attrs);
         assert!(r.reason.contains("transA"), "{r:?}");
-        let r = why("Gemm", &[x.clone(), input("w", big.clone(), true), input("c", t(F, &[4, 1024]), true)], GemmAttrs::default());
+        let r = why(
+            "Gemm",
+            &[
+                x.clone(),
+                input("w", big.clone(), true),
+                input("c", t(F, &[4, 1024]), true),
+            ],
+            GemmAttrs::default(),
+        );
         assert!(r.reason.contains("bias"), "{r:?}");
-        let r = why("Gemm", &[x.clone(), input("w", big.clone(), true), input("c", t(F, &[1024]), false)], GemmAttrs::default());
+        let r = why(
+            "Gemm",
+            &[
+                x.clone(),
+                input("w", big.clone(), true),
+                input("c", t(F, &[1024]), false),
+            ],
+            GemmAttrs::default(),
+        );
         assert!(r.reason.contains("bias"), "{r:?}");
-        let r = why("MatMul", &[input("x", t(TENSOR_ELEMENT_FLOAT16, &[4, 1024]), false), input("w", big, true)], GemmAttrs::default());
+        let r = why(
+            "MatMul",
+            &[
+                input("x", t(TENSOR_ELEMENT_FLOAT16, &[4, 1024]), false),
+                input("w", big, true),
+            ],
+            GemmAttrs::default(),
+        );
         assert!(r.reason.contains("float16"), "{r:?}");
         assert!(decide("Add", "", &[], GemmAttrs::default(), min).is_none());
         assert!(decide("MatMul", "com.microsoft", &[], GemmAttrs::default(), min).is_none());
@@ -366,16 +469,29 @@ mod tests {
         let e = |k: &str, v: &str| (format!("ep.epmem.{k}"), v.to_string());
         let o = EpOptions::parse(
             "EpMem",
-            &[e("budget_bytes", "64MiB"), e("weight_min_bytes", "4096"), e("prefetch_depth", "2"), e("stream_weights", "1"),
-              ("ep.other.budget_bytes".into(), "garbage".into()), ("session.x".into(), "1".into())],
+            &[
+                e("budget_bytes", "64MiB"),
+                e("weight_min_bytes", "4096"),
+                e("prefetch_depth", "2"),
+                e("stream_weights", "1"),
+                ("ep.other.budget_bytes".into(), "garbage".into()),
+                ("session.x".into(), "1".into()),
+            ],
         )
         .unwrap();
         assert_eq!(o.budget_bytes, Some(64 << 20));
-        assert_eq!((o.weight_min_bytes, o.prefetch_depth, o.stream_weights), (4096, Some(2), true));
+        assert_eq!(
+            (o.weight_min_bytes, o.prefetch_depth, o.stream_weights),
+            (4096, Some(2), true)
+        );
         assert_eq!(EpOptions::parse("epmem", &[]).unwrap(), EpOptions::default());
         let err = EpOptions::parse("epmem", &[e("budget_bytes", "lots")]).unwrap_err();
         assert!(err.message().contains("budget_bytes"), "{err}");
         assert!(EpOptions::parse("epmem", &[e("stream_weights", "maybe")]).is_err());
-        assert!(!EpOptions::parse("epmem", &[e("stream_weights", "0")]).unwrap().stream_weights);
+        assert!(
+            !EpOptions::parse("epmem", &[e("stream_weights", "0")])
+                .unwrap()
+                .stream_weights
+        );
     }
 }

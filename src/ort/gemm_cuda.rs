@@ -105,7 +105,10 @@ fn check(call: &str, status: u32) -> Result<()> {
         15 => "CUBLAS_STATUS_NOT_SUPPORTED",
         _ => "CUBLAS_STATUS_?",
     };
-    Err(Error::new(EpmStatus::CudaError, format!("{call} failed: {name} ({status})")))
+    Err(Error::new(
+        EpmStatus::CudaError,
+        format!("{call} failed: {name} ({status})"),
+    ))
 }
 
 fn cu_check(call: &str, r: cu::CUresult) -> Result<()> {
@@ -213,7 +216,8 @@ impl Blas {
             e => crate::bail!(Unsupported, "no GEMM for element type {e}"),
         };
         let dim = |v: usize, what: &str| -> Result<c_int> {
-            c_int::try_from(v).map_err(|_| Error::invalid_argument(format!("GEMM {what}={v} exceeds cuBLAS's int range")))
+            c_int::try_from(v)
+                .map_err(|_| Error::invalid_argument(format!("GEMM {what}={v} exceeds cuBLAS's int range")))
         };
         let (m, k, n) = (dim(s.m, "m")?, dim(s.k, "k")?, dim(s.n, "n")?);
         // Row-major Y = X · op(W) is column-major Yᵀ = op(W)ᵀ · Xᵀ: cuBLAS's
@@ -228,7 +232,10 @@ impl Blas {
         // ours); pointers per the caller; alpha/beta are f32 as
         // CUBLAS_COMPUTE_32F requires.
         unsafe {
-            check("cublasSetStream", (self.lib.set_stream)(self.handle, stream as cudaStream_t))?;
+            check(
+                "cublasSetStream",
+                (self.lib.set_stream)(self.handle, stream as cudaStream_t),
+            )?;
             check(
                 "cublasGemmEx",
                 (self.lib.gemm_ex)(

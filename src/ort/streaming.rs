@@ -64,13 +64,17 @@ pub(crate) unsafe fn get_capability(
             continue;
         }
         let mut facts = Vec::new();
+        // SAFETY: the node is live during GetCapability (as for every call below).
         for vi in unsafe { api.node_inputs(node) }? {
             facts.push(if vi.is_null() {
                 None
             } else {
                 Some(InputFacts {
+                    // SAFETY: a live value info or node of the graph, during GetCapability.
                     name: unsafe { api.value_name(vi) }?,
+                    // SAFETY: a live value info or node of the graph, during GetCapability.
                     ty: unsafe { api.value_type(vi) }?,
+                    // SAFETY: a live value info or node of the graph, during GetCapability.
                     constant: unsafe { api.is_constant_initializer(vi) }?,
                 })
             });
@@ -78,9 +82,13 @@ pub(crate) unsafe fn get_capability(
         let attrs = if op == "Gemm" {
             let d = GemmAttrs::default();
             GemmAttrs {
+                // SAFETY: a live value info or node of the graph, during GetCapability.
                 trans_a: unsafe { api.node_attr_int(node, "transA") }?.unwrap_or(d.trans_a),
+                // SAFETY: a live value info or node of the graph, during GetCapability.
                 trans_b: unsafe { api.node_attr_int(node, "transB") }?.unwrap_or(d.trans_b),
+                // SAFETY: a live value info or node of the graph, during GetCapability.
                 alpha: unsafe { api.node_attr_float(node, "alpha") }?.unwrap_or(d.alpha),
+                // SAFETY: a live value info or node of the graph, during GetCapability.
                 beta: unsafe { api.node_attr_float(node, "beta") }?.unwrap_or(d.beta),
             }
         } else {
@@ -91,7 +99,10 @@ pub(crate) unsafe fn get_capability(
         };
         match verdict {
             Err(r) => {
-                let line = format!("epmem ({ep_name}): leaving {op} '{name}' to the other EPs: {}", r.reason);
+                let line = format!(
+                    "epmem ({ep_name}): leaving {op} '{name}' to the other EPs: {}",
+                    r.reason
+                );
                 if r.notable {
                     log::warn!("{line}");
                 } else {
@@ -99,10 +110,16 @@ pub(crate) unsafe fn get_capability(
                 }
             }
             Ok(c) => {
+                // SAFETY: the node is live during GetCapability.
                 let outs = unsafe { api.node_outputs(node) }?;
                 let Some(&o) = outs.first() else { continue };
+                // SAFETY: a live value info of that node.
                 let key = unsafe { api.value_name(o) }?;
-                let opt = OrtNodeFusionOptions { ort_version_supported: ORT_VERSION_SUPPORTED, drop_constant_initializers: true };
+                let opt = OrtNodeFusionOptions {
+                    ort_version_supported: ORT_VERSION_SUPPORTED,
+                    drop_constant_initializers: true,
+                };
+                // SAFETY: ORT's support info and a live node; the options are read during the call.
                 let st = unsafe { (api.e.EpGraphSupportInfo_AddNodesToFuse)(info, &node, 1, &opt) };
                 api.check(st, "EpGraphSupportInfo_AddNodesToFuse")?;
                 log::info!(
@@ -114,7 +131,14 @@ pub(crate) unsafe fn get_capability(
                     c.weight_bytes,
                     if c.trans_b { ", transB" } else { "" }
                 );
-                out.push((key, Claimed { order: first_order + i, node_name: name, claim: c }));
+                out.push((
+                    key,
+                    Claimed {
+                        order: first_order + i,
+                        node_name: name,
+                        claim: c,
+                    },
+                ));
             }
         }
     }
@@ -220,7 +244,9 @@ impl Streamer {
 
     fn mgr(&self) -> &ResidencyManager {
         // Some from `new` until Drop.
-        self.mgr.as_ref().expect("the residency manager lives until the streamer is dropped")
+        self.mgr
+            .as_ref()
+            .expect("the residency manager lives until the streamer is dropped")
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, Owned> {
@@ -238,23 +264,39 @@ impl Streamer {
         // SAFETY: per the caller: the graph, its node and initializers are
         // live during Compile.
         let nodes = unsafe { api.graph_nodes(graph) }?;
-        crate::ensure!(nodes.len() == 1, Internal, "a fused graph of {} nodes; the EP fuses one node each", nodes.len());
+        crate::ensure!(
+            nodes.len() == 1,
+            Internal,
+            "a fused graph of {} nodes; the EP fuses one node each",
+            nodes.len()
+        );
+        // SAFETY: the graph's node, live during Compile.
         let inputs = unsafe { api.node_inputs(nodes[0]) }?;
         let find = |name: &str| -> Result<*const OrtValueInfo> {
             for &vi in &inputs {
+                // SAFETY: the node's live input value infos.
                 if !vi.is_null() && unsafe { api.value_name(vi) }? == name {
                     return Ok(vi);
                 }
             }
-            Err(Error::internal(format!("node '{}' has no input '{name}' at Compile", c.node_name)))
+            Err(Error::internal(format!(
+                "node '{}' has no input '{name}' at Compile",
+                c.node_name
+            )))
         };
-        let label = if c.node_name.is_empty() { format!("{} of '{}'", claim.op, claim.weight) } else { c.node_name.clone() };
+        let label = if c.node_name.is_empty() {
+            format!("{} of '{}'", claim.op, claim.weight)
+        } else {
+            c.node_name.clone()
+        };
         let weight = {
             let known = self.state().by_name.get(&claim.weight).copied();
             match known {
                 Some(w) => w,
                 None => {
+                    // SAFETY: the graph's initializer value info, live during Compile.
                     let v = unsafe { api.initializer_value(find(&claim.weight)?) }?;
+                    // SAFETY: the initializer value, live during Compile.
                     let t = unsafe { api.tensor(v, false) }?;
                     crate::ensure!(
                         t.bytes == claim.weight_bytes,
@@ -290,10 +332,17 @@ impl Streamer {
         let bias = match &claim.bias {
             None => None,
             Some(b) => {
+                // SAFETY: the graph's initializer value info, live during Compile.
                 let v = unsafe { api.initializer_value(find(b)?) }?;
+                // SAFETY: the initializer value, live during Compile.
                 let t = unsafe { api.tensor(v, false) }?;
                 let bytes = self.host_copy(&t)?;
-                crate::ensure!(bytes.len() == claim.n * super::graph::elem_bytes(claim.elem).unwrap_or(4), Internal, "bias '{b}' has {} bytes", bytes.len());
+                crate::ensure!(
+                    bytes.len() == claim.n * super::graph::elem_bytes(claim.elem).unwrap_or(4),
+                    Internal,
+                    "bias '{b}' has {} bytes",
+                    bytes.len()
+                );
                 let dev = match self.dev.info().kind {
                     DeviceKind::Cuda => {
                         let p = self.dev.mem_alloc(bytes.len())?;
@@ -307,11 +356,20 @@ impl Streamer {
                     }
                     DeviceKind::Host => None,
                 };
-                Some(Bias { host: to_f32(claim.elem, &bytes), dev, bytes: bytes.len() })
+                Some(Bias {
+                    host: to_f32(claim.elem, &bytes),
+                    dev,
+                    bytes: bytes.len(),
+                })
             }
         };
         self.state().uses.push((c.order, weight));
-        Ok(Arc::new(Kernel { label, claim: claim.clone(), weight, bias }))
+        Ok(Arc::new(Kernel {
+            label,
+            claim: claim.clone(),
+            weight,
+            bias,
+        }))
     }
 
     /// Declare the execution order of every weight compiled so far as the
@@ -366,7 +424,9 @@ impl Streamer {
             return Ok(*s);
         }
         let s = self.dev.stream_wrap_native(native).map_err(|e| {
-            e.context(&format!("the stream ORT runs this node on ({native:#x}) cannot be used by epmem"))
+            e.context(&format!(
+                "the stream ORT runs this node on ({native:#x}) cannot be used by epmem"
+            ))
         })?;
         m.insert(native, s);
         Ok(s)
@@ -386,9 +446,15 @@ impl Streamer {
         let c = &k.claim;
         // SAFETY: per the caller for every ORT call on ctx and its values.
         let n_in = unsafe { api.kernel_input_count(ctx) }?;
-        crate::ensure!(n_in == 1, Internal, "node '{}' got {n_in} inputs; the EP expects 1 (its weight is its own)", k.label);
+        crate::ensure!(
+            n_in == 1,
+            Internal,
+            "node '{}' got {n_in} inputs; the EP expects 1 (its weight is its own)",
+            k.label
+        );
         let a = unsafe { api.kernel_input(ctx, 0) }?
             .ok_or_else(|| Error::invalid_argument(format!("node '{}' got no input", k.label)))?;
+        // SAFETY: a live input value of this Compute.
         let at = unsafe { api.value_tensor_type(a) }?;
         crate::ensure!(
             at.elem == c.elem,
@@ -398,8 +464,18 @@ impl Streamer {
             elem_name(at.elem),
             elem_name(c.elem)
         );
-        let rank_ok = if c.op == "Gemm" { at.dims.len() == 2 } else { !at.dims.is_empty() };
-        crate::ensure!(rank_ok, InvalidArgument, "node '{}': input of shape {:?}", k.label, at.dims);
+        let rank_ok = if c.op == "Gemm" {
+            at.dims.len() == 2
+        } else {
+            !at.dims.is_empty()
+        };
+        crate::ensure!(
+            rank_ok,
+            InvalidArgument,
+            "node '{}': input of shape {:?}",
+            k.label,
+            at.dims
+        );
         let last = *at.dims.last().unwrap_or(&0);
         crate::ensure!(
             last == c.k as i64,
@@ -410,20 +486,33 @@ impl Streamer {
             c.k
         );
         let lead = &at.dims[..at.dims.len() - 1];
-        let m = lead.iter().try_fold(1usize, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)));
+        let m = lead.iter().try_fold(1usize, |acc, &d| {
+            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        });
         let m = m.ok_or_else(|| Error::invalid_argument(format!("node '{}': input shape {:?}", k.label, at.dims)))?;
         let mut out_dims = lead.to_vec();
         out_dims.push(c.n as i64);
+        // SAFETY: ctx is the live kernel context (the caller's contract).
         let y = unsafe { api.kernel_output(ctx, 0, &out_dims) }?;
         self.computes.fetch_add(1, Ordering::Relaxed);
         if m == 0 {
             return Ok(());
         }
+        // SAFETY: live values of this Compute.
         let av = unsafe { api.tensor(a, false) }?;
+        // SAFETY: live values of this Compute.
         let yv = unsafe { api.tensor(y, true) }?;
-        let shape = GemmShape { m, k: c.k, n: c.n, trans_b: c.trans_b, alpha: c.alpha, beta: c.beta };
+        let shape = GemmShape {
+            m,
+            k: c.k,
+            n: c.n,
+            trans_b: c.trans_b,
+            alpha: c.alpha,
+            beta: c.beta,
+        };
         // Asked on every device, so CI's host-device runs exercise the call;
         // only a GPU node uses the answer.
+        // SAFETY: ctx is the live kernel context.
         let given = unsafe { api.kernel_gpu_stream(ctx) }?;
         match self.dev.info().kind {
             DeviceKind::Host => self.compute_host(k, shape, &av, &yv),
@@ -455,7 +544,13 @@ impl Streamer {
         })?;
         self.dev.stream_synchronize(stream)?;
         let out = gemm(c.elem, s, &x, &w, k.bias.as_ref().map(|b| b.host.as_slice()));
-        crate::ensure!(out.len() == yv.bytes, Internal, "output of {} bytes for {} computed", yv.bytes, out.len());
+        crate::ensure!(
+            out.len() == yv.bytes,
+            Internal,
+            "output of {} bytes for {} computed",
+            yv.bytes,
+            out.len()
+        );
         if self.on_device(yv) {
             // SAFETY: the output has yv.bytes bytes; `out` lives until the sync.
             unsafe { self.dev.memcpy_htod_async(yv.ptr, out.as_ptr(), out.len(), stream) }?;
@@ -468,7 +563,14 @@ impl Streamer {
     }
 
     /// `given`: the native stream ORT runs the node on, if any.
-    fn compute_cuda(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, given: Option<u64>) -> Result<()> {
+    fn compute_cuda(
+        &self,
+        k: &Kernel,
+        s: GemmShape,
+        av: &TensorView,
+        yv: &TensorView,
+        given: Option<u64>,
+    ) -> Result<()> {
         crate::ensure!(
             self.on_device(av) && self.on_device(yv),
             InvalidArgument,
@@ -498,7 +600,10 @@ impl Streamer {
         };
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
-        let blas = self.blas.as_ref().ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
+        let blas = self
+            .blas
+            .as_ref()
+            .ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
         self.with_weight(k, stream, |w| {
             let mut shape = s;
             match &k.bias {
@@ -510,7 +615,8 @@ impl Streamer {
                     let mut done = 1usize;
                     while done < s.m {
                         let rows = done.min(s.m - done);
-                        self.dev.memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
+                        self.dev
+                            .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
                         done += rows;
                     }
                 }
@@ -534,7 +640,10 @@ impl Drop for Streamer {
     fn drop(&mut self) {
         let Some(mgr) = self.mgr.take() else { return };
         if let Err(e) = mgr.synchronize() {
-            log::warn!("epmem ({}): synchronizing the weight streams at release: {e}", self.ep_name);
+            log::warn!(
+                "epmem ({}): synchronizing the weight streams at release: {e}",
+                self.ep_name
+            );
         }
         let s = mgr.stats();
         let arena = mgr.arena().clone();
@@ -633,7 +742,11 @@ unsafe extern "C" fn create_state(
     })
 }
 
-unsafe extern "C" fn compute(this: *mut OrtNodeComputeInfo, _state: *mut c_void, ctx: *mut OrtKernelContext) -> *mut OrtStatus {
+unsafe extern "C" fn compute(
+    this: *mut OrtNodeComputeInfo,
+    _state: *mut c_void,
+    ctx: *mut OrtKernelContext,
+) -> *mut OrtStatus {
     // SAFETY: ORT passes the info we gave it.
     let info = unsafe { me(this) };
     super::status_boundary(&info.streamer.api, "Compute", || {
