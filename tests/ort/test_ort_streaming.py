@@ -37,6 +37,11 @@ WEIGHTS, WEIGHT_BYTES, RUNS = 13, 2 << 20, 3
 
 def child(mode, opts):
     """Runs in the child: one scenario, result as JSON on a "RESULT " line."""
+    if os.environ.get("EPM_DEVICE", "").lower() == "cuda" and not FAKE_CUDA:
+        try:  # on a GPU machine torch brings the CUDA 13 libraries (cuBLAS) into the process
+            import torch  # noqa: F401
+        except ImportError:
+            pass
     import numpy as np
     import onnx
     import onnxruntime as ort
