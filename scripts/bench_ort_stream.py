@@ -203,7 +203,10 @@ def child(a):
     else:
         dev = [e for e in ort.get_ep_devices() if e.ep_name == REG][0]
         so.add_session_config_entry("session.use_env_allocators", "1")
-        so.add_provider_for_devices([dev], {"budget_bytes": str(a.budget), "weight_min_bytes": "1024"})
+        opts = {"budget_bytes": str(a.budget), "weight_min_bytes": "1024"}
+        if a.register_sources:
+            opts["register_sources"] = a.register_sources
+        so.add_provider_for_devices([dev], opts)
         if cuda:
             so.add_provider("CUDAExecutionProvider", {})
         sess = ort.InferenceSession(a.model, sess_options=so)
@@ -292,6 +295,8 @@ def pcie_bandwidth():
         e1.record()
         e1.synchronize()
         best = max(best, n / (e0.elapsed_time(e1) / 1e3))
+    del src, dst
+    torch.cuda.empty_cache()
     return best
 
 
@@ -322,6 +327,8 @@ def main():
     ap.add_argument("--model-dir", default=None, help="where models are built / reused (default OUT/models)")
     ap.add_argument("--budgets", default="25,50,75,100")
     ap.add_argument("--lib", default=os.environ.get("EPMEM_LIB", ""))
+    ap.add_argument("--register-sources", default="", choices=["", "memlock", "always", "never"],
+                    help="the EP option register_sources (default: the EP's, memlock)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="resident")
     ap.add_argument("--model")
@@ -353,7 +360,7 @@ def main():
         W = streamed_bytes(c)
         tmp = tempfile.mkdtemp(prefix="bos-")
         ref_json, ref_logits = os.path.join(tmp, "ref.json"), os.path.join(tmp, "ref_logits.npy")
-        base = ["--size", size, "--model", model, "--lib", a.lib]
+        base = ["--size", size, "--model", model, "--lib", a.lib, "--register-sources", a.register_sources]
         res = run_child(base + ["--mode", "resident", "--logits-out", ref_logits],
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))

@@ -23,6 +23,9 @@ pub const OPT_BUDGET_BYTES: &str = "budget_bytes";
 pub const OPT_BUDGET_MARGIN_BYTES: &str = "budget_margin_bytes";
 /// EP option: weights paged in ahead of use along the execution order.
 pub const OPT_PREFETCH_DEPTH: &str = "prefetch_depth";
+/// EP option: when the weights' host pages are registered with the device
+/// (`memlock`: within RLIMIT_MEMLOCK, the default; `always`; `never`).
+pub const OPT_REGISTER_SOURCES: &str = "register_sources";
 
 const KNOWN: &[&str] = &[
     OPT_STREAM_WEIGHTS,
@@ -30,6 +33,7 @@ const KNOWN: &[&str] = &[
     OPT_BUDGET_BYTES,
     OPT_BUDGET_MARGIN_BYTES,
     OPT_PREFETCH_DEPTH,
+    OPT_REGISTER_SOURCES,
 ];
 
 /// The EP's options, from the session's `ep.<registered name>.<key>`
@@ -42,6 +46,7 @@ pub(crate) struct EpOptions {
     pub budget_bytes: Option<u64>,
     pub budget_margin_bytes: Option<u64>,
     pub prefetch_depth: Option<usize>,
+    pub register_sources: Option<crate::residency::RegisterSources>,
 }
 
 impl Default for EpOptions {
@@ -52,6 +57,7 @@ impl Default for EpOptions {
             budget_bytes: None,
             budget_margin_bytes: None,
             prefetch_depth: None,
+            register_sources: None,
         }
     }
 }
@@ -96,6 +102,15 @@ impl EpOptions {
                             .parse()
                             .map_err(|_| bad("not a whole number", "0, 1, 2, ..."))?,
                     )
+                }
+                OPT_REGISTER_SOURCES => {
+                    use crate::residency::RegisterSources as R;
+                    o.register_sources = Some(match v.trim() {
+                        "memlock" => R::WithinMemlock,
+                        "always" => R::Always,
+                        "never" => R::Never,
+                        _ => return Err(bad("unknown value", "memlock, always or never")),
+                    })
                 }
                 _ => log::warn!(
                     "epmem: ignoring unknown EP option {k:?}; epmem's EP reads {}",
@@ -493,5 +508,8 @@ mod tests {
                 .unwrap()
                 .stream_weights
         );
+        let r = EpOptions::parse("epmem", &[e("register_sources", "always")]).unwrap();
+        assert_eq!(r.register_sources, Some(crate::residency::RegisterSources::Always));
+        assert!(EpOptions::parse("epmem", &[e("register_sources", "sometimes")]).is_err());
     }
 }

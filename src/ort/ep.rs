@@ -132,6 +132,9 @@ unsafe extern "C" fn compile(
             NullPointer,
             "Compile was given NULL arrays"
         );
+        if count == 0 {
+            return Ok(());
+        }
         let streamer = ep.streamer()?;
         let mut made: Vec<*mut OrtNodeComputeInfo> = Vec::with_capacity(count);
         let r = (|| -> Result<()> {

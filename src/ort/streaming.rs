@@ -215,6 +215,9 @@ impl Streamer {
         if let Some(d) = opts.prefetch_depth {
             cfg.prefetch_depth = d;
         }
+        if let Some(r) = opts.register_sources {
+            cfg.register_sources = r;
+        }
         let mgr = ResidencyManager::new(&dev, cfg)?;
         let blas = match dev.info().kind {
             DeviceKind::Cuda => Some(Mutex::new(super::gemm_cuda::Blas::open(dev.info().ordinal)?)),
@@ -394,17 +397,18 @@ impl Streamer {
 
     /// A host copy of a tensor ORT owns (CPU memory, or ours).
     fn host_copy(&self, t: &TensorView) -> Result<Box<[u8]>> {
-        let mut v = vec![0u8; t.bytes].into_boxed_slice();
         if t.desc.kind == self.kind && t.desc.mem_type == DEVICE_MEMORY_DEFAULT {
+            let mut v = vec![0u8; t.bytes].into_boxed_slice();
             let s = self.own_stream()?;
             // SAFETY: v has t.bytes bytes; synchronized before use.
             unsafe { self.dev.memcpy_dtoh_async(v.as_mut_ptr(), t.ptr, t.bytes, s) }?;
             self.dev.stream_synchronize(s)?;
+            Ok(v)
         } else {
+            // One pass over the source (no zero-fill first: weights are GiBs).
             // SAFETY: ORT's tensor in host-readable memory of t.bytes bytes.
-            v.copy_from_slice(unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.bytes) });
+            Ok(unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.bytes) }.into())
         }
-        Ok(v)
     }
 
     fn own_stream(&self) -> Result<RawStream> {
