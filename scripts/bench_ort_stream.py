@@ -17,9 +17,9 @@ kv heads < heads), a KV cache (inputs past_key_i/past_value_i
 for one new token, output projection, residual, RMSNorm, SwiGLU MLP
 (gate/up/down), residual; final RMSNorm and an lm_head MatMul. Sizes:
   big    d 4096, 32 heads / 8 kv heads, ffn 14336, 20 layers, vocab 32000,
-         float16: 8.1 GiB of projection weights (what epmem streams) + 0.25
+         float16: 8.4 GiB of projection weights (what epmem streams) + 0.25
          GiB embedding (a Gather: stays with the CUDA EP)
-  small  d 1024, 16/4 heads, ffn 3584, 4 layers, vocab 8192, float16
+  small  d 1024, 16/4 heads, ffn 3584, 4 layers, vocab 8192, float16: 0.12 GiB streamed
   tiny   d 64, 4/2 heads, ffn 192, 2 layers, vocab 256, float32 (CPU smoke)
 Big models are saved with external data next to the .onnx (--model-dir).
 
@@ -104,7 +104,6 @@ def build(c, path, seed=0):
         return out
 
     const("eps", np.array(1e-5, dtype=npt))
-    const("one", np.array(1.0, dtype=npt))
     const("att_scale", np.array(1.0 / np.sqrt(hd), dtype=npt))
     const("shape_q", np.array([0, 1, H, hd], dtype=np.int64))
     const("shape_kv", np.array([0, 1, KV, hd], dtype=np.int64))
