@@ -25,6 +25,7 @@ mod data_transfer;
 mod device_match;
 mod ep;
 mod ep_devices;
+mod external_alloc;
 mod factory;
 mod gemm_cuda;
 mod gemm_host;

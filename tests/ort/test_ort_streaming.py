@@ -243,6 +243,42 @@ class Streaming(unittest.TestCase):
         self.assertNotIn("weight streaming released", log)
 
 
+class ExternalAllocator(unittest.TestCase):
+    """The functions for the CUDA EP's gpu_external_alloc/free/empty_cache
+    options, called as the CUDA EP calls them (plain C functions)."""
+
+    def test_alloc_free_and_bad_input(self):
+        code = r"""
+import ctypes, os, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.epm_ort_external_alloc.restype = ctypes.c_void_p
+lib.epm_ort_external_alloc.argtypes = [ctypes.c_size_t]
+lib.epm_ort_external_free.argtypes = [ctypes.c_void_p]
+a = lib.epm_ort_external_alloc(1 << 20)
+b = lib.epm_ort_external_alloc(0)
+assert a and b and a != b, (a, b)
+assert a % 256 == 0, a
+if os.environ.get("EPM_DEVICE", "auto") != "cuda" or os.environ.get("EPMEM_FAKE_CUDA") == "1":
+    ctypes.memset(a, 0x5A, 1 << 20)  # host-device (and fake-CUDA) memory is host-addressable
+    assert ctypes.string_at(a + 12345, 1) == b"Z"
+lib.epm_ort_external_free(ctypes.c_void_p(a))
+lib.epm_ort_external_free(ctypes.c_void_p(a))          # twice: logged, ignored
+lib.epm_ort_external_free(ctypes.c_void_p(None))       # NULL: ignored
+assert not lib.epm_ort_external_alloc(1 << 62)         # more than any device: NULL
+lib.epm_ort_external_empty_cache()
+c = lib.epm_ort_external_alloc(4096)
+assert c
+lib.epm_ort_external_free(ctypes.c_void_p(c))
+lib.epm_ort_external_free(ctypes.c_void_p(b))
+print("EXTERNAL-OK")
+"""
+        env = dict(os.environ, EPM_LOG="warn")
+        r = subprocess.run([sys.executable, "-c", code, LIB], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("EXTERNAL-OK", r.stdout)
+        self.assertIn("external free", r.stderr, "the double free should be reported")
+
+
 class FakeCuda(unittest.TestCase):
     def setUp(self):
         if not FAKE_CUDA:
@@ -261,7 +297,7 @@ def main():
         sys.exit("set EPMEM_LIB to the absolute path of libepmem.so")
     load = unittest.defaultTestLoader.loadTestsFromTestCase
     res = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(
-        unittest.TestSuite([load(Streaming), load(FakeCuda)]))
+        unittest.TestSuite([load(Streaming), load(ExternalAllocator), load(FakeCuda)]))
     failed = len(res.failures) + len(res.errors)
     skipped = len(res.skipped)
     passed = res.testsRun - failed - skipped
