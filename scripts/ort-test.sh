@@ -16,8 +16,9 @@
 #                 GPU labelling (GPU memory infos, created or CPU-bound hardware
 #                 devices) is exercised with no GPU. Skipped where a real libcuda is.
 #
-# For each version it runs tests/ort/test_ort_plugin.py (Python) and
-# tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime),
+# For each version it runs tests/ort/test_ort_plugin.py (Python),
+# tests/ort/test_ort_streaming.py (the EP streaming weights; needs the onnx
+# package) and tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime),
 # then prints one closing line "ort: N passed, N failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -71,6 +72,25 @@ run_suites() {
   out=$WORK/py-$label.log
   LD_LIBRARY_PATH="${FAKE:+$FAKE:}${LD_LIBRARY_PATH:-}" "$py" tests/ort/test_ort_plugin.py >"$out" 2>&1
   cat "$out"; tally "$out"
+
+  # Weight streaming (claim -> own -> stream -> compute) on models the onnx
+  # package builds; on the fake libcuda only the clean no-cuBLAS error.
+  out=$WORK/stream-$label.log
+  if "$py" -c 'import onnx' 2>/dev/null; then
+    EPMEM_FAKE_CUDA=${FAKE:+1} LD_LIBRARY_PATH="${FAKE:+$FAKE:}${LD_LIBRARY_PATH:-}" \
+      "$py" tests/ort/test_ort_streaming.py >"$out" 2>&1
+  else
+    echo "ort-stream: the onnx package is missing for $py (pip install onnx): 0 passed, 1 failed" >"$out"
+  fi
+  cat "$out"; tally "$out"
+
+  # The H200 benchmark's smoke run: the tiny Llama-shaped model with a KV
+  # cache, epmem at 25-100% budgets, 32 greedy tokens identical to the CPU EP's.
+  if [ -z "$FAKE" ] && "$py" -c 'import onnx' 2>/dev/null; then
+    out=$WORK/bench-$label.log
+    "$py" scripts/bench_ort_stream.py --size tiny --out "$WORK/bench-$label" >"$out" 2>&1
+    grep -E '^(TARGET|bench-ort-stream:)' "$out" || tail -20 "$out"; tally "$out"
+  fi
 
   capi=$("$py" -c 'import onnxruntime, os; print(os.path.join(os.path.dirname(onnxruntime.__file__), "capi"))')
   so=$(ls "$capi"/libonnxruntime.so.1.* 2>/dev/null | head -1)

@@ -152,7 +152,7 @@ impl Allocator {
     /// streams): the allocation is then not stream-ordered, as before 1.23.
     fn stream_for(&self, stream: *mut OrtSyncStream) -> Option<RawStream> {
         // SAFETY: ORT passes a live OrtSyncStream (its own Stream object).
-        let native = unsafe { (self.factory.api.sync_stream_get_handle)(stream) } as u64;
+        let native = unsafe { (self.factory.api.o.SyncStream_GetHandle)(stream) } as u64;
         let mut m = self.streams.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = m.get(&native) {
             return Some(*r);

@@ -2,16 +2,152 @@
 //! into typed function pointers, plus the few safe helpers the adapter needs
 //! (statuses, key-value pairs, memory devices).
 //!
-//! Only slots that exist in the v23 table are read unconditionally; the
-//! 1.24 slots (`CreateHardwareDevice`) are read only when the running ORT
-//! says it is 1.24 or newer.
+//! The tables are read by field name (`abi::OrtApi`, `abi::OrtEpApi`):
+//! every field of the v23 tables is read unconditionally and checked
+//! non-NULL once; the 1.24 fields (`CreateHardwareDevice`) only when the
+//! running ORT says it is 1.24 or newer.
 
 use std::ffi::{CStr, CString, c_char, c_void};
 
 use super::abi::*;
 use crate::error::{EpmStatus, Error, Result};
 
-type StatusFn = unsafe extern "C" fn(OrtErrorCode, *const c_char) -> *mut OrtStatus;
+/// Turn a function-table field into a callable pointer, or say which one the
+/// running ORT lacks.
+fn need<F>(f: Option<F>, what: &str) -> Result<F> {
+    f.ok_or_else(|| Error::new(EpmStatus::Unsupported, format!("this ONNX Runtime has no {what} (its slot is NULL)")))
+}
+
+/// Declares [`OrtFns`]: a copy of the `OrtApi` functions epmem calls, each
+/// checked non-NULL once, when the table is read.
+macro_rules! ort_fns {
+    ($($name:ident),* $(,)?) => {
+        /// The `OrtApi` functions epmem calls (ORT's own names).
+        #[derive(Clone, Copy)]
+        #[allow(non_snake_case)]
+        pub(crate) struct OrtFns {
+            $(pub $name: fns::$name,)*
+        }
+        impl OrtFns {
+            /// # Safety
+            /// `t` is the table `GetApi(23)` returned: every field through
+            /// version 23 is there.
+            unsafe fn read(t: *const OrtApi) -> Result<Self> {
+                // SAFETY: per the caller; each read is one field of the table
+                // through the raw pointer (no reference to the whole struct).
+                Ok(Self { $($name: need(unsafe { (*t).$name }, stringify!($name))?,)* })
+            }
+        }
+    };
+}
+
+ort_fns!(
+    CreateStatus,
+    GetErrorMessage,
+    ReleaseStatus,
+    ReleaseMemoryInfo,
+    CreateKeyValuePairs,
+    AddKeyValuePair,
+    GetKeyValue,
+    GetKeyValuePairs,
+    ReleaseKeyValuePairs,
+    HardwareDevice_Type,
+    HardwareDevice_VendorId,
+    HardwareDevice_Metadata,
+    GetTensorMutableData,
+    GetTensorData,
+    GetTensorSizeInBytes,
+    CreateMemoryInfo_V2,
+    Logger_LogMessage,
+    Logger_GetLoggingSeverityLevel,
+    SyncStream_GetHandle,
+    GetEpApi,
+    // The compute path (GetCapability, Compile, Compute).
+    GetSessionOptionsConfigEntries,
+    Graph_GetNumNodes,
+    Graph_GetNodes,
+    Node_GetName,
+    Node_GetOperatorType,
+    Node_GetDomain,
+    Node_GetNumInputs,
+    Node_GetInputs,
+    Node_GetNumOutputs,
+    Node_GetOutputs,
+    Node_GetAttributeByName,
+    ReadOpAttr,
+    GetValueInfoName,
+    GetValueInfoTypeInfo,
+    ValueInfo_IsConstantInitializer,
+    ValueInfo_GetInitializerValue,
+    CastTypeInfoToTensorInfo,
+    GetTensorElementType,
+    GetDimensionsCount,
+    GetDimensions,
+    GetTensorTypeAndShape,
+    ReleaseTensorTypeAndShapeInfo,
+    KernelContext_GetInputCount,
+    KernelContext_GetInput,
+    KernelContext_GetOutput,
+    KernelContext_GetGPUComputeStream,
+);
+
+/// The `OrtEpApi` functions epmem calls (ORT's own names).
+#[derive(Clone, Copy)]
+#[allow(non_snake_case)]
+pub(crate) struct EpFns {
+    pub CreateEpDevice: ep_fns::CreateEpDevice,
+    pub ReleaseEpDevice: ep_fns::ReleaseEpDevice,
+    pub EpGraphSupportInfo_AddNodesToFuse: ep_fns::EpGraphSupportInfo_AddNodesToFuse,
+    pub EpDevice_AddAllocatorInfo: ep_fns::EpDevice_AddAllocatorInfo,
+    pub MemoryInfo_GetMemoryDevice: ep_fns::MemoryInfo_GetMemoryDevice,
+    pub Value_GetMemoryDevice: ep_fns::Value_GetMemoryDevice,
+    pub MemoryDevice_GetDeviceType: ep_fns::MemoryDevice_GetDeviceType,
+    pub MemoryDevice_GetMemoryType: ep_fns::MemoryDevice_GetMemoryType,
+    pub MemoryDevice_GetVendorId: ep_fns::MemoryDevice_GetVendorId,
+    pub MemoryDevice_GetDeviceId: ep_fns::MemoryDevice_GetDeviceId,
+    /// 1.24+; `None` on 1.23.
+    pub CreateHardwareDevice: Option<ep_fns::CreateHardwareDevice>,
+    /// 1.24+; `None` on 1.23.
+    pub ReleaseHardwareDevice: Option<ep_fns::ReleaseHardwareDevice>,
+}
+
+impl EpFns {
+    /// # Safety
+    /// `e` is the host's `OrtEpApi` of an ORT at least 1.`version` (≥ 23).
+    unsafe fn read(e: *const OrtEpApi, version: u32) -> Result<Self> {
+        // SAFETY: per the caller: the v23 fields are there, the v24 ones only
+        // on 1.24+ (and read only then). Each read is one field through the
+        // raw pointer.
+        unsafe {
+            let v24 = version >= 24;
+            Ok(Self {
+                CreateEpDevice: need((*e).CreateEpDevice, "CreateEpDevice")?,
+                ReleaseEpDevice: need((*e).ReleaseEpDevice, "ReleaseEpDevice")?,
+                EpGraphSupportInfo_AddNodesToFuse: need(
+                    (*e).EpGraphSupportInfo_AddNodesToFuse,
+                    "EpGraphSupportInfo_AddNodesToFuse",
+                )?,
+                EpDevice_AddAllocatorInfo: need((*e).EpDevice_AddAllocatorInfo, "EpDevice_AddAllocatorInfo")?,
+                MemoryInfo_GetMemoryDevice: need((*e).MemoryInfo_GetMemoryDevice, "MemoryInfo_GetMemoryDevice")?,
+                Value_GetMemoryDevice: need((*e).Value_GetMemoryDevice, "Value_GetMemoryDevice")?,
+                MemoryDevice_GetDeviceType: need((*e).MemoryDevice_GetDeviceType, "MemoryDevice_GetDeviceType")?,
+                MemoryDevice_GetMemoryType: need((*e).MemoryDevice_GetMemoryType, "MemoryDevice_GetMemoryType")?,
+                MemoryDevice_GetVendorId: need((*e).MemoryDevice_GetVendorId, "MemoryDevice_GetVendorId")?,
+                MemoryDevice_GetDeviceId: need((*e).MemoryDevice_GetDeviceId, "MemoryDevice_GetDeviceId")?,
+                CreateHardwareDevice: if v24 {
+                    Some(need((*e).CreateHardwareDevice, "CreateHardwareDevice")?)
+                } else {
+                    None
+                },
+                ReleaseHardwareDevice: if v24 {
+                    Some(need((*e).ReleaseHardwareDevice, "ReleaseHardwareDevice")?)
+                } else {
+                    None
+                },
+            })
+        }
+    }
+}
 
 /// Typed view of the host's API tables. `Copy`: it is only function pointers
 /// into the ORT library, which outlives every object we hand to it.
@@ -19,95 +155,13 @@ type StatusFn = unsafe extern "C" fn(OrtErrorCode, *const c_char) -> *mut OrtSta
 pub(crate) struct Api {
     /// The running ORT's minor version (31 for 1.31.x).
     pub version: u32,
-    create_status: StatusFn,
-    get_error_message: unsafe extern "C" fn(*const OrtStatus) -> *const c_char,
-    pub release_status: unsafe extern "C" fn(*mut OrtStatus),
-    release_memory_info: unsafe extern "C" fn(*mut OrtMemoryInfo),
-    create_kvp: unsafe extern "C" fn(*mut *mut OrtKeyValuePairs),
-    add_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs, *const c_char, *const c_char),
-    get_kv: unsafe extern "C" fn(*const OrtKeyValuePairs, *const c_char) -> *const c_char,
-    get_kvps:
-        unsafe extern "C" fn(*const OrtKeyValuePairs, *mut *const *const c_char, *mut *const *const c_char, *mut usize),
-    release_kvp: unsafe extern "C" fn(*mut OrtKeyValuePairs),
-    pub hw_type: unsafe extern "C" fn(*const OrtHardwareDevice) -> OrtHardwareDeviceType,
-    pub hw_vendor_id: unsafe extern "C" fn(*const OrtHardwareDevice) -> u32,
-    hw_metadata: unsafe extern "C" fn(*const OrtHardwareDevice) -> *const OrtKeyValuePairs,
-    get_tensor_mutable_data: unsafe extern "C" fn(*mut OrtValue, *mut *mut c_void) -> *mut OrtStatus,
-    get_tensor_data: unsafe extern "C" fn(*const OrtValue, *mut *const c_void) -> *mut OrtStatus,
-    get_tensor_size: unsafe extern "C" fn(*const OrtValue, *mut usize) -> *mut OrtStatus,
-    #[allow(clippy::type_complexity)]
-    create_memory_info_v2: unsafe extern "C" fn(
-        *const c_char,
-        OrtMemoryInfoDeviceType,
-        u32,
-        i32,
-        OrtDeviceMemoryType,
-        usize,
-        OrtAllocatorType,
-        *mut *mut OrtMemoryInfo,
-    ) -> *mut OrtStatus,
-    // OrtEpApi
-    pub create_ep_device: unsafe extern "C" fn(
-        *mut OrtEpFactory,
-        *const OrtHardwareDevice,
-        *const OrtKeyValuePairs,
-        *const OrtKeyValuePairs,
-        *mut *mut OrtEpDevice,
-    ) -> *mut OrtStatus,
-    pub release_ep_device: unsafe extern "C" fn(*mut OrtEpDevice),
-    pub add_allocator_info: unsafe extern "C" fn(*mut OrtEpDevice, *const OrtMemoryInfo) -> *mut OrtStatus,
-    memory_info_device: unsafe extern "C" fn(*const OrtMemoryInfo) -> *const OrtMemoryDevice,
-    value_device: unsafe extern "C" fn(*const OrtValue) -> *const OrtMemoryDevice,
-    md_type: unsafe extern "C" fn(*const OrtMemoryDevice) -> OrtMemoryInfoDeviceType,
-    md_mem_type: unsafe extern "C" fn(*const OrtMemoryDevice) -> OrtDeviceMemoryType,
-    md_vendor: unsafe extern "C" fn(*const OrtMemoryDevice) -> u32,
-    md_id: unsafe extern "C" fn(*const OrtMemoryDevice) -> u32,
-    #[allow(clippy::type_complexity)]
-    pub create_hardware_device: Option<
-        unsafe extern "C" fn(
-            OrtHardwareDeviceType,
-            u32,
-            u32,
-            *const c_char,
-            *const OrtKeyValuePairs,
-            *mut *mut OrtHardwareDevice,
-        ) -> *mut OrtStatus,
-    >,
-    pub release_hardware_device: Option<unsafe extern "C" fn(*mut OrtHardwareDevice)>,
-    pub logger_log_message: unsafe extern "C" fn(
-        *const OrtLogger,
-        OrtLoggingLevel,
-        *const c_char,
-        *const c_char,
-        std::ffi::c_int,
-        *const c_char,
-    ) -> *mut OrtStatus,
-    pub logger_get_severity: unsafe extern "C" fn(*const OrtLogger, *mut OrtLoggingLevel) -> *mut OrtStatus,
-    pub sync_stream_get_handle: unsafe extern "C" fn(*mut OrtSyncStream) -> *mut c_void,
+    pub o: OrtFns,
+    pub e: EpFns,
 }
 
 /// Test hook: make [`Api::load`] panic, as a bug in it would.
 #[cfg(test)]
 pub(crate) static PANIC_IN_LOAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Read slot `idx` of a function table as a typed function pointer.
-///
-/// # Safety
-/// `table` points to a table with more than `idx` slots, and slot `idx` holds
-/// a function of type `F` (or NULL, which is reported as an error).
-unsafe fn slot<F: Copy>(table: *const c_void, idx: usize, what: &str) -> Result<F> {
-    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*const c_void>()) };
-    // SAFETY: the caller guarantees the table is at least idx+1 slots long.
-    let p = unsafe { *(table as *const *const c_void).add(idx) };
-    crate::ensure!(
-        !p.is_null(),
-        Unsupported,
-        "this ONNX Runtime has no {what} (slot {idx} is NULL)"
-    );
-    // SAFETY: F is a function-pointer type of pointer size (asserted above);
-    // the caller guarantees the slot's signature.
-    Ok(unsafe { std::mem::transmute_copy::<*const c_void, F>(&p) })
-}
 
 /// Parse "1.31.1" into 31.
 pub(crate) fn parse_minor(version: &str) -> Option<u32> {
@@ -140,62 +194,14 @@ impl Api {
             "ONNX Runtime {vstr} does not offer API version {ORT_API_MIN}; epmem needs ONNX Runtime 1.{ORT_API_MIN} or newer"
         );
         let version = parse_minor(&vstr).unwrap_or(ORT_API_MIN).max(ORT_API_MIN);
-        let t = api as *const c_void;
-        use api_slot as s;
-        use ep_api_slot as e;
-        // SAFETY: GetApi(23) succeeded, so the table has every v23 slot, and
-        // each slot below has the signature documented in docs/ORT_ABI.md.
-        unsafe {
-            let get_ep_api: unsafe extern "C" fn() -> *const OrtEpApi = slot(t, s::GET_EP_API, "GetEpApi")?;
-            let ep = get_ep_api() as *const c_void;
-            crate::ensure!(!ep.is_null(), Unsupported, "ONNX Runtime {vstr} returned no OrtEpApi");
-            let v24 = version >= 24;
-            Ok(Api {
-                version,
-                create_status: slot(t, s::CREATE_STATUS, "CreateStatus")?,
-                get_error_message: slot(t, s::GET_ERROR_MESSAGE, "GetErrorMessage")?,
-                release_status: slot(t, s::RELEASE_STATUS, "ReleaseStatus")?,
-                logger_log_message: slot(t, s::LOGGER_LOG_MESSAGE, "Logger_LogMessage")?,
-                logger_get_severity: slot(
-                    t,
-                    s::LOGGER_GET_LOGGING_SEVERITY_LEVEL,
-                    "Logger_GetLoggingSeverityLevel",
-                )?,
-                sync_stream_get_handle: slot(t, s::SYNC_STREAM_GET_HANDLE, "SyncStream_GetHandle")?,
-                release_memory_info: slot(t, s::RELEASE_MEMORY_INFO, "ReleaseMemoryInfo")?,
-                create_kvp: slot(t, s::CREATE_KEY_VALUE_PAIRS, "CreateKeyValuePairs")?,
-                add_kvp: slot(t, s::ADD_KEY_VALUE_PAIR, "AddKeyValuePair")?,
-                get_kv: slot(t, s::GET_KEY_VALUE, "GetKeyValue")?,
-                get_kvps: slot(t, s::GET_KEY_VALUE_PAIRS, "GetKeyValuePairs")?,
-                release_kvp: slot(t, s::RELEASE_KEY_VALUE_PAIRS, "ReleaseKeyValuePairs")?,
-                hw_type: slot(t, s::HARDWARE_DEVICE_TYPE, "HardwareDevice_Type")?,
-                hw_vendor_id: slot(t, s::HARDWARE_DEVICE_VENDOR_ID, "HardwareDevice_VendorId")?,
-                hw_metadata: slot(t, s::HARDWARE_DEVICE_METADATA, "HardwareDevice_Metadata")?,
-                get_tensor_mutable_data: slot(t, s::GET_TENSOR_MUTABLE_DATA, "GetTensorMutableData")?,
-                get_tensor_data: slot(t, s::GET_TENSOR_DATA, "GetTensorData")?,
-                get_tensor_size: slot(t, s::GET_TENSOR_SIZE_IN_BYTES, "GetTensorSizeInBytes")?,
-                create_memory_info_v2: slot(t, s::CREATE_MEMORY_INFO_V2, "CreateMemoryInfo_V2")?,
-                create_ep_device: slot(ep, e::CREATE_EP_DEVICE, "CreateEpDevice")?,
-                release_ep_device: slot(ep, e::RELEASE_EP_DEVICE, "ReleaseEpDevice")?,
-                add_allocator_info: slot(ep, e::EP_DEVICE_ADD_ALLOCATOR_INFO, "EpDevice_AddAllocatorInfo")?,
-                memory_info_device: slot(ep, e::MEMORY_INFO_GET_MEMORY_DEVICE, "MemoryInfo_GetMemoryDevice")?,
-                value_device: slot(ep, e::VALUE_GET_MEMORY_DEVICE, "Value_GetMemoryDevice")?,
-                md_type: slot(ep, e::MEMORY_DEVICE_GET_DEVICE_TYPE, "MemoryDevice_GetDeviceType")?,
-                md_mem_type: slot(ep, e::MEMORY_DEVICE_GET_MEMORY_TYPE, "MemoryDevice_GetMemoryType")?,
-                md_vendor: slot(ep, e::MEMORY_DEVICE_GET_VENDOR_ID, "MemoryDevice_GetVendorId")?,
-                md_id: slot(ep, e::MEMORY_DEVICE_GET_DEVICE_ID, "MemoryDevice_GetDeviceId")?,
-                create_hardware_device: if v24 {
-                    Some(slot(ep, e::CREATE_HARDWARE_DEVICE, "CreateHardwareDevice")?)
-                } else {
-                    None
-                },
-                release_hardware_device: if v24 {
-                    Some(slot(ep, e::RELEASE_HARDWARE_DEVICE, "ReleaseHardwareDevice")?)
-                } else {
-                    None
-                },
-            })
-        }
+        // SAFETY: GetApi(23) succeeded, so the table has every v23 field.
+        let o = unsafe { OrtFns::read(api) }?;
+        // SAFETY: a plain ORT call.
+        let ep = unsafe { (o.GetEpApi)() };
+        crate::ensure!(!ep.is_null(), Unsupported, "ONNX Runtime {vstr} returned no OrtEpApi");
+        // SAFETY: the EP API of an ORT of at least `version`.
+        let e = unsafe { EpFns::read(ep, version) }?;
+        Ok(Api { version, o, e })
     }
 
     /// An `OrtStatus*` carrying `e`, made by the host (ORT frees it).
@@ -211,7 +217,7 @@ impl Api {
         };
         let msg = cstring_lossy(&format!("epmem: {} ({:?})", e.message(), e.status()));
         // SAFETY: CreateStatus copies the message.
-        unsafe { (self.create_status)(code, msg.as_ptr()) }
+        unsafe { (self.o.CreateStatus)(code, msg.as_ptr()) }
     }
 
     /// Turn a status returned by an ORT call into a `Result`, freeing it.
@@ -221,9 +227,9 @@ impl Api {
         }
         // SAFETY: `st` is a live status ORT returned to us; we own it.
         let msg = unsafe {
-            let m = (self.get_error_message)(st);
+            let m = (self.o.GetErrorMessage)(st);
             let s = lossy(m);
-            (self.release_status)(st);
+            (self.o.ReleaseStatus)(st);
             s
         };
         Err(Error::new(
@@ -238,7 +244,7 @@ impl Api {
     pub fn kvp_new(&self, pairs: &[(&str, String)]) -> KeyValues {
         let mut kv: *mut OrtKeyValuePairs = std::ptr::null_mut();
         // SAFETY: CreateKeyValuePairs writes a fresh object to `kv`.
-        unsafe { (self.create_kvp)(&mut kv) };
+        unsafe { (self.o.CreateKeyValuePairs)(&mut kv) };
         let out = KeyValues { api: *self, raw: kv };
         for (k, v) in pairs {
             out.add(k, v);
@@ -257,7 +263,7 @@ impl Api {
         let (mut keys, mut vals, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
         // SAFETY: kv is live; ORT writes arrays it owns, valid while kv is.
         unsafe {
-            (self.get_kvps)(kv, &mut keys, &mut vals, &mut n);
+            (self.o.GetKeyValuePairs)(kv, &mut keys, &mut vals, &mut n);
             (0..n).map(|i| (lossy(*keys.add(i)), lossy(*vals.add(i)))).collect()
         }
     }
@@ -274,7 +280,7 @@ impl Api {
         // SAFETY: kv is live; the returned string is owned by kv and
         // NUL-terminated.
         unsafe {
-            let v = (self.get_kv)(kv, k.as_ptr());
+            let v = (self.o.GetKeyValue)(kv, k.as_ptr());
             (!v.is_null()).then(|| lossy(v))
         }
     }
@@ -285,7 +291,7 @@ impl Api {
     /// `hw` is a live `OrtHardwareDevice`.
     pub unsafe fn hw_metadata(&self, hw: *const OrtHardwareDevice, key: &str) -> Option<String> {
         // SAFETY: per the caller; the metadata lives as long as the device.
-        unsafe { self.kvp_get((self.hw_metadata)(hw), key) }
+        unsafe { self.kvp_get((self.o.HardwareDevice_Metadata)(hw), key) }
     }
 
     // ---- memory infos and devices ---------------------------------------
@@ -297,7 +303,7 @@ impl Api {
         let mut out: *mut OrtMemoryInfo = std::ptr::null_mut();
         // SAFETY: plain ORT call; ORT copies the name.
         let st = unsafe {
-            (self.create_memory_info_v2)(
+            (self.o.CreateMemoryInfo_V2)(
                 n.as_ptr(),
                 kind.device_type,
                 kind.vendor_id,
@@ -321,11 +327,11 @@ impl Api {
         unsafe {
             MemoryDeviceDesc {
                 kind: MemoryKind {
-                    device_type: (self.md_type)(md),
-                    vendor_id: (self.md_vendor)(md),
-                    device_id: (self.md_id)(md) as i32,
+                    device_type: (self.e.MemoryDevice_GetDeviceType)(md),
+                    vendor_id: (self.e.MemoryDevice_GetVendorId)(md),
+                    device_id: (self.e.MemoryDevice_GetDeviceId)(md) as i32,
                 },
-                mem_type: (self.md_mem_type)(md),
+                mem_type: (self.e.MemoryDevice_GetMemoryType)(md),
             }
         }
     }
@@ -336,7 +342,7 @@ impl Api {
     /// `mi` is a live `OrtMemoryInfo`.
     pub unsafe fn memory_info_desc(&self, mi: *const OrtMemoryInfo) -> MemoryDeviceDesc {
         // SAFETY: per the caller; the memory device lives inside the info.
-        unsafe { self.memory_device((self.memory_info_device)(mi)) }
+        unsafe { self.memory_device((self.e.MemoryInfo_GetMemoryDevice)(mi)) }
     }
 
     /// The memory device, data pointer and byte size of a tensor.
@@ -346,21 +352,21 @@ impl Api {
     pub unsafe fn tensor(&self, v: *const OrtValue, mutable: bool) -> Result<TensorView> {
         // SAFETY: per the caller.
         unsafe {
-            let md = (self.value_device)(v);
+            let md = (self.e.Value_GetMemoryDevice)(v);
             crate::ensure!(!md.is_null(), InvalidArgument, "an OrtValue to copy is not a tensor");
             let desc = self.memory_device(md);
             let mut bytes = 0usize;
-            self.check((self.get_tensor_size)(v, &mut bytes), "GetTensorSizeInBytes")?;
+            self.check((self.o.GetTensorSizeInBytes)(v, &mut bytes), "GetTensorSizeInBytes")?;
             let ptr = if mutable {
                 let mut p: *mut c_void = std::ptr::null_mut();
                 self.check(
-                    (self.get_tensor_mutable_data)(v as *mut OrtValue, &mut p),
+                    (self.o.GetTensorMutableData)(v as *mut OrtValue, &mut p),
                     "GetTensorMutableData",
                 )?;
                 p as u64
             } else {
                 let mut p: *const c_void = std::ptr::null();
-                self.check((self.get_tensor_data)(v, &mut p), "GetTensorData")?;
+                self.check((self.o.GetTensorData)(v, &mut p), "GetTensorData")?;
                 p as u64
             };
             Ok(TensorView { desc, ptr, bytes })
@@ -401,7 +407,7 @@ impl KeyValues {
     pub fn add(&self, key: &str, value: &str) {
         let (k, v) = (cstring_lossy(key), cstring_lossy(value));
         // SAFETY: raw is live; ORT copies both strings.
-        unsafe { (self.api.add_kvp)(self.raw, k.as_ptr(), v.as_ptr()) };
+        unsafe { (self.api.o.AddKeyValuePair)(self.raw, k.as_ptr(), v.as_ptr()) };
     }
     pub fn as_ptr(&self) -> *const OrtKeyValuePairs {
         self.raw
@@ -417,7 +423,7 @@ impl KeyValues {
 impl Drop for KeyValues {
     fn drop(&mut self) {
         // SAFETY: we own raw and nothing else refers to it.
-        unsafe { (self.api.release_kvp)(self.raw) };
+        unsafe { (self.api.o.ReleaseKeyValuePairs)(self.raw) };
     }
 }
 
@@ -444,7 +450,7 @@ impl OwnedMemoryInfo {
 impl Drop for OwnedMemoryInfo {
     fn drop(&mut self) {
         // SAFETY: we own raw; everyone who borrowed it holds our Arc.
-        unsafe { (self.api.release_memory_info)(self.raw) };
+        unsafe { (self.api.o.ReleaseMemoryInfo)(self.raw) };
     }
 }
 

@@ -43,17 +43,17 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
             .iter()
             // SAFETY: each is a live OrtHardwareDevice.
             .map(|&h| unsafe {
-                let t = (api.hw_type)(h);
+                let t = (api.o.HardwareDevice_Type)(h);
                 HwInfo {
                     is_cpu: t == HARDWARE_DEVICE_CPU,
                     is_gpu: t == HARDWARE_DEVICE_GPU,
-                    vendor_id: (api.hw_vendor_id)(h),
+                    vendor_id: (api.o.HardwareDevice_VendorId)(h),
                     pci_bus_id: api.hw_metadata(h, "pci_bus_id"),
                 }
             })
             .collect();
         let ours: Vec<_> = f.devices.iter().map(|d| d.dev.info()).collect();
-        let plan = device_match::plan(&described, &ours, api.create_hardware_device.is_some())?;
+        let plan = device_match::plan(&described, &ours, api.e.CreateHardwareDevice.is_some())?;
 
         let mut made: Vec<*mut OrtEpDevice> = Vec::new();
         let result = (|| -> Result<()> {
@@ -79,17 +79,17 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
                 ]);
                 let mut epd: *mut OrtEpDevice = std::ptr::null_mut();
                 // SAFETY: live factory, hardware device and metadata; ORT copies the metadata.
-                let st = unsafe { (api.create_ep_device)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) };
+                let st = unsafe { (api.e.CreateEpDevice)(this, hwp, meta.as_ptr(), std::ptr::null(), &mut epd) };
                 api.check(st, "CreateEpDevice")?;
                 made.push(epd);
                 // SAFETY: epd is live; the memory infos outlive it (the factory owns them).
                 unsafe {
                     api.check(
-                        (api.add_allocator_info)(epd, d.default_info.as_ptr()),
+                        (api.e.EpDevice_AddAllocatorInfo)(epd, d.default_info.as_ptr()),
                         "EpDevice_AddAllocatorInfo(DEFAULT)",
                     )?;
                     api.check(
-                        (api.add_allocator_info)(epd, d.pinned_info.as_ptr()),
+                        (api.e.EpDevice_AddAllocatorInfo)(epd, d.pinned_info.as_ptr()),
                         "EpDevice_AddAllocatorInfo(HOST_ACCESSIBLE)",
                     )?;
                 }
@@ -110,7 +110,7 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
             Err(e) => {
                 for epd in made {
                     // SAFETY: created above and not handed to ORT.
-                    unsafe { (api.release_ep_device)(epd) };
+                    unsafe { (api.e.ReleaseEpDevice)(epd) };
                 }
                 Err(e)
             }
@@ -122,7 +122,7 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
 fn create_hw(f: &Factory, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
     let api = f.api;
     let create = api
-        .create_hardware_device
+        .e.CreateHardwareDevice
         .ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
     let info = d.dev.info();
     let bus = info.pci_bus_id.clone().unwrap_or_default();

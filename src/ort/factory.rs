@@ -16,6 +16,7 @@ use super::api::{Api, MemoryKind, OwnedMemoryInfo, cstring_lossy};
 use super::data_transfer::DataTransfer;
 use super::data_transfer::{CopyCounters, Engines};
 use super::device_match;
+use super::claim::EpOptions;
 use super::ep::Ep;
 use super::ep_devices::{HwHandle, get_supported_devices};
 use super::options::AllocatorOptions;
@@ -78,7 +79,7 @@ impl Factory {
 impl Drop for Factory {
     fn drop(&mut self) {
         let hw = std::mem::take(&mut *self.created_hw.lock().unwrap_or_else(|e| e.into_inner()));
-        if let Some(release) = self.api.release_hardware_device {
+        if let Some(release) = self.api.e.ReleaseHardwareDevice {
             for h in hw {
                 // SAFETY: we created h with CreateHardwareDevice; the EpDevices
                 // that referred to it were released by ORT before the factory.
@@ -285,7 +286,7 @@ unsafe extern "C" fn create_ep(
     _devices: *const *const OrtHardwareDevice,
     ep_metadata: *const *const OrtKeyValuePairs,
     num_devices: usize,
-    _session_options: *const OrtSessionOptions,
+    session_options: *const OrtSessionOptions,
     _logger: *const OrtLogger,
     out: *mut *mut OrtEp,
 ) -> *mut OrtStatus {
@@ -299,20 +300,23 @@ unsafe extern "C" fn create_ep(
             InvalidArgument,
             "CreateEp was given no devices"
         );
+        let mut first = None;
         for i in 0..num_devices {
             // SAFETY: ORT passes one metadata set per device (our own, from CreateEpDevice).
             let v = unsafe { api.kvp_get(*ep_metadata.add(i), META_ORDINAL) };
             let o: u32 = v.as_deref().and_then(|s| s.parse().ok()).ok_or_else(|| {
                 crate::error::Error::invalid_argument(format!("device {i} has no {META_ORDINAL} metadata"))
             })?;
-            crate::ensure!(
-                f.devices.iter().any(|d| d.dev.info().ordinal == o),
-                InvalidArgument,
-                "device ordinal {o} is not one of this factory's devices"
-            );
+            let idx = f.devices.iter().position(|d| d.dev.info().ordinal == o);
+            crate::ensure!(idx.is_some(), InvalidArgument, "device ordinal {o} is not one of this factory's devices");
+            first = first.or(idx);
         }
+        // SAFETY: ORT's session options (or NULL) for this session.
+        let entries = unsafe { api.session_config_entries(session_options) }?;
+        let opts = EpOptions::parse(&f.ep_name.to_string_lossy(), &entries)?;
+        // The EP computes on the first device it is given (a session adds one).
         // SAFETY: non-NULL out-param.
-        unsafe { *out = Ep::create(f.arc()) };
+        unsafe { *out = Ep::create(f.arc(), first.unwrap_or(0), opts) };
         Ok(())
     })
 }

@@ -66,7 +66,7 @@ unsafe extern "C" fn to_ort(user_data: *mut c_void, level: EpmLogLevel, message:
     // NUL-terminated and ORT copies them. A failure to log is dropped: there
     // is nowhere left to report it.
     unsafe {
-        let st = (t.api.logger_log_message)(
+        let st = (t.api.o.Logger_LogMessage)(
             t.logger,
             severity_for(level),
             message,
@@ -75,7 +75,7 @@ unsafe extern "C" fn to_ort(user_data: *mut c_void, level: EpmLogLevel, message:
             c"epmem".as_ptr(),
         );
         if !st.is_null() {
-            (t.api.release_status)(st);
+            (t.api.o.ReleaseStatus)(st);
         }
     }
 }
@@ -93,10 +93,10 @@ pub(crate) fn attach(api: &Api, logger: *const OrtLogger) -> bool {
     }
     let mut severity: OrtLoggingLevel = LOGGING_WARNING;
     // SAFETY: ORT passed a live logger; on failure keep WARNING, ORT's default.
-    let st = unsafe { (api.logger_get_severity)(logger, &mut severity) };
+    let st = unsafe { (api.o.Logger_GetLoggingSeverityLevel)(logger, &mut severity) };
     if !st.is_null() {
         // SAFETY: a status ORT returned to us.
-        unsafe { (api.release_status)(st) };
+        unsafe { (api.o.ReleaseStatus)(st) };
         severity = LOGGING_WARNING;
     }
     let target = Box::new(Target { logger, api: *api });

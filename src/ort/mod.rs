@@ -20,15 +20,21 @@ use crate::ffi::panic::catch;
 mod abi;
 mod allocator;
 mod api;
+mod claim;
 mod data_transfer;
 mod device_match;
 mod ep;
 mod ep_devices;
+mod external_alloc;
 mod factory;
+mod gemm_cuda;
+mod gemm_host;
+mod graph;
 mod logging;
 mod options;
 mod source;
 mod stream_order;
+mod streaming;
 #[cfg(test)]
 mod tests;
 

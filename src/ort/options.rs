@@ -58,7 +58,7 @@ impl AllocatorOptions {
 }
 
 /// "1048576", "64KiB", "256MiB", "2GiB" (also K/M/G, KB/MB/GB as binary units).
-fn parse_bytes(s: &str) -> std::result::Result<u64, &'static str> {
+pub(crate) fn parse_bytes(s: &str) -> std::result::Result<u64, &'static str> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);

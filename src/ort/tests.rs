@@ -44,11 +44,16 @@ unsafe extern "C" fn version_string() -> *const c_char {
     c"1.22.1".as_ptr()
 }
 
+/// The index of a function-table field at byte offset `off`.
+fn slot_of(off: usize) -> usize {
+    off / std::mem::size_of::<usize>()
+}
+
 /// Install a fake ORT offering API `newest`; `with_ep_api` fills GetEpApi.
 fn install(newest: u32, with_ep_api: bool) -> OrtApiBase {
     let mut t = vec![never_called as *const () as usize; 400];
-    t[api_slot::CREATE_STATUS] = create_status as *const () as usize;
-    t[api_slot::GET_EP_API] = if with_ep_api {
+    t[slot_of(std::mem::offset_of!(OrtApi, CreateStatus))] = create_status as *const () as usize;
+    t[slot_of(std::mem::offset_of!(OrtApi, GetEpApi))] = if with_ep_api {
         get_ep_api as *const () as usize
     } else {
         0
@@ -204,8 +209,9 @@ fn records_go_to_orts_logger_while_a_factory_holds_it() {
     // SAFETY: the fake table installed above.
     unsafe {
         let t = TABLE.load(Ordering::SeqCst) as *mut usize;
-        *t.add(api_slot::LOGGER_LOG_MESSAGE) = fake_log_message as *const () as usize;
-        *t.add(api_slot::LOGGER_GET_LOGGING_SEVERITY_LEVEL) = fake_severity as *const () as usize;
+        *t.add(slot_of(std::mem::offset_of!(OrtApi, Logger_LogMessage))) = fake_log_message as *const () as usize;
+        *t.add(slot_of(std::mem::offset_of!(OrtApi, Logger_GetLoggingSeverityLevel))) =
+            fake_severity as *const () as usize;
     }
     // SAFETY: a complete fake table.
     let api = unsafe { Api::load(&base) }.unwrap();

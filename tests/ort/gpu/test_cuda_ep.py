@@ -134,11 +134,30 @@ class CudaEpOnEpmem(unittest.TestCase):
         self.assertEqual(errors, [], f"outputs differ from the plain CUDA EP: {errors[:5]}")
         del sessions
 
+    def test_the_cuda_eps_external_allocator_options_take_epmem_memory(self):
+        # gpu_external_alloc / gpu_external_free / gpu_external_empty_cache:
+        # the route for hosts that cannot set session.use_env_allocators.
+        lib = ctypes.CDLL(LIB)
+        addr = lambda f: str(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value)
+        opts = {"gpu_external_alloc": addr("epm_ort_external_alloc"),
+                "gpu_external_free": addr("epm_ort_external_free"),
+                "gpu_external_empty_cache": addr("epm_ort_external_empty_cache")}
+        s = ort.InferenceSession(MODEL, providers=[(CUDA, opts)])
+        for shape in SHAPES[:6]:
+            y = s.run(None, {"X": x_for(shape)})[0]
+            self.assertTrue(np.array_equal(y, EXPECTED[shape, 0]), shape)
+        ptr, y = device_output_ptr(s, x_for(SHAPES[3]))
+        self.assertTrue(is_vmm(ptr), f"output at {ptr:#x} is not epmem (VMM) memory")
+        self.assertTrue(np.array_equal(y, EXPECTED[SHAPES[3], 0]))
+        del s
+
     def test_a_session_with_epmems_ep_and_the_cuda_ep(self):
         dev = next(d for d in ort.get_ep_devices() if d.ep_name == REG)
         so = ort.SessionOptions()
         so.add_session_config_entry("session.use_env_allocators", "1")
-        so.add_provider_for_devices([dev], {})
+        # Memory sharing only: streaming (which would compute the MatMuls
+        # with epmem's own GEMM) is tested by tests/ort/test_ort_streaming.py.
+        so.add_provider_for_devices([dev], {"stream_weights": "0"})
         so.add_provider(CUDA, {})
         s = ort.InferenceSession(MODEL, sess_options=so)
         self.assertIn(CUDA, s.get_providers())

@@ -1,0 +1,765 @@
+//! Weight streaming inside the plugin EP.
+//!
+//! `GetCapability` claims the weight-heavy MatMul/Gemm nodes ([`super::claim`]),
+//! one fused node each, with `drop_constant_initializers`: ORT leaves their
+//! weights out of the fused nodes' inputs and may free its own copies.
+//! `Compile` copies each weight into host memory the EP owns (ORT's copies
+//! are valid only during the call), registers it with a residency manager
+//! under the session's budget, and declares the execution order as the
+//! cycle. Each `Compute` acquires its weight on the node's stream, runs the
+//! GEMM there and releases it: the host does not wait on a GPU (the
+//! manager's fences order the copies and the reads). On the host device, and
+//! on a GPU when ORT gives the node no stream, the EP uses a stream of its
+//! own and waits for it before returning, because then nothing else would
+//! order ORT's next reader after the GEMM.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::abi::*;
+use super::api::{Api, MemoryKind, TensorView};
+use super::claim::{Claim, EpOptions, GemmAttrs, InputFacts, decide};
+use super::gemm_host::{GemmShape, gemm, to_f32};
+use super::graph::elem_name;
+use crate::arena::Arena;
+use crate::device::{Device, DeviceKind, HostRange, RawStream};
+use crate::error::{Error, Result};
+use crate::residency::{ResidencyConfig, ResidencyManager, WeightId};
+
+/// A node claimed in `GetCapability`, by the name of its first output (node
+/// names are optional in ONNX; output names are unique).
+#[derive(Debug, Clone)]
+pub(crate) struct Claimed {
+    /// Position in the graph's topological order.
+    pub order: usize,
+    pub node_name: String,
+    pub claim: Claim,
+}
+
+/// Run the claim decision over a graph: add each claimed node as its own
+/// fused node and return the claims by output name.
+///
+/// # Safety
+/// `graph` and `info` are what ORT passed to `GetCapability`.
+pub(crate) unsafe fn get_capability(
+    api: &Api,
+    ep_name: &str,
+    opts: &EpOptions,
+    graph: *const OrtGraph,
+    info: *mut OrtEpGraphSupportInfo,
+    first_order: usize,
+) -> Result<Vec<(String, Claimed)>> {
+    let mut out = Vec::new();
+    if !opts.stream_weights {
+        return Ok(out);
+    }
+    // SAFETY: per the caller, for every call below: the graph and its nodes
+    // and value infos are live during GetCapability.
+    let nodes = unsafe { api.graph_nodes(graph) }?;
+    for (i, &node) in nodes.iter().enumerate() {
+        let (name, op, domain) = unsafe { api.node_ident(node) }?;
+        if !matches!(op.as_str(), "MatMul" | "Gemm") {
+            continue;
+        }
+        let mut facts = Vec::new();
+        // SAFETY: the node is live during GetCapability (as for every call below).
+        for vi in unsafe { api.node_inputs(node) }? {
+            facts.push(if vi.is_null() {
+                None
+            } else {
+                Some(InputFacts {
+                    // SAFETY: a live value info or node of the graph, during GetCapability.
+                    name: unsafe { api.value_name(vi) }?,
+                    // SAFETY: a live value info or node of the graph, during GetCapability.
+                    ty: unsafe { api.value_type(vi) }?,
+                    // SAFETY: a live value info or node of the graph, during GetCapability.
+                    constant: unsafe { api.is_constant_initializer(vi) }?,
+                })
+            });
+        }
+        let attrs = if op == "Gemm" {
+            let d = GemmAttrs::default();
+            GemmAttrs {
+                // SAFETY: a live value info or node of the graph, during GetCapability.
+                trans_a: unsafe { api.node_attr_int(node, "transA") }?.unwrap_or(d.trans_a),
+                // SAFETY: a live value info or node of the graph, during GetCapability.
+                trans_b: unsafe { api.node_attr_int(node, "transB") }?.unwrap_or(d.trans_b),
+                // SAFETY: a live value info or node of the graph, during GetCapability.
+                alpha: unsafe { api.node_attr_float(node, "alpha") }?.unwrap_or(d.alpha),
+                // SAFETY: a live value info or node of the graph, during GetCapability.
+                beta: unsafe { api.node_attr_float(node, "beta") }?.unwrap_or(d.beta),
+            }
+        } else {
+            GemmAttrs::default()
+        };
+        let Some(verdict) = decide(&op, &domain, &facts, attrs, opts.weight_min_bytes) else {
+            continue;
+        };
+        match verdict {
+            Err(r) => {
+                let line = format!(
+                    "epmem ({ep_name}): leaving {op} '{name}' to the other EPs: {}",
+                    r.reason
+                );
+                if r.notable {
+                    log::warn!("{line}");
+                } else {
+                    log::info!("{line}");
+                }
+            }
+            Ok(c) => {
+                // SAFETY: the node is live during GetCapability.
+                let outs = unsafe { api.node_outputs(node) }?;
+                let Some(&o) = outs.first() else { continue };
+                // SAFETY: a live value info of that node.
+                let key = unsafe { api.value_name(o) }?;
+                let opt = OrtNodeFusionOptions {
+                    ort_version_supported: ORT_VERSION_SUPPORTED,
+                    drop_constant_initializers: true,
+                };
+                // SAFETY: ORT's support info and a live node; the options are read during the call.
+                let st = unsafe { (api.e.EpGraphSupportInfo_AddNodesToFuse)(info, &node, 1, &opt) };
+                api.check(st, "EpGraphSupportInfo_AddNodesToFuse")?;
+                log::info!(
+                    "epmem ({ep_name}): claiming {op} '{name}': weight '{}' {}x{} {} ({} bytes){}",
+                    c.weight,
+                    c.k,
+                    c.n,
+                    elem_name(c.elem),
+                    c.weight_bytes,
+                    if c.trans_b { ", transB" } else { "" }
+                );
+                out.push((
+                    key,
+                    Claimed {
+                        order: first_order + i,
+                        node_name: name,
+                        claim: c,
+                    },
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A bias row kept by the EP: f32 for the host GEMM, element bytes in
+/// device memory for the GPU one.
+struct Bias {
+    host: Vec<f32>,
+    dev: Option<u64>,
+    bytes: usize,
+}
+
+/// One compiled node.
+pub(crate) struct Kernel {
+    label: String,
+    claim: Claim,
+    weight: WeightId,
+    bias: Option<Bias>,
+}
+
+/// What a session's EP owns for streaming: the weights' host copies, the
+/// residency manager, the GEMM.
+pub(crate) struct Streamer {
+    api: Api,
+    ep_name: String,
+    dev: Arc<dyn Device>,
+    /// How ORT labels this device's memory.
+    kind: MemoryKind,
+    budget: usize,
+    /// Dropped before `hosts`: the manager reads them until it goes.
+    mgr: Option<ResidencyManager>,
+    /// Host copies of the weights, by initializer name, and the order of
+    /// first use (the cycle).
+    state: Mutex<Owned>,
+    own_stream: Mutex<Option<RawStream>>,
+    adopted: Mutex<HashMap<u64, RawStream>>,
+    blas: Option<Mutex<super::gemm_cuda::Blas>>,
+    warned_sync: AtomicBool,
+    computes: AtomicU64,
+}
+
+#[derive(Default)]
+struct Owned {
+    hosts: Vec<Box<[u8]>>,
+    by_name: HashMap<String, WeightId>,
+    /// (topological order, weight), sorted into the cycle.
+    uses: Vec<(usize, WeightId)>,
+    weight_bytes: usize,
+    biases: Vec<u64>,
+}
+
+impl Streamer {
+    /// A streamer for `dev` with the session's budget: `budget_bytes`, or
+    /// the device's free memory minus the margin.
+    pub fn new(api: Api, ep_name: &str, dev: Arc<dyn Device>, kind: MemoryKind, opts: &EpOptions) -> Result<Self> {
+        let (free, total) = dev.mem_get_info()?;
+        let margin = opts.budget_margin_bytes.unwrap_or((total / 10).max(1 << 30));
+        let budget = match opts.budget_bytes {
+            Some(b) => b,
+            None => free.checked_sub(margin).filter(|b| *b > 0).ok_or_else(|| {
+                Error::new(
+                    crate::error::EpmStatus::OutOfBudget,
+                    format!(
+                        "{}: the device has {free} bytes free, not more than the margin of {margin} bytes; set the EP option budget_bytes",
+                        dev.info().name
+                    ),
+                )
+            })?,
+        };
+        let budget = usize::try_from(budget).map_err(|_| Error::invalid_argument("budget_bytes is too large"))?;
+        let mut cfg = ResidencyConfig::with_budget(budget);
+        if let Some(d) = opts.prefetch_depth {
+            cfg.prefetch_depth = d;
+        }
+        if let Some(r) = opts.register_sources {
+            cfg.register_sources = r;
+        }
+        let mgr = ResidencyManager::new(&dev, cfg)?;
+        let blas = match dev.info().kind {
+            DeviceKind::Cuda => Some(Mutex::new(super::gemm_cuda::Blas::open(dev.info().ordinal)?)),
+            DeviceKind::Host => None,
+        };
+        log::info!(
+            "epmem ({ep_name}): streaming weights on {} under a budget of {budget} bytes ({} bytes free, {} total)",
+            dev.info().name,
+            free,
+            total
+        );
+        Ok(Self {
+            api,
+            ep_name: ep_name.to_string(),
+            dev,
+            kind,
+            budget,
+            mgr: Some(mgr),
+            state: Mutex::new(Owned::default()),
+            own_stream: Mutex::new(None),
+            adopted: Mutex::new(HashMap::new()),
+            blas,
+            warned_sync: AtomicBool::new(false),
+            computes: AtomicU64::new(0),
+        })
+    }
+
+    fn mgr(&self) -> &ResidencyManager {
+        // Some from `new` until Drop.
+        self.mgr
+            .as_ref()
+            .expect("the residency manager lives until the streamer is dropped")
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Owned> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Compile one claimed node: copy its weight (once per initializer) and
+    /// bias out of ORT's graph and register the weight.
+    ///
+    /// # Safety
+    /// `graph` is the single-node graph ORT passed to `Compile` for it.
+    pub unsafe fn compile_node(&self, graph: *const OrtGraph, c: &Claimed) -> Result<Arc<Kernel>> {
+        let api = &self.api;
+        let claim = &c.claim;
+        // SAFETY: per the caller: the graph, its node and initializers are
+        // live during Compile.
+        let nodes = unsafe { api.graph_nodes(graph) }?;
+        crate::ensure!(
+            nodes.len() == 1,
+            Internal,
+            "a fused graph of {} nodes; the EP fuses one node each",
+            nodes.len()
+        );
+        // SAFETY: the graph's node, live during Compile.
+        let inputs = unsafe { api.node_inputs(nodes[0]) }?;
+        let find = |name: &str| -> Result<*const OrtValueInfo> {
+            for &vi in &inputs {
+                // SAFETY: the node's live input value infos.
+                if !vi.is_null() && unsafe { api.value_name(vi) }? == name {
+                    return Ok(vi);
+                }
+            }
+            Err(Error::internal(format!(
+                "node '{}' has no input '{name}' at Compile",
+                c.node_name
+            )))
+        };
+        let label = if c.node_name.is_empty() {
+            format!("{} of '{}'", claim.op, claim.weight)
+        } else {
+            c.node_name.clone()
+        };
+        let weight = {
+            let known = self.state().by_name.get(&claim.weight).copied();
+            match known {
+                Some(w) => w,
+                None => {
+                    // SAFETY: the graph's initializer value info, live during Compile.
+                    let v = unsafe { api.initializer_value(find(&claim.weight)?) }?;
+                    // SAFETY: the initializer value, live during Compile.
+                    let t = unsafe { api.tensor(v, false) }?;
+                    crate::ensure!(
+                        t.bytes == claim.weight_bytes,
+                        Internal,
+                        "initializer '{}' has {} bytes, its type says {}",
+                        claim.weight,
+                        t.bytes,
+                        claim.weight_bytes
+                    );
+                    if claim.weight_bytes > self.budget {
+                        crate::bail!(
+                            OutOfBudget,
+                            "weight '{}' of node '{label}' has {} bytes, more than the streaming budget of {} bytes \
+                             (EP option budget_bytes): it could never be resident",
+                            claim.weight,
+                            claim.weight_bytes,
+                            self.budget
+                        );
+                    }
+                    let data = self.host_copy(&t)?;
+                    // SAFETY: `data` is owned by this streamer and dropped only
+                    // after the manager (see Drop), never written meanwhile.
+                    let range = unsafe { HostRange::new(data.as_ptr(), data.len()) };
+                    let w = self.mgr().register(range)?;
+                    let mut st = self.state();
+                    st.hosts.push(data);
+                    st.by_name.insert(claim.weight.clone(), w);
+                    st.weight_bytes += claim.weight_bytes;
+                    w
+                }
+            }
+        };
+        let bias = match &claim.bias {
+            None => None,
+            Some(b) => {
+                // SAFETY: the graph's initializer value info, live during Compile.
+                let v = unsafe { api.initializer_value(find(b)?) }?;
+                // SAFETY: the initializer value, live during Compile.
+                let t = unsafe { api.tensor(v, false) }?;
+                let bytes = self.host_copy(&t)?;
+                crate::ensure!(
+                    bytes.len() == claim.n * super::graph::elem_bytes(claim.elem).unwrap_or(4),
+                    Internal,
+                    "bias '{b}' has {} bytes",
+                    bytes.len()
+                );
+                let dev = match self.dev.info().kind {
+                    DeviceKind::Cuda => {
+                        let p = self.dev.mem_alloc(bytes.len())?;
+                        self.state().biases.push(p);
+                        let s = self.own_stream()?;
+                        // SAFETY: p has room for the bytes; the source lives
+                        // until the copy completes (synchronized just below).
+                        unsafe { self.dev.memcpy_htod_async(p, bytes.as_ptr(), bytes.len(), s) }?;
+                        self.dev.stream_synchronize(s)?;
+                        Some(p)
+                    }
+                    DeviceKind::Host => None,
+                };
+                Some(Bias {
+                    host: to_f32(claim.elem, &bytes),
+                    dev,
+                    bytes: bytes.len(),
+                })
+            }
+        };
+        self.state().uses.push((c.order, weight));
+        Ok(Arc::new(Kernel {
+            label,
+            claim: claim.clone(),
+            weight,
+            bias,
+        }))
+    }
+
+    /// Declare the execution order of every weight compiled so far as the
+    /// manager's cycle.
+    pub fn declare_cycle(&self) -> Result<()> {
+        let (order, n, bytes) = {
+            let mut st = self.state();
+            st.uses.sort_by_key(|u| u.0);
+            let mut seen = std::collections::HashSet::new();
+            let order: Vec<WeightId> = st.uses.iter().map(|u| u.1).filter(|w| seen.insert(*w)).collect();
+            (order, st.by_name.len(), st.weight_bytes)
+        };
+        self.mgr().declare_cycle(&order)?;
+        log::info!(
+            "epmem ({}): {n} weights of {bytes} bytes registered, budget {} bytes ({:.0}% of the weights)",
+            self.ep_name,
+            self.budget,
+            100.0 * self.budget as f64 / bytes.max(1) as f64
+        );
+        Ok(())
+    }
+
+    /// A host copy of a tensor ORT owns (CPU memory, or ours).
+    fn host_copy(&self, t: &TensorView) -> Result<Box<[u8]>> {
+        if t.desc.kind == self.kind && t.desc.mem_type == DEVICE_MEMORY_DEFAULT {
+            let mut v = vec![0u8; t.bytes].into_boxed_slice();
+            let s = self.own_stream()?;
+            // SAFETY: v has t.bytes bytes; synchronized before use.
+            unsafe { self.dev.memcpy_dtoh_async(v.as_mut_ptr(), t.ptr, t.bytes, s) }?;
+            self.dev.stream_synchronize(s)?;
+            Ok(v)
+        } else {
+            // One pass over the source (no zero-fill first: weights are GiBs).
+            // SAFETY: ORT's tensor in host-readable memory of t.bytes bytes.
+            Ok(unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.bytes) }.into())
+        }
+    }
+
+    fn own_stream(&self) -> Result<RawStream> {
+        let mut s = self.own_stream.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = *s {
+            return Ok(s);
+        }
+        let n = self.dev.stream_create()?;
+        *s = Some(n);
+        Ok(n)
+    }
+
+    /// The device's handle for ORT's native stream (adopted once).
+    fn adopt(&self, native: u64) -> Result<RawStream> {
+        let mut m = self.adopted.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = m.get(&native) {
+            return Ok(*s);
+        }
+        let s = self.dev.stream_wrap_native(native).map_err(|e| {
+            e.context(&format!(
+                "the stream ORT runs this node on ({native:#x}) cannot be used by epmem"
+            ))
+        })?;
+        m.insert(native, s);
+        Ok(s)
+    }
+
+    /// Whether a tensor is in this device's (DEFAULT) memory.
+    fn on_device(&self, t: &TensorView) -> bool {
+        t.desc.kind == self.kind && t.desc.mem_type == DEVICE_MEMORY_DEFAULT
+    }
+
+    /// `Compute` of one node.
+    ///
+    /// # Safety
+    /// `ctx` is the live kernel context of a `Compute` call for `k`'s node.
+    pub unsafe fn compute(&self, k: &Kernel, ctx: *mut OrtKernelContext) -> Result<()> {
+        let api = &self.api;
+        let c = &k.claim;
+        // SAFETY: per the caller for every ORT call on ctx and its values.
+        let n_in = unsafe { api.kernel_input_count(ctx) }?;
+        crate::ensure!(
+            n_in == 1,
+            Internal,
+            "node '{}' got {n_in} inputs; the EP expects 1 (its weight is its own)",
+            k.label
+        );
+        let a = unsafe { api.kernel_input(ctx, 0) }?
+            .ok_or_else(|| Error::invalid_argument(format!("node '{}' got no input", k.label)))?;
+        // SAFETY: a live input value of this Compute.
+        let at = unsafe { api.value_tensor_type(a) }?;
+        crate::ensure!(
+            at.elem == c.elem,
+            InvalidArgument,
+            "node '{}': input is {}, weight is {}",
+            k.label,
+            elem_name(at.elem),
+            elem_name(c.elem)
+        );
+        let rank_ok = if c.op == "Gemm" {
+            at.dims.len() == 2
+        } else {
+            !at.dims.is_empty()
+        };
+        crate::ensure!(
+            rank_ok,
+            InvalidArgument,
+            "node '{}': input of shape {:?}",
+            k.label,
+            at.dims
+        );
+        let last = *at.dims.last().unwrap_or(&0);
+        crate::ensure!(
+            last == c.k as i64,
+            InvalidArgument,
+            "node '{}': input of shape {:?} has {last} columns, the weight has {} rows",
+            k.label,
+            at.dims,
+            c.k
+        );
+        let lead = &at.dims[..at.dims.len() - 1];
+        let m = lead.iter().try_fold(1usize, |acc, &d| {
+            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        });
+        let m = m.ok_or_else(|| Error::invalid_argument(format!("node '{}': input shape {:?}", k.label, at.dims)))?;
+        let mut out_dims = lead.to_vec();
+        out_dims.push(c.n as i64);
+        // SAFETY: ctx is the live kernel context (the caller's contract).
+        let y = unsafe { api.kernel_output(ctx, 0, &out_dims) }?;
+        self.computes.fetch_add(1, Ordering::Relaxed);
+        if m == 0 {
+            return Ok(());
+        }
+        // SAFETY: live values of this Compute.
+        let av = unsafe { api.tensor(a, false) }?;
+        // SAFETY: live values of this Compute.
+        let yv = unsafe { api.tensor(y, true) }?;
+        let shape = GemmShape {
+            m,
+            k: c.k,
+            n: c.n,
+            trans_b: c.trans_b,
+            alpha: c.alpha,
+            beta: c.beta,
+        };
+        // Asked on every device, so CI's host-device runs exercise the call;
+        // only a GPU node uses the answer.
+        // SAFETY: ctx is the live kernel context.
+        let given = unsafe { api.kernel_gpu_stream(ctx) }?;
+        match self.dev.info().kind {
+            DeviceKind::Host => self.compute_host(k, shape, &av, &yv),
+            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given),
+        }
+    }
+
+    /// Run `f` between acquire and release of `k`'s weight on `s`: the
+    /// release is recorded whatever `f` returns.
+    fn with_weight<T>(&self, k: &Kernel, s: RawStream, f: impl FnOnce(u64) -> Result<T>) -> Result<T> {
+        let addr = self.mgr().acquire(k.weight, s)?;
+        let r = f(addr);
+        let rel = self.mgr().release(k.weight, s);
+        let v = r?;
+        rel?;
+        Ok(v)
+    }
+
+    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView) -> Result<()> {
+        let c = &k.claim;
+        let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
+        let stream = self.own_stream()?;
+        let x = self.host_copy(av)?;
+        crate::ensure!(x.len() == s.m * s.k * eb, Internal, "input of {} bytes", x.len());
+        let mut w = vec![0u8; c.weight_bytes];
+        self.with_weight(k, stream, |addr| {
+            // SAFETY: w has weight_bytes bytes; read only after the sync below.
+            unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, c.weight_bytes, stream) }
+        })?;
+        self.dev.stream_synchronize(stream)?;
+        let out = gemm(c.elem, s, &x, &w, k.bias.as_ref().map(|b| b.host.as_slice()));
+        crate::ensure!(
+            out.len() == yv.bytes,
+            Internal,
+            "output of {} bytes for {} computed",
+            yv.bytes,
+            out.len()
+        );
+        if self.on_device(yv) {
+            // SAFETY: the output has yv.bytes bytes; `out` lives until the sync.
+            unsafe { self.dev.memcpy_htod_async(yv.ptr, out.as_ptr(), out.len(), stream) }?;
+            self.dev.stream_synchronize(stream)?;
+        } else {
+            // SAFETY: ORT's output tensor in host-readable memory of yv.bytes bytes.
+            unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yv.ptr as *mut u8, out.len()) };
+        }
+        Ok(())
+    }
+
+    /// `given`: the native stream ORT runs the node on, if any.
+    fn compute_cuda(
+        &self,
+        k: &Kernel,
+        s: GemmShape,
+        av: &TensorView,
+        yv: &TensorView,
+        given: Option<u64>,
+    ) -> Result<()> {
+        crate::ensure!(
+            self.on_device(av) && self.on_device(yv),
+            InvalidArgument,
+            "node '{}': its input or output is not in this GPU's memory (input {:?}, output {:?}); \
+             add ORT's CUDA EP to the session so activations stay on the GPU",
+            k.label,
+            av.desc,
+            yv.desc
+        );
+        let (stream, native, sync) = match given {
+            Some(n) => (self.adopt(n)?, n, false),
+            None => {
+                if !self.warned_sync.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "epmem ({}): ORT gives the EP's nodes no GPU stream (no CUDA EP in the session?): \
+                         each node waits for the whole GPU, runs on the EP's own stream and waits for it",
+                        self.ep_name
+                    );
+                }
+                // Whatever produced the input ran on a stream we do not know.
+                if let Some(b) = self.blas.as_ref() {
+                    b.lock().unwrap_or_else(|p| p.into_inner()).synchronize_context()?;
+                }
+                let own = self.own_stream()?;
+                (own, self.dev.stream_native(own)?, true)
+            }
+        };
+        let c = &k.claim;
+        let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
+        let blas = self
+            .blas
+            .as_ref()
+            .ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
+        self.with_weight(k, stream, |w| {
+            let mut shape = s;
+            match &k.bias {
+                Some(b) if s.beta != 0.0 => {
+                    let src = b.dev.ok_or_else(|| Error::internal("bias not on the device"))?;
+                    // Broadcast the bias row into Y: one copy, then doubling.
+                    let row = c.n * eb;
+                    self.dev.memcpy_dtod_async(yv.ptr, src, b.bytes.min(row), stream)?;
+                    let mut done = 1usize;
+                    while done < s.m {
+                        let rows = done.min(s.m - done);
+                        self.dev
+                            .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
+                        done += rows;
+                    }
+                }
+                _ => shape.beta = 0.0,
+            }
+            let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: x, w, y are device addresses of m·k, k·n, m·n
+            // elements: ORT's tensors (checked sizes via their shapes) and
+            // the acquired weight, which stays resident until the release
+            // recorded after this GEMM on the same stream completes.
+            unsafe { h.gemm(native, c.elem, shape, av.ptr, w, yv.ptr) }
+        })?;
+        if sync {
+            self.dev.stream_synchronize(stream)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Streamer {
+    fn drop(&mut self) {
+        let Some(mgr) = self.mgr.take() else { return };
+        if let Err(e) = mgr.synchronize() {
+            log::warn!(
+                "epmem ({}): synchronizing the weight streams at release: {e}",
+                self.ep_name
+            );
+        }
+        let s = mgr.stats();
+        let arena = mgr.arena().clone();
+        let (weights, bytes) = {
+            let st = self.state();
+            (st.by_name.len(), st.weight_bytes)
+        };
+        drop(mgr);
+        let a = arena.stats();
+        drop(arena);
+        let biases = std::mem::take(&mut self.state().biases);
+        for p in biases {
+            if let Err(e) = self.dev.mem_free(p) {
+                log::warn!("epmem ({}): freeing a bias: {e}", self.ep_name);
+            }
+        }
+        if let Some(st) = self.own_stream.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = self.dev.synchronize();
+            if let Err(e) = self.dev.stream_destroy(st) {
+                log::warn!("epmem ({}): destroying its stream: {e}", self.ep_name);
+            }
+        }
+        for (_, st) in self.adopted.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = self.dev.stream_destroy(st);
+        }
+        log::info!(
+            "epmem ({}): weight streaming released: weights={weights} weight_bytes={bytes} budget_bytes={} \
+             computes={} acquires={} hits={} page_ins={} evictions={} peak_resident_bytes={} htod_bytes={} \
+             stall_ms={:.1} live_allocations_after={} in_use_bytes_after={}",
+            self.ep_name,
+            self.budget,
+            self.computes.load(Ordering::Relaxed),
+            s.acquires,
+            s.hits,
+            s.page_ins,
+            s.evictions,
+            s.peak_resident_bytes,
+            s.htod_bytes,
+            s.stall_ms,
+            a.live_allocations,
+            a.in_use_bytes
+        );
+    }
+}
+
+/// The `OrtNodeComputeInfo` of one compiled node.
+#[repr(C)]
+pub(crate) struct ComputeInfo {
+    base: OrtNodeComputeInfo,
+    streamer: Arc<Streamer>,
+    kernel: Arc<Kernel>,
+}
+
+impl ComputeInfo {
+    pub fn create(streamer: Arc<Streamer>, kernel: Arc<Kernel>) -> *mut OrtNodeComputeInfo {
+        Box::into_raw(Box::new(ComputeInfo {
+            base: OrtNodeComputeInfo {
+                ort_version_supported: ORT_VERSION_SUPPORTED,
+                CreateState: Some(create_state),
+                Compute: Some(compute),
+                ReleaseState: Some(release_state),
+            },
+            streamer,
+            kernel,
+        })) as *mut OrtNodeComputeInfo
+    }
+
+    /// # Safety
+    /// `p` came from [`ComputeInfo::create`] and is not used afterwards.
+    pub unsafe fn destroy(p: *mut OrtNodeComputeInfo) {
+        // SAFETY: per the caller.
+        drop(unsafe { Box::from_raw(p as *mut ComputeInfo) });
+    }
+}
+
+/// # Safety
+/// `this` is a compute info made by [`ComputeInfo::create`].
+unsafe fn me<'a>(this: *const OrtNodeComputeInfo) -> &'a ComputeInfo {
+    // SAFETY: per the caller; `base` is the first field of a repr(C) struct.
+    unsafe { &*(this as *const ComputeInfo) }
+}
+
+unsafe extern "C" fn create_state(
+    this: *mut OrtNodeComputeInfo,
+    _ctx: *mut OrtNodeComputeContext,
+    state: *mut *mut c_void,
+) -> *mut OrtStatus {
+    // SAFETY: ORT passes the info we gave it.
+    let info = unsafe { me(this) };
+    super::status_boundary(&info.streamer.api, "CreateState", || {
+        crate::ensure!(!state.is_null(), NullPointer, "state is NULL");
+        // The state is the info itself: everything a Compute needs is there.
+        // SAFETY: non-NULL out-param.
+        unsafe { *state = this as *mut c_void };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn compute(
+    this: *mut OrtNodeComputeInfo,
+    _state: *mut c_void,
+    ctx: *mut OrtKernelContext,
+) -> *mut OrtStatus {
+    // SAFETY: ORT passes the info we gave it.
+    let info = unsafe { me(this) };
+    super::status_boundary(&info.streamer.api, "Compute", || {
+        crate::ensure!(!ctx.is_null(), NullPointer, "kernel context is NULL");
+        // SAFETY: ORT's live kernel context for this node.
+        unsafe { info.streamer.compute(&info.kernel, ctx) }.map_err(|e| e.context(&info.kernel.label))
+    })
+}
+
+unsafe extern "C" fn release_state(_this: *mut OrtNodeComputeInfo, _state: *mut c_void) {
+    // The state is the compute info, released by ReleaseNodeComputeInfos.
+}
