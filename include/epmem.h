@@ -1201,7 +1201,7 @@ enum EpmStatus epm_arena_config_default(struct EpmArenaConfig *out);
  *
  * Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
  * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
- * capacity, bad `size`), device errors. Threading: safe from any thread; the
+ * or too large a capacity or chunk, bad `size`), device errors. Threading: safe from any thread; the
  * arena itself is thread-safe.
  */
 enum EpmStatus epm_arena_create_device(struct EpmDevice *dev,
@@ -1282,15 +1282,16 @@ enum EpmStatus epm_arena_destroy(struct EpmArena *arena);
  * Ownership: on success `*out` is a new handle the caller destroys with
  * `epm_device_destroy`. Opening the same ordinal twice gives two independent
  * handles. NULL: `out` is NULL_POINTER. Threading: safe from any thread.
- * Errors: INVALID_CONFIG for an unknown `EPM_DEVICE`; DEVICE_UNAVAILABLE when
+ * Errors: INVALID_CONFIG for an `EPM_DEVICE` other than auto, cuda or host
+ * (the same rules as `epm_device_open_select`'s `select`); DEVICE_UNAVAILABLE when
  * `EPM_DEVICE=cuda` and there is no driver or no GPU at `ordinal`.
  */
 enum EpmStatus epm_device_open(uint32_t ordinal, struct EpmDevice **out);
 
 /**
- * Open device `ordinal` of the kind `select` names: "auto", "cuda" or
- * "host" (case-insensitive); NULL means "read EPM_DEVICE", as
- * `epm_device_open`.
+ * Open device `ordinal` of the kind `select` names: exactly "auto", "cuda"
+ * or "host", ASCII case-insensitive ("CUDA" is "cuda"); no aliases, no
+ * spaces, not "". NULL means "read EPM_DEVICE", as `epm_device_open`.
  *
  * Ownership: as `epm_device_open`; `select` is only read during the call.
  * Errors: INVALID_CONFIG for any other `select` (or `EPM_DEVICE` when

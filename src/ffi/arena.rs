@@ -142,7 +142,7 @@ pub extern "C" fn epm_arena_config_default(out: *mut EpmArenaConfig) -> EpmStatu
 ///
 /// Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
 /// INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
-/// capacity, bad `size`), device errors. Threading: safe from any thread; the
+/// or too large a capacity or chunk, bad `size`), device errors. Threading: safe from any thread; the
 /// arena itself is thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_arena_create_device(
