@@ -423,6 +423,7 @@ fn arena_capacity_past_the_limit_names_it_in_bytes() {
         PinnedArena::new(&d, ArenaConfig::with_capacity(usize::MAX)).unwrap_err(),
     ] {
         assert_eq!(e.status(), EpmStatus::InvalidArgument, "{e}");
-        assert!(e.message().contains("capacity_bytes") && e.message().contains(&format!("limit of {max} bytes")), "{e}");
+        let m = e.message();
+        assert!(m.contains("capacity_bytes") && m.contains(&format!("limit of {max} bytes")), "{e}");
     }
 }

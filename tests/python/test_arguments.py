@@ -3,7 +3,6 @@ expected, raised before any C call, never a crash, a ctypes internal or a
 value wrapped into a huge unsigned number; and the library's own bounds
 (arena capacity, device names) as Python sees them."""
 
-import ctypes
 import gc
 import inspect
 import mmap
