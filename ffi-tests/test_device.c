@@ -87,8 +87,19 @@ static void test_open_select(void) {
 
   CHECK_STATUS(epm_device_open_select("tpu", 0, &bad), EPM_STATUS_INVALID_CONFIG);
   CHECK_MESSAGE_HAS("tpu");
-  CHECK_MESSAGE_HAS("auto, cuda, host");
+  CHECK_MESSAGE_HAS("\"auto\", \"cuda\", \"host\"");
   CHECK(bad == (EpmDevice *)(uintptr_t)0x1);
+  /* The header promises INVALID_CONFIG for anything but the three names
+   * (case aside): no aliases, no padding, not empty. */
+  {
+    static const char *const refused[] = {"gpu", "cpu", "", " host", "host ", "cuda0", "hos"};
+    size_t i;
+    for (i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+      CHECK_STATUS(epm_device_open_select(refused[i], 0, &bad), EPM_STATUS_INVALID_CONFIG);
+      CHECK_MESSAGE_HAS("is not one of");
+      CHECK(bad == (EpmDevice *)(uintptr_t)0x1);
+    }
+  }
 
 cleanup:
   epm_device_destroy(host);

@@ -319,10 +319,56 @@ cleanup:
   epm_residency_destroy(res);
 }
 
+/* capacity_bytes is the arena's bound: an 8 MiB arena refuses 16 MiB and
+ * then 12 MiB (it used to hand out both from one 32 MiB chunk), and what it
+ * hands out and commits stays within 8 MiB (rounded up to the granularity
+ * for the device arena: 2 MiB on the H200 and the host device, so exactly 8). */
+static void test_arena_capacity_is_the_bound(MuFx *f) {
+  EpmArenaConfig cfg;
+  EpmArenaStats st;
+  EpmArena *arenas[2] = {NULL, NULL}, *untouched = NULL;
+  uint64_t bound, x = 0, y = 0, out = 7, g = f->info.granularity;
+  int i;
+
+  cfg.size = sizeof cfg;
+  REQUIRE_OK(epm_arena_config_default(&cfg));
+  cfg.capacity_bytes = 8ull << 20;
+  REQUIRE_OK(epm_arena_create_device(f->dev, &cfg, &arenas[0]));
+  REQUIRE_OK(epm_arena_create_pinned(f->dev, &cfg, &arenas[1]));
+  for (i = 0; i < 2; i++) {
+    EpmArena *a = arenas[i];
+    bound = i == 0 ? (cfg.capacity_bytes + g - 1) / g * g : cfg.capacity_bytes;
+    MU_EXPECT(epm_arena_alloc(a, 16u << 20, 0, &out), EPM_STATUS_OUT_OF_BUDGET, "16 MiB of an 8 MiB arena");
+    CHECK_MESSAGE_HAS("capacity");
+    MU_EXPECT(epm_arena_alloc(a, 12u << 20, 0, &out), EPM_STATUS_OUT_OF_BUDGET, "12 MiB of an 8 MiB arena");
+    CHECK(out == 7);
+    REQUIRE_OK(epm_arena_alloc(a, 6u << 20, 0, &x));
+    MU_EXPECT(epm_arena_alloc(a, 4u << 20, 0, &out), EPM_STATUS_OUT_OF_BUDGET, "6 + 4 MiB of an 8 MiB arena");
+    REQUIRE_OK(epm_arena_alloc(a, 2u << 20, 0, &y)); /* exactly the rest */
+    st.size = sizeof st;
+    REQUIRE_OK(epm_arena_get_stats(a, &st));
+    CHECK(st.in_use_bytes == 8ull << 20);
+    CHECK(st.committed_bytes <= bound);
+    CHECK(st.reserved_bytes <= bound);
+    REQUIRE_OK(epm_arena_free(a, x));
+    REQUIRE_OK(epm_arena_free(a, y));
+  }
+  /* Past the sub-allocator's range: a message naming the argument and the limit in bytes. */
+  cfg.capacity_bytes = 1ull << 41;
+  MU_EXPECT(epm_arena_create_device(f->dev, &cfg, &untouched), EPM_STATUS_INVALID_ARGUMENT, "2 TiB capacity");
+  CHECK_MESSAGE_HAS("capacity_bytes 2199023255552 exceeds the limit of 1099511627520 bytes");
+  CHECK(untouched == NULL);
+
+cleanup:
+  epm_arena_destroy(arenas[0]);
+  epm_arena_destroy(arenas[1]);
+}
+
 int main(void) {
   MuFx f;
   if (mu_open(&f)) {
     RUN_FX(test_arena, &f);
+    RUN_FX(test_arena_capacity_is_the_bound, &f);
     RUN_FX(test_staging, &f);
     RUN_FX(test_residency, &f);
   }

@@ -439,15 +439,20 @@ typedef struct EpmArenaConfig {
    */
   size_t size;
   /**
-   * Most bytes the arena may commit. The device arena reserves this much
-   * virtual address space up front (cheap); beyond it an allocation is
-   * EPM_STATUS_OUT_OF_BUDGET. Required (no default).
+   * The arena's bound, exactly. A device arena reserves `capacity_bytes`
+   * rounded up to the device's granularity (`EpmDeviceInfo.granularity`:
+   * physical memory comes in whole granules) of virtual address space up
+   * front (cheap); it never commits more than that, and its live
+   * allocations (each rounded up to 256 bytes) never add up to more. A
+   * pinned arena never commits more than `capacity_bytes`. An allocation
+   * that would go past the bound is EPM_STATUS_OUT_OF_BUDGET. Required
+   * (no default); at most 2^40 - 256 bytes (1 TiB less 256 bytes).
    */
   uint64_t capacity_bytes;
   /**
    * Growth step: physical memory is committed (and kept) in chunks of this
-   * many bytes, rounded up to the device's granularity. 0: 16 granules
-   * (32 MiB on the H200).
+   * many bytes, rounded up to the device's granularity; a device arena's
+   * last chunk ends at its bound. 0: 16 granules (32 MiB on the H200).
    */
   uint64_t chunk_bytes;
   /**
@@ -1194,15 +1199,15 @@ extern "C" {
 enum EpmStatus epm_arena_config_default(struct EpmArenaConfig *out);
 
 /**
- * Create a device arena on `dev`: reserves `cfg->capacity_bytes` of virtual
- * address space; physical memory is committed chunk by chunk on first use
- * and kept. Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by
- * default.
+ * Create a device arena on `dev`: reserves `cfg->capacity_bytes` (rounded
+ * up to the device's granularity) of virtual address space; physical memory
+ * is committed chunk by chunk on first use and kept, never past that bound.
+ * Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by default.
  *
  * Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
  * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
- * capacity, bad `size`), device errors. Threading: safe from any thread; the
- * arena itself is thread-safe.
+ * or too large a capacity or chunk, bad `size`), device errors. Threading:
+ * safe from any thread; the arena itself is thread-safe.
  */
 enum EpmStatus epm_arena_create_device(struct EpmDevice *dev,
                                        const struct EpmArenaConfig *cfg,
@@ -1211,8 +1216,8 @@ enum EpmStatus epm_arena_create_device(struct EpmDevice *dev,
 /**
  * Create a pinned-host arena on `dev`: page-locked host memory in segments
  * of `cfg->chunk_bytes` (a larger request gets a segment of its own), up to
- * `cfg->capacity_bytes` in all. Addresses it returns are host addresses
- * (cast with `(void *)(uintptr_t)addr`).
+ * `cfg->capacity_bytes` in all (a segment is cut short at that bound).
+ * Addresses it returns are host addresses (cast with `(void *)(uintptr_t)addr`).
  *
  * Ownership, NULL, errors, threading: as `epm_arena_create_device`.
  */
@@ -1282,15 +1287,16 @@ enum EpmStatus epm_arena_destroy(struct EpmArena *arena);
  * Ownership: on success `*out` is a new handle the caller destroys with
  * `epm_device_destroy`. Opening the same ordinal twice gives two independent
  * handles. NULL: `out` is NULL_POINTER. Threading: safe from any thread.
- * Errors: INVALID_CONFIG for an unknown `EPM_DEVICE`; DEVICE_UNAVAILABLE when
+ * Errors: INVALID_CONFIG for an `EPM_DEVICE` other than auto, cuda or host
+ * (the same rules as `epm_device_open_select`'s `select`); DEVICE_UNAVAILABLE when
  * `EPM_DEVICE=cuda` and there is no driver or no GPU at `ordinal`.
  */
 enum EpmStatus epm_device_open(uint32_t ordinal, struct EpmDevice **out);
 
 /**
- * Open device `ordinal` of the kind `select` names: "auto", "cuda" or
- * "host" (case-insensitive); NULL means "read EPM_DEVICE", as
- * `epm_device_open`.
+ * Open device `ordinal` of the kind `select` names: exactly "auto", "cuda"
+ * or "host", ASCII case-insensitive ("CUDA" is "cuda"); no aliases, no
+ * spaces, not "". NULL means "read EPM_DEVICE", as `epm_device_open`.
  *
  * Ownership: as `epm_device_open`; `select` is only read during the call.
  * Errors: INVALID_CONFIG for any other `select` (or `EPM_DEVICE` when

@@ -67,7 +67,9 @@ for t in .carry/tests/device_conformance .carry/tests/*; do
   esac
   [ "${SEEN_TEST[$n]:-}" ] && continue
   SEEN_TEST[$n]=1
-  step "rust-$n" '^test result' "$t" --test-threads=1
+  # --include-ignored: an integration test that applies only to a GPU is
+  # #[ignore]d (reported as ignored on the host device) and runs here.
+  step "rust-$n" '^test result' "$t" --include-ignored --test-threads=1
 done
 
 # 2. C tests, compiled here against the header and the carried library.

@@ -396,8 +396,17 @@ fn a_background_copy_is_pending_until_the_filler_enqueues_it_then_bit_exact() {
     let (dst1, dst2) = (DeviceBuffer::new(&d, n1).unwrap(), DeviceBuffer::new(&d, n2).unwrap());
     let f1 = bg.htod_after(dst1.ptr(), leak_range(src1.clone()), Some(held.raw()), None).unwrap();
     let f2 = bg.htod_after(dst2.ptr(), leak_range(src2.clone()), None, None).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    // Wait (for progress, not for time) until the filler is as far into the
+    // first job as the slots let it go: `slots - 1` chunks enqueued, the next
+    // filled and waiting for a slot the held stream keeps busy.
+    let stuck_at = e.config().slots as u64 - 1;
+    let t0 = std::time::Instant::now();
+    while e.stats().chunks < stuck_at {
+        assert!(t0.elapsed() < WATCHDOG, "the filler never started the first copy: {:?}", e.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
     assert!(f1.is_pending() && f2.is_pending(), "the copies were enqueued past a held stream");
+    assert_eq!(e.stats().chunks, stuck_at, "chunks enqueued past the slots of a held stream");
     assert!(!f1.query().unwrap() && !f2.query().unwrap(), "a pending copy is not complete");
     assert!(!f1.direct() && f1.bytes() == n1);
     gate.open();
@@ -640,8 +649,9 @@ fn the_filler_fills_the_hinted_source_ahead_between_jobs() {
     let bg0 = BackgroundFill::new(&e0, 0).unwrap();
     let f = bg0.htod_after(da.ptr(), ra, None, Some(Hint { src: rb, ticket: e0.ahead_ticket() })).unwrap();
     f.make_wait(s.raw()).unwrap();
-    bg0.drain();
-    std::thread::sleep(Duration::from_millis(50));
+    // Dropping the filler joins its thread after everything it would do
+    // between jobs (filling ahead included): nothing can come later.
+    drop(bg0);
     assert_eq!(e0.stats().ahead_bytes, 0);
 }
 

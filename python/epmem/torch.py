@@ -127,11 +127,19 @@ def empty(arena, shape, dtype):
 
 
 class _SyncedBlock(core.ArenaBlock):
-    def _release(self):
-        try:
-            self.arena.device.synchronize()
-        finally:
-            super()._release()
+    """An ArenaBlock whose release first waits for the device (queued work
+    may still read it)."""
+
+    def _releaser(self):
+        free, *args = super()._releaser()
+        return _synced_free, self.arena.device, free, *args
+
+
+def _synced_free(device, free, *args):
+    try:
+        device.synchronize()
+    finally:
+        free(*args)
 
 
 def kv_seq_tensor(seq, dtype, tokens=None):

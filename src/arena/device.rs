@@ -33,17 +33,32 @@ pub struct DeviceArena {
 }
 
 impl DeviceArena {
-    /// Reserve `cfg.capacity` bytes of VA (rounded up to whole chunks).
+    /// Reserve `cfg.capacity` bytes of VA rounded up to the granularity:
+    /// that is the bound on what the arena commits and hands out. Chunks
+    /// are `cfg.chunk_bytes` each, except the last, which ends at the bound
+    /// (so a capacity below one chunk commits no more than it says).
     /// Nothing is committed until the first allocation.
     pub fn new(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Self> {
-        let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity())?;
-        crate::ensure!(cfg.capacity > 0, InvalidArgument, "device arena capacity is 0");
-        let capacity = cfg.capacity.checked_next_multiple_of(chunk).ok_or_else(|| {
-            crate::error::Error::invalid_argument(format!("device arena capacity {} is too large", cfg.capacity))
-        })?;
+        let granularity = dev.vmm_granularity();
+        let chunk = chunk_size(cfg.chunk_bytes, granularity)?;
+        super::check_capacity(cfg.capacity)?;
+        // MAX_CAPACITY is a multiple of 256 and granularities are powers of
+        // two: only a granularity above 256 can push the rounding past it.
+        let capacity = cfg
+            .capacity
+            .checked_next_multiple_of(granularity)
+            .filter(|&c| c <= super::MAX_CAPACITY)
+            .ok_or_else(|| {
+                crate::error::Error::invalid_argument(format!(
+                    "device arena capacity_bytes {} rounded up to the granularity of {granularity} bytes \
+                     exceeds the limit of {} bytes",
+                    cfg.capacity,
+                    super::MAX_CAPACITY
+                ))
+            })?;
         let sub = SubAlloc::new(capacity, DEFAULT_UNIT, cfg.max_allocs)?;
         let va = VaRange::reserve(dev, capacity)?;
-        let n = capacity / chunk;
+        let n = capacity.div_ceil(chunk);
         let stats = ArenaStats {
             reserved_bytes: capacity as u64,
             ..Default::default()
@@ -80,6 +95,12 @@ impl DeviceArena {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Bytes of chunk `c`: a whole chunk, or the rest of the capacity for
+    /// the last one (a multiple of the granularity either way).
+    fn chunk_len(&self, g: &Inner, c: usize) -> usize {
+        self.chunk.min(g.sub.capacity() - c * self.chunk)
+    }
+
     /// Chunk indices `[first, last]` covered by a byte span.
     fn chunk_span(&self, start: usize, len: usize) -> std::ops::RangeInclusive<usize> {
         start / self.chunk..=(start + len - 1) / self.chunk
@@ -89,11 +110,12 @@ impl DeviceArena {
         if g.chunks[c].is_some() {
             return Ok(());
         }
-        let phys = PhysMem::new(&self.dev, self.chunk)?;
+        let len = self.chunk_len(g, c);
+        let phys = PhysMem::new(&self.dev, len)?;
         g.stats.driver_alloc_calls += 1;
-        g.va.map(c * self.chunk, self.chunk, &phys, 0, Access::ReadWrite)?;
+        g.va.map(c * self.chunk, len, &phys, 0, Access::ReadWrite)?;
         g.chunks[c] = Some(phys);
-        g.stats.committed_bytes += self.chunk as u64;
+        g.stats.committed_bytes += len as u64;
         Ok(())
     }
 
@@ -184,15 +206,17 @@ impl DeviceArena {
         Ok(Some((g.va.base() + off as u64, own)))
     }
 
-    fn decommit(&self, g: &mut Inner, c: usize) -> Result<()> {
+    /// Give back chunk `c` if committed; the bytes given back.
+    fn decommit(&self, g: &mut Inner, c: usize) -> Result<usize> {
         if g.chunks[c].is_none() {
-            return Ok(());
+            return Ok(0);
         }
-        g.va.unmap(c * self.chunk, self.chunk)?;
+        let len = self.chunk_len(g, c);
+        g.va.unmap(c * self.chunk, len)?;
         drop(g.chunks[c].take());
         g.stats.driver_free_calls += 1;
-        g.stats.committed_bytes -= self.chunk as u64;
-        Ok(())
+        g.stats.committed_bytes -= len as u64;
+        Ok(len)
     }
 }
 
@@ -257,8 +281,7 @@ impl Arena for DeviceArena {
         let mut given = 0;
         for c in 0..g.chunks.len() {
             if g.users[c] == 0 && g.chunks[c].is_some() {
-                self.decommit(g, c)?;
-                given += self.chunk;
+                given += self.decommit(g, c)?;
             }
         }
         Ok(given)

@@ -30,11 +30,19 @@ use crate::error::Result;
 /// Sub-allocation unit and default alignment: 256 bytes, cuMemAlloc's alignment.
 pub const DEFAULT_UNIT: usize = 256;
 
-/// How an arena is shaped. Sizes are rounded up to whole chunks.
+/// The largest arena capacity: the sub-allocator counts in `u32` units of
+/// [`DEFAULT_UNIT`] bytes (1 TiB less 256 bytes).
+pub const MAX_CAPACITY: usize = u32::MAX as usize * DEFAULT_UNIT;
+
+/// How an arena is shaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArenaConfig {
-    /// Most bytes the arena may ever commit (the device arena reserves this
-    /// much VA up front). Beyond it an allocation is [`crate::EpmStatus::OutOfBudget`].
+    /// The bound on the arena, exactly: the device arena commits at most
+    /// `capacity` rounded up to the device's granularity (physical memory
+    /// comes in whole granules), and its live allocations (each rounded up
+    /// to [`DEFAULT_UNIT`]) never exceed that either; the pinned arena
+    /// commits at most `capacity` bytes. Beyond it an allocation is
+    /// [`crate::EpmStatus::OutOfBudget`]. At most [`MAX_CAPACITY`].
     pub capacity: usize,
     /// Growth step in bytes; 0 = 16 granules (32 MiB on the H200). Rounded
     /// up to the granularity.
@@ -123,11 +131,25 @@ pub struct TaggedStats {
     pub peak_held_bytes: u64,
 }
 
+/// `capacity` checked against [`MAX_CAPACITY`], with a message that names
+/// the argument and the limit in bytes.
+fn check_capacity(capacity: usize) -> Result<()> {
+    crate::ensure!(capacity > 0, InvalidArgument, "arena capacity_bytes is 0");
+    crate::ensure!(
+        capacity <= MAX_CAPACITY,
+        InvalidArgument,
+        "arena capacity_bytes {capacity} exceeds the limit of {MAX_CAPACITY} bytes"
+    );
+    Ok(())
+}
+
 /// Round `chunk` (0 = 16 granules) up to the granularity.
 /// A chunk so large it overflows when rounded is an error, not a panic
 /// (found by ffi-tests/test_misuse_mem.c: chunk_bytes = UINT64_MAX).
-fn chunk_size(chunk: usize, granularity: usize) -> Result<usize> {
+pub(crate) fn chunk_size(chunk: usize, granularity: usize) -> Result<usize> {
     let c = if chunk == 0 { 16 * granularity } else { chunk };
     c.checked_next_multiple_of(granularity)
-        .ok_or_else(|| crate::error::Error::invalid_argument(format!("arena chunk of {chunk} bytes is too large")))
+        .ok_or_else(|| crate::error::Error::invalid_argument(format!(
+            "arena chunk_bytes {chunk} is too large (rounded up to the granularity of {granularity} bytes it overflows)"
+        )))
 }

@@ -84,7 +84,7 @@ pub struct PinnedArena {
 impl PinnedArena {
     /// Nothing is allocated until the first request.
     pub fn new(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Self> {
-        crate::ensure!(cfg.capacity > 0, InvalidArgument, "pinned arena capacity is 0");
+        super::check_capacity(cfg.capacity)?;
         let chunk = chunk_size(cfg.chunk_bytes, dev.vmm_granularity())?;
         Ok(Self {
             dev: dev.clone(),
@@ -144,17 +144,23 @@ impl Arena for PinnedArena {
             None => {
                 // Saturating: a request near usize::MAX must be refused for
                 // budget, not wrap to a small segment (test_misuse_mem.c).
-                let size = (bytes.saturating_add(align - DEFAULT_UNIT))
-                    .checked_next_multiple_of(self.chunk)
-                    .unwrap_or(usize::MAX)
-                    .max(self.chunk);
+                let need = bytes
+                    .saturating_add(align - DEFAULT_UNIT)
+                    .checked_next_multiple_of(DEFAULT_UNIT)
+                    .unwrap_or(usize::MAX);
+                // Segments are sub-allocated in whole units.
+                let left = (self.capacity - g.committed) / DEFAULT_UNIT * DEFAULT_UNIT;
                 crate::ensure!(
-                    g.committed.saturating_add(size) <= self.capacity,
+                    need <= left,
                     OutOfBudget,
-                    "pinned arena: {bytes} bytes need a new segment of {size} bytes, but {} of {} bytes are committed",
+                    "pinned arena: {bytes} bytes need a segment of {need} bytes, but {} of its capacity_bytes {} \
+                     are committed ({left} left)",
                     g.committed,
                     self.capacity
                 );
+                // A whole number of chunks, cut to what is left of the
+                // capacity: the arena commits at most `capacity` bytes.
+                let size = need.next_multiple_of(self.chunk).min(left);
                 let buf = PinnedBuffer::new(&self.dev, size)
                     .map_err(|e| e.context(format!("growing the pinned arena by {size} bytes")))?;
                 g.stats.driver_alloc_calls += 1;

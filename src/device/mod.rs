@@ -69,16 +69,18 @@ pub enum DeviceSelect {
 }
 
 impl DeviceSelect {
-    /// Parse `auto|cuda|host` (case-insensitive). Anything else is
-    /// [`EpmStatus::InvalidConfig`] with a message naming the accepted values.
+    /// Parse exactly `auto`, `cuda` or `host`, ASCII case-insensitive (`CUDA`
+    /// is `cuda`). No aliases, no surrounding spaces, not empty: anything
+    /// else is [`EpmStatus::InvalidConfig`] with a message naming the
+    /// accepted values, so a typo never silently picks a device.
     pub fn parse(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(Self::Auto),
-            "cuda" | "gpu" => Ok(Self::Cuda),
-            "host" | "cpu" => Ok(Self::Host),
-            other => Err(Error::new(
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "cuda" => Ok(Self::Cuda),
+            "host" => Ok(Self::Host),
+            _ => Err(Error::new(
                 EpmStatus::InvalidConfig,
-                format!("EPM_DEVICE={other:?} is not one of auto, cuda, host"),
+                format!("EPM_DEVICE={s:?} is not one of auto, cuda, host (case-insensitive)"),
             )),
         }
     }
@@ -398,10 +400,12 @@ mod tests {
     fn select_parses_known_values_and_rejects_others() {
         assert_eq!(DeviceSelect::parse("AUTO").unwrap(), DeviceSelect::Auto);
         assert_eq!(DeviceSelect::parse("cuda").unwrap(), DeviceSelect::Cuda);
-        assert_eq!(DeviceSelect::parse(" host ").unwrap(), DeviceSelect::Host);
-        let e = DeviceSelect::parse("tpu").unwrap_err();
-        assert_eq!(e.status(), EpmStatus::InvalidConfig);
-        assert!(e.message().contains("tpu") && e.message().contains("auto, cuda, host"), "{e}");
+        assert_eq!(DeviceSelect::parse("Host").unwrap(), DeviceSelect::Host);
+        for bad in ["tpu", "gpu", "cpu", "", " host ", "cuda0", "hos"] {
+            let e = DeviceSelect::parse(bad).unwrap_err();
+            assert_eq!(e.status(), EpmStatus::InvalidConfig, "{bad:?}");
+            assert!(e.message().contains(&format!("{bad:?}")) && e.message().contains("auto, cuda, host"), "{e}");
+        }
     }
 
     #[test]

@@ -25,13 +25,18 @@ impl_handle!(EpmArena => dyn Arena, tag = 0x30);
 pub struct EpmArenaConfig {
     /// `sizeof(EpmArenaConfig)` as the caller compiled it.
     pub size: usize,
-    /// Most bytes the arena may commit. The device arena reserves this much
-    /// virtual address space up front (cheap); beyond it an allocation is
-    /// EPM_STATUS_OUT_OF_BUDGET. Required (no default).
+    /// The arena's bound, exactly. A device arena reserves `capacity_bytes`
+    /// rounded up to the device's granularity (`EpmDeviceInfo.granularity`:
+    /// physical memory comes in whole granules) of virtual address space up
+    /// front (cheap); it never commits more than that, and its live
+    /// allocations (each rounded up to 256 bytes) never add up to more. A
+    /// pinned arena never commits more than `capacity_bytes`. An allocation
+    /// that would go past the bound is EPM_STATUS_OUT_OF_BUDGET. Required
+    /// (no default); at most 2^40 - 256 bytes (1 TiB less 256 bytes).
     pub capacity_bytes: u64,
     /// Growth step: physical memory is committed (and kept) in chunks of this
-    /// many bytes, rounded up to the device's granularity. 0: 16 granules
-    /// (32 MiB on the H200).
+    /// many bytes, rounded up to the device's granularity; a device arena's
+    /// last chunk ends at its bound. 0: 16 granules (32 MiB on the H200).
     pub chunk_bytes: u64,
     /// Most live allocations (the sub-allocator's node table). 0: 65536.
     pub max_allocations: u32,
@@ -106,10 +111,13 @@ fn default_config() -> EpmArenaConfig {
 fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
     let c = read_versioned(cfg, default_config(), "cfg")?;
     ensure!(c.capacity_bytes > 0, InvalidArgument, "cfg->capacity_bytes is 0");
-    let capacity = usize::try_from(c.capacity_bytes)
-        .map_err(|_| Error::invalid_argument(format!("cfg->capacity_bytes {} is too large", c.capacity_bytes)))?;
-    let chunk = usize::try_from(c.chunk_bytes)
-        .map_err(|_| Error::invalid_argument(format!("cfg->chunk_bytes {} is too large", c.chunk_bytes)))?;
+    let max = crate::arena::MAX_CAPACITY;
+    let capacity = usize::try_from(c.capacity_bytes).ok().filter(|&n| n <= max).ok_or_else(|| {
+        Error::invalid_argument(format!("cfg->capacity_bytes {} exceeds the limit of {max} bytes", c.capacity_bytes))
+    })?;
+    let chunk = usize::try_from(c.chunk_bytes).ok().filter(|&n| n <= max).ok_or_else(|| {
+        Error::invalid_argument(format!("cfg->chunk_bytes {} exceeds the limit of {max} bytes", c.chunk_bytes))
+    })?;
     let max_allocs = if c.max_allocations == 0 {
         DEFAULT_MAX_ALLOCATIONS
     } else {
@@ -135,15 +143,15 @@ pub extern "C" fn epm_arena_config_default(out: *mut EpmArenaConfig) -> EpmStatu
     }
 }
 
-/// Create a device arena on `dev`: reserves `cfg->capacity_bytes` of virtual
-/// address space; physical memory is committed chunk by chunk on first use
-/// and kept. Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by
-/// default.
+/// Create a device arena on `dev`: reserves `cfg->capacity_bytes` (rounded
+/// up to the device's granularity) of virtual address space; physical memory
+/// is committed chunk by chunk on first use and kept, never past that bound.
+/// Addresses it returns are `EpmDevicePtr`s, 256-byte aligned by default.
 ///
 /// Ownership: destroy `*out` with `epm_arena_destroy`. NULL: `dev` is
 /// INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
-/// capacity, bad `size`), device errors. Threading: safe from any thread; the
-/// arena itself is thread-safe.
+/// or too large a capacity or chunk, bad `size`), device errors. Threading:
+/// safe from any thread; the arena itself is thread-safe.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_arena_create_device(
     dev: *mut EpmDevice,
@@ -162,8 +170,8 @@ pub extern "C" fn epm_arena_create_device(
 
 /// Create a pinned-host arena on `dev`: page-locked host memory in segments
 /// of `cfg->chunk_bytes` (a larger request gets a segment of its own), up to
-/// `cfg->capacity_bytes` in all. Addresses it returns are host addresses
-/// (cast with `(void *)(uintptr_t)addr`).
+/// `cfg->capacity_bytes` in all (a segment is cut short at that bound).
+/// Addresses it returns are host addresses (cast with `(void *)(uintptr_t)addr`).
 ///
 /// Ownership, NULL, errors, threading: as `epm_arena_create_device`.
 #[unsafe(no_mangle)]

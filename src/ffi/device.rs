@@ -109,7 +109,8 @@ fn open(select: DeviceSelect, ordinal: u32, out: OutParam<'_, *mut EpmDevice>) -
 /// Ownership: on success `*out` is a new handle the caller destroys with
 /// `epm_device_destroy`. Opening the same ordinal twice gives two independent
 /// handles. NULL: `out` is NULL_POINTER. Threading: safe from any thread.
-/// Errors: INVALID_CONFIG for an unknown `EPM_DEVICE`; DEVICE_UNAVAILABLE when
+/// Errors: INVALID_CONFIG for an `EPM_DEVICE` other than auto, cuda or host
+/// (the same rules as `epm_device_open_select`'s `select`); DEVICE_UNAVAILABLE when
 /// `EPM_DEVICE=cuda` and there is no driver or no GPU at `ordinal`.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_device_open(ordinal: u32, out: *mut *mut EpmDevice) -> EpmStatus {
@@ -119,9 +120,9 @@ pub extern "C" fn epm_device_open(ordinal: u32, out: *mut *mut EpmDevice) -> Epm
     }
 }
 
-/// Open device `ordinal` of the kind `select` names: "auto", "cuda" or
-/// "host" (case-insensitive); NULL means "read EPM_DEVICE", as
-/// `epm_device_open`.
+/// Open device `ordinal` of the kind `select` names: exactly "auto", "cuda"
+/// or "host", ASCII case-insensitive ("CUDA" is "cuda"); no aliases, no
+/// spaces, not "". NULL means "read EPM_DEVICE", as `epm_device_open`.
 ///
 /// Ownership: as `epm_device_open`; `select` is only read during the call.
 /// Errors: INVALID_CONFIG for any other `select` (or `EPM_DEVICE` when
@@ -136,7 +137,10 @@ pub extern "C" fn epm_device_open_select(select: *const c_char, ordinal: u32, ou
         } else {
             let s = try_str!(select);
             DeviceSelect::parse(s).map_err(|_| {
-                Error::new(EpmStatus::InvalidConfig, format!("select={s:?} is not one of auto, cuda, host"))
+                Error::new(
+                    EpmStatus::InvalidConfig,
+                    format!("select={s:?} is not one of \"auto\", \"cuda\", \"host\" (case-insensitive)"),
+                )
             })?
         };
         open(choice, ordinal, out)

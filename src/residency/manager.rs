@@ -130,7 +130,23 @@ impl ResidencyManager {
         // Slack over the budget absorbs the arena's bin rounding and holes
         // left by uneven sizes, so eviction follows the policy rather than
         // fragmentation.
-        let capacity = cfg.budget_bytes + cfg.budget_bytes / 8 + 2 * dev.vmm_granularity();
+        // Rounded up to whole chunks here: the arena's bound is its capacity
+        // (to the granule), and the manager's documented reservation
+        // (`budget_bytes` in include/epmem.h) is whole chunks.
+        let chunk = crate::arena::chunk_size(cfg.arena_chunk_bytes, dev.vmm_granularity())?;
+        let capacity = cfg
+            .budget_bytes
+            .checked_add(cfg.budget_bytes / 8 + 2 * dev.vmm_granularity())
+            .and_then(|c| c.checked_next_multiple_of(chunk))
+            .filter(|&c| c <= crate::arena::MAX_CAPACITY)
+            .ok_or_else(|| {
+                crate::error::Error::invalid_argument(format!(
+                    "budget_bytes {} is too large: its device arena (budget + 1/8 + 2 granules, in whole chunks \
+                     of {chunk} bytes) would exceed the arena limit of {} bytes",
+                    cfg.budget_bytes,
+                    crate::arena::MAX_CAPACITY
+                ))
+            })?;
         let arena = Arc::new(DeviceArena::new(
             dev,
             ArenaConfig {

@@ -208,10 +208,23 @@ impl FillThreads {
         streaming: bool,
         during: impl FnOnce() -> R,
     ) -> Result<R> {
+        self.copy_observed(dst, src, streaming, |_| during())
+    }
+
+    /// As [`Self::copy_with_stores`], `during` given the count of bytes the
+    /// other threads have written so far (a Release/Acquire counter: once it
+    /// reads `n`, those bytes are visible to the reader).
+    fn copy_observed<R>(
+        &self,
+        dst: &mut [u8],
+        src: &[u8],
+        streaming: bool,
+        during: impl FnOnce(&AtomicUsize) -> R,
+    ) -> Result<R> {
         crate::ensure!(dst.len() == src.len(), InvalidArgument, "fill of {} bytes into {} bytes", src.len(), dst.len());
         let len = src.len();
         if len < 2 * MIN_PIECE || self.threads == 1 {
-            let r = during();
+            let r = during(&AtomicUsize::new(0));
             dst.copy_from_slice(src);
             return Ok(r);
         }
@@ -232,7 +245,7 @@ impl FillThreads {
         for mb in self.mailboxes.iter().take(len / MIN_PIECE - 1) {
             post(mb, job.clone());
         }
-        let r = during();
+        let r = during(&job.done);
         job.run();
         Ok(r)
     }
@@ -376,16 +389,17 @@ mod tests {
 
     #[test]
     fn the_workers_finish_the_copy_while_the_caller_is_busy() {
-        // The caller's `during` waits until the workers have written the
-        // first and the last byte, or until every worker is asleep with an
-        // empty inbox: were any piece reserved for the caller (as the first
-        // one used to be), the workers would go idle with it unwritten. Both
-        // are events, so no clock decides the outcome.
+        // The caller's `during` waits until the workers have written every
+        // byte (their `done` counter), or until every worker is asleep with
+        // an empty inbox: were any piece reserved for the caller (as the
+        // first one used to be), the workers would go idle with it unwritten.
+        // Both are events (an atomic and the inbox locks), so no clock decides
+        // the outcome, and the destination is read only after the copy
+        // returns, never while the workers write it.
         let fill = FillThreads::new(4).unwrap();
         let n = 4 << 20;
         let src = random_bytes(3, n);
         let mut dst: Vec<u8> = src.iter().map(|b| b.wrapping_add(1)).collect();
-        let base = dst.as_ptr() as usize;
         let mailboxes = fill.mailboxes.clone();
         let idle = move || {
             mailboxes.iter().all(|mb| {
@@ -393,29 +407,21 @@ mod tests {
                 inbox.sleeping && inbox.jobs.is_empty()
             })
         };
-        let written = fill
-            .copy_with(&mut dst, &src, || {
-                let at = |i: usize| {
-                    // SAFETY: (test) a volatile one-byte probe of memory the
-                    // workers write; a torn or stale read only delays the loop.
-                    unsafe { std::ptr::read_volatile((base + i) as *const u8) }
-                };
-                let ends = || at(0) == src[0] && at(n - 1) == src[n - 1];
-                loop {
-                    if ends() {
-                        break true;
-                    }
-                    // A worker goes to sleep (under its inbox lock) only
-                    // after its last write, so the ends read after seeing
-                    // every worker idle are final.
-                    if idle() {
-                        break ends();
-                    }
-                    std::thread::yield_now();
+        let by_workers = fill
+            .copy_observed(&mut dst, &src, n < STREAM_BELOW, |done| loop {
+                if done.load(Ordering::Acquire) == n {
+                    break n;
                 }
+                // A worker goes to sleep (under its inbox lock) only after
+                // its last piece is counted, so the count read after seeing
+                // every worker idle is final.
+                if idle() {
+                    break done.load(Ordering::Acquire);
+                }
+                std::thread::yield_now();
             })
             .unwrap();
-        assert!(written, "the workers went idle leaving the first or last piece to the caller");
+        assert_eq!(by_workers, n, "the workers went idle leaving pieces to the caller");
         assert!(dst == src);
     }
 

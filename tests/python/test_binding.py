@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import unittest
+import weakref
 
 import epmem
 from epmem import _lib as L
@@ -35,6 +36,88 @@ def header_functions(path=HEADER):
     return set(re.findall(r"\b(epm_\w+)\s*\(", text)) - set(re.findall(r"#define\s+(epm_\w+)", text))
 
 
+def header_prototypes(path=HEADER):
+    """{name: (return type, [argument types])} of every epm_* prototype, as C text."""
+    text = re.sub(r"/\*.*?\*/", "", header_text(path), flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    out = {}
+    for ret, name, args in re.findall(r"([\w \*]+?)\b(epm_\w+)\s*\(([^)]*)\)\s*;", text):
+        params = [] if args.strip() == "void" else [a.strip() for a in args.split(",")]
+        # Drop each parameter's name: the last identifier (every parameter is named).
+        out[name] = (" ".join(ret.split()), [re.sub(r"\s*\b\w+$", "", " ".join(p.split())) for p in params])
+    return out
+
+
+def header_typedefs(path=HEADER):
+    """Scalar typedefs (`typedef uint64_t EpmDevicePtr;`) and opaque handle
+    structs (`typedef struct EpmDevice EpmDevice;`) of a header."""
+    text = header_text(path)
+    scalars = dict((new, old) for old, new in re.findall(r"typedef\s+(\w+)\s+(\w+)\s*;", text))
+    opaque = set(re.findall(r"typedef\s+struct\s+(\w+)\s+\w+", text))
+    return scalars, opaque
+
+
+_C_SCALARS = {"uint8_t": ctypes.c_uint8, "uint32_t": ctypes.c_uint32, "uint64_t": ctypes.c_uint64,
+              "size_t": ctypes.c_size_t, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double,
+              "bool": ctypes.c_bool, "EpmStatus": ctypes.c_int, "EpmLogCallback": L.EpmLogCallback}
+
+
+def ctypes_of(decl, typedefs):
+    """The ctypes type a C parameter/return type must be bound as; KeyError
+    for a type this mapping does not know (extend it, never skip)."""
+    scalars, opaque = typedefs
+    d = re.sub(r"\bconst\b", "", decl).replace("*", " * ")
+    stars = d.count("*")
+    base = " ".join(d.replace("*", " ").split())
+    base = re.sub(r"^(struct|enum) ", "", base)
+    while base in scalars:
+        base = scalars[base]
+    structs = {s.__name__: s for s in L.STRUCTS}
+    if base == "void":
+        t = {0: None, 1: ctypes.c_void_p, 2: ctypes.POINTER(ctypes.c_void_p)}[stars]
+        return t
+    if base == "char" and stars == 1:
+        return ctypes.c_char_p
+    if base in opaque and base not in structs:  # a handle: void* in, void** out
+        return {1: ctypes.c_void_p, 2: ctypes.POINTER(ctypes.c_void_p)}[stars]
+    t = structs[base] if base in structs else _C_SCALARS[base]
+    for _ in range(stars):
+        t = ctypes.POINTER(t)
+    return t
+
+
+def signature_mismatches(functions, path=HEADER):
+    """Every difference between `functions` ((name, restype, argtypes) as in
+    _lib.FUNCTIONS) and the header's prototypes, as readable strings."""
+    protos, typedefs = header_prototypes(path), header_typedefs(path)
+    if path != HEADER:  # the testing header uses the main header's types
+        main = header_typedefs(HEADER)
+        typedefs = ({**main[0], **typedefs[0]}, main[1] | typedefs[1])
+    bad = []
+    for name, restype, argtypes in functions:
+        if name not in protos:
+            bad.append(f"{name}: not declared in {os.path.basename(path)}")
+            continue
+        ret, params = protos[name]
+        want_ret = L.STATUS if re.sub(r"^enum ", "", ret) == "EpmStatus" else ctypes_of(ret, typedefs)
+        if restype is not want_ret:
+            bad.append(f"{name}: returns {ret} (bind {want_ret}), bound as {restype}")
+        if len(params) != len(argtypes):
+            bad.append(f"{name}: {len(params)} parameters ({', '.join(params)}), bound with {len(argtypes)}")
+            continue
+        for i, (c, py) in enumerate(zip(params, argtypes)):
+            want = ctypes_of(c, typedefs)
+            if py is not want:
+                bad.append(f"{name}: parameter {i + 1} is {c} (bind {want.__name__}), bound as {py.__name__}")
+    return bad
+
+
+def header_statuses(path=HEADER):
+    """{value: name} of enum EpmStatus."""
+    body = re.search(r"enum EpmStatus\s*\{(.*?)\}", re.sub(r"/\*.*?\*/", "", header_text(path), flags=re.S), re.S)
+    return {int(v): n for n, v in re.findall(r"(EPM_STATUS_\w+)\s*=\s*(\d+)", body.group(1))}
+
+
 class HeaderAgreement(unittest.TestCase):
     def test_every_header_function_has_a_binding(self):
         declared = header_functions()
@@ -42,6 +125,45 @@ class HeaderAgreement(unittest.TestCase):
         self.assertGreater(len(declared), 50, "the header parse found too few functions")
         self.assertEqual(sorted(declared - bound), [], "functions in include/epmem.h with no line in _lib.FUNCTIONS")
         self.assertEqual(sorted(bound - declared), [], "bindings of functions the header does not declare")
+
+    def test_every_binding_has_the_header_signature(self):
+        """Argument and return types of every FUNCTIONS and TESTING_FUNCTIONS
+        line against its prototype (a u64 bound as a u32 fails here)."""
+        self.assertGreater(len(header_prototypes()), 50, "the prototype parse found too few functions")
+        self.assertEqual(set(header_prototypes()), header_functions(), "the prototype parse missed functions")
+        self.assertEqual(signature_mismatches(L.FUNCTIONS), [])
+        self.assertEqual(signature_mismatches(L.TESTING_FUNCTIONS, TESTING_HEADER), [])
+
+    def test_the_signature_check_sees_a_narrowed_argument(self):
+        # The two declarations once narrowed to u32 without a test noticing.
+        def narrowed(fns):
+            out = []
+            for name, ret, args in fns:
+                if name == "epm_kv_pool_create":
+                    args = [args[0], ctypes.c_uint32, args[2]]
+                elif name == "epm_residency_prefetch":
+                    args = [args[0], args[1], ctypes.c_uint32, args[3]]
+                elif name == "epm_version":
+                    ret = ctypes.c_uint64
+                out.append((name, ret, args))
+            return out
+        bad = signature_mismatches(narrowed(L.FUNCTIONS))
+        self.assertEqual(len(bad), 3, bad)
+        self.assertTrue(any(b.startswith("epm_kv_pool_create: parameter 2 is uint64_t") for b in bad), bad)
+        self.assertTrue(any(b.startswith("epm_residency_prefetch: parameter 3 is size_t") for b in bad), bad)
+        self.assertTrue(any(b.startswith("epm_version: returns uint32_t") for b in bad), bad)
+
+    def test_status_exceptions_are_exactly_the_header_statuses(self):
+        want = {v: n for v, n in header_statuses().items() if v != 0}
+        self.assertGreaterEqual(len(want), 15, "the enum EpmStatus parse found too few values")
+        self.assertEqual(header_statuses()[0], "EPM_STATUS_OK")
+        self.assertEqual(L.EPM_STATUS_OK, 0)
+        got = {c.status: "EPM_STATUS_" + re.sub(r"(?<!^)([A-Z])", r"_\1", c.__name__).upper()
+               for c in epmem.errors.BY_STATUS.values()}
+        self.assertEqual(got, want, "errors.py classes vs enum EpmStatus (value: name)")
+        for status, cls in epmem.errors.BY_STATUS.items():
+            self.assertEqual(cls.status, status)
+            self.assertIs(getattr(epmem.errors, cls.__name__), cls)
 
     def test_every_testing_header_function_has_an_optional_binding(self):
         declared = header_functions(TESTING_HEADER)
@@ -403,15 +525,25 @@ class Objects(unittest.TestCase):
 
     def test_children_keep_parents_alive(self):
         dev = epmem.Device()
+        dev_ref = weakref.ref(dev)
         s = dev.stream()
         a = epmem.Arena.create_device(dev, 32 * MiB)
         del dev
         gc.collect()
-        s.synchronize()  # the Device object is still referenced by the stream
+        # The stream and the arena hold the Device: not collected, not destroyed.
+        self.assertIsNotNone(dev_ref(), "the Device was collected while its stream and arena live")
+        self.assertFalse(dev_ref().closed, "the Device was destroyed while its stream and arena live")
+        s.synchronize()
         x = a.alloc(4096)
         a.free(x)
         a.close()
+        gc.collect()
+        self.assertIsNotNone(dev_ref(), "the stream alone must still hold the Device")
         s.close()
+        del s, a
+        gc.collect()
+        # With no child left, nothing holds the Device: collected and destroyed.
+        self.assertIsNone(dev_ref(), "the Device outlived its last child")
 
     def test_native_stream_wrapping(self):
         if self.dev.is_cuda:
