@@ -563,6 +563,26 @@ def _tokens(tokens):
     return (c_uint32 * len(tokens))(*tokens) if tokens else None, len(tokens)
 
 
+def kv_namespace(namespace):
+    """The bytes of a KV sharing namespace (docs/KV.md, "Namespaces"): a str
+    (UTF-8) or bytes of at most EPM_KV_NAMESPACE_MAX_BYTES, without NUL; None
+    or empty is the default namespace (b"")."""
+    if namespace is None:
+        return b""
+    if isinstance(namespace, str):
+        b = namespace.encode("utf-8")
+    elif isinstance(namespace, (bytes, bytearray, memoryview)):
+        b = bytes(namespace)
+    else:
+        raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
+    if len(b) > L.EPM_KV_NAMESPACE_MAX_BYTES:
+        raise ValueError(f"namespace of {len(b)} bytes exceeds the limit of "
+                         f"{L.EPM_KV_NAMESPACE_MAX_BYTES} bytes (EPM_KV_NAMESPACE_MAX_BYTES)")
+    if b"\0" in b:
+        raise ValueError(f"namespace contains a NUL byte at offset {b.index(0)}")
+    return b
+
+
 class KvPool(Handle):
     destroy = "epm_kv_pool_destroy"
     _what = "KvPool"
@@ -581,18 +601,29 @@ class KvPool(Handle):
         _l().epm_kv_seq_create(self.handle, byref(layout), max_tokens, admit, byref(out))
         return KvSeq(out.value, self)
 
-    def seq_for_tokens(self, layout, max_tokens, tokens, admit=L.EPM_KV_ADMIT_PROMISE):
-        """(KvSeq, shared_tokens): shares the longest live prefix of `tokens`."""
+    def seq_for_tokens(self, layout, max_tokens, tokens, admit=L.EPM_KV_ADMIT_PROMISE, namespace=None):
+        """(KvSeq, shared_tokens): shares the longest live prefix of `tokens`
+        pinned in the same `namespace` (kv_namespace(); None: the default one)."""
+        ns = kv_namespace(namespace)
         arr, n = _tokens(tokens)
         out, shared = _out_handle(), c_uint64()
-        _l().epm_kv_seq_create_for_tokens(self.handle, byref(layout), max_tokens, arr, n, admit,
-                                          byref(out), byref(shared))
+        if ns:
+            _l().epm_kv_seq_create_for_tokens_ns(self.handle, byref(layout), max_tokens, ns, len(ns), arr, n,
+                                                 admit, byref(out), byref(shared))
+        else:
+            _l().epm_kv_seq_create_for_tokens(self.handle, byref(layout), max_tokens, arr, n, admit,
+                                              byref(out), byref(shared))
         return KvSeq(out.value, self), shared.value
 
-    def find_prefix(self, layout, tokens):
+    def find_prefix(self, layout, tokens, namespace=None):
+        """Tokens of `tokens` a live prefix of `namespace` already holds (0 if none)."""
+        ns = kv_namespace(namespace)
         arr, n = _tokens(tokens)
         out = c_uint64()
-        _l().epm_kv_find_prefix(self.handle, byref(layout), arr, n, byref(out))
+        if ns:
+            _l().epm_kv_find_prefix_ns(self.handle, byref(layout), ns, len(ns), arr, n, byref(out))
+        else:
+            _l().epm_kv_find_prefix(self.handle, byref(layout), arr, n, byref(out))
         return out.value
 
     def request_cost(self, layout, prefix_tokens, max_tokens):
@@ -697,13 +728,20 @@ class KvBatch(Handle):
                                            byref(out))
         return KvSlot(out.value, self)
 
-    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_PROMISE):
+    def take_slot_for_tokens(self, tokens, stream, slot=L.EPM_KV_BATCH_ANY_SLOT, admit=L.EPM_KV_ADMIT_PROMISE,
+                             namespace=None):
         """(KvSlot, shared_tokens): shares the longest live prefix of `tokens`
-        (skip the prefill of the first `shared_tokens`), else an empty slot."""
+        pinned in the same `namespace` (skip the prefill of the first
+        `shared_tokens`), else an empty slot."""
+        ns = kv_namespace(namespace)
         arr, n = _tokens(tokens)
         out, shared = _out_handle(), c_uint64()
-        _l().epm_kv_batch_take_slot_for_tokens(self.handle, slot, arr, n, admit, stream.handle, byref(out),
-                                               byref(shared))
+        if ns:
+            _l().epm_kv_batch_take_slot_for_tokens_ns(self.handle, slot, ns, len(ns), arr, n, admit, stream.handle,
+                                                      byref(out), byref(shared))
+        else:
+            _l().epm_kv_batch_take_slot_for_tokens(self.handle, slot, arr, n, admit, stream.handle, byref(out),
+                                                   byref(shared))
         return KvSlot(out.value, self), shared.value
 
     def release_slot(self, slot, stream):

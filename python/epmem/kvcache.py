@@ -164,13 +164,19 @@ class KvStore:
         seq = self.pool.seq(self.layout, max_tokens or self.max_tokens, admit)
         return EpmCache(self, seq, 0)
 
-    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE):
+    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE, namespace=None):
         """A request that declares its prompt (epm_kv_seq_create_for_tokens): it maps
         the longest pinned prefix of `tokens` (whole 16-token blocks, token ids
         confirmed) read-only and starts at that length (`cache.shared_tokens`, also
-        `get_seq_length()`); the model prefills only `tokens[shared:]`."""
+        `get_seq_length()`); the model prefills only `tokens[shared:]`.
+
+        `namespace` (a tenant's cache salt, str or bytes; None: the default one):
+        only prefixes pinned from requests of the same namespace are found, and a
+        prefix pinned from this request is found only by them (docs/KV.md,
+        "Namespaces")."""
         tokens = _token_list(tokens)
-        seq, shared = self.pool.seq_for_tokens(self.layout, max_tokens or self.max_tokens, tokens, admit)
+        seq, shared = self.pool.seq_for_tokens(self.layout, max_tokens or self.max_tokens, tokens, admit,
+                                               namespace=namespace)
         return EpmCache(self, seq, shared)
 
     def request_from_prefix(self, prefix, tokens=None, n_tokens=None, max_tokens=None,
@@ -208,12 +214,14 @@ class KvStore:
         handle = self.streams.run(lambda s: cache.seq.pin(n, s))
         return SharedPrefix(handle, None if tokens is None else _token_list(tokens)[:n], n, cache)
 
-    def prefill_shared(self, model, tokens, max_tokens=None):
+    def prefill_shared(self, model, tokens, max_tokens=None, namespace=None):
         """Prefill `tokens` (a system prompt) once into a new sequence that declares them
-        (so later requests find it by content hash too), pin all of them, and return the
-        SharedPrefix. Its origin request stays open (`prefix.origin`) until closed."""
+        (so later requests of the same `namespace` find it by content hash too), pin all
+        of them, and return the SharedPrefix. Its origin request stays open
+        (`prefix.origin`) until closed."""
         tokens = _token_list(tokens)
-        origin = self.request_for_tokens(tokens, max_tokens or max(self.max_tokens, len(tokens)))
+        origin = self.request_for_tokens(tokens, max_tokens or max(self.max_tokens, len(tokens)),
+                                         namespace=namespace)
         rest = tokens[origin.shared_tokens:]
         if rest:
             forward(model, origin, rest)
