@@ -6,6 +6,7 @@
     cache = store.request_from_prefix(system, tokens=prompt_ids)     # explicit: epm_kv_commit_shared_prefix
     # or: cache = store.request_for_tokens(prompt_ids)               # content hash: epm_kv_seq_create_for_tokens
     toks = ek.greedy(model, cache, prompt_ids[cache.get_seq_length():], steps=64)
+    # or: model.generate(ids, **ek.cache_kwargs(model, cache), ...)
     cache.close()
 
 `EpmCache` is a `transformers.Cache` whose layers (`EpmLayer`, a `CacheLayerMixin`)
@@ -25,6 +26,8 @@ addresses, so a batched forward over several of them would need a copy.
 See docs/KV.md ("Worked example: a transformers model on epmem sequences").
 """
 
+
+import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -399,11 +402,34 @@ def _device_of(model):
     return next(model.parameters()).device
 
 
+_CACHE_KWARG = {}
+
+
+def cache_kwarg(model):
+    """The keyword a model's forward (and generate) takes its Cache by: `cache` where
+    the forward names it so (transformers 5.24 on, where `past_key_values` is
+    deprecated and goes in 5.40), else `past_key_values` (5.23 and older, which take
+    no `cache` and would pass one silently through **kwargs, unused)."""
+    fwd = type(model).forward
+    name = _CACHE_KWARG.get(fwd)
+    if name is None:
+        params = inspect.signature(fwd).parameters  # follows the deprecation wrapper's __wrapped__
+        name = "cache" if "cache" in params else "past_key_values"
+        _CACHE_KWARG[fwd] = name
+    return name
+
+
+def cache_kwargs(model, cache):
+    """`{cache_kwarg(model): cache}`: `model(ids, **cache_kwargs(model, c))`,
+    `model.generate(ids, **cache_kwargs(model, c), ...)`."""
+    return {cache_kwarg(model): cache}
+
+
 def forward(model, cache, tokens):
     """Run the model on `tokens` (the ones not yet in `cache`) and return the logits of the last."""
     ids = torch.tensor([_token_list(tokens)], device=_device_of(model))
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **cache_kwargs(model, cache))
     return out.logits[:, -1]
 
 
