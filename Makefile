@@ -205,6 +205,11 @@ test-examples: build
 	    { echo "$$name does not record NEEDED $(SONAME):"; readelf -d $$work/$$name | grep NEEDED; exit 1; }; \
 	  env -u LD_LIBRARY_PATH $$work/$$name; \
 	done; \
+	echo "== README.md's C program (its first C block): cc app.c \$$(pkg-config --cflags --libs epmem)"; \
+	awk '/^```c$$/ {p = 1; next} p && /^```$$/ {exit} p' README.md > $$work/app.c; \
+	grep -q 'int main' $$work/app.c || { echo "README.md's first C block is not a program (no main)"; exit 1; }; \
+	(cd $$work && env $$pcpath $(CC) $(WARN) app.c $$(env $$pcpath pkg-config --cflags --libs epmem) -o app); \
+	env -u LD_LIBRARY_PATH $$work/app; \
 	echo "== the installed library has no test machinery"; \
 	if nm -D --defined-only $$prefix/lib/libepmem.so | grep -E ' (epm_device_spin_async|epm_device_checksum_async|epm_checksum_host|epm_testing_[a-z_]*)$$'; then \
 	  echo "libepmem.so exports test machinery"; exit 1; fi; \
