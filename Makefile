@@ -264,8 +264,8 @@ test-ort: build
 # The Python package (python/epmem) as a wheel bundling libepmem.so, and its
 # tests (binding, epmem.torch) against that wheel installed, with torch from
 # PyPI in .venv/torch (installed once, ~2-3 min; docs/PYTHON.md).
-wheel: build
-	python3 scripts/build_wheel.py --lib $(LIB_DIR)/libepmem.so --out target/wheels
+wheel:
+	python3 -m pip wheel --no-deps -w target/wheels .
 
 test-python: build
 	scripts/python-test.sh

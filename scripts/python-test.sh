@@ -2,10 +2,11 @@
 # The Python package's tests (tests/python/) against the built wheel, installed.
 #
 #   scripts/python-test.sh               # CI: venv .venv/torch (torch, numpy, transformers from PyPI, kept
-#                                        # across runs), `make wheel`, install it, run the tests; then
+#                                        # across runs), `pip wheel .`, install it, run the tests; then
 #                                        # epmem.kvcache's tests again with the newest transformers
 #   scripts/python-test.sh --no-install  # GPU machine: python3 as it is (its torch); the wheel
-#                                        # is built from .carry/lib/libepmem.so (no Rust there)
+#                                        # is built from .carry/lib/libepmem.so by scripts/build_wheel.py
+#                                        # (no Rust and no PyPI there)
 #
 # Environment: EPM_DEVICE (host in CI, cuda on the GPU machine), PYTHON (default
 # python3), EPMEM_LIB (the library to bundle; default target/release, else .carry/lib),
@@ -71,7 +72,16 @@ fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/epmem-py.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-whl=$("$PY" scripts/build_wheel.py --lib "$lib" --out "$WORK/wheels" | tail -1) || { echo "python-test: wheel build failed" >&2; exit 2; }
+if [ $INSTALL = 1 ]; then
+  # The standard build (pyproject.toml: setuptools-rust runs cargo, installed
+  # from PyPI into pip's isolated build environment), as `pip wheel .` does it.
+  "$PY" -m pip wheel -q --no-deps --disable-pip-version-check -w "$WORK/wheels" "$ROOT" >"$WORK/build.log" 2>&1 ||
+    { tail -40 "$WORK/build.log"; echo "python-test: pip wheel . failed" >&2; exit 2; }
+  whl=$(ls "$WORK"/wheels/epmem-*.whl) || { echo "python-test: pip wheel . made no epmem wheel" >&2; exit 2; }
+else
+  # No Rust here: bundle the library already built (.carry/lib) the minimal way.
+  whl=$("$PY" scripts/build_wheel.py --lib "$lib" --out "$WORK/wheels" | tail -1) || { echo "python-test: wheel build failed" >&2; exit 2; }
+fi
 echo "python-test: $(basename "$whl") ($(du -k "$whl" | cut -f1) KiB), $("$PY" -c 'import sys; print(sys.version.split()[0])'), torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none), EPM_DEVICE=${EPM_DEVICE:-auto}"
 # Install the wheel where only these tests see it (no network, no deps).
 if ! "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$WORK/site" "$whl" 2>"$WORK/pip.log"; then
