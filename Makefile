@@ -219,6 +219,11 @@ test-examples: build
 	    { echo "$$name does not record NEEDED $(SONAME):"; readelf -d $$work/$$name | grep NEEDED; exit 1; }; \
 	  env -u LD_LIBRARY_PATH $$work/$$name; \
 	done; \
+	echo "== README.md's C program (its first C block): cc app.c \$$(pkg-config --cflags --libs epmem)"; \
+	awk '/^```c$$/ {p = 1; next} p && /^```$$/ {exit} p' README.md > $$work/app.c; \
+	grep -q 'int main' $$work/app.c || { echo "README.md's first C block is not a program (no main)"; exit 1; }; \
+	(cd $$work && env $$pcpath $(CC) $(WARN) app.c $$(env $$pcpath pkg-config --cflags --libs epmem) -o app); \
+	env -u LD_LIBRARY_PATH $$work/app; \
 	echo "== the installed library has no test machinery"; \
 	if nm -D --defined-only $$prefix/lib/libepmem.so | grep -E ' (epm_device_spin_async|epm_device_checksum_async|epm_checksum_host|epm_testing_[a-z_]*)$$'; then \
 	  echo "libepmem.so exports test machinery"; exit 1; fi; \
@@ -274,8 +279,8 @@ test-ort: build
 # The Python package (python/epmem) as a wheel bundling libepmem.so, and its
 # tests (binding, epmem.torch) against that wheel installed, with torch from
 # PyPI in .venv/torch (installed once, ~2-3 min; docs/PYTHON.md).
-wheel: build
-	python3 scripts/build_wheel.py --lib $(LIB_DIR)/libepmem.so --out target/wheels
+wheel:
+	python3 -m pip wheel --no-deps -w target/wheels .
 
 test-python: build
 	scripts/python-test.sh

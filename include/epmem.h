@@ -109,6 +109,11 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 #define EPM_KV_REQUEST_COST_SIZE_V1 32
 
 /**
+ * The longest namespace the `*_ns` functions accept, in bytes.
+ */
+#define EPM_KV_NAMESPACE_MAX_BYTES 128
+
+/**
  * `slot` argument of the take functions: the lowest free slot.
  */
 #define EPM_KV_BATCH_ANY_SLOT 4294967295
@@ -1501,6 +1506,37 @@ enum EpmStatus epm_kv_seq_create_for_tokens(struct EpmKvPool *pool,
                                             uint64_t *shared_tokens);
 
 /**
+ * As `epm_kv_seq_create_for_tokens`, in the sharing namespace `ns[0..ns_len)`
+ * (a per-tenant cache salt: opaque bytes, no NUL, at most
+ * EPM_KV_NAMESPACE_MAX_BYTES). Only a prefix pinned from a sequence of the
+ * same namespace is found and shared, and prefixes later pinned from the new
+ * sequence are found only by lookups in it, so one tenant never learns from
+ * its admission cost or time to first token that another sent the same
+ * prompt. `ns_len` 0 is the default namespace, the one
+ * `epm_kv_seq_create_for_tokens` uses. Explicit sharing
+ * (`epm_kv_commit_shared_prefix`) ignores namespaces; its sequence joins
+ * the prefix's.
+ *
+ * NULL: `ns` may be NULL only when `ns_len` is 0 (else NULL_POINTER); as
+ * `epm_kv_seq_create_for_tokens` otherwise. Errors: as
+ * `epm_kv_seq_create_for_tokens`, plus INVALID_ARGUMENT for a namespace
+ * longer than EPM_KV_NAMESPACE_MAX_BYTES or containing a NUL byte.
+ * Out-params are written only on success.
+ *
+ * Threading: safe from any thread; calls on one pool are serialized.
+ */
+enum EpmStatus epm_kv_seq_create_for_tokens_ns(struct EpmKvPool *pool,
+                                               const struct EpmKvLayout *layout,
+                                               uint64_t max_tokens,
+                                               const char *ns,
+                                               size_t ns_len,
+                                               const uint32_t *tokens,
+                                               size_t n_tokens,
+                                               uint32_t admit,
+                                               struct EpmKvSeq **out,
+                                               uint64_t *shared_tokens);
+
+/**
  * Destroy a sequence: unmap its slots, drop its granule references (the
  * ledger is credited for granules nobody else maps), return its unused
  * promise, free its VA. NULL is a no-op; a destroyed handle is
@@ -1626,6 +1662,24 @@ enum EpmStatus epm_kv_find_prefix(struct EpmKvPool *pool,
                                   const uint32_t *tokens,
                                   size_t n_tokens,
                                   uint64_t *out);
+
+/**
+ * As `epm_kv_find_prefix`, among the prefixes of namespace `ns[0..ns_len)`
+ * only (see `epm_kv_seq_create_for_tokens_ns`; `ns_len` 0 is the default
+ * namespace).
+ *
+ * NULL: `ns` may be NULL only when `ns_len` is 0, `tokens` only when
+ * `n_tokens` is 0; `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a
+ * namespace longer than EPM_KV_NAMESPACE_MAX_BYTES or containing NUL.
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_kv_find_prefix_ns(struct EpmKvPool *pool,
+                                     const struct EpmKvLayout *layout,
+                                     const char *ns,
+                                     size_t ns_len,
+                                     const uint32_t *tokens,
+                                     size_t n_tokens,
+                                     uint64_t *out);
 
 /**
  * Admissible concurrency for a budget `budget_bytes`, a shared prefix of
@@ -1770,6 +1824,32 @@ enum EpmStatus epm_kv_batch_take_slot_for_tokens(struct EpmKvBatch *batch,
                                                  struct EpmStream *stream,
                                                  struct EpmKvSeq **out,
                                                  uint64_t *shared_tokens);
+
+/**
+ * As `epm_kv_batch_take_slot_for_tokens`, in the sharing namespace
+ * `ns[0..ns_len)` (see `epm_kv_seq_create_for_tokens_ns`): only a prefix
+ * pinned from a sequence of the same namespace is shared, and prefixes
+ * pinned from the new slot are found only by lookups in it. `ns_len` 0 is
+ * the default namespace.
+ *
+ * NULL: `ns` may be NULL only when `ns_len` is 0 (else NULL_POINTER); as
+ * `epm_kv_batch_take_slot_for_tokens` otherwise. Errors: as
+ * `epm_kv_batch_take_slot_for_tokens`, plus INVALID_ARGUMENT for a
+ * namespace longer than EPM_KV_NAMESPACE_MAX_BYTES or containing a NUL
+ * byte. Out-params are written only on success.
+ *
+ * Threading: safe from any thread; calls on one pool are serialized.
+ */
+enum EpmStatus epm_kv_batch_take_slot_for_tokens_ns(struct EpmKvBatch *batch,
+                                                    uint32_t slot,
+                                                    const char *ns,
+                                                    size_t ns_len,
+                                                    const uint32_t *tokens,
+                                                    size_t n_tokens,
+                                                    uint32_t admit,
+                                                    struct EpmStream *stream,
+                                                    struct EpmKvSeq **out,
+                                                    uint64_t *shared_tokens);
 
 /**
  * Give a slot back to its batch: the host waits for `stream` (a kernel or

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""Build the epmem wheel: python/epmem plus libepmem.so, with the stdlib only.
+"""Bundle an already built libepmem.so into the epmem wheel, with the stdlib only.
 
-    python3 scripts/build_wheel.py [--lib target/release/libepmem.so] [--out target/wheels]
+    python3 scripts/build_wheel.py --lib .carry/lib/libepmem.so [--out target/wheels]
+
+The standard build is `pip wheel .` (pyproject.toml, setup.py: setuptools-rust
+runs cargo). This is the path for a machine with neither Rust nor PyPI (the GPU
+machine: scripts/python-test.sh --no-install); it makes the same files and tag.
 
 The wheel is `epmem-<version>-py3-none-manylinux_2_<N>_x86_64.whl`, where N is
 the newest GLIBC symbol version libepmem.so needs (read with objdump when it is

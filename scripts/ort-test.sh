@@ -18,7 +18,8 @@
 #
 # For each version it runs tests/ort/test_ort_plugin.py (Python),
 # tests/ort/test_ort_streaming.py (the EP streaming weights; needs the onnx
-# package) and tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime),
+# package), tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime) and the
+# onnxruntime snippets of the docs (tests/python/test_docs.py, 1.28+),
 # then prints one closing line "ort: N passed, N failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -90,6 +91,18 @@ run_suites() {
     out=$WORK/bench-$label.log
     "$py" scripts/bench_ort_stream.py --size tiny --out "$WORK/bench-$label" >"$out" 2>&1
     grep -E '^(TARGET|bench-ort-stream:)' "$out" || tail -20 "$out"; tally "$out"
+  fi
+
+  # The docs' onnxruntime snippets (tests/python/test_docs.py; the others run in
+  # scripts/python-test.sh), where their API is there (1.28+), once per version.
+  if [ -z "${FAKE:-}" ]; then
+    out=$WORK/docs-$label.log
+    if "$py" -c 'import onnxruntime as o, sys; sys.exit(tuple(map(int, o.__version__.split(".")[:2])) < (1, 28))'; then
+      EPMEM_DOC_TEST_ONLY=onnxruntime "$py" tests/python/run.py test_docs >"$out" 2>&1
+      cat "$out"; tally "$out"
+    else
+      echo "  docs' onnxruntime snippets: not run with onnxruntime $label (they need 1.28+)"
+    fi
   fi
 
   capi=$("$py" -c 'import onnxruntime, os; print(os.path.join(os.path.dirname(onnxruntime.__file__), "capi"))')

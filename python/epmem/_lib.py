@@ -44,6 +44,7 @@ EPM_VERSION_MINOR = 1
 EPM_VERSION_PATCH = 0
 EPM_VERSION = (EPM_VERSION_MAJOR << 16) | (EPM_VERSION_MINOR << 8) | EPM_VERSION_PATCH
 EPM_KV_BATCH_ANY_SLOT = 0xFFFFFFFF
+EPM_KV_NAMESPACE_MAX_BYTES = 128  # the longest namespace of the *_ns functions
 
 # The first published size of each versioned struct: the smallest `size`
 # epmem accepts (never sizeof today's struct, which may have grown).
@@ -357,6 +358,16 @@ FUNCTIONS = [
     ("epm_status_name", c_char_p, [c_int]),
     ("epm_version", u32, []),
     ("epm_version_string", c_char_p, []),
+]
+
+# KV sharing namespaces (per-tenant cache salts, docs/KV.md "Namespaces"): the
+# `*_ns` variants of the content lookups. `ns` is (bytes, length), no NUL.
+FUNCTIONS += [
+    ("epm_kv_seq_create_for_tokens_ns", STATUS,
+     [H, P(EpmKvLayout), u64, c_char_p, size_t, P(u32), size_t, u32, OH, P(u64)]),
+    ("epm_kv_find_prefix_ns", STATUS, [H, P(EpmKvLayout), c_char_p, size_t, P(u32), size_t, P(u64)]),
+    ("epm_kv_batch_take_slot_for_tokens_ns", STATUS,
+     [H, u32, c_char_p, size_t, P(u32), size_t, u32, H, OH, P(u64)]),
 ]
 
 # include/epmem_testing.h: exported only by the testing build of the library

@@ -795,6 +795,26 @@ def _layout(layout: Any) -> Any:
     return byref(_expect(layout, L.EpmKvLayout, "layout"))
 
 
+def kv_namespace(namespace):
+    """The bytes of a KV sharing namespace (docs/KV.md, "Namespaces"): a str
+    (UTF-8) or bytes of at most EPM_KV_NAMESPACE_MAX_BYTES, without NUL; None
+    or empty is the default namespace (b"")."""
+    if namespace is None:
+        return b""
+    if isinstance(namespace, str):
+        b = namespace.encode("utf-8")
+    elif isinstance(namespace, (bytes, bytearray, memoryview)):
+        b = bytes(namespace)
+    else:
+        raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
+    if len(b) > L.EPM_KV_NAMESPACE_MAX_BYTES:
+        raise ValueError(f"namespace of {len(b)} bytes exceeds the limit of "
+                         f"{L.EPM_KV_NAMESPACE_MAX_BYTES} bytes (EPM_KV_NAMESPACE_MAX_BYTES)")
+    if b"\0" in b:
+        raise ValueError(f"namespace contains a NUL byte at offset {b.index(0)}")
+    return b
+
+
 class KvPool(Handle):
     destroy = "epm_kv_pool_destroy"
     _what = "KvPool"
@@ -815,18 +835,29 @@ class KvPool(Handle):
         return KvSeq(out.value, self)
 
     def seq_for_tokens(self, layout: Any, max_tokens: int, tokens: Sequence[int],
-                       admit: int = L.EPM_KV_ADMIT_PROMISE) -> Tuple[KvSeq, int]:
-        """(KvSeq, shared_tokens): shares the longest live prefix of `tokens`."""
+                       admit: int = L.EPM_KV_ADMIT_PROMISE, namespace: Any = None) -> Tuple[KvSeq, int]:
+        """(KvSeq, shared_tokens): shares the longest live prefix of `tokens`
+        pinned in the same `namespace` (kv_namespace(); None: the default one)."""
+        ns = kv_namespace(namespace)
         arr, n = _tokens(tokens)
         out, shared = _out_handle(), c_uint64()
-        _l().epm_kv_seq_create_for_tokens(self.handle, _layout(layout), _size(max_tokens, "max_tokens"), arr, n,
-                                          _u32(admit, "admit"), byref(out), byref(shared))
+        lay, mt, ad = _layout(layout), _size(max_tokens, "max_tokens"), _u32(admit, "admit")
+        if ns:
+            _l().epm_kv_seq_create_for_tokens_ns(self.handle, lay, mt, ns, len(ns), arr, n, ad, byref(out),
+                                                 byref(shared))
+        else:
+            _l().epm_kv_seq_create_for_tokens(self.handle, lay, mt, arr, n, ad, byref(out), byref(shared))
         return KvSeq(out.value, self), shared.value
 
-    def find_prefix(self, layout: Any, tokens: Sequence[int]) -> int:
+    def find_prefix(self, layout: Any, tokens: Sequence[int], namespace: Any = None) -> int:
+        """Tokens of `tokens` a live prefix of `namespace` already holds (0 if none)."""
+        ns = kv_namespace(namespace)
         arr, n = _tokens(tokens)
         out = c_uint64()
-        _l().epm_kv_find_prefix(self.handle, _layout(layout), arr, n, byref(out))
+        if ns:
+            _l().epm_kv_find_prefix_ns(self.handle, _layout(layout), ns, len(ns), arr, n, byref(out))
+        else:
+            _l().epm_kv_find_prefix(self.handle, _layout(layout), arr, n, byref(out))
         return out.value
 
     def request_cost(self, layout: Any, prefix_tokens: int, max_tokens: int) -> dict:
@@ -935,13 +966,19 @@ class KvBatch(Handle):
         return KvSlot(out.value, self)
 
     def take_slot_for_tokens(self, tokens: Sequence[int], stream: Stream, slot: int = L.EPM_KV_BATCH_ANY_SLOT,
-                             admit: int = L.EPM_KV_ADMIT_PROMISE) -> Tuple[KvSlot, int]:
+                             admit: int = L.EPM_KV_ADMIT_PROMISE, namespace: Any = None) -> Tuple[KvSlot, int]:
         """(KvSlot, shared_tokens): shares the longest live prefix of `tokens`
-        (skip the prefill of the first `shared_tokens`), else an empty slot."""
+        pinned in the same `namespace` (skip the prefill of the first
+        `shared_tokens`), else an empty slot."""
+        ns = kv_namespace(namespace)
         arr, n = _tokens(tokens)
         out, shared = _out_handle(), c_uint64()
-        _l().epm_kv_batch_take_slot_for_tokens(self.handle, _u32(slot, "slot"), arr, n, _u32(admit, "admit"),
-                                               _handle(stream, Stream, "stream"), byref(out), byref(shared))
+        sl, ad, st = _u32(slot, "slot"), _u32(admit, "admit"), _handle(stream, Stream, "stream")
+        if ns:
+            _l().epm_kv_batch_take_slot_for_tokens_ns(self.handle, sl, ns, len(ns), arr, n, ad, st, byref(out),
+                                                      byref(shared))
+        else:
+            _l().epm_kv_batch_take_slot_for_tokens(self.handle, sl, arr, n, ad, st, byref(out), byref(shared))
         return KvSlot(out.value, self), shared.value
 
     def release_slot(self, slot: KvSlot, stream: Stream) -> None:

@@ -6,6 +6,7 @@
     cache = store.request_from_prefix(system, tokens=prompt_ids)     # explicit: epm_kv_commit_shared_prefix
     # or: cache = store.request_for_tokens(prompt_ids)               # content hash: epm_kv_seq_create_for_tokens
     toks = ek.greedy(model, cache, prompt_ids[cache.get_seq_length():], steps=64)
+    # or: model.generate(ids, **ek.cache_kwargs(model, cache), ...)
     cache.close()
 
 `EpmCache` is a `transformers.Cache` whose layers (`EpmLayer`, a `CacheLayerMixin`)
@@ -25,6 +26,8 @@ addresses, so a batched forward over several of them would need a copy.
 See docs/KV.md ("Worked example: a transformers model on epmem sequences").
 """
 
+
+import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -164,13 +167,19 @@ class KvStore:
         seq = self.pool.seq(self.layout, max_tokens or self.max_tokens, admit)
         return EpmCache(self, seq, 0)
 
-    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE):
+    def request_for_tokens(self, tokens, max_tokens=None, admit=L.EPM_KV_ADMIT_PROMISE, namespace=None):
         """A request that declares its prompt (epm_kv_seq_create_for_tokens): it maps
         the longest pinned prefix of `tokens` (whole 16-token blocks, token ids
         confirmed) read-only and starts at that length (`cache.shared_tokens`, also
-        `get_seq_length()`); the model prefills only `tokens[shared:]`."""
+        `get_seq_length()`); the model prefills only `tokens[shared:]`.
+
+        `namespace` (a tenant's cache salt, str or bytes; None: the default one):
+        only prefixes pinned from requests of the same namespace are found, and a
+        prefix pinned from this request is found only by them (docs/KV.md,
+        "Namespaces")."""
         tokens = _token_list(tokens)
-        seq, shared = self.pool.seq_for_tokens(self.layout, max_tokens or self.max_tokens, tokens, admit)
+        seq, shared = self.pool.seq_for_tokens(self.layout, max_tokens or self.max_tokens, tokens, admit,
+                                               namespace=namespace)
         return EpmCache(self, seq, shared)
 
     def request_from_prefix(self, prefix, tokens=None, n_tokens=None, max_tokens=None,
@@ -208,12 +217,14 @@ class KvStore:
         handle = self.streams.run(lambda s: cache.seq.pin(n, s))
         return SharedPrefix(handle, None if tokens is None else _token_list(tokens)[:n], n, cache)
 
-    def prefill_shared(self, model, tokens, max_tokens=None):
+    def prefill_shared(self, model, tokens, max_tokens=None, namespace=None):
         """Prefill `tokens` (a system prompt) once into a new sequence that declares them
-        (so later requests find it by content hash too), pin all of them, and return the
-        SharedPrefix. Its origin request stays open (`prefix.origin`) until closed."""
+        (so later requests of the same `namespace` find it by content hash too), pin all
+        of them, and return the SharedPrefix. Its origin request stays open
+        (`prefix.origin`) until closed."""
         tokens = _token_list(tokens)
-        origin = self.request_for_tokens(tokens, max_tokens or max(self.max_tokens, len(tokens)))
+        origin = self.request_for_tokens(tokens, max_tokens or max(self.max_tokens, len(tokens)),
+                                         namespace=namespace)
         rest = tokens[origin.shared_tokens:]
         if rest:
             forward(model, origin, rest)
@@ -391,11 +402,34 @@ def _device_of(model):
     return next(model.parameters()).device
 
 
+_CACHE_KWARG = {}
+
+
+def cache_kwarg(model):
+    """The keyword a model's forward (and generate) takes its Cache by: `cache` where
+    the forward names it so (transformers 5.24 on, where `past_key_values` is
+    deprecated and goes in 5.40), else `past_key_values` (5.23 and older, which take
+    no `cache` and would pass one silently through **kwargs, unused)."""
+    fwd = type(model).forward
+    name = _CACHE_KWARG.get(fwd)
+    if name is None:
+        params = inspect.signature(fwd).parameters  # follows the deprecation wrapper's __wrapped__
+        name = "cache" if "cache" in params else "past_key_values"
+        _CACHE_KWARG[fwd] = name
+    return name
+
+
+def cache_kwargs(model, cache):
+    """`{cache_kwarg(model): cache}`: `model(ids, **cache_kwargs(model, c))`,
+    `model.generate(ids, **cache_kwargs(model, c), ...)`."""
+    return {cache_kwarg(model): cache}
+
+
 def forward(model, cache, tokens):
     """Run the model on `tokens` (the ones not yet in `cache`) and return the logits of the last."""
     ids = torch.tensor([_token_list(tokens)], device=_device_of(model))
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **cache_kwargs(model, cache))
     return out.logits[:, -1]
 
 

@@ -679,3 +679,26 @@ class Offload:
             return "<epmem.torch.Offload removed>"
         return (f"<epmem.torch.Offload {len(self._st.weights)} weights, {self.offloaded_bytes} bytes, "
                 f"budget {self._st.budget}, {self._st.sources}, {self._st.granularity}>")
+
+
+def offloadable_bytes(module, blocks=None, include=None):
+    """The bytes `offload(module, ..., blocks=blocks, include=include)` would move to
+    host RAM (its handle's `offloaded_bytes`), without offloading anything: the
+    parameters of the included submodules (default: every nn.Linear) of the
+    repeated blocks (default: `module.model.layers`, else the nn.ModuleList holding
+    the most parameter bytes), each counted once. Pick a budget from it: a budget of
+    at least this much keeps every offloaded weight resident after the first
+    forward; less pages weights in and out on every forward (at least the largest
+    weight, and the largest block for granularity="block")."""
+    include = include or _is_default_include
+    blocks = _find_blocks(module)[0] if blocks is None else list(blocks)
+    seen, total = set(), 0
+    for blk in blocks:
+        for sname, sub in blk.named_modules():
+            if not include(sname, sub):
+                continue
+            for p in sub.parameters(recurse=False):
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+    return total

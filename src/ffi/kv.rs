@@ -22,7 +22,7 @@ use crate::ffi::device::EpmDevice;
 use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::kv::{self, AdmitMode, KvPool, KvConfig, KvLayout, KvShape, KvStats};
+use crate::kv::{self, AdmitMode, KvPool, KvConfig, KvLayout, KvShape, KvStats, Namespace};
 
 /// A KV pool: granule pool, ledger (budget) and dummy granule.
 pub struct EpmKvPool {
@@ -206,6 +206,27 @@ fn tokens<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
     ensure!(n <= isize::MAX as usize / 4, InvalidArgument, "n_tokens {n} is too large");
     // SAFETY: non-NULL; the caller promises `n` readable u32s for the call.
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// The longest namespace the `*_ns` functions accept, in bytes.
+pub const EPM_KV_NAMESPACE_MAX_BYTES: usize = 128;
+const _: () = assert!(EPM_KV_NAMESPACE_MAX_BYTES == Namespace::MAX_BYTES);
+
+/// A namespace from `(ns, ns_len)`: NULL with 0 is the default namespace.
+fn namespace(ns: *const c_char, ns_len: usize) -> Result<Namespace> {
+    if ns_len == 0 {
+        return Ok(Namespace::default());
+    }
+    ensure!(!ns.is_null(), NullPointer, "argument `ns` is NULL with ns_len = {ns_len}");
+    ensure!(
+        ns_len <= EPM_KV_NAMESPACE_MAX_BYTES,
+        InvalidArgument,
+        "argument `ns_len` is {ns_len} bytes; a KV namespace is at most EPM_KV_NAMESPACE_MAX_BYTES ({EPM_KV_NAMESPACE_MAX_BYTES}) bytes"
+    );
+    // SAFETY: non-NULL; the caller promises `ns_len` readable bytes for the call
+    // (at most EPM_KV_NAMESPACE_MAX_BYTES, checked above).
+    let bytes = unsafe { std::slice::from_raw_parts(ns.cast::<u8>(), ns_len) };
+    Namespace::new(bytes)
 }
 
 fn stream_of(pool: &PoolObj, stream: Arc<Stream>) -> Result<RawStream> {
@@ -428,6 +449,54 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
         let toks = self::tokens(tokens, n_tokens)?;
         let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
         let (id, shared) = pool.lock()?.create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
+        new_seq(&pool, id, out)?;
+        if let Some(o) = shared_out {
+            o.set(shared);
+        }
+        Ok(())
+    }
+}
+
+/// As `epm_kv_seq_create_for_tokens`, in the sharing namespace `ns[0..ns_len)`
+/// (a per-tenant cache salt: opaque bytes, no NUL, at most
+/// EPM_KV_NAMESPACE_MAX_BYTES). Only a prefix pinned from a sequence of the
+/// same namespace is found and shared, and prefixes later pinned from the new
+/// sequence are found only by lookups in it, so one tenant never learns from
+/// its admission cost or time to first token that another sent the same
+/// prompt. `ns_len` 0 is the default namespace, the one
+/// `epm_kv_seq_create_for_tokens` uses. Explicit sharing
+/// (`epm_kv_commit_shared_prefix`) ignores namespaces; its sequence joins
+/// the prefix's.
+///
+/// NULL: `ns` may be NULL only when `ns_len` is 0 (else NULL_POINTER); as
+/// `epm_kv_seq_create_for_tokens` otherwise. Errors: as
+/// `epm_kv_seq_create_for_tokens`, plus INVALID_ARGUMENT for a namespace
+/// longer than EPM_KV_NAMESPACE_MAX_BYTES or containing a NUL byte.
+/// Out-params are written only on success.
+///
+/// Threading: safe from any thread; calls on one pool are serialized.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_seq_create_for_tokens_ns(
+    pool: *mut EpmKvPool,
+    layout: *const EpmKvLayout,
+    max_tokens: u64,
+    ns: *const c_char,
+    ns_len: usize,
+    tokens: *const u32,
+    n_tokens: usize,
+    admit: u32,
+    out: *mut *mut EpmKvSeq,
+    shared_tokens: *mut u64,
+) -> EpmStatus {
+    ffi_boundary! {
+        let pool = try_handle!(pool);
+        let out = try_out!(out);
+        let l = layout_from_c(layout)?;
+        let mode = admit_mode(admit)?;
+        let ns = namespace(ns, ns_len)?;
+        let toks = self::tokens(tokens, n_tokens)?;
+        let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
+        let (id, shared) = pool.lock()?.create_sequence_for_tokens_in(&ns, &l, max_tokens, toks, mode)?;
         new_seq(&pool, id, out)?;
         if let Some(o) = shared_out {
             o.set(shared);
@@ -706,6 +775,36 @@ pub extern "C" fn epm_kv_find_prefix(
     }
 }
 
+/// As `epm_kv_find_prefix`, among the prefixes of namespace `ns[0..ns_len)`
+/// only (see `epm_kv_seq_create_for_tokens_ns`; `ns_len` 0 is the default
+/// namespace).
+///
+/// NULL: `ns` may be NULL only when `ns_len` is 0, `tokens` only when
+/// `n_tokens` is 0; `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a
+/// namespace longer than EPM_KV_NAMESPACE_MAX_BYTES or containing NUL.
+/// Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_find_prefix_ns(
+    pool: *mut EpmKvPool,
+    layout: *const EpmKvLayout,
+    ns: *const c_char,
+    ns_len: usize,
+    tokens: *const u32,
+    n_tokens: usize,
+    out: *mut u64,
+) -> EpmStatus {
+    ffi_boundary! {
+        let pool = try_handle!(pool);
+        let out = try_out!(out);
+        let l = layout_from_c(layout)?;
+        let ns = namespace(ns, ns_len)?;
+        let toks = self::tokens(tokens, n_tokens)?;
+        let found = pool.lock()?.find_prefix_in(&ns, &l, toks).map_or(0, |(_, m)| m);
+        out.set(found);
+        Ok(())
+    }
+}
+
 /// Admissible concurrency, filled by `epm_kv_admissible`. Versioned by size.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -812,6 +911,9 @@ pub(crate) mod for_batch {
     }
     pub(crate) fn token_ids<'a>(p: *const u32, n: usize) -> Result<&'a [u32]> {
         tokens(p, n)
+    }
+    pub(crate) fn kv_namespace(ns: *const c_char, ns_len: usize) -> Result<Namespace> {
+        namespace(ns, ns_len)
     }
     pub(crate) fn raw_stream(a: &PoolObj, s: Arc<Stream>) -> Result<RawStream> {
         stream_of(a, s)

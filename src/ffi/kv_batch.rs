@@ -17,7 +17,7 @@
 //! Threading: every function is safe from any thread; the calls on one pool
 //! are serialized by its lock.
 
-use crate::ffi::kv::for_batch::{admit, layout, lock, prefix_of, raw_stream, insert_seq, seq_of, token_ids};
+use crate::ffi::kv::for_batch::{admit, kv_namespace, layout, lock, prefix_of, raw_stream, insert_seq, seq_of, token_ids};
 use crate::ffi::kv::{PoolObj, EpmKvPool, EpmKvLayout, EpmKvPrefix, EpmKvSeq};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::EpmStream;
@@ -307,6 +307,50 @@ pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
         let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
         let raw = raw_stream(&b.pool, stream)?;
         let (id, shared) = lock(&b.pool)?.take_slot_for_tokens(b.id, choice(slot), toks, mode, raw)?;
+        insert_seq(&b.pool, id, out)?;
+        if let Some(o) = shared_out {
+            o.set(shared);
+        }
+        Ok(())
+    }
+}
+
+/// As `epm_kv_batch_take_slot_for_tokens`, in the sharing namespace
+/// `ns[0..ns_len)` (see `epm_kv_seq_create_for_tokens_ns`): only a prefix
+/// pinned from a sequence of the same namespace is shared, and prefixes
+/// pinned from the new slot are found only by lookups in it. `ns_len` 0 is
+/// the default namespace.
+///
+/// NULL: `ns` may be NULL only when `ns_len` is 0 (else NULL_POINTER); as
+/// `epm_kv_batch_take_slot_for_tokens` otherwise. Errors: as
+/// `epm_kv_batch_take_slot_for_tokens`, plus INVALID_ARGUMENT for a
+/// namespace longer than EPM_KV_NAMESPACE_MAX_BYTES or containing a NUL
+/// byte. Out-params are written only on success.
+///
+/// Threading: safe from any thread; calls on one pool are serialized.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_kv_batch_take_slot_for_tokens_ns(
+    batch: *mut EpmKvBatch,
+    slot: u32,
+    ns: *const c_char,
+    ns_len: usize,
+    tokens: *const u32,
+    n_tokens: usize,
+    admit: u32,
+    stream: *mut EpmStream,
+    out: *mut *mut EpmKvSeq,
+    shared_tokens: *mut u64,
+) -> EpmStatus {
+    ffi_boundary! {
+        let b = try_handle!(batch);
+        let stream = try_handle!(stream);
+        let out = try_out!(out);
+        let mode = self::admit(admit)?;
+        let ns = kv_namespace(ns, ns_len)?;
+        let toks = token_ids(tokens, n_tokens)?;
+        let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
+        let raw = raw_stream(&b.pool, stream)?;
+        let (id, shared) = lock(&b.pool)?.take_slot_for_tokens_in(&ns, b.id, choice(slot), toks, mode, raw)?;
         insert_seq(&b.pool, id, out)?;
         if let Some(o) = shared_out {
             o.set(shared);

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use super::pool::{AdmitMode, KvPool};
 use super::layout::KvLayout;
+use super::namespace::Namespace;
 use super::reservation::{VaTable, Window};
 use super::sequence::{SeqInfo, Slot, reservation_bytes};
 use crate::device::{Access, DevicePtr, RawStream};
@@ -184,9 +185,24 @@ impl KvPool {
     /// Take a slot that declares `tokens` (its prompt): the longest live
     /// prefix that begins with them is shared, as
     /// [`KvPool::create_sequence_for_tokens`]. Returns (sequence, tokens
-    /// already in the cache).
+    /// already in the cache). The default namespace: see
+    /// [`KvPool::take_slot_for_tokens_in`].
     pub fn take_slot_for_tokens(
         &mut self,
+        bid: u64,
+        choice: SlotChoice,
+        tokens: &[u32],
+        mode: AdmitMode,
+        stream: RawStream,
+    ) -> Result<(u64, u64)> {
+        self.take_slot_for_tokens_in(&Namespace::default(), bid, choice, tokens, mode, stream)
+    }
+
+    /// As [`KvPool::take_slot_for_tokens`] in namespace `ns` (as
+    /// [`KvPool::create_sequence_for_tokens_in`]).
+    pub fn take_slot_for_tokens_in(
+        &mut self,
+        ns: &Namespace,
         bid: u64,
         choice: SlotChoice,
         tokens: &[u32],
@@ -200,7 +216,7 @@ impl KvPool {
             "KV batch slot: {} declared tokens exceed max_tokens {max}",
             tokens.len()
         );
-        let (seq, shared) = match self.find_prefix(&layout, tokens) {
+        let (seq, shared) = match self.find_prefix_in(ns, &layout, tokens) {
             Some((pid, m)) => {
                 let s = self.take_shared_slot(bid, choice, pid, m, mode, stream)?;
                 self.counters.hash_hits += 1;
@@ -208,7 +224,9 @@ impl KvPool {
             }
             None => (self.take_slot(bid, choice, mode)?, 0),
         };
-        self.seqs.get_mut(seq)?.tokens = tokens.to_vec();
+        let s = self.seqs.get_mut(seq)?;
+        s.tokens = tokens.to_vec();
+        s.namespace = ns.clone();
         Ok((seq, shared))
     }
 

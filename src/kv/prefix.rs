@@ -1,4 +1,5 @@
-//! Shared prefixes: pin, commit into new sequences, find by content hash.
+//! Shared prefixes: pin, commit into new sequences, find by content hash
+//! (within one namespace, see [`super::namespace`]).
 //!
 //! A prefix is the granules covering a sequence's first `n_tokens` tokens —
 //! its full granules plus the partial boundary granule. Pinning maps them
@@ -19,6 +20,7 @@ use super::pool::{AdmitMode, KvPool};
 use super::granule::GranuleId;
 use super::hash::block_chain;
 use super::layout::KvLayout;
+use super::namespace::Namespace;
 use super::sequence::Slot;
 use crate::device::{Access, DevicePtr, RawStream, VaRange};
 use crate::error::Result;
@@ -35,6 +37,8 @@ pub(crate) struct Prefix {
     pub sharers: u32,
     /// Token ids, when the origin declared them (content-hash detection).
     pub tokens: Vec<u32>,
+    /// The origin's namespace: only lookups in it find this prefix.
+    pub namespace: Namespace,
     /// The indexed block chain (to unindex on destroy).
     pub chain: Vec<u64>,
 }
@@ -124,7 +128,8 @@ impl KvPool {
         }
         seq.promise += cow_promise;
         let tokens = if seq.tokens.len() as u64 >= n_tokens { seq.tokens[..n_tokens as usize].to_vec() } else { Vec::new() };
-        let chain = block_chain(&seq.layout, &tokens, block);
+        let namespace = seq.namespace.clone();
+        let chain = block_chain(&seq.layout, &namespace, &tokens, block);
         let layout = seq.layout;
         // Link the origin to the prefix that covers all of its shared slots.
         let old_cover = match seq.prefix {
@@ -140,6 +145,7 @@ impl KvPool {
             pinned: true,
             sharers: 0,
             tokens,
+            namespace,
             chain,
         });
         if relink {
@@ -176,13 +182,21 @@ impl KvPool {
         Ok(seq)
     }
 
-    /// The longest live prefix whose declared tokens begin `tokens` (whole
-    /// hash blocks only), as (prefix, shared tokens).
+    /// The longest live prefix of the default namespace whose declared
+    /// tokens begin `tokens` (whole hash blocks only), as (prefix, shared tokens).
     pub fn find_prefix(&self, layout: &KvLayout, tokens: &[u32]) -> Option<(u64, u64)> {
-        let chain = block_chain(layout, tokens, self.config.hash_block_tokens as usize);
+        self.find_prefix_in(&Namespace::default(), layout, tokens)
+    }
+
+    /// As [`KvPool::find_prefix`], among the prefixes of namespace `ns` only.
+    pub fn find_prefix_in(&self, ns: &Namespace, layout: &KvLayout, tokens: &[u32]) -> Option<(u64, u64)> {
+        let chain = block_chain(layout, ns, tokens, self.config.hash_block_tokens as usize);
         self.index.candidates(&chain).find(|&(pid, m)| {
             self.prefixes.get(pid).is_ok_and(|p| {
-                p.layout == *layout && m <= p.n_tokens && p.tokens.get(..m as usize) == tokens.get(..m as usize)
+                p.layout == *layout
+                    && p.namespace == *ns
+                    && m <= p.n_tokens
+                    && p.tokens.get(..m as usize) == tokens.get(..m as usize)
             })
         })
     }
@@ -190,9 +204,24 @@ impl KvPool {
     /// A new sequence that declares `tokens` (its prompt): if a live prefix
     /// begins with the same tokens, its longest match is shared (as
     /// [`KvPool::commit_shared_prefix`]) and the caller skips prefill for
-    /// them. Returns (sequence, tokens already in the cache).
+    /// them. Returns (sequence, tokens already in the cache). The default
+    /// namespace: see [`KvPool::create_sequence_for_tokens_in`].
     pub fn create_sequence_for_tokens(
         &mut self,
+        layout: &KvLayout,
+        max_tokens: u64,
+        tokens: &[u32],
+        mode: AdmitMode,
+    ) -> Result<(u64, u64)> {
+        self.create_sequence_for_tokens_in(&Namespace::default(), layout, max_tokens, tokens, mode)
+    }
+
+    /// As [`KvPool::create_sequence_for_tokens`] in namespace `ns`: only a
+    /// prefix pinned from a sequence of `ns` is shared, and prefixes later
+    /// pinned from the new sequence are found only by lookups in `ns`.
+    pub fn create_sequence_for_tokens_in(
+        &mut self,
+        ns: &Namespace,
         layout: &KvLayout,
         max_tokens: u64,
         tokens: &[u32],
@@ -204,7 +233,7 @@ impl KvPool {
             "KV sequence: {} declared tokens exceed max_tokens {max_tokens}",
             tokens.len()
         );
-        let (seq, shared) = match self.find_prefix(layout, tokens) {
+        let (seq, shared) = match self.find_prefix_in(ns, layout, tokens) {
             Some((pid, m)) => {
                 let s = self.commit_shared_prefix(pid, m, max_tokens, mode)?;
                 self.counters.hash_hits += 1;
@@ -212,7 +241,9 @@ impl KvPool {
             }
             None => (self.create_sequence(layout, max_tokens, mode)?, 0),
         };
-        self.seqs.get_mut(seq)?.tokens = tokens.to_vec();
+        let s = self.seqs.get_mut(seq)?;
+        s.tokens = tokens.to_vec();
+        s.namespace = ns.clone();
         Ok((seq, shared))
     }
 

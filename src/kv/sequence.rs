@@ -14,6 +14,7 @@
 use super::pool::{AdmitMode, KvPool};
 use super::granule::{GranuleId, GranulePool};
 use super::layout::{KvLayout, round_up};
+use super::namespace::Namespace;
 use super::reservation::Window;
 use crate::device::{Access, DevicePtr, Event, RawStream};
 use crate::error::Result;
@@ -44,6 +45,9 @@ pub(crate) struct Sequence {
     pub prefix: Option<u64>,
     /// Declared token ids (content-hash detection).
     pub tokens: Vec<u32>,
+    /// Where prefixes pinned from this sequence can be found by content
+    /// (that of the prefix it was created from, else the caller's).
+    pub namespace: Namespace,
     /// Granules promised to this sequence and not yet committed.
     pub promise: u64,
     /// Recorded after the last COW copy: the copy reads a prefix's view, so
@@ -164,6 +168,10 @@ impl KvPool {
         let g = self.granule() as u64;
         let bytes = reservation_bytes(layout, max_tokens, g)?;
         let total = (bytes / g) as usize;
+        let namespace = match shared {
+            Some((pid, _)) => self.prefixes.get(pid)?.namespace.clone(),
+            None => Namespace::default(),
+        };
         let (shared_granules, n_tokens) = match shared {
             Some((pid, n)) => {
                 let p = self.prefixes.get(pid)?;
@@ -212,6 +220,7 @@ impl KvPool {
             batch: slot,
             prefix: shared.map(|(pid, _)| pid),
             tokens: Vec::new(),
+            namespace,
             promise: need,
             cow_done: None,
         };

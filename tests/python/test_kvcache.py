@@ -166,7 +166,7 @@ class KvCacheLlama(unittest.TestCase):
         pre = self.store.prefill_shared(self.model, self.sys)
         c = self.store.request_from_prefix(pre, tokens=self.prompts[0])
         ids = torch.tensor([self.prompts[0]], device=tdev())
-        g = self.model.generate(ids, past_key_values=c, max_new_tokens=STEPS, min_new_tokens=STEPS,
+        g = self.model.generate(ids, **ek.cache_kwargs(self.model, c), max_new_tokens=STEPS, min_new_tokens=STEPS,
                                 do_sample=False, pad_token_id=0)
         self.assertEqual(g[0, len(self.prompts[0]):].tolist(), self.ref[0])
         c.close()
@@ -332,7 +332,7 @@ class KvCacheLlama(unittest.TestCase):
     def test_misuse(self):
         c = self.store.request()
         with self.assertRaises(ek.KvCacheError), torch.no_grad():   # batch 2 in a one-request cache
-            self.model(torch.tensor([[1, 2], [3, 4]], device=tdev()), past_key_values=c, use_cache=True)
+            self.model(torch.tensor([[1, 2], [3, 4]], device=tdev()), use_cache=True, **ek.cache_kwargs(self.model, c))
         self.assertEqual(c.get_seq_length(), 0)
         with self.assertRaises(ek.KvCacheError):
             c.reset()
