@@ -19,7 +19,7 @@ use super::device_match;
 use super::ep::Ep;
 use super::ep_devices::{HwHandle, get_supported_devices};
 use super::options::AllocatorOptions;
-use super::source::MemKind;
+use crate::arena::source::MemKind;
 use super::status_boundary;
 use crate::device::{self, Device, DeviceSelect};
 use crate::error::Result;

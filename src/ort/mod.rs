@@ -27,8 +27,6 @@ mod ep_devices;
 mod factory;
 mod logging;
 mod options;
-mod source;
-mod stream_order;
 #[cfg(test)]
 mod tests;
 

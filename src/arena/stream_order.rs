@@ -1,5 +1,8 @@
-//! Stream-ordered reuse of freed memory: the layer between an ORT allocator
-//! and its [`MemorySource`].
+//! Stream-ordered reuse of freed memory: a layer over a [`MemorySource`],
+//! in the manner of RMM's stream-ordered resources. Its front ends: ONNX
+//! Runtime's allocators (`ort::allocator`), the C API's ordered arena
+//! (`epm_ordered_arena_*`) and PyTorch's pluggable allocator
+//! (`epm_torch_alloc` / `epm_torch_free`).
 //!
 //! ORT (1.23+) calls `OrtAllocator::AllocOnStream` with the stream the
 //! kernel that needs the memory runs on, and `Free` as soon as the last
@@ -35,6 +38,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::ArenaStats;
 use super::source::{MemorySource, SourceStats};
 use crate::device::{Device, RawEvent, RawStream};
 use crate::error::Result;
@@ -192,10 +196,28 @@ impl StreamOrdered {
     /// for an address that is not live (foreign, or freed already). A stream
     /// allocation records one event on its stream (one driver call).
     pub fn free(&self, addr: u64) -> Result<Option<usize>> {
+        self.free_on(addr, None, None)
+    }
+
+    /// [`Self::free`] ordered after the work queued so far on `stream`
+    /// (None: the stream the block was allocated on; a block allocated with
+    /// no stream and freed with none is free for everyone at once). The
+    /// caller has ordered every use of the block before that point of
+    /// `stream`. With `expect_bytes`, a block of another requested size is
+    /// refused (InvalidArgument) and stays live.
+    pub fn free_on(&self, addr: u64, stream: Option<RawStream>, expect_bytes: Option<usize>) -> Result<Option<usize>> {
         let mut g = self.lock();
+        if let (Some(want), Some(l)) = (expect_bytes, g.live.get(&addr)) {
+            crate::ensure!(
+                l.requested == want,
+                InvalidArgument,
+                "free of {addr:#x} says {want} bytes; it was allocated with {}",
+                l.requested
+            );
+        }
         let Some(l) = g.live.remove(&addr) else { return Ok(None) };
         g.stats.live_bytes -= l.requested as u64;
-        let Some(s) = l.stream else {
+        let Some(s) = stream.or(l.stream) else {
             self.src.free(addr)?;
             return Ok(Some(l.requested));
         };
@@ -249,6 +271,16 @@ impl StreamOrdered {
 
     pub fn source_stats(&self) -> SourceStats {
         self.src.stats()
+    }
+
+    /// The counters of the arena under the layer.
+    pub fn arena_stats(&self) -> ArenaStats {
+        self.src.arena_stats()
+    }
+
+    /// The bytes requested for a live allocation; None if `addr` is not one.
+    pub fn requested(&self, addr: u64) -> Option<usize> {
+        self.lock().live.get(&addr).map(|l| l.requested)
     }
 
     pub fn order_stats(&self) -> OrderStats {
@@ -478,6 +510,51 @@ mod tests {
             dev.stream_synchronize(st).unwrap();
             dev.stream_destroy(st).unwrap();
         }
+    }
+
+    #[test]
+    fn a_free_ordered_on_a_held_stream_serves_that_stream_and_nobody_else_until_it_runs() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let (a, b) = (dev.stream_create().unwrap(), dev.stream_create().unwrap());
+        // Allocated with no stream, freed in order on a while a is held: the
+        // gate, not a timer, keeps a's work queued during the checks.
+        let gate = device::Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_secs(60));
+        let (p, _) = l.alloc(MIB, None).unwrap();
+        dev.hold_async(a, &gate).unwrap();
+        assert_eq!(l.free_on(p, Some(a), Some(MIB)).unwrap(), Some(MIB));
+        let (q, _) = l.alloc(MIB, Some(b)).unwrap();
+        let (r, _) = l.alloc(MIB, None).unwrap();
+        assert!(q != p && r != p, "memory freed on a held stream went to another user");
+        let (s, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert_eq!(s, p, "the stream the free was ordered on reuses the block at once");
+        l.free_on(s, None, None).unwrap();
+        assert_eq!(l.order_stats().pending_blocks, 1);
+        gate.open();
+        dev.stream_synchronize(a).unwrap();
+        let (t, _) = l.alloc(MIB, Some(b)).unwrap();
+        assert_eq!(t, p, "once a's work ran the block is everyone's");
+        assert!(!wd.fired(), "the checks waited on the held stream");
+        for x in [q, r, t] {
+            l.free(x).unwrap();
+        }
+        for st in [a, b] {
+            dev.stream_synchronize(st).unwrap();
+            dev.stream_destroy(st).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_free_with_the_wrong_size_is_refused_and_the_block_stays_live() {
+        let (_dev, l) = layer(64 * MIB as u64);
+        let (p, _) = l.alloc(4096, None).unwrap();
+        let e = l.free_on(p, None, Some(4097)).unwrap_err();
+        assert_eq!(e.status(), crate::EpmStatus::InvalidArgument, "{e}");
+        assert!(e.message().contains("4096"), "{e}");
+        assert_eq!(l.requested(p), Some(4096), "a refused free leaves the block live");
+        assert_eq!(l.free_on(p, None, Some(4096)).unwrap(), Some(4096));
+        assert_eq!(l.requested(p), None);
+        assert_eq!(l.free_on(p, None, Some(4096)).unwrap(), None, "a double free is refused");
     }
 
     /// Replays a request stream on one stream, counting the bytes live.
