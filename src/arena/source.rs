@@ -93,6 +93,15 @@ pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind, capacity: u64) -> Resul
     })
 }
 
+/// Device memory from a [`DeviceArena`] shaped exactly by `cfg` (its chunk
+/// of 0 meaning the arena's default, 16 granules).
+pub(crate) fn device_source(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Box<dyn MemorySource>> {
+    Ok(Box::new(ArenaSource {
+        arena: DeviceArena::new(dev, cfg)?,
+        name: "device_arena",
+    }))
+}
+
 struct ArenaSource<A: Arena> {
     arena: A,
     name: &'static str,

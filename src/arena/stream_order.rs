@@ -279,6 +279,7 @@ impl StreamOrdered {
     }
 
     /// The bytes requested for a live allocation; None if `addr` is not one.
+    #[cfg(test)]
     pub fn requested(&self, addr: u64) -> Option<usize> {
         self.lock().live.get(&addr).map(|l| l.requested)
     }
