@@ -99,6 +99,9 @@ static void test_alloc_free_contract(void) {
   REQUIRE(stats(&st));
   CHECK(st.live_allocations == 0 && st.live_bytes == 0);
   CHECK(st.peak_live_bytes >= 3 * MIB && st.alloc_calls >= N && st.free_calls >= N);
+  /* One stream (the legacy default) made every allocation: its frees were
+   * immediate, with no event (the host device adopts no stream at all). */
+  if (!g_host) CHECK(st.single_stream_frees == N && st.events_recorded == 0);
   epm_torch_free(NULL, 10, 0, NULL); /* NULL is a no-op */
   CHECK(epm_last_error_message()[0] == '\0');
 

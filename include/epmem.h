@@ -212,7 +212,7 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 /**
  * `sizeof(EpmOrderedArenaStats)` in its first published version. Frozen.
  */
-#define EPM_ORDERED_ARENA_STATS_SIZE_V1 208
+#define EPM_ORDERED_ARENA_STATS_SIZE_V1 216
 
 /**
  * Major version: incompatible ABI changes.
@@ -1271,6 +1271,11 @@ typedef struct EpmOrderedArenaStats {
    * Events recorded at stream frees (one driver call each, no allocation).
    */
   uint64_t events_recorded;
+  /**
+   * Frees made at once while one stream had made every allocation (the
+   * PyTorch allocator's single-stream fast path: no event recorded).
+   */
+  uint64_t single_stream_frees;
   /**
    * Events created (pooled: a handful per stream, ever).
    */
@@ -2634,7 +2639,8 @@ enum EpmStatus epm_ordered_arena_destroy(struct EpmOrderedArena *arena);
 
 /**
  * Allocate `size` bytes of device memory on CUDA device `device` for work
- * on `stream` (a `cudaStream_t`; NULL is the legacy default stream): the
+ * on `stream` (a `cudaStream_t`; NULL is the legacy default stream,
+ * PyTorch's default, ordered like any other stream): the
  * allocation function of PyTorch's `CUDAPluggableAllocator`. `size` 0 gets
  * a distinct 1-byte block.
  *
@@ -2649,7 +2655,9 @@ enum EpmStatus epm_ordered_arena_destroy(struct EpmOrderedArena *arena);
  * `epm_torch_set_capacity`). Memory freed on `stream` is reused by the next
  * allocation on `stream` at once and by other streams once `stream`'s work
  * queued before the free has completed. `stream` must be NULL or a live
- * stream of the device's primary context. Threading: safe from any thread.
+ * stream of the device's primary context; on a device that cannot adopt it
+ * (the host device) the allocation is not stream-ordered (a warning says
+ * so once). Threading: safe from any thread.
  */
 void *epm_torch_alloc(ptrdiff_t size, int device, void *stream);
 

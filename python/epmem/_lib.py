@@ -447,7 +447,7 @@ def lib():
 
 # ---- the stream-ordered arena and PyTorch's allocator (src/ffi/ordered_arena.rs, torch.rs) ----
 
-EPM_ORDERED_ARENA_STATS_SIZE_V1 = 208
+EPM_ORDERED_ARENA_STATS_SIZE_V1 = 216
 CONSTANTS.append("EPM_ORDERED_ARENA_STATS_SIZE_V1")
 
 
@@ -456,8 +456,8 @@ class EpmOrderedArenaStats(Structure):
         "driver_alloc_calls", "driver_free_calls", "reserved_bytes", "committed_bytes", "peak_committed_bytes",
         "in_use_bytes", "peak_in_use_bytes", "live_allocations", "live_bytes", "peak_live_bytes", "alloc_calls",
         "free_calls", "failed_allocs", "stream_allocs", "same_stream_reuses", "stream_frees", "pending_ranges",
-        "pending_bytes", "peak_held_bytes", "events_recorded", "events_created", "stream_waits", "alloc_ns",
-        "free_ns")] + [("fragmentation", c_double)]
+        "pending_bytes", "peak_held_bytes", "events_recorded", "single_stream_frees", "events_created",
+        "stream_waits", "alloc_ns", "free_ns")] + [("fragmentation", c_double)]
 
 
 STRUCTS.append(EpmOrderedArenaStats)

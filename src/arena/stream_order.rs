@@ -70,6 +70,21 @@ struct State {
     tags: HashMap<u64, u64>,
     idle_events: Vec<RawEvent>,
     stats: OrderStats,
+    solo: Solo,
+}
+
+/// The single-stream fast path (opt-in, [`StreamOrdered::single_stream_fast_path`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Solo {
+    /// Off: every stream free records an event.
+    #[default]
+    Off,
+    /// On, no stream has allocated yet.
+    Fresh,
+    /// Every allocation so far was for this stream: a free on it is
+    /// immediate (only work on this stream, which runs in order, can get the
+    /// memory before the path is left, and leaving waits for it).
+    One(RawStream),
 }
 
 /// What the layer did, for `GetStats`.
@@ -100,6 +115,9 @@ pub(crate) struct OrderStats {
     /// Peak of the bytes not free for everyone: live allocations (as the
     /// arena rounds them) plus tagged ranges.
     pub peak_held_bytes: u64,
+    /// Frees made at once, with no event, while one stream had all the
+    /// allocations (the single-stream fast path).
+    pub single_stream_frees: u64,
 }
 
 /// A [`MemorySource`] whose frees are ordered after the work of the stream
@@ -119,6 +137,27 @@ impl StreamOrdered {
         }
     }
 
+    /// Frees on the only stream that has allocated are immediate, with no
+    /// event recorded (PyTorch's default: one stream does everything); the
+    /// first allocation for another stream, or for none, waits once for that
+    /// stream's queued work and turns the fast path off for good.
+    pub fn single_stream_fast_path(self) -> Self {
+        self.lock().solo = Solo::Fresh;
+        self
+    }
+
+    /// Leave the single-stream fast path: `only`'s queued work may still use
+    /// memory freed at once; wait for it before anyone else can get that memory.
+    fn leave_solo(&self, g: &mut State, only: RawStream) -> Result<()> {
+        g.solo = Solo::Off;
+        g.stats.waits += 1;
+        if let Err(e) = self.dev.stream_synchronize(only) {
+            log::debug!("epmem: synchronizing stream {} failed ({e}); synchronizing the device", only.0);
+            self.dev.synchronize()?;
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -127,6 +166,12 @@ impl StreamOrdered {
     /// returned). Returns the address and the bytes it accounts for.
     pub fn alloc(&self, bytes: usize, stream: Option<RawStream>) -> Result<(u64, usize)> {
         let mut g = self.lock();
+        match (g.solo, stream) {
+            (Solo::Off, _) | (Solo::Fresh, None) => {}
+            (Solo::Fresh, Some(s)) => g.solo = Solo::One(s),
+            (Solo::One(only), Some(s)) if only == s => {}
+            (Solo::One(only), _) => self.leave_solo(&mut g, only)?,
+        }
         let own_tag = |g: &State| stream.and_then(|s| g.tagged.get(&s.0)).map_or(0, |t| t.tag);
         if stream.is_some() {
             g.stats.stream_allocs += 1;
@@ -221,6 +266,15 @@ impl StreamOrdered {
             self.src.free(addr)?;
             return Ok(Some(l.requested));
         };
+        match g.solo {
+            Solo::One(only) if only == s => {
+                self.src.free(addr)?;
+                g.stats.single_stream_frees += 1;
+                return Ok(Some(l.requested));
+            }
+            Solo::One(only) => self.leave_solo(&mut g, only)?,
+            Solo::Off | Solo::Fresh => {}
+        }
         let next_tag = g.tags.len() as u64 + 1;
         let tag = *g.tags.entry(s.0).or_insert(next_tag);
         let event = match g.tagged.get(&s.0) {
@@ -322,8 +376,12 @@ impl StreamOrdered {
         Ok(())
     }
 
-    /// Wait for the work of every tagged stream and release all tags.
+    /// Wait for the work of every tagged stream and release all tags; on the
+    /// single-stream fast path, wait for that stream (its frees were at once).
     fn drain_all(&self, g: &mut State) -> Result<()> {
+        if let Solo::One(only) = g.solo {
+            self.dev.stream_synchronize(only)?;
+        }
         let all: Vec<Tagged> = g.tagged.values().copied().collect();
         for t in all {
             self.dev.event_synchronize(t.event)?;
@@ -543,6 +601,82 @@ mod tests {
             dev.stream_synchronize(st).unwrap();
             dev.stream_destroy(st).unwrap();
         }
+    }
+
+    #[test]
+    fn on_the_single_stream_fast_path_frees_are_immediate_until_a_second_stream_waits_for_the_first() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let l = l.single_stream_fast_path();
+        let (a, b) = (dev.stream_create().unwrap(), dev.stream_create().unwrap());
+        let gate = device::Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_secs(60));
+        let (p, _) = l.alloc(MIB, Some(a)).unwrap();
+        dev.hold_async(a, &gate).unwrap();
+        let done = dev.event_create(false).unwrap();
+        dev.event_record(done, a).unwrap();
+        l.free(p).unwrap();
+        let (q, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert_eq!(q, p, "the only stream reuses its block at once");
+        l.free(q).unwrap();
+        let s = l.order_stats();
+        assert_eq!((s.single_stream_frees, s.events_recorded, s.pending_blocks), (2, 0, 0), "{s:?}");
+        // A second stream: its allocation must wait for a's queued work,
+        // which may still use the block freed at once. Open the gate from
+        // another thread only after this thread is committed to allocating.
+        let opener = {
+            let shared = gate.shared();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                shared.set_open();
+            })
+        };
+        let (r, _) = l.alloc(MIB, Some(b)).unwrap();
+        assert!(dev.event_query(done).unwrap(), "stream b got memory before stream a's queued work ran");
+        assert!(!wd.fired(), "the gate was opened by the watchdog, not the opener");
+        opener.join().unwrap();
+        // The fast path is off for good: frees are ordered by events again.
+        let gate2 = device::Gate::new();
+        let _wd2 = gate2.watchdog(std::time::Duration::from_secs(60));
+        dev.hold_async(b, &gate2).unwrap();
+        l.free(r).unwrap();
+        let (t, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert!(t + MIB as u64 <= r || t >= r + MIB as u64, "a got b's block while b is held");
+        let s = l.order_stats();
+        assert_eq!((s.single_stream_frees, s.events_recorded, s.waits), (2, 1, 1), "{s:?}");
+        gate2.open();
+        l.free(t).unwrap();
+        for st in [a, b] {
+            dev.stream_synchronize(st).unwrap();
+            dev.stream_destroy(st).unwrap();
+        }
+        dev.event_destroy(done).unwrap();
+    }
+
+    #[test]
+    fn trim_on_the_single_stream_fast_path_waits_for_the_stream_first() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let l = l.single_stream_fast_path();
+        let a = dev.stream_create().unwrap();
+        let gate = device::Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_secs(60));
+        let (p, _) = l.alloc(MIB, Some(a)).unwrap();
+        dev.hold_async(a, &gate).unwrap();
+        let done = dev.event_create(false).unwrap();
+        dev.event_record(done, a).unwrap();
+        l.free(p).unwrap();
+        let opener = {
+            let shared = gate.shared();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                shared.set_open();
+            })
+        };
+        assert!(l.trim().unwrap() > 0);
+        assert!(dev.event_query(done).unwrap(), "memory went back to the driver with a's work still queued");
+        assert!(!wd.fired());
+        opener.join().unwrap();
+        dev.stream_destroy(a).unwrap();
+        dev.event_destroy(done).unwrap();
     }
 
     #[test]

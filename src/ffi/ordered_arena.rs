@@ -37,9 +37,12 @@ impl OrderedArena {
     }
 
     /// Device memory of `dev` the way ONNX Runtime's allocators take it:
-    /// `capacity` bytes of VA, grown one granule at a time.
-    pub(crate) fn granular(dev: &Arc<dyn Device>, capacity: u64) -> Result<Self> {
-        Ok(Self::over(dev, source::open(dev, MemKind::Device, capacity)?))
+    /// `capacity` bytes of VA, grown one granule at a time; with the
+    /// single-stream fast path (`StreamOrdered::single_stream_fast_path`).
+    pub(crate) fn granular_single_stream(dev: &Arc<dyn Device>, capacity: u64) -> Result<Self> {
+        let mut a = Self::over(dev, source::open(dev, MemKind::Device, capacity)?);
+        a.mem = a.mem.single_stream_fast_path();
+        Ok(a)
     }
 
     fn over(dev: &Arc<dyn Device>, src: Box<dyn source::MemorySource>) -> Self {
@@ -125,6 +128,7 @@ impl OrderedArena {
             pending_bytes: o.pending_bytes,
             peak_held_bytes: o.peak_held_bytes,
             events_recorded: o.events_recorded,
+            single_stream_frees: o.single_stream_frees,
             events_created: o.events_created,
             stream_waits: o.waits,
             alloc_ns: self.alloc_ns.load(Ordering::Relaxed),
@@ -187,6 +191,9 @@ pub struct EpmOrderedArenaStats {
     pub peak_held_bytes: u64,
     /// Events recorded at stream frees (one driver call each, no allocation).
     pub events_recorded: u64,
+    /// Frees made at once while one stream had made every allocation (the
+    /// PyTorch allocator's single-stream fast path: no event recorded).
+    pub single_stream_frees: u64,
     /// Events created (pooled: a handful per stream, ever).
     pub events_created: u64,
     /// Times an allocation waited for a stream's work instead of growing.
@@ -199,7 +206,7 @@ pub struct EpmOrderedArenaStats {
 }
 
 /// `sizeof(EpmOrderedArenaStats)` in its first published version. Frozen.
-pub const EPM_ORDERED_ARENA_STATS_SIZE_V1: usize = 208;
+pub const EPM_ORDERED_ARENA_STATS_SIZE_V1: usize = 216;
 versioned!(EpmOrderedArenaStats, EPM_ORDERED_ARENA_STATS_SIZE_V1);
 
 /// The stream behind an optional `EpmStream*`, checked to be of `dev`.

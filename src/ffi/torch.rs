@@ -10,7 +10,10 @@
 //! are: the smallest footprint; the driver is paid in warm-up only).
 //! PyTorch frees a block with the stream it was allocated on, as soon as the
 //! last kernel using it is queued: the free is ordered after that stream's
-//! queued work (`arena::stream_order`).
+//! queued work (`arena::stream_order`). While one stream has made every
+//! allocation (PyTorch's default stream alone, the common case) frees are
+//! immediate with no event; the first allocation for a second stream waits
+//! once for the first stream's queued work and orders frees from then on.
 
 use std::collections::HashMap;
 use std::ffi::c_int;
@@ -92,7 +95,7 @@ fn device_arena(device: c_int) -> Result<Arc<TorchDevice>> {
         (api, _) => api,
     };
     let t = Arc::new(TorchDevice {
-        arena: OrderedArena::granular(&dev, capacity)?,
+        arena: OrderedArena::granular_single_stream(&dev, capacity)?,
         streams: Mutex::new(HashMap::new()),
         warned_unordered: AtomicBool::new(false),
     });
@@ -129,7 +132,8 @@ impl TorchDevice {
 }
 
 /// Allocate `size` bytes of device memory on CUDA device `device` for work
-/// on `stream` (a `cudaStream_t`; NULL is the legacy default stream): the
+/// on `stream` (a `cudaStream_t`; NULL is the legacy default stream,
+/// PyTorch's default, ordered like any other stream): the
 /// allocation function of PyTorch's `CUDAPluggableAllocator`. `size` 0 gets
 /// a distinct 1-byte block.
 ///
@@ -144,14 +148,18 @@ impl TorchDevice {
 /// `epm_torch_set_capacity`). Memory freed on `stream` is reused by the next
 /// allocation on `stream` at once and by other streams once `stream`'s work
 /// queued before the free has completed. `stream` must be NULL or a live
-/// stream of the device's primary context. Threading: safe from any thread.
+/// stream of the device's primary context; on a device that cannot adopt it
+/// (the host device) the allocation is not stream-ordered (a warning says
+/// so once). Threading: safe from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn epm_torch_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let mut addr = 0u64;
     let status = ffi_boundary! {
         let bytes = usize::try_from(size).map_err(|_| Error::invalid_argument(format!("size {size} is negative")))?;
         let t = device_arena(device)?;
-        let s = if stream.is_null() { None } else { t.stream(stream) };
+        // NULL is the legacy default stream, PyTorch's default: a stream
+        // like any other (PyTorch's own streams do not synchronize with it).
+        let s = t.stream(stream);
         addr = t.arena.alloc(bytes.max(1), s)
             .map_err(|e| e.context(format!("PyTorch allocation of {bytes} bytes on device {device}")))?;
         Ok(())

@@ -83,6 +83,15 @@ def streams():
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     failures = []
+    # While one stream makes every allocation, frees are immediate (the
+    # single-stream fast path); a second stream's first allocation waits for
+    # the first stream once. Leave that path before the rounds below, which
+    # check the stream order proper.
+    first = torch.empty(256, device="cuda")
+    with torch.cuda.stream(s2):
+        second = torch.empty(256, device="cuda")
+    torch.cuda.synchronize()
+    del first, second
     n = 1 << 20  # floats: 4 MiB blocks
     cycles = 200_000_000  # ~0.1 s of GPU time: far longer than the host's checks
     for i in range(20):
@@ -188,6 +197,8 @@ def run_all():
             if a != e:
                 failures.append(f"generate batch {b} prompt {t}: tokens differ from PyTorch's allocator")
         s = got["stats"]
+        if s["single_stream_frees"] == 0:
+            failures.append(f"generation on one stream did not take the single-stream fast path: {s}")
         if s["alloc_calls"] < 100 or s["peak_live_bytes"] == 0 or s["driver_alloc_calls"] == 0:
             failures.append(f"epmem's counters show it did not serve the model: {s}")
         if got["trimmed_bytes"] == 0 or got["after_trim"]["committed_bytes"] >= s["committed_bytes"]:
