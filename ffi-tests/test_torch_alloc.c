@@ -27,25 +27,51 @@ static int g_host, g_direct;
 /* The last error is non-empty and mentions `needle`. */
 #define CHECK_LAST_HAS(needle) CHECK_MESSAGE_HAS(needle)
 
+/* The PyTorch arena maps its memory one granule at a time, and the driver
+ * sees each mapping as its own allocation: copies into it from the test's own
+ * device object go granule by granule. */
+static uint64_t g_gran;
+
+static size_t piece(const void *p, size_t off, size_t n) {
+  size_t room = (size_t)(g_gran - ((uintptr_t)p + off) % g_gran);
+  return n - off < room ? n - off : room;
+}
+
 static void fill(void *p, unsigned char v, size_t n) {
   if (g_direct) {
     memset(p, v, n);
-  } else {
-    unsigned char *h = malloc(n);
-    memset(h, v, n);
-    CHECK_OK(epm_memcpy_htod(g_dev, (EpmDevicePtr)(uintptr_t)p, h, n));
-    free(h);
+    return;
   }
+  unsigned char *h = malloc(n);
+  memset(h, v, n);
+  for (size_t off = 0, k; off < n; off += k) {
+    k = piece(p, off, n);
+    CHECK_OK(epm_memcpy_htod(g_dev, (EpmDevicePtr)(uintptr_t)p + off, h + off, k));
+  }
+  free(h);
 }
 
 static int holds(const void *p, unsigned char v, size_t n) {
   unsigned char *h = malloc(n);
   int ok = h != NULL;
   if (ok && g_direct) memcpy(h, p, n);
-  else if (ok) ok = epm_memcpy_dtoh(g_dev, h, (EpmDevicePtr)(uintptr_t)p, n) == EPM_STATUS_OK;
+  for (size_t off = 0, k; ok && !g_direct && off < n; off += k) {
+    k = piece(p, off, n);
+    ok = epm_memcpy_dtoh(g_dev, h + off, (EpmDevicePtr)(uintptr_t)p + off, k) == EPM_STATUS_OK;
+  }
   for (size_t i = 0; ok && i < n; i++) ok = h[i] == v;
   free(h);
   return ok;
+}
+
+/* A fill queued on `s`, granule by granule (see g_gran). */
+static EpmStatus fill_async(void *p, unsigned char v, size_t n, EpmStream *s) {
+  EpmStatus st = EPM_STATUS_OK;
+  for (size_t off = 0, k; st == EPM_STATUS_OK && off < n; off += k) {
+    k = piece(p, off, n);
+    st = epm_memset_d8_async(g_dev, (EpmDevicePtr)(uintptr_t)p + off, v, k, s);
+  }
+  return st;
 }
 
 static int stats(EpmOrderedArenaStats *st) {
@@ -196,7 +222,7 @@ static void test_frees_are_ordered_after_their_stream(void) {
   }
   /* a's last use of p, queued behind the gate (the fake driver runs fills
    * at enqueue, so there the data check is done by the real GPU run only). */
-  if (!g_direct) REQUIRE_OK(epm_memset_d8_async(g_dev, (EpmDevicePtr)(uintptr_t)p, 0xA7, MIB, a));
+  if (!g_direct) REQUIRE_OK(fill_async(p, 0xA7, MIB, a));
   REQUIRE_OK(epm_event_record(done, a));
   epm_torch_free(p, MIB, 0, na);
   p_freed = 1;
@@ -204,7 +230,7 @@ static void test_frees_are_ordered_after_their_stream(void) {
   q = epm_torch_alloc(MIB, 0, nb);
   REQUIRE(q != NULL);
   CHECK((char *)q + MIB <= (char *)p || (char *)q >= (char *)p + MIB);
-  if (!g_direct) REQUIRE_OK(epm_memset_d8_async(g_dev, (EpmDevicePtr)(uintptr_t)q, 0xB8, MIB, b));
+  if (!g_direct) REQUIRE_OK(fill_async(q, 0xB8, MIB, b));
   s = epm_torch_alloc(MIB, 0, na);
   CHECK(s == p);
   CHECK_STATUS(epm_event_query(done), EPM_STATUS_NOT_READY);
@@ -264,6 +290,7 @@ int main(void) {
   REQUIRE_OK(epm_device_get_info(g_dev, &info));
   g_host = info.kind == EPM_DEVICE_KIND_HOST;
   g_direct = g_host || strcmp(info.name, "Fake H200") == 0;
+  g_gran = info.granularity ? info.granularity : 2 * MIB;
   /* The PyTorch allocator never falls back to the host device by itself
    * (PyTorch's pointers are CUDA pointers): name it where the other tests
    * run on it. */
