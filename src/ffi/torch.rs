@@ -36,7 +36,7 @@ struct TorchDevice {
     warned_unordered: AtomicBool,
 }
 
-static DEVICES: [OnceLock<Arc<TorchDevice>>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+static DEVICES: [OnceLock<TorchDevice>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
 /// The capacity set by `epm_torch_set_capacity` (0: none); also serializes
 /// the creation of device arenas.
 static CAPACITY: Mutex<u64> = Mutex::new(0);
@@ -73,14 +73,14 @@ fn capacity_from_env() -> Result<Option<u64>> {
 }
 
 /// The arena of `device` (made on first use).
-fn device_arena(device: c_int) -> Result<Arc<TorchDevice>> {
+fn device_arena(device: c_int) -> Result<&'static TorchDevice> {
     let d = ordinal(device)?;
     if let Some(t) = DEVICES[d].get() {
-        return Ok(t.clone());
+        return Ok(t);
     }
     let set = CAPACITY.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = DEVICES[d].get() {
-        return Ok(t.clone());
+        return Ok(t);
     }
     // PyTorch's pointers are CUDA pointers: never fall back to the host
     // device as EPM_DEVICE=auto would. EPM_DEVICE=host is for tests only.
@@ -94,18 +94,18 @@ fn device_arena(device: c_int) -> Result<Arc<TorchDevice>> {
         (0, Some(env)) => env,
         (api, _) => api,
     };
-    let t = Arc::new(TorchDevice {
+    let t = TorchDevice {
         arena: OrderedArena::granular_single_stream(&dev, capacity)?,
         streams: Mutex::new(HashMap::new()),
         warned_unordered: AtomicBool::new(false),
-    });
+    };
     log::info!("epmem: PyTorch allocator on device {d} ({}): capacity {capacity} bytes", dev.info().name);
-    Ok(DEVICES[d].get_or_init(|| t).clone())
+    Ok(DEVICES[d].get_or_init(|| t))
 }
 
 /// The arena of `device` if it has been made.
-fn existing(device: c_int) -> Result<Option<Arc<TorchDevice>>> {
-    Ok(DEVICES[ordinal(device)?].get().cloned())
+fn existing(device: c_int) -> Result<Option<&'static TorchDevice>> {
+    Ok(DEVICES[ordinal(device)?].get())
 }
 
 impl TorchDevice {
