@@ -215,6 +215,11 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 #define EPM_STAGING_STATS_SIZE_V1 112
 
 /**
+ * `sizeof(EpmOrderedArenaStats)` in its first published version. Frozen.
+ */
+#define EPM_ORDERED_ARENA_STATS_SIZE_V1 216
+
+/**
  * Major version: incompatible ABI changes.
  */
 #define EPM_VERSION_MAJOR 0
@@ -409,6 +414,13 @@ typedef struct EpmKvPrefix EpmKvPrefix;
  * A sequence: one token-major VA reservation.
  */
 typedef struct EpmKvSeq EpmKvSeq;
+
+/**
+ * A device arena whose frees are ordered after a stream's work. Keeps its
+ * device alive; memory it handed out stays valid until freed or until the
+ * arena is destroyed.
+ */
+typedef struct EpmOrderedArena EpmOrderedArena;
 
 /**
  * A residency manager: a VRAM budget, its device arena, a staging pool and
@@ -1189,6 +1201,109 @@ typedef struct EpmCopyEngineConfig {
    */
   uint32_t target_chunks;
 } EpmCopyEngineConfig;
+
+/**
+ * Counters of a stream-ordered arena (`epm_ordered_arena_get_stats`) and
+ * of PyTorch's allocator on a device (`epm_torch_get_stats`); versioned by
+ * `size`.
+ */
+typedef struct EpmOrderedArenaStats {
+  /**
+   * In: `sizeof(EpmOrderedArenaStats)`. Out: bytes filled.
+   */
+  size_t size;
+  /**
+   * Physical allocations (cuMemCreate) made by the arena: flat once warm.
+   */
+  uint64_t driver_alloc_calls;
+  /**
+   * Physical frees (only trim and destroy free).
+   */
+  uint64_t driver_free_calls;
+  /**
+   * Virtual address space reserved (the capacity, rounded to chunks).
+   */
+  uint64_t reserved_bytes;
+  /**
+   * Physical bytes committed now.
+   */
+  uint64_t committed_bytes;
+  /**
+   * Peak of `committed_bytes`.
+   */
+  uint64_t peak_committed_bytes;
+  /**
+   * Bytes held by live allocations (unit rounding included).
+   */
+  uint64_t in_use_bytes;
+  uint64_t peak_in_use_bytes;
+  uint64_t live_allocations;
+  /**
+   * Bytes the callers asked for, summed over live allocations.
+   */
+  uint64_t live_bytes;
+  /**
+   * Peak of `live_bytes`: the floor no allocator can go below.
+   */
+  uint64_t peak_live_bytes;
+  /**
+   * Allocations and frees served by the arena.
+   */
+  uint64_t alloc_calls;
+  uint64_t free_calls;
+  /**
+   * Allocations refused (out of capacity, a device error, bad input).
+   */
+  uint64_t failed_allocs;
+  /**
+   * Allocations made for a stream.
+   */
+  uint64_t stream_allocs;
+  /**
+   * Of those, served by memory freed on the same stream whose work may
+   * still be queued.
+   */
+  uint64_t same_stream_reuses;
+  /**
+   * Frees ordered after a stream's work.
+   */
+  uint64_t stream_frees;
+  /**
+   * Freed ranges (coalesced) waiting for their stream's work now, and their bytes.
+   */
+  uint64_t pending_ranges;
+  uint64_t pending_bytes;
+  /**
+   * Peak of the bytes not free for everyone: live plus pending.
+   */
+  uint64_t peak_held_bytes;
+  /**
+   * Events recorded at stream frees (one driver call each, no allocation).
+   */
+  uint64_t events_recorded;
+  /**
+   * Frees made at once while one stream had made every allocation (the
+   * PyTorch allocator's single-stream fast path: no event recorded).
+   */
+  uint64_t single_stream_frees;
+  /**
+   * Events created (pooled: a handful per stream, ever).
+   */
+  uint64_t events_created;
+  /**
+   * Times an allocation waited for a stream's work instead of growing.
+   */
+  uint64_t stream_waits;
+  /**
+   * Nanoseconds spent inside the allocation and free calls.
+   */
+  uint64_t alloc_ns;
+  uint64_t free_ns;
+  /**
+   * 1 − largest free range / free bytes: 0 when free space is one range.
+   */
+  double fragmentation;
+} EpmOrderedArenaStats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -2521,6 +2636,164 @@ enum EpmStatus epm_stream_wait_event(struct EpmStream *stream, struct EpmEvent *
  * must not be used after this call.
  */
 enum EpmStatus epm_stream_destroy(struct EpmStream *stream);
+
+/**
+ * Create a stream-ordered device arena on `dev`, shaped by `cfg` as
+ * `epm_arena_create_device` is (capacity required; chunk 0: 16 granules).
+ *
+ * Ownership: destroy `*out` with `epm_ordered_arena_destroy`. NULL: `dev` is
+ * INVALID_HANDLE, `cfg`/`out` NULL_POINTER. Errors: INVALID_ARGUMENT (zero
+ * capacity, bad `size`), device errors. `*out` is written only on success.
+ * Threading: safe from any thread; the arena itself is thread-safe.
+ */
+enum EpmStatus epm_ordered_arena_create(struct EpmDevice *dev,
+                                        const struct EpmArenaConfig *cfg,
+                                        struct EpmOrderedArena **out);
+
+/**
+ * Allocate `bytes` (256-byte aligned) for work queued on `stream` and
+ * write the device address to `*out_addr`. `stream` may be NULL: memory for
+ * no stream in particular (freed without a stream, it is everyone's at once).
+ *
+ * Memory freed on `stream` earlier is reused at once, even while the work
+ * that used it is still queued; memory freed on another stream only once
+ * that stream's work queued before the free has completed. Before growing,
+ * an allocation on `stream` may wait for `stream`'s own queued work (never
+ * another stream's), which happens only while the arena is still growing.
+ *
+ * NULL: `arena` and a non-NULL bad `stream` are INVALID_HANDLE, `out_addr`
+ * NULL_POINTER. Errors: INVALID_ARGUMENT (0 bytes, a stream of another
+ * device), OUT_OF_BUDGET (capacity or allocation count exhausted),
+ * OUT_OF_DEVICE_MEMORY when growing fails. `*out_addr` is written only on
+ * success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_ordered_arena_alloc(struct EpmOrderedArena *arena,
+                                       size_t bytes,
+                                       struct EpmStream *stream,
+                                       uint64_t *out_addr);
+
+/**
+ * Free `addr` in stream order: the block is reused by work on `stream` at
+ * once, and by anything else once the work queued on `stream` so far has
+ * completed. NULL `stream`: the stream the block was allocated on (a block
+ * allocated and freed with no stream is everyone's at once: the caller
+ * guarantees no queued work uses it). `addr == 0` is a no-op.
+ *
+ * The caller orders every use of the block before this point of `stream`
+ * (queued on it, or on a stream `stream` waits for). Does not block.
+ *
+ * NULL: `arena` and a non-NULL bad `stream` are INVALID_HANDLE. Errors:
+ * INVALID_ARGUMENT for an address this arena did not hand out or already
+ * freed, or a stream of another device (nothing is freed then). Threading:
+ * safe from any thread.
+ */
+enum EpmStatus epm_ordered_arena_free(struct EpmOrderedArena *arena,
+                                      uint64_t addr,
+                                      struct EpmStream *stream);
+
+/**
+ * Wait for the work still using freed blocks (their streams' events), then
+ * give every chunk no live allocation touches back to the driver; writes the
+ * bytes given back to `*out_bytes` (which may be NULL).
+ *
+ * Blocks the calling thread until those streams' queued work completes.
+ * NULL: `arena` is INVALID_HANDLE. Errors: device errors. Threading: safe
+ * from any thread.
+ */
+enum EpmStatus epm_ordered_arena_trim(struct EpmOrderedArena *arena, uint64_t *out_bytes);
+
+/**
+ * Fill `*out` with the arena's counters. The caller sets
+ * `out->size = sizeof(EpmOrderedArenaStats)` first; epmem fills at most that
+ * many bytes and writes back how many.
+ *
+ * NULL: `arena` is INVALID_HANDLE, `out` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for a too-small `size`. Threading: safe from any thread.
+ */
+enum EpmStatus epm_ordered_arena_get_stats(struct EpmOrderedArena *arena,
+                                           struct EpmOrderedArenaStats *out);
+
+/**
+ * Destroy an ordered arena: waits for the work still using freed blocks,
+ * then gives all its memory back; every address it handed out becomes
+ * invalid.
+ *
+ * NULL is a no-op. Errors: INVALID_HANDLE for a destroyed or wrong-typed
+ * handle. Threading: the handle must not be used after this call.
+ */
+enum EpmStatus epm_ordered_arena_destroy(struct EpmOrderedArena *arena);
+
+/**
+ * Allocate `size` bytes of device memory on CUDA device `device` for work
+ * on `stream` (a `cudaStream_t`; NULL is the legacy default stream,
+ * PyTorch's default, ordered like any other stream): the
+ * allocation function of PyTorch's `CUDAPluggableAllocator`. `size` 0 gets
+ * a distinct 1-byte block.
+ *
+ * Returns the device pointer, or NULL on failure, with the reason in
+ * `epm_last_error_message()` on this thread and logged (PyTorch takes no
+ * status: it stores NULL as the tensor's data, so a failure here surfaces
+ * later as a CUDA error in the kernel that uses it). Failures: `size`
+ * negative, `device` not an ordinal (0 to 63) or no such device, the
+ * capacity exhausted (OUT_OF_BUDGET), the GPU out of memory.
+ *
+ * The first call for a device creates its arena (see
+ * `epm_torch_set_capacity`). Memory freed on `stream` is reused by the next
+ * allocation on `stream` at once and by other streams once `stream`'s work
+ * queued before the free has completed. `stream` must be NULL or a live
+ * stream of the device's primary context; on a device that cannot adopt it
+ * (the host device) the allocation is not stream-ordered (a warning says
+ * so once). Threading: safe from any thread.
+ */
+void *epm_torch_alloc(ptrdiff_t size, int device, void *stream);
+
+/**
+ * Free a pointer from `epm_torch_alloc`: the free function of PyTorch's
+ * `CUDAPluggableAllocator`. `size`, `device` and `stream` are those of the
+ * allocation (PyTorch passes them back); the free is ordered after the work
+ * queued so far on the stream the block was allocated on. NULL `ptr` is a
+ * no-op.
+ *
+ * Cannot report a status: on bad input (a negative or wrong `size`, an
+ * unknown `device`, a pointer this allocator did not hand out or freed
+ * already) nothing is freed, the reason is in `epm_last_error_message()` on
+ * this thread and logged. Threading: safe from any thread.
+ */
+void epm_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);
+
+/**
+ * Set the capacity (bytes of virtual address space, the most the arena
+ * may commit) of every device arena the PyTorch allocator creates from now
+ * on; 0 restores the default (`EPM_TORCH_CAPACITY`, else the device's total
+ * memory). Call it before the first CUDA allocation.
+ *
+ * Errors: INVALID_STATE once any device arena exists (its capacity is
+ * fixed: the message names the device). Threading: safe from any thread.
+ */
+enum EpmStatus epm_torch_set_capacity(uint64_t capacity_bytes);
+
+/**
+ * Fill `*out` with the counters of the PyTorch allocator's arena on
+ * `device` (the caller sets `out->size = sizeof(EpmOrderedArenaStats)`).
+ *
+ * NULL: `out` is NULL_POINTER. Errors: INVALID_ARGUMENT for a bad ordinal
+ * or too small a `size`; INVALID_STATE when nothing was allocated on
+ * `device` yet (no arena). Threading: safe from any thread.
+ */
+enum EpmStatus epm_torch_get_stats(int device, struct EpmOrderedArenaStats *out);
+
+/**
+ * Give memory no tensor uses back to the driver (`torch.cuda.empty_cache`'s
+ * job, which PyTorch does not forward to a pluggable allocator): waits for
+ * the work still using freed blocks, then releases every unused chunk.
+ * `device` -1: every device with an arena. Writes the bytes given back to
+ * `*out_bytes` (may be NULL).
+ *
+ * Blocks until the streams with pending frees have run their queued work.
+ * Errors: INVALID_ARGUMENT for a bad ordinal; device errors. A device with
+ * no arena gives back 0. Threading: safe from any thread.
+ */
+enum EpmStatus epm_torch_trim(int device, uint64_t *out_bytes);
 
 /**
  * The version of the loaded library: `(major << 16) | (minor << 8) | patch`.

@@ -160,6 +160,11 @@ if [ $BENCH = 1 ]; then
   [ -f scripts/bench_kvcache.py ] && step bench_kvcache 'tokens identical|TOKENS DIFFER' \
     env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
     python3 scripts/bench_kvcache.py --json "$OUT/bench_kvcache.json"
+  # epmem as PyTorch's allocator against PyTorch's, with and without expandable
+  # segments (docs/ALLOCATOR.md): tok/s, reserved/requested, driver calls, tokens.
+  [ -f scripts/bench_torch_alloc.py ] && step bench_torch_alloc 'Targets|error' \
+    env EPMEM_LIB="$ROOT/.carry/lib/libepmem.so" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 scripts/bench_torch_alloc.py --out-json "$OUT/bench_torch_alloc.json" --out-md "$OUT/bench_torch_alloc.md"
 fi
 
 # Issue 18: the two-device tests (rust-multi_device, c-test_multi_device) and

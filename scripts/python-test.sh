@@ -107,10 +107,10 @@ if [ -z "$tlib" ]; then
   done
 fi
 if [ -n "$tlib" ] && [ -f "$tlib" ]; then
-  echo "python-test: test_binding again against the testing library $tlib"
+  echo "python-test: test_binding and the ordered arena's gate test again against the testing library $tlib"
   case "$tlib" in /*) ;; *) tlib=$ROOT/$tlib ;; esac
   EPMEM_LIB="$tlib" EPMEM_USE_INSTALLED=1 PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" tests/python/run.py test_binding. || rc=1
+    "$PY" tests/python/run.py test_binding. test_torch_allocator.OrderedArenaTest || rc=1
 else
   echo "python-test: no testing library (make build-testing): epmem_testing.h tests skipped"
 fi

@@ -454,3 +454,37 @@ def lib():
                                   "or set EPMEM_LIB to a libepmem.so)")
                 _loaded = _Lib(path)
     return _loaded
+
+
+# ---- the stream-ordered arena and PyTorch's allocator (src/ffi/ordered_arena.rs, torch.rs) ----
+
+EPM_ORDERED_ARENA_STATS_SIZE_V1 = 216
+CONSTANTS.append("EPM_ORDERED_ARENA_STATS_SIZE_V1")
+
+
+class EpmOrderedArenaStats(Structure):
+    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
+        "driver_alloc_calls", "driver_free_calls", "reserved_bytes", "committed_bytes", "peak_committed_bytes",
+        "in_use_bytes", "peak_in_use_bytes", "live_allocations", "live_bytes", "peak_live_bytes", "alloc_calls",
+        "free_calls", "failed_allocs", "stream_allocs", "same_stream_reuses", "stream_frees", "pending_ranges",
+        "pending_bytes", "peak_held_bytes", "events_recorded", "single_stream_frees", "events_created",
+        "stream_waits", "alloc_ns", "free_ns")] + [("fragmentation", c_double)]
+
+
+STRUCTS.append(EpmOrderedArenaStats)
+
+FUNCTIONS += [
+    ("epm_ordered_arena_create", STATUS, [H, P(EpmArenaConfig), OH]),
+    ("epm_ordered_arena_alloc", STATUS, [H, size_t, H, P(u64)]),
+    ("epm_ordered_arena_free", STATUS, [H, u64, H]),
+    ("epm_ordered_arena_trim", STATUS, [H, P(u64)]),
+    ("epm_ordered_arena_get_stats", STATUS, [H, P(EpmOrderedArenaStats)]),
+    ("epm_ordered_arena_destroy", STATUS, [H]),
+    # PyTorch's CUDAPluggableAllocator functions: no status (NULL / nothing
+    # freed on failure, the reason in epm_last_error_message()).
+    ("epm_torch_alloc", vp, [ctypes.c_ssize_t, c_int, vp]),
+    ("epm_torch_free", None, [vp, ctypes.c_ssize_t, c_int, vp]),
+    ("epm_torch_set_capacity", STATUS, [u64]),
+    ("epm_torch_get_stats", STATUS, [c_int, P(EpmOrderedArenaStats)]),
+    ("epm_torch_trim", STATUS, [c_int, P(u64)]),
+]

@@ -20,6 +20,8 @@
 
 mod device;
 mod pinned;
+pub(crate) mod source;
+pub(crate) mod stream_order;
 mod suballoc;
 
 pub use device::DeviceArena;
@@ -98,7 +100,7 @@ pub trait Arena: Send + Sync + std::fmt::Debug {
     fn trim(&self) -> Result<usize>;
     fn stats(&self) -> ArenaStats;
 
-    // Stream-ordered reuse (used by `ort::stream_order`): memory freed while
+    // Stream-ordered reuse (used by `stream_order`): memory freed while
     // work queued on a stream may still use it is freed under that stream's
     // tag (non-zero). Only allocations for the same tag see it, at once (the
     // stream runs its work in order); everyone else sees it after `untag`,

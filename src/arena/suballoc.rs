@@ -17,7 +17,7 @@
 //! under a microsecond for the thousands of holes an arena has.
 //!
 //! A free range may carry a *tag* (non-zero): memory freed on a stream whose
-//! queued work may still use it (`ort::stream_order`). A tagged range is
+//! queued work may still use it (`arena::stream_order`). A tagged range is
 //! found only by [`SubAlloc::alloc_tagged`] with the same tag, coalesces only
 //! with neighbours of its tag, and becomes free for everyone at
 //! [`SubAlloc::untag`]. Tag 0 is free for everyone.

@@ -108,7 +108,7 @@ fn default_config() -> EpmArenaConfig {
     }
 }
 
-fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
+pub(crate) fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
     let c = read_versioned(cfg, default_config(), "cfg")?;
     ensure!(c.capacity_bytes > 0, InvalidArgument, "cfg->capacity_bytes is 0");
     let max = crate::arena::MAX_CAPACITY;

@@ -61,6 +61,9 @@ pub mod shared_reg;
 pub mod staging;
 pub mod status;
 pub mod stream;
+// PyTorch's pluggable allocator and the stream-ordered arena under it.
+pub mod ordered_arena;
+pub mod torch;
 // Test machinery, never in the default build (include/epmem_testing.h).
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -1,4 +1,4 @@
-//! `OrtAllocator` over a [`MemorySource`]: accounting, the byte limit, and
+//! `OrtAllocator` over a [`MemorySource`](crate::arena::source::MemorySource): accounting, the byte limit, and
 //! `GetStats` with ORT's keys plus epmem's.
 //!
 //! ORT creates several allocators at once (a shared one per memory type at
@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use super::abi::*;
 use super::factory::{EpmDevice, Factory};
 use super::options::AllocatorOptions;
-use super::source::{self, MemKind};
-use super::stream_order::StreamOrdered;
+use crate::arena::source::{self, MemKind};
+use crate::arena::stream_order::StreamOrdered;
 use crate::device::{Device, RawStream};
 use crate::error::Result;
 
@@ -78,7 +78,7 @@ pub(crate) struct Allocator {
     device_label: String,
     kind: MemKind,
     dev: Arc<dyn Device>,
-    /// The arena behind a stream-ordering layer (see `stream_order`).
+    /// The arena behind a stream-ordering layer (see `arena::stream_order`).
     mem: StreamOrdered,
     book: Mutex<Book>,
     /// ORT's native streams (`SyncStream_GetHandle`) adopted by the device,
@@ -374,7 +374,7 @@ unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_voi
 
 /// ORT (1.23+) calls this for any allocator that has it, with the stream of
 /// the kernel that will use the memory (NULL: none). Frees of such memory are
-/// ordered after that stream's work (see `stream_order`).
+/// ordered after that stream's work (see `arena::stream_order`).
 unsafe extern "C" fn alloc_on_stream(this: *mut OrtAllocator, size: usize, stream: *mut OrtSyncStream) -> *mut c_void {
     super::value_boundary("OrtAllocator::AllocOnStream", std::ptr::null_mut(), || {
         // SAFETY: as in `alloc`.

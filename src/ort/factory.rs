@@ -20,7 +20,7 @@ use super::claim::EpOptions;
 use super::ep::Ep;
 use super::ep_devices::{HwHandle, get_supported_devices};
 use super::options::AllocatorOptions;
-use super::source::MemKind;
+use crate::arena::source::MemKind;
 use super::status_boundary;
 use crate::device::{self, Device, DeviceSelect};
 use crate::error::Result;

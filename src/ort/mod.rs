@@ -32,8 +32,6 @@ mod gemm_host;
 mod graph;
 mod logging;
 mod options;
-mod source;
-mod stream_order;
 mod streaming;
 #[cfg(test)]
 mod tests;

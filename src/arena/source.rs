@@ -1,15 +1,18 @@
-//! Where an ORT allocator's memory comes from: epmem's arenas.
+//! Where stream-ordered allocators get their memory: epmem's arenas behind
+//! one trait.
 //!
-//! [`MemorySource`] is the seam between the ORT adapter and epmem's memory
-//! machinery: the allocator glue (`allocator.rs`) does accounting, limits and
-//! stats; a source hands out and takes back address ranges. DEFAULT memory
+//! [`MemorySource`] is the seam between an allocator front end (ONNX
+//! Runtime's `OrtAllocator` in `ort::allocator`, the C API's ordered arena,
+//! PyTorch's pluggable allocator) and the arenas: the front end does its
+//! accounting and limits; a source hands out and takes back address ranges,
+//! with the tags [`super::stream_order::StreamOrdered`] needs. Device memory
 //! comes from a [`DeviceArena`] (one VA reservation, committed granule by
-//! granule), HOST_ACCESSIBLE memory from a [`PinnedArena`] (pinned
-//! segments); neither makes a driver call per allocation in steady state.
+//! granule), pinned host memory from a [`PinnedArena`] (pinned segments);
+//! neither makes a driver call per allocation in steady state.
 
 use std::sync::Arc;
 
-use crate::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena, TaggedStats};
+use crate::arena::{Arena, ArenaConfig, ArenaStats, DeviceArena, PinnedArena, TaggedStats};
 use crate::device::Device;
 use crate::error::Result;
 
@@ -39,6 +42,8 @@ pub(crate) trait MemorySource: Send + Sync {
     /// Return memory no allocation uses to the driver; bytes given back.
     fn trim(&self) -> Result<usize>;
     fn stats(&self) -> SourceStats;
+    /// The arena's own counters (in use, peak, live allocations, driver calls).
+    fn arena_stats(&self) -> ArenaStats;
     /// For the owner of `tag`: best fit over its ranges and everyone's (see
     /// [`Arena::alloc_tagged`]).
     fn alloc_tagged(&self, bytes: usize, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>>;
@@ -54,7 +59,7 @@ pub(crate) trait MemorySource: Send + Sync {
 /// Which memory of a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum MemKind {
-    /// Device memory (ORT's DEFAULT).
+    /// Device memory (ORT's DEFAULT, PyTorch's CUDA tensors).
     Device,
     /// Page-locked host memory (ORT's HOST_ACCESSIBLE).
     Pinned,
@@ -88,6 +93,15 @@ pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind, capacity: u64) -> Resul
     })
 }
 
+/// Device memory from a [`DeviceArena`] shaped exactly by `cfg` (its chunk
+/// of 0 meaning the arena's default, 16 granules).
+pub(crate) fn device_source(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Box<dyn MemorySource>> {
+    Ok(Box::new(ArenaSource {
+        arena: DeviceArena::new(dev, cfg)?,
+        name: "device_arena",
+    }))
+}
+
 struct ArenaSource<A: Arena> {
     arena: A,
     name: &'static str,
@@ -112,6 +126,9 @@ impl<A: Arena> MemorySource for ArenaSource<A> {
             shrinks: s.driver_free_calls,
             fragmentation: s.fragmentation,
         }
+    }
+    fn arena_stats(&self) -> ArenaStats {
+        self.arena.stats()
     }
     fn name(&self) -> &'static str {
         self.name

@@ -1,5 +1,8 @@
-//! Stream-ordered reuse of freed memory: the layer between an ORT allocator
-//! and its [`MemorySource`].
+//! Stream-ordered reuse of freed memory: a layer over a [`MemorySource`],
+//! in the manner of RMM's stream-ordered resources. Its front ends: ONNX
+//! Runtime's allocators (`ort::allocator`), the C API's ordered arena
+//! (`epm_ordered_arena_*`) and PyTorch's pluggable allocator
+//! (`epm_torch_alloc` / `epm_torch_free`).
 //!
 //! ORT (1.23+) calls `OrtAllocator::AllocOnStream` with the stream the
 //! kernel that needs the memory runs on, and `Free` as soon as the last
@@ -35,6 +38,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::ArenaStats;
 use super::source::{MemorySource, SourceStats};
 use crate::device::{Device, RawEvent, RawStream};
 use crate::error::Result;
@@ -66,6 +70,21 @@ struct State {
     tags: HashMap<u64, u64>,
     idle_events: Vec<RawEvent>,
     stats: OrderStats,
+    solo: Solo,
+}
+
+/// The single-stream fast path (opt-in, [`StreamOrdered::single_stream_fast_path`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Solo {
+    /// Off: every stream free records an event.
+    #[default]
+    Off,
+    /// On, no stream has allocated yet.
+    Fresh,
+    /// Every allocation so far was for this stream: a free on it is
+    /// immediate (only work on this stream, which runs in order, can get the
+    /// memory before the path is left, and leaving waits for it).
+    One(RawStream),
 }
 
 /// What the layer did, for `GetStats`.
@@ -96,6 +115,9 @@ pub(crate) struct OrderStats {
     /// Peak of the bytes not free for everyone: live allocations (as the
     /// arena rounds them) plus tagged ranges.
     pub peak_held_bytes: u64,
+    /// Frees made at once, with no event, while one stream had all the
+    /// allocations (the single-stream fast path).
+    pub single_stream_frees: u64,
 }
 
 /// A [`MemorySource`] whose frees are ordered after the work of the stream
@@ -115,6 +137,27 @@ impl StreamOrdered {
         }
     }
 
+    /// Frees on the only stream that has allocated are immediate, with no
+    /// event recorded (PyTorch's default: one stream does everything); the
+    /// first allocation for another stream, or for none, waits once for that
+    /// stream's queued work and turns the fast path off for good.
+    pub fn single_stream_fast_path(self) -> Self {
+        self.lock().solo = Solo::Fresh;
+        self
+    }
+
+    /// Leave the single-stream fast path: `only`'s queued work may still use
+    /// memory freed at once; wait for it before anyone else can get that memory.
+    fn leave_solo(&self, g: &mut State, only: RawStream) -> Result<()> {
+        g.solo = Solo::Off;
+        g.stats.waits += 1;
+        if let Err(e) = self.dev.stream_synchronize(only) {
+            log::debug!("epmem: synchronizing stream {} failed ({e}); synchronizing the device", only.0);
+            self.dev.synchronize()?;
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -123,6 +166,12 @@ impl StreamOrdered {
     /// returned). Returns the address and the bytes it accounts for.
     pub fn alloc(&self, bytes: usize, stream: Option<RawStream>) -> Result<(u64, usize)> {
         let mut g = self.lock();
+        match (g.solo, stream) {
+            (Solo::Off, _) | (Solo::Fresh, None) => {}
+            (Solo::Fresh, Some(s)) => g.solo = Solo::One(s),
+            (Solo::One(only), Some(s)) if only == s => {}
+            (Solo::One(only), _) => self.leave_solo(&mut g, only)?,
+        }
         let own_tag = |g: &State| stream.and_then(|s| g.tagged.get(&s.0)).map_or(0, |t| t.tag);
         if stream.is_some() {
             g.stats.stream_allocs += 1;
@@ -192,13 +241,40 @@ impl StreamOrdered {
     /// for an address that is not live (foreign, or freed already). A stream
     /// allocation records one event on its stream (one driver call).
     pub fn free(&self, addr: u64) -> Result<Option<usize>> {
+        self.free_on(addr, None, None)
+    }
+
+    /// [`Self::free`] ordered after the work queued so far on `stream`
+    /// (None: the stream the block was allocated on; a block allocated with
+    /// no stream and freed with none is free for everyone at once). The
+    /// caller has ordered every use of the block before that point of
+    /// `stream`. With `expect_bytes`, a block of another requested size is
+    /// refused (InvalidArgument) and stays live.
+    pub fn free_on(&self, addr: u64, stream: Option<RawStream>, expect_bytes: Option<usize>) -> Result<Option<usize>> {
         let mut g = self.lock();
+        if let (Some(want), Some(l)) = (expect_bytes, g.live.get(&addr)) {
+            crate::ensure!(
+                l.requested == want,
+                InvalidArgument,
+                "free of {addr:#x} says {want} bytes; it was allocated with {}",
+                l.requested
+            );
+        }
         let Some(l) = g.live.remove(&addr) else { return Ok(None) };
         g.stats.live_bytes -= l.requested as u64;
-        let Some(s) = l.stream else {
+        let Some(s) = stream.or(l.stream) else {
             self.src.free(addr)?;
             return Ok(Some(l.requested));
         };
+        match g.solo {
+            Solo::One(only) if only == s => {
+                self.src.free(addr)?;
+                g.stats.single_stream_frees += 1;
+                return Ok(Some(l.requested));
+            }
+            Solo::One(only) => self.leave_solo(&mut g, only)?,
+            Solo::Off | Solo::Fresh => {}
+        }
         let next_tag = g.tags.len() as u64 + 1;
         let tag = *g.tags.entry(s.0).or_insert(next_tag);
         let event = match g.tagged.get(&s.0) {
@@ -251,6 +327,17 @@ impl StreamOrdered {
         self.src.stats()
     }
 
+    /// The counters of the arena under the layer.
+    pub fn arena_stats(&self) -> ArenaStats {
+        self.src.arena_stats()
+    }
+
+    /// The bytes requested for a live allocation; None if `addr` is not one.
+    #[cfg(test)]
+    pub fn requested(&self, addr: u64) -> Option<usize> {
+        self.lock().live.get(&addr).map(|l| l.requested)
+    }
+
     pub fn order_stats(&self) -> OrderStats {
         let g = self.lock();
         let t = self.src.tagged_stats();
@@ -289,8 +376,12 @@ impl StreamOrdered {
         Ok(())
     }
 
-    /// Wait for the work of every tagged stream and release all tags.
+    /// Wait for the work of every tagged stream and release all tags; on the
+    /// single-stream fast path, wait for that stream (its frees were at once).
     fn drain_all(&self, g: &mut State) -> Result<()> {
+        if let Solo::One(only) = g.solo {
+            self.dev.stream_synchronize(only)?;
+        }
         let all: Vec<Tagged> = g.tagged.values().copied().collect();
         for t in all {
             self.dev.event_synchronize(t.event)?;
@@ -478,6 +569,127 @@ mod tests {
             dev.stream_synchronize(st).unwrap();
             dev.stream_destroy(st).unwrap();
         }
+    }
+
+    #[test]
+    fn a_free_ordered_on_a_held_stream_serves_that_stream_and_nobody_else_until_it_runs() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let (a, b) = (dev.stream_create().unwrap(), dev.stream_create().unwrap());
+        // Allocated with no stream, freed in order on a while a is held: the
+        // gate, not a timer, keeps a's work queued during the checks.
+        let gate = device::Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_secs(60));
+        let (p, _) = l.alloc(MIB, None).unwrap();
+        dev.hold_async(a, &gate).unwrap();
+        assert_eq!(l.free_on(p, Some(a), Some(MIB)).unwrap(), Some(MIB));
+        let (q, _) = l.alloc(MIB, Some(b)).unwrap();
+        let (r, _) = l.alloc(MIB, None).unwrap();
+        assert!(q != p && r != p, "memory freed on a held stream went to another user");
+        let (s, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert_eq!(s, p, "the stream the free was ordered on reuses the block at once");
+        l.free_on(s, None, None).unwrap();
+        assert_eq!(l.order_stats().pending_blocks, 1);
+        gate.open();
+        dev.stream_synchronize(a).unwrap();
+        let (t, _) = l.alloc(MIB, Some(b)).unwrap();
+        assert_eq!(t, p, "once a's work ran the block is everyone's");
+        assert!(!wd.fired(), "the checks waited on the held stream");
+        for x in [q, r, t] {
+            l.free(x).unwrap();
+        }
+        for st in [a, b] {
+            dev.stream_synchronize(st).unwrap();
+            dev.stream_destroy(st).unwrap();
+        }
+    }
+
+    #[test]
+    fn on_the_single_stream_fast_path_frees_are_immediate_until_a_second_stream_waits_for_the_first() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let l = l.single_stream_fast_path();
+        let (a, b) = (dev.stream_create().unwrap(), dev.stream_create().unwrap());
+        let gate = device::Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_secs(60));
+        let (p, _) = l.alloc(MIB, Some(a)).unwrap();
+        dev.hold_async(a, &gate).unwrap();
+        let done = dev.event_create(false).unwrap();
+        dev.event_record(done, a).unwrap();
+        l.free(p).unwrap();
+        let (q, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert_eq!(q, p, "the only stream reuses its block at once");
+        l.free(q).unwrap();
+        let s = l.order_stats();
+        assert_eq!((s.single_stream_frees, s.events_recorded, s.pending_blocks), (2, 0, 0), "{s:?}");
+        // A second stream: its allocation must wait for a's queued work,
+        // which may still use the block freed at once. Open the gate from
+        // another thread only after this thread is committed to allocating.
+        let opener = {
+            let shared = gate.shared();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                shared.set_open();
+            })
+        };
+        let (r, _) = l.alloc(MIB, Some(b)).unwrap();
+        assert!(dev.event_query(done).unwrap(), "stream b got memory before stream a's queued work ran");
+        assert!(!wd.fired(), "the gate was opened by the watchdog, not the opener");
+        opener.join().unwrap();
+        // The fast path is off for good: frees are ordered by events again.
+        let gate2 = device::Gate::new();
+        let _wd2 = gate2.watchdog(std::time::Duration::from_secs(60));
+        dev.hold_async(b, &gate2).unwrap();
+        l.free(r).unwrap();
+        let (t, _) = l.alloc(MIB, Some(a)).unwrap();
+        assert!(t + MIB as u64 <= r || t >= r + MIB as u64, "a got b's block while b is held");
+        let s = l.order_stats();
+        assert_eq!((s.single_stream_frees, s.events_recorded, s.waits), (2, 1, 1), "{s:?}");
+        gate2.open();
+        l.free(t).unwrap();
+        for st in [a, b] {
+            dev.stream_synchronize(st).unwrap();
+            dev.stream_destroy(st).unwrap();
+        }
+        dev.event_destroy(done).unwrap();
+    }
+
+    #[test]
+    fn trim_on_the_single_stream_fast_path_waits_for_the_stream_first() {
+        let (dev, l) = layer(64 * MIB as u64);
+        let l = l.single_stream_fast_path();
+        let a = dev.stream_create().unwrap();
+        let gate = device::Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_secs(60));
+        let (p, _) = l.alloc(MIB, Some(a)).unwrap();
+        dev.hold_async(a, &gate).unwrap();
+        let done = dev.event_create(false).unwrap();
+        dev.event_record(done, a).unwrap();
+        l.free(p).unwrap();
+        let opener = {
+            let shared = gate.shared();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                shared.set_open();
+            })
+        };
+        assert!(l.trim().unwrap() > 0);
+        assert!(dev.event_query(done).unwrap(), "memory went back to the driver with a's work still queued");
+        assert!(!wd.fired());
+        opener.join().unwrap();
+        dev.stream_destroy(a).unwrap();
+        dev.event_destroy(done).unwrap();
+    }
+
+    #[test]
+    fn a_free_with_the_wrong_size_is_refused_and_the_block_stays_live() {
+        let (_dev, l) = layer(64 * MIB as u64);
+        let (p, _) = l.alloc(4096, None).unwrap();
+        let e = l.free_on(p, None, Some(4097)).unwrap_err();
+        assert_eq!(e.status(), crate::EpmStatus::InvalidArgument, "{e}");
+        assert!(e.message().contains("4096"), "{e}");
+        assert_eq!(l.requested(p), Some(4096), "a refused free leaves the block live");
+        assert_eq!(l.free_on(p, None, Some(4096)).unwrap(), Some(4096));
+        assert_eq!(l.requested(p), None);
+        assert_eq!(l.free_on(p, None, Some(4096)).unwrap(), None, "a double free is refused");
     }
 
     /// Replays a request stream on one stream, counting the bytes live.
