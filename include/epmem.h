@@ -240,6 +240,52 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 #define EPM_VERSION (((EPM_VERSION_MAJOR << 16) | (EPM_VERSION_MINOR << 8)) | EPM_VERSION_PATCH)
 
 /**
+ * `dtype` of a bf16 weight.
+ */
+#define EPM_CODEC_DTYPE_BF16 1
+
+/**
+ * `dtype` of an fp16 weight.
+ */
+#define EPM_CODEC_DTYPE_FP16 2
+
+/**
+ * `dtype` of any other element type (fp32, fp8, int8, ...): always kept raw
+ * with outcome `EPM_CODEC_RAW_UNSUPPORTED_DTYPE`.
+ */
+#define EPM_CODEC_DTYPE_OTHER 3
+
+/**
+ * `outcome`: the weight is encoded; `encoded_bytes` is the buffer's length.
+ */
+#define EPM_CODEC_CODED 1
+
+/**
+ * `outcome`: kept raw, smaller than `min_bytes`.
+ */
+#define EPM_CODEC_RAW_TOO_SMALL 2
+
+/**
+ * `outcome`: kept raw, the best encoding (`ratio`) is not below `max_ratio`.
+ */
+#define EPM_CODEC_RAW_NO_GAIN 3
+
+/**
+ * `outcome`: kept raw, a dtype the codec does not encode.
+ */
+#define EPM_CODEC_RAW_UNSUPPORTED_DTYPE 4
+
+/**
+ * `sizeof(EpmCodecOptions)` in its first published version. Frozen.
+ */
+#define EPM_CODEC_OPTIONS_SIZE_V1 32
+
+/**
+ * `sizeof(EpmCodecInfo)` in its first published version. Frozen.
+ */
+#define EPM_CODEC_INFO_SIZE_V1 64
+
+/**
  * Status codes returned by every fallible `epm_*` function.
  *
  * Values are stable and never reused: a retired code stays reserved. Codes
@@ -1304,6 +1350,84 @@ typedef struct EpmOrderedArenaStats {
    */
   double fragmentation;
 } EpmOrderedArenaStats;
+
+/**
+ * How to encode. Fill it with `epm_codec_options_default`, then change
+ * fields. Fields are only ever added at the end.
+ */
+typedef struct EpmCodecOptions {
+  /**
+   * `sizeof(EpmCodecOptions)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Encoder threads; 0 = one per available core (default 0).
+   */
+  uint32_t threads;
+  /**
+   * Exponent code width in bits, 1–4; 0 = the width giving the smallest
+   * buffer (default 0).
+   */
+  uint32_t k;
+  /**
+   * Encode only if compressed ÷ raw would be below this (default 0.9);
+   * 0 also means 0.9.
+   */
+  double max_ratio;
+  /**
+   * Weights of fewer raw bytes stay raw (default 1 MiB).
+   */
+  uint64_t min_bytes;
+} EpmCodecOptions;
+
+/**
+ * What an encode did or would do, or what a compressed buffer holds.
+ * Set `size = sizeof(EpmCodecInfo)` first. Fields are only ever added at
+ * the end.
+ */
+typedef struct EpmCodecInfo {
+  /**
+   * In: `sizeof(EpmCodecInfo)`. Out: bytes filled.
+   */
+  size_t size;
+  /**
+   * `EPM_CODEC_CODED` or an `EPM_CODEC_RAW_*` reason.
+   */
+  uint32_t outcome;
+  /**
+   * `EPM_CODEC_DTYPE_*` of the weight.
+   */
+  uint32_t dtype;
+  /**
+   * Exponent code width in bits (0 when raw).
+   */
+  uint32_t k;
+  /**
+   * Compressed format version (1; 0 when raw).
+   */
+  uint32_t format_version;
+  /**
+   * Values in the weight.
+   */
+  uint64_t values;
+  /**
+   * Raw size in bytes.
+   */
+  uint64_t raw_bytes;
+  /**
+   * Length of the compressed buffer (0 when raw).
+   */
+  uint64_t encoded_bytes;
+  /**
+   * Exponents stored in the escape stream.
+   */
+  uint64_t escapes;
+  /**
+   * encoded ÷ raw; for `EPM_CODEC_RAW_NO_GAIN` the best ratio found;
+   * 1.0 otherwise when raw.
+   */
+  double ratio;
+} EpmCodecInfo;
 
 #ifdef __cplusplus
 extern "C" {
@@ -2808,6 +2932,89 @@ uint32_t epm_version(void);
  * Never NULL, never freed; thread-safe.
  */
 const char *epm_version_string(void);
+
+/**
+ * Fill `*out` with the default encoder options (threads 0 = all cores,
+ * k 0 = best, max_ratio 0.9, min_bytes 1 MiB).
+ *
+ * Set `out->size = sizeof(EpmCodecOptions)` first. NULL: `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for a too-small `out->size`.
+ * Threading: safe from any thread.
+ */
+enum EpmStatus epm_codec_options_default(struct EpmCodecOptions *out);
+
+/**
+ * Decide how `src` (`src_len` bytes of little-endian `dtype` values) would
+ * be encoded, without encoding it: `*out` gets the outcome and, when
+ * `EPM_CODEC_CODED`, `encoded_bytes`, the buffer size `epm_codec_encode`
+ * needs. Reads the weight once (an exponent histogram, on `threads` threads).
+ *
+ * `options` NULL means the defaults. Ownership: everything is only read
+ * during the call. NULL: `src` or `out` is NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for `src_len` 0 or odd for a 16-bit dtype, an unknown
+ * `dtype`, options out of range or a too-small `size`; UNSUPPORTED for more
+ * than 2^32 − 1 values. A weight kept raw is not an error. `*out` is written
+ * only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_codec_plan(const void *src,
+                              size_t src_len,
+                              uint32_t dtype,
+                              const struct EpmCodecOptions *options,
+                              struct EpmCodecInfo *out);
+
+/**
+ * Encode `src` (`src_len` bytes of little-endian `dtype` values) into
+ * `dst`, a buffer of `dst_capacity` bytes the caller owns and keeps: the
+ * compressed weight is `dst[0, out->encoded_bytes)`. When the codec keeps
+ * the weight raw (`out->outcome` is an `EPM_CODEC_RAW_*` reason), nothing is
+ * written to `dst`, which may then be NULL, and the call succeeds.
+ *
+ * Size `dst` with `epm_codec_plan` on the same options (the same `src`
+ * gives the same size). Ownership: `src` and `options` are only read, `dst`
+ * only written, during the call; `src` and `dst` must not overlap. NULL:
+ * `src`, `out`, or `dst` of a weight that is encoded, is NULL_POINTER.
+ * Errors: those of `epm_codec_plan`; INVALID_ARGUMENT when `dst_capacity` is
+ * below the encoded size (the message gives it), when `dst` overlaps `src`,
+ * or when `src` changed during the call. `*out` is written only on success.
+ * Threading: safe from any thread; runs `options->threads` threads.
+ */
+enum EpmStatus epm_codec_encode(const void *src,
+                                size_t src_len,
+                                uint32_t dtype,
+                                const struct EpmCodecOptions *options,
+                                void *dst,
+                                size_t dst_capacity,
+                                struct EpmCodecInfo *out);
+
+/**
+ * Validate a compressed weight: magic, format version, header fields,
+ * stream layout, escape index and CRC-32 over the whole buffer. On success
+ * `*out` describes it (`outcome` EPM_CODEC_CODED, `raw_bytes`, `ratio`, ...).
+ *
+ * Ownership: `buf` is only read during the call. NULL: `buf` or `out` is
+ * NULL_POINTER. Errors: INVALID_ARGUMENT for anything that is not an intact
+ * format v1 buffer of exactly `len` bytes, with a message saying what
+ * (truncated, checksum mismatch, unknown version, ...). `*out` is written
+ * only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_codec_validate(const void *buf, size_t len, struct EpmCodecInfo *out);
+
+/**
+ * Validate `buf` (as `epm_codec_validate`) and decode it on the CPU into
+ * `dst`, which must be exactly the raw size (`raw_bytes`). `threads`: 0 =
+ * one per available core.
+ *
+ * Ownership: `buf` is only read and `dst` only written during the call; they
+ * must not overlap. NULL: `buf` or `dst` is NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for a buffer `epm_codec_validate` refuses, a `dst_len`
+ * other than the raw size, or overlapping buffers; `dst` is then left
+ * unwritten. Threading: safe from any thread.
+ */
+enum EpmStatus epm_codec_decode(const void *buf,
+                                size_t len,
+                                void *dst,
+                                size_t dst_len,
+                                uint32_t threads);
 
 /**
  * Deprecated name of `epm_kv_pool_create` (the object was called a KV

@@ -24,6 +24,9 @@ pub mod arena;
 pub mod device;
 #[forbid(unsafe_code)]
 pub mod error;
+/// cbindgen:ignore
+#[forbid(unsafe_code)]
+pub mod codec;
 pub mod ffi;
 /// cbindgen:ignore
 #[forbid(unsafe_code)]

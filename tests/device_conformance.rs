@@ -47,4 +47,6 @@ checks!(
     straddling_device_ranges_are_errors,
     live_and_driver_counts_are_exact,
     pinned_and_registered_host_memory,
+    decode_is_bit_exact,
+    decode_bad_arguments_are_refused,
 );

@@ -45,6 +45,13 @@ EPM_VERSION_PATCH = 0
 EPM_VERSION = (EPM_VERSION_MAJOR << 16) | (EPM_VERSION_MINOR << 8) | EPM_VERSION_PATCH
 EPM_KV_BATCH_ANY_SLOT = 0xFFFFFFFF
 EPM_KV_NAMESPACE_MAX_BYTES = 128  # the longest namespace of the *_ns functions
+EPM_CODEC_DTYPE_BF16 = 1
+EPM_CODEC_DTYPE_FP16 = 2
+EPM_CODEC_DTYPE_OTHER = 3
+EPM_CODEC_CODED = 1
+EPM_CODEC_RAW_TOO_SMALL = 2
+EPM_CODEC_RAW_NO_GAIN = 3
+EPM_CODEC_RAW_UNSUPPORTED_DTYPE = 4
 
 # The first published size of each versioned struct: the smallest `size`
 # epmem accepts (never sizeof today's struct, which may have grown).
@@ -63,6 +70,8 @@ EPM_RESIDENCY_CONFIG_SIZE_V1 = 72
 EPM_RESIDENCY_STATS_SIZE_V1 = 288
 EPM_COPY_ENGINE_CONFIG_SIZE_V1 = 32
 EPM_STAGING_STATS_SIZE_V1 = 112
+EPM_CODEC_OPTIONS_SIZE_V1 = 32
+EPM_CODEC_INFO_SIZE_V1 = 64
 
 EPM_STATUS_OK = 0
 
@@ -214,6 +223,20 @@ STRUCTS = [EpmArenaConfig, EpmArenaStats, EpmDeviceInfo, EpmKvLayout, EpmKvStats
            EpmStagingStats, EpmCopyEngineConfig]
 
 
+class EpmCodecOptions(Structure):
+    _fields_ = [("size", c_size_t), ("threads", c_uint32), ("k", c_uint32), ("max_ratio", c_double),
+                ("min_bytes", c_uint64)]
+
+
+class EpmCodecInfo(Structure):
+    _fields_ = [("size", c_size_t), ("outcome", c_uint32), ("dtype", c_uint32), ("k", c_uint32),
+                ("format_version", c_uint32), ("values", c_uint64), ("raw_bytes", c_uint64),
+                ("encoded_bytes", c_uint64), ("escapes", c_uint64), ("ratio", c_double)]
+
+
+STRUCTS += [EpmCodecOptions, EpmCodecInfo]
+
+
 def new(struct_type, **fields):
     """A zeroed struct with `size` set to its size, then `fields`."""
     s = struct_type()
@@ -353,6 +376,12 @@ FUNCTIONS = [
     ("epm_fence_wait", STATUS, [H]),
     ("epm_fence_stream_wait", STATUS, [H, H]),
     ("epm_fence_destroy", STATUS, [H]),
+    # the weight codec (docs/RESIDENCY.md, "Compressed weights: the format")
+    ("epm_codec_options_default", STATUS, [P(EpmCodecOptions)]),
+    ("epm_codec_plan", STATUS, [vp, size_t, u32, P(EpmCodecOptions), P(EpmCodecInfo)]),
+    ("epm_codec_encode", STATUS, [vp, size_t, u32, P(EpmCodecOptions), vp, size_t, P(EpmCodecInfo)]),
+    ("epm_codec_validate", STATUS, [vp, size_t, P(EpmCodecInfo)]),
+    ("epm_codec_decode", STATUS, [vp, size_t, vp, size_t, u32]),
     # errors and version (never fail)
     ("epm_last_error_message", c_char_p, []),
     ("epm_status_name", c_char_p, [c_int]),

@@ -36,7 +36,7 @@ pub enum FaultKind {
     Map,
     /// vmm_set_access
     SetAccess,
-    /// any memcpy/memset/checksum enqueue
+    /// any memcpy/memset/checksum/decode enqueue
     Copy,
     /// event_create / event_record
     Event,
@@ -266,6 +266,18 @@ impl Device for FaultyDevice {
     fn checksum_async(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
         self.hit(FaultKind::Copy)?;
         self.inner.checksum_async(p, n, out, s)
+    }
+    fn decode_async(
+        &self,
+        src: DevicePtr,
+        src_len: usize,
+        dst: DevicePtr,
+        dst_len: usize,
+        desc: &crate::codec::DecodeDesc,
+        s: RawStream,
+    ) -> Result<()> {
+        self.hit(FaultKind::Copy)?;
+        self.inner.decode_async(src, src_len, dst, dst_len, desc, s)
     }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.inner.spin_async(micros, s)

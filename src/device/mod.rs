@@ -284,6 +284,26 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// opened (or dropped). For tests that must order a check before queued
     /// work by an event, not by a wall-clock spin. See [`gate`].
     fn hold_async(&self, s: RawStream, gate: &Gate) -> Result<()>;
+    /// Decode the compressed weight at `[src, src+src_len)` (format v1 of
+    /// [`crate::codec`], described by `desc`, which the host parsed from the
+    /// same bytes, so nothing is read back) into `[dst, dst+dst_len)`, ordered
+    /// on `s` like a copy: work queued on `s` before it (the H2D of the
+    /// compressed bytes) completes first, work after it sees the decoded weight.
+    /// `src_len` and `dst_len` must be the compressed and raw lengths `desc`
+    /// gives, both addresses 16-byte aligned, the ranges disjoint
+    /// ([`check_decode`]); a corrupt source gives wrong values or an error,
+    /// never a read or write outside the two ranges. CUDA runs a kernel of the
+    /// built-in codec PTX; the host device runs [`crate::codec::decode_with`]
+    /// on the stream's worker.
+    fn decode_async(
+        &self,
+        src: DevicePtr,
+        src_len: usize,
+        dst: DevicePtr,
+        dst_len: usize,
+        desc: &crate::codec::DecodeDesc,
+        s: RawStream,
+    ) -> Result<()>;
 
     // ---- VMM -----------------------------------------------------------
     /// Physical allocation granularity in bytes.
@@ -315,6 +335,33 @@ pub(crate) fn check_map_offset(offset: usize) -> Result<()> {
         offset == 0,
         Unsupported,
         "vmm_map at handle offset {offset}: only offset 0 is supported (CUDA refuses others); use one handle per granule"
+    );
+    Ok(())
+}
+
+/// The argument rules of [`Device::decode_async`] both devices share.
+pub fn check_decode(
+    src: DevicePtr,
+    src_len: usize,
+    dst: DevicePtr,
+    dst_len: usize,
+    desc: &crate::codec::DecodeDesc,
+) -> Result<()> {
+    desc.check_lengths(src_len, dst_len)?;
+    let align = crate::codec::ALIGN as u64;
+    crate::ensure!(
+        src.is_multiple_of(align) && dst.is_multiple_of(align),
+        InvalidArgument,
+        "decode: source {src:#x} and destination {dst:#x} must both be {align}-byte aligned"
+    );
+    let (src_end, dst_end) = (src.checked_add(src_len as u64), dst.checked_add(dst_len as u64));
+    let (Some(src_end), Some(dst_end)) = (src_end, dst_end) else {
+        return Err(Error::invalid_argument("decode: a range wraps around the address space"));
+    };
+    crate::ensure!(
+        src_end <= dst || dst_end <= src,
+        InvalidArgument,
+        "decode: source {src:#x}+{src_len} and destination {dst:#x}+{dst_len} overlap"
     );
     Ok(())
 }

@@ -11,12 +11,14 @@
 //! On CUDA, run each check in its own process (`--exact NAME`): a check that
 //! finds a bug may poison the context, and that must not fail the others.
 
+mod codec;
 mod copies;
 mod errors;
 mod ordering;
 mod resources;
 mod vmm;
 
+pub use codec::*;
 pub use copies::*;
 pub use errors::*;
 pub use ordering::*;

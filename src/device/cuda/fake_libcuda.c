@@ -4,7 +4,8 @@
 // context is current) and reports a violation as an error, so the CUDA
 // tests fail. Device memory is host memory (so device pointers are host
 // pointers), VMM is memfd + mmap + mprotect, copies and the checksum kernel
-// run synchronously, and the spin kernel advances a per-stream "busy until"
+// run synchronously (the codec decode with a plain C decoder of format v1),
+// and the spin kernel advances a per-stream "busy until"
 // clock that events, queries and synchronizes honour. A stream memory wait
 // (cuStreamWaitValue32_v2, the gate of Device::hold_async) holds its stream:
 // events recorded behind it stay NOT_READY, and waits on them block, until
@@ -144,21 +145,52 @@ CUresult cuEventSynchronize(Event *e) { NEED_CTX(); wait_hold(e->hold); wait_unt
 static CUresult elapsed(float *ms, Event *a, Event *b) { NEED_CTX(); if ((a->flags | b->flags) & 2) return 400; if (pending(a->hold) || pending(b->hold)) return 600; if (now_ns() < a->at || now_ns() < b->at) BAD("elapsed on a pending event"); *ms = (float)((double)((int64_t)(b->at - a->at)) / 1e6); return 0; }
 CUresult cuEventElapsedTime(float *ms, Event *a, Event *b) { return elapsed(ms, a, b); }
 CUresult cuEventElapsedTime_v2(float *ms, Event *a, Event *b) { return elapsed(ms, a, b); }
-static int MOD, F_SUM, F_SPIN;
+static int MOD, CODEC_MOD, F_SUM, F_SPIN, F_DECODE;
+// The two modules: the built-in kernels and the codec (codec.ptx).
 CUresult cuModuleLoadDataEx(CUmodule *m, const void *img, unsigned n, int *opts, void **vals) {
   NEED_CTX();
   if (n != 2 || opts[0] != 5 || opts[1] != 6 || (size_t)vals[1] != 8192) BAD("jit options");
+  if (strstr((const char*)img, ".entry epm_codec_decode(")) { *m = &CODEC_MOD; return 0; }
   if (!strstr((const char*)img, ".entry epm_checksum(") || !strstr((const char*)img, ".entry epm_spin(")) BAD("ptx");
   *m = &MOD; return 0;
 }
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
+  if (m == &CODEC_MOD) { if (strcmp(name, "epm_codec_decode")) return 500; *f = &F_DECODE; return 0; }
   if (m != &MOD) BAD("module");
   if (!strcmp(name, "epm_checksum")) *f = &F_SUM;
   else if (!strcmp(name, "epm_spin")) *f = &F_SPIN;
   else return 500;
   return 0;
 }
-CUresult cuModuleUnload(CUmodule m) { NEED_CTX(); return m == &MOD ? 0 : 400; }
+CUresult cuModuleUnload(CUmodule m) { NEED_CTX(); return m == &MOD || m == &CODEC_MOD ? 0 : 400; }
+// codec.cu's parameter block, and a plain C decoder of format v1: a second,
+// independent reading of the format that the CUDA path's tests decode with.
+typedef struct {
+  uint64_t dst, offsets, codes, lows, escapes, n_values, n_escapes;
+  uint32_t dtype, k, code_bits, blocks;
+  uint8_t table[16];
+} DecodeParams;
+static CUresult fake_decode(unsigned grid, unsigned block, const DecodeParams *p) {
+  if (block != 256 || p->blocks != grid || (uint64_t)grid * 4096 < p->n_values || (uint64_t)(grid - 1) * 4096 >= p->n_values) BAD("decode launch: grid %u block %u for %llu values", grid, block, (unsigned long long)p->n_values);
+  if (p->k < 1 || p->k > 4 || p->code_bits != p->k + (p->dtype == 2 ? 3 : 0) || (p->dtype != 1 && p->dtype != 2)) BAD("decode params: dtype %u k %u W %u", p->dtype, p->k, p->code_bits);
+  if ((p->dst | p->codes | p->lows) & 15) BAD("decode: unaligned stream or destination");
+  const uint8_t *codes = (const uint8_t *)p->codes, *lows = (const uint8_t *)p->lows, *escs = (const uint8_t *)p->escapes;
+  const uint32_t *offs = (const uint32_t *)p->offsets;
+  uint16_t *dst = (uint16_t *)p->dst;
+  const uint32_t w = p->code_bits, esc = (1u << p->k) - 1;
+  for (uint64_t b = 0; b < grid; b++) {
+    uint64_t e = offs[b];
+    for (uint64_t i = b * 4096; i < p->n_values && i < (b + 1) * 4096; i++) {
+      uint64_t bit = i * w, c = 0;
+      for (uint32_t j = 0; j < w; j++, bit++) c |= (uint64_t)((codes[bit / 8] >> (bit % 8)) & 1) << j;
+      uint32_t code = c & esc, extra = (uint32_t)(c >> p->k), exp, low = lows[i];
+      if (code == esc) { exp = e < p->n_escapes ? escs[e] : 0; e++; } else exp = p->table[code];
+      dst[i] = p->dtype == 2 ? (uint16_t)(((extra & 4) << 13) | ((exp & 0x1F) << 10) | ((extra & 3) << 8) | low)
+                             : (uint16_t)(((low & 0x80) << 8) | ((exp & 0xFF) << 7) | (low & 0x7F));
+    }
+  }
+  return 0;
+}
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, Stream *s, void **params, void **extra) {
   NEED_CTX();
   if (gy != 1 || gz != 1 || by != 1 || bz != 1 || sh || extra || !gx || !bx) BAD("launch dims");
@@ -168,6 +200,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     uint64_t sum = 0; for (uint64_t i = 0; i < words; i++) sum += (uint64_t)p[i] * (2 * i + 1);
     *out += sum; return 0;
   }
+  if (f == &F_DECODE) return fake_decode(gx, bx, (const DecodeParams *)params[0]);
   if (f == &F_SPIN) { uint64_t ns = *(uint64_t*)params[0]; uint64_t t = now_ns(); if (s->busy_until > t) t = s->busy_until; s->busy_until = t + ns; return 0; }
   BAD("function");
 }

@@ -37,6 +37,37 @@ pub(super) fn checksum_grid(words: u64, sm_count: u32) -> u32 {
     needed.min((sm_count.max(1) * CHECKSUM_BLOCKS_PER_SM) as u64) as u32
 }
 
+/// Load a PTX module into the current context (the driver JIT-compiles it
+/// for this GPU); a failure carries the JIT's error log. `ptx` is
+/// NUL-terminated.
+pub(super) fn load_module(ptx: &str, what: &str) -> Result<sys::CUmodule> {
+    crate::ensure!(ptx.ends_with('\0'), Internal, "{what} is not NUL-terminated");
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    let mut log = vec![0u8; JIT_LOG_BYTES];
+    let mut opts = [
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    // The size option's value is the integer itself, cast to a pointer.
+    let mut vals: [*mut c_void; 2] = [log.as_mut_ptr().cast(), JIT_LOG_BYTES as *mut c_void];
+    // SAFETY: `ptx` is NUL-terminated (checked); the option arrays have two
+    // entries each and the log buffer holds JIT_LOG_BYTES bytes while the call runs.
+    let r = unsafe {
+        cu!(cuModuleLoadDataEx(
+            &mut module,
+            ptx.as_ptr().cast(),
+            opts.len() as c_uint,
+            opts.as_mut_ptr(),
+            vals.as_mut_ptr()
+        ))
+    };
+    if let Err(e) = r {
+        let text = String::from_utf8_lossy(&log[..log.iter().position(|&b| b == 0).unwrap_or(0)]).into_owned();
+        return Err(e.context(format!("loading {what} (JIT log: {:?})", text.trim())));
+    }
+    Ok(module)
+}
+
 impl CudaDevice {
     /// The loaded module, loading it on first use (our context must be current).
     pub(super) fn kernels(&self) -> Result<Kernels> {
@@ -44,29 +75,7 @@ impl CudaDevice {
         if let Some(k) = *slot {
             return Ok(k);
         }
-        let mut module: sys::CUmodule = std::ptr::null_mut();
-        let mut log = vec![0u8; JIT_LOG_BYTES];
-        let mut opts = [
-            sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
-            sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-        ];
-        // The size option's value is the integer itself, cast to a pointer.
-        let mut vals: [*mut c_void; 2] = [log.as_mut_ptr().cast(), JIT_LOG_BYTES as *mut c_void];
-        // SAFETY: PTX is NUL-terminated; the option arrays have two entries
-        // each and the log buffer holds JIT_LOG_BYTES bytes while the call runs.
-        let r = unsafe {
-            cu!(cuModuleLoadDataEx(
-                &mut module,
-                PTX.as_ptr().cast(),
-                opts.len() as c_uint,
-                opts.as_mut_ptr(),
-                vals.as_mut_ptr()
-            ))
-        };
-        if let Err(e) = r {
-            let text = String::from_utf8_lossy(&log[..log.iter().position(|&b| b == 0).unwrap_or(0)]).into_owned();
-            return Err(e.context(format!("loading epmem's built-in PTX (JIT log: {:?})", text.trim())));
-        }
+        let module = load_module(PTX, "epmem's built-in PTX")?;
         let function = |name: &CStr| -> Result<Handle<sys::CUfunction>> {
             let mut f: sys::CUfunction = std::ptr::null_mut();
             // SAFETY: valid out-pointer, a loaded module, a NUL-terminated name.

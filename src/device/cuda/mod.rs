@@ -4,7 +4,8 @@
 //! Layout: [`driver`] (loading, error mapping, context guard), [`streams`]
 //! (streams and events), [`memory`] (pinned, registered and device memory,
 //! copies), [`vmm`] (physical handles, reservations, mappings), [`kernels`]
-//! (the two built-in PTX kernels), [`hold`] (the test gate's stream wait),
+//! (the two built-in PTX kernels), [`codec`] (the decode kernel of
+//! compressed weights), [`hold`] (the test gate's stream wait),
 //! [`teardown`] (Drop).
 //!
 //! Every driver object we hand out is kept in a table (id → handle), so an
@@ -13,6 +14,7 @@
 
 #[macro_use]
 mod driver;
+mod codec;
 mod hold;
 mod kernels;
 mod memory;
@@ -72,6 +74,8 @@ pub struct CudaDevice {
     device_mem: Mutex<BTreeMap<u64, usize>>,
     vmm: Mutex<vmm::VmmTables>,
     kernels: Mutex<Option<kernels::Kernels>>,
+    /// The codec module, loaded at the first decode (see `codec`).
+    codec: Mutex<Option<codec::CodecKernel>>,
     /// Flags of `hold_async`, kept until their wait has passed (see `hold`).
     gates: Mutex<Vec<hold::HeldGate>>,
 }
@@ -184,6 +188,7 @@ impl CudaDevice {
             device_mem: Mutex::default(),
             vmm: Mutex::default(),
             kernels: Mutex::default(),
+            codec: Mutex::default(),
             gates: Mutex::default(),
         })
     }
@@ -336,6 +341,17 @@ impl Device for CudaDevice {
 
     fn checksum_async(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
         self.cu_checksum(p, n, out, s)
+    }
+    fn decode_async(
+        &self,
+        src: DevicePtr,
+        src_len: usize,
+        dst: DevicePtr,
+        dst_len: usize,
+        desc: &crate::codec::DecodeDesc,
+        s: RawStream,
+    ) -> Result<()> {
+        self.cu_decode(src, src_len, dst, dst_len, desc, s)
     }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.cu_spin(micros, s)

@@ -16,7 +16,7 @@ impl CudaDevice {
         // freed below. It also waits for the host's own work in the shared
         // primary context, so it is skipped when there is nothing to free.
         let held = self.open_all_holds();
-        if held || *live != LiveCounts::default() || lock(&self.kernels).is_some() {
+        if held || *live != LiveCounts::default() || lock(&self.kernels).is_some() || lock(&self.codec).is_some() {
             // SAFETY: no arguments; our context is current (caller holds the guard).
             if let Err(e) = unsafe { cu!(cuCtxSynchronize()) } {
                 log::warn!("epmem: synchronizing cuda:{} at teardown: {e}", self.info.ordinal);
@@ -24,6 +24,10 @@ impl CudaDevice {
         }
         self.free_all_holds();
         if let Some(k) = lock(&self.kernels).take() {
+            // SAFETY: our module; no launch can be pending after the synchronize.
+            log_err("cuModuleUnload", unsafe { cu!(cuModuleUnload(k.module.0)) });
+        }
+        if let Some(k) = lock(&self.codec).take() {
             // SAFETY: our module; no launch can be pending after the synchronize.
             log_err("cuModuleUnload", unsafe { cu!(cuModuleUnload(k.module.0)) });
         }

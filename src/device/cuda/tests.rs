@@ -519,3 +519,15 @@ fn gpu_drop_frees_what_callers_leaked() {
         "1 GiB leaked past drop: free {free0} -> {free1}"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (EPM_DEVICE=cuda)"]
+fn gpu_decode_kernel_is_bit_exact_and_refuses_bad_arguments() {
+    // On the fake driver this decodes with its C reader of the format, a
+    // second implementation; on a GPU it runs codec.ptx.
+    let d = gpu();
+    let before = fake_violations();
+    crate::device::conformance::decode_is_bit_exact(&d).unwrap();
+    crate::device::conformance::decode_bad_arguments_are_refused(&d).unwrap();
+    assert_eq!(fake_violations(), before, "the fake driver saw bad decode launches");
+}

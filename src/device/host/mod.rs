@@ -404,6 +404,25 @@ impl Device for HostDevice {
         let op = MemOp::Checksum { p: p as usize, n, out: out as usize };
         self.enqueue_mem(s, op, vec![(p, n, Need::Read), (out, 8, Need::Write)], None)
     }
+    fn decode_async(
+        &self,
+        src: DevicePtr,
+        src_len: usize,
+        dst: DevicePtr,
+        dst_len: usize,
+        desc: &crate::codec::DecodeDesc,
+        s: RawStream,
+    ) -> Result<()> {
+        check_decode(src, src_len, dst, dst_len, desc)?;
+        let op = MemOp::Decode {
+            src: src as usize,
+            src_len,
+            dst: dst as usize,
+            dst_len,
+            desc: Box::new(*desc),
+        };
+        self.enqueue_mem(s, op, vec![(src, src_len, Need::Read), (dst, dst_len, Need::Write)], None)
+    }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.stream(s)?.push(Op::Spin(Duration::from_micros(micros.into())))?;
         Ok(())

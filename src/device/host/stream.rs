@@ -31,6 +31,8 @@ pub(super) enum MemOp {
     Copy { dst: usize, src: usize, n: usize },
     Fill { dst: usize, value: u8, n: usize },
     Checksum { p: usize, n: usize, out: usize },
+    /// A compressed weight decoded on the CPU (ranges checked disjoint).
+    Decode { src: usize, src_len: usize, dst: usize, dst_len: usize, desc: Box<crate::codec::DecodeDesc> },
 }
 
 #[derive(Debug)]
@@ -171,8 +173,7 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
             // SAFETY: every device range was just checked under the read lock,
             // which keeps it mapped with that access until we finish; host ranges
             // are vouched for by the caller of the unsafe enqueue function.
-            unsafe { run_mem(op) };
-            Ok(())
+            unsafe { run_mem(op) }
         }
         Op::Spin(d) => {
             spin(d);
@@ -193,9 +194,13 @@ fn execute(op: Op, space: &RwLock<AddrSpace>) -> Result<()> {
     }
 }
 
+/// Threads a host-device decode may use: the stream worker plus helpers,
+/// bounded so several streams decoding at once do not oversubscribe.
+const DECODE_THREADS: usize = 8;
+
 /// # Safety
 /// Every range is valid for its access (see `execute`).
-unsafe fn run_mem(op: MemOp) {
+unsafe fn run_mem(op: MemOp) -> Result<()> {
     match op {
         // Zero-length ops are valid with any address (even NULL), which
         // `ptr::copy` and `from_raw_parts` do not accept: skip them.
@@ -221,7 +226,17 @@ unsafe fn run_mem(op: MemOp) {
             // SAFETY: 8 writable device bytes (caller); no alignment is promised.
             unsafe { std::ptr::write_unaligned(std::ptr::with_exposed_provenance_mut::<u64>(out), sum.to_le()) }
         }
+        MemOp::Decode { src, src_len, dst, dst_len, desc } => {
+            // SAFETY: a readable device range (caller), disjoint from `dst`
+            // (checked at enqueue), so the two slices do not alias.
+            let from = unsafe { std::slice::from_raw_parts(std::ptr::with_exposed_provenance::<u8>(src), src_len) };
+            // SAFETY: a writable device range (caller), disjoint from `src`.
+            let to = unsafe { std::slice::from_raw_parts_mut(std::ptr::with_exposed_provenance_mut::<u8>(dst), dst_len) };
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(DECODE_THREADS);
+            return crate::codec::decode_with(&desc, from, to, threads);
+        }
     }
+    Ok(())
 }
 
 /// Sleep most of the way, spin the last stretch: a "kernel" of `d` that is

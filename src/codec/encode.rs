@@ -1,0 +1,382 @@
+//! The encoder: two passes over the weight, each split by blocks over threads.
+//!
+//! Pass 1 ([`plan`]) takes an exponent histogram per thread chunk. The
+//! totals choose k and the table; the per-chunk histograms then give each
+//! chunk's escape count, so the whole layout (and where each chunk writes its
+//! escapes) is known before pass 2 ([`Plan::encode_into`]) writes every
+//! stream in place, each thread into its own disjoint slices.
+
+use std::ops::Range;
+
+use super::format::{self, BLOCK_VALUES, DecodeDesc, HEADER_LEN, Layout, MAX_K, TABLE_LEN};
+use super::{Dtype, EncodeOptions, Encoded, RawReason};
+use crate::error::{Error, Result};
+
+/// A chunk of whole blocks one thread encodes.
+#[derive(Debug, Clone)]
+struct Chunk {
+    blocks: Range<usize>,
+    /// Escapes of the chunks before it: where its escapes start.
+    escapes_before: usize,
+    escapes: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Decision {
+    Coded { desc: DecodeDesc, chunks: Vec<Chunk> },
+    Raw(RawReason),
+}
+
+/// The outcome of pass 1: whether and how a weight is encoded, and its size.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    decision: Decision,
+    raw_len: usize,
+    threads: usize,
+}
+
+impl Plan {
+    /// `Ok(len)` of the encoded buffer, or why the weight stays raw.
+    pub fn outcome(&self) -> std::result::Result<usize, RawReason> {
+        match &self.decision {
+            Decision::Coded { desc, .. } => Ok(desc.compressed_len()),
+            Decision::Raw(r) => Err(*r),
+        }
+    }
+    /// The description of the buffer [`Plan::encode_into`] writes.
+    pub fn desc(&self) -> Option<&DecodeDesc> {
+        match &self.decision {
+            Decision::Coded { desc, .. } => Some(desc),
+            Decision::Raw(_) => None,
+        }
+    }
+    /// Compressed ÷ raw when encoded, 1.0 when raw.
+    pub fn ratio(&self) -> f64 {
+        self.desc().map_or(1.0, DecodeDesc::ratio)
+    }
+
+    /// Pass 2: write the encoded weight into `out[..len]` (`len` from
+    /// [`Plan::outcome`]; `out` may be longer, the rest is untouched).
+    /// `data` must be the bytes [`plan`] saw: a weight that changed in
+    /// between is refused (its escape counts no longer match).
+    pub fn encode_into(&self, data: &[u8], out: &mut [u8]) -> Result<usize> {
+        let Decision::Coded { desc, chunks } = &self.decision else {
+            return Err(Error::invalid_state("encode_into on a plan that keeps the weight raw"));
+        };
+        crate::ensure!(
+            data.len() == self.raw_len,
+            InvalidArgument,
+            "encode: the weight is {} bytes, the plan was made for {}",
+            data.len(),
+            self.raw_len
+        );
+        let l = desc.layout;
+        crate::ensure!(
+            out.len() >= l.total_len,
+            InvalidArgument,
+            "encode: the output holds {} bytes, the encoded weight needs {}",
+            out.len(),
+            l.total_len
+        );
+        let out = &mut out[..l.total_len];
+        let (header, rest) = out.split_at_mut(HEADER_LEN);
+        format::write_header(desc, header);
+        let (offsets, rest) = rest.split_at_mut(l.codes_off - l.offsets_off);
+        let (codes, rest) = rest.split_at_mut(l.lows_off - l.codes_off);
+        let (lows, escapes) = rest.split_at_mut(l.escapes_off - l.lows_off);
+        // Padding is zero; every other byte is written below.
+        offsets[(l.blocks + 1) * 4..].fill(0);
+        codes[l.codes_len..].fill(0);
+        lows[desc.n..].fill(0);
+        escapes[desc.escapes..].fill(0);
+        offsets[l.blocks * 4..(l.blocks + 1) * 4].copy_from_slice(&(desc.escapes as u32).to_le_bytes());
+
+        let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
+        let lut = lookup(desc);
+        // Carve each stream into the chunks' disjoint slices.
+        let (mut offsets, mut codes, mut lows, mut escapes) =
+            (&mut offsets[..l.blocks * 4], &mut codes[..l.codes_len], &mut lows[..desc.n], &mut escapes[..desc.escapes]);
+        let mut jobs = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let nblocks = c.blocks.len();
+            let values = (c.blocks.end * BLOCK_VALUES).min(desc.n) - c.blocks.start * BLOCK_VALUES;
+            let (o, ro) = std::mem::take(&mut offsets).split_at_mut(nblocks * 4);
+            let all_codes = std::mem::take(&mut codes);
+            let at = (nblocks * block_code_bytes).min(all_codes.len());
+            let (k, rk) = all_codes.split_at_mut(at);
+            let (w, rw) = std::mem::take(&mut lows).split_at_mut(values);
+            let (e, re) = std::mem::take(&mut escapes).split_at_mut(c.escapes);
+            (offsets, codes, lows, escapes) = (ro, rk, rw, re);
+            let src = &data[c.blocks.start * BLOCK_VALUES * 2..][..values * 2];
+            jobs.push((c, src, o, k, w, e));
+        }
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = jobs
+                .into_iter()
+                .map(|(c, src, o, k, w, e)| s.spawn(|| encode_chunk(desc, &lut, c, src, o, k, w, e)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        format::store_checksum(out, self.threads);
+        Ok(l.total_len)
+    }
+}
+
+/// exponent → code; the escape code for exponents outside the table.
+fn lookup(desc: &DecodeDesc) -> [u8; 256] {
+    let esc = ((1u32 << desc.k) - 1) as u8;
+    let mut lut = [esc; 256];
+    for (code, &e) in desc.table[..esc as usize].iter().enumerate() {
+        lut[e as usize] = code as u8;
+    }
+    lut
+}
+
+#[allow(clippy::too_many_arguments)]
+fn encode_chunk(
+    desc: &DecodeDesc,
+    lut: &[u8; 256],
+    chunk: &Chunk,
+    src: &[u8],
+    offsets: &mut [u8],
+    codes: &mut [u8],
+    lows: &mut [u8],
+    escapes: &mut [u8],
+) -> Result<()> {
+    let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
+    let mut e = 0usize;
+    let blocks = src.chunks(BLOCK_VALUES * 2).zip(lows.chunks_mut(BLOCK_VALUES));
+    for (j, (block, lows)) in blocks.enumerate() {
+        let first = (chunk.escapes_before + e) as u32;
+        offsets[j * 4..j * 4 + 4].copy_from_slice(&first.to_le_bytes());
+        let end = ((j + 1) * block_code_bytes).min(codes.len());
+        let out = &mut codes[j * block_code_bytes..end];
+        let fits = encode_block_dispatch(desc, lut, block, lows, out, escapes, &mut e);
+        crate::ensure!(fits, InvalidArgument, "encode: the weight changed between planning and encoding");
+    }
+    crate::ensure!(e == escapes.len(), InvalidArgument, "encode: the weight changed between planning and encoding");
+    Ok(())
+}
+
+/// Values per group: the 16 a GPU thread decodes, whose codes are `2·W`
+/// whole bytes, so a group packs into one u128 and is stored at once.
+const GROUP: usize = 16;
+
+/// [`encode_block`] for this weight's dtype and k, as constants.
+fn encode_block_dispatch(
+    desc: &DecodeDesc,
+    lut: &[u8; 256],
+    block: &[u8],
+    lows: &mut [u8],
+    out: &mut [u8],
+    escapes: &mut [u8],
+    e: &mut usize,
+) -> bool {
+    macro_rules! go {
+        ($($fp:literal $k:literal),*) => {
+            match (desc.dtype == Dtype::Fp16, desc.k) {
+                $(($fp, $k) => encode_block::<$fp, $k>(lut, block, lows, out, escapes, e),)*
+                _ => unreachable!("k is 1..=4 (validated)"),
+            }
+        };
+    }
+    go!(false 1, false 2, false 3, false 4, true 1, true 2, true 3, true 4)
+}
+
+/// Encode one block; `false` if it has more escapes than `escapes` holds
+/// (the weight changed after planning). Generic over the dtype and k so
+/// every shift is a constant. Escapes go to a block-local buffer without a
+/// branch (escapes are 2–13% of values in real weights: a branch on them
+/// mispredicts), then are copied out, bounds-checked, once per block.
+#[inline(always)]
+fn encode_block<const FP16: bool, const K: u32>(
+    lut: &[u8; 256],
+    block: &[u8],
+    lows: &mut [u8],
+    out: &mut [u8],
+    escapes: &mut [u8],
+    e: &mut usize,
+) -> bool {
+    let dtype = if FP16 { Dtype::Fp16 } else { Dtype::Bf16 };
+    let w = K + dtype.extra_bits();
+    let esc = (1u8 << K) - 1;
+    let gb = 2 * w as usize;
+    let groups = block.len() / (2 * GROUP);
+    let mut local = [0u8; BLOCK_VALUES];
+    let mut n = 0usize;
+    let whole = block.chunks_exact(2 * GROUP).zip(lows.chunks_exact_mut(GROUP)).zip(out.chunks_exact_mut(gb));
+    for ((src, lo), dst) in whole.take(groups) {
+        // Fixed-size views: the loop below then needs no bounds checks.
+        let (Ok(src), Ok(lo)) = (<&[u8; 2 * GROUP]>::try_from(src), <&mut [u8; GROUP]>::try_from(lo)) else {
+            unreachable!("chunks_exact yields whole groups")
+        };
+        let mut acc = 0u128;
+        super::unroll16!(|i: usize| {
+            let (exp, l, extra) = dtype.split(u16::from_le_bytes([src[2 * i], src[2 * i + 1]]));
+            lo[i] = l;
+            let c = lut[exp as usize];
+            local[n & (BLOCK_VALUES - 1)] = exp;
+            n += (c == esc) as usize;
+            acc |= ((c as u128) | ((extra as u128) << K)) << (i as u32 * w);
+        });
+        dst.copy_from_slice(&acc.to_le_bytes()[..gb]);
+    }
+    // The last block's tail: fewer than a group, byte-aligned at its start.
+    let (mut acc, mut nbits, mut pos) = (0u64, 0u32, groups * gb);
+    for (i, pair) in block[groups * 2 * GROUP..].chunks_exact(2).enumerate() {
+        let (exp, l, extra) = dtype.split(u16::from_le_bytes([pair[0], pair[1]]));
+        lows[groups * GROUP + i] = l;
+        let c = lut[exp as usize];
+        local[n & (BLOCK_VALUES - 1)] = exp;
+        n += (c == esc) as usize;
+        acc |= ((c as u64) | ((extra as u64) << K)) << nbits;
+        nbits += w;
+        if nbits >= 32 {
+            out[pos..pos + 4].copy_from_slice(&(acc as u32).to_le_bytes());
+            (acc, nbits, pos) = (acc >> 32, nbits - 32, pos + 4);
+        }
+    }
+    let tail = nbits.div_ceil(8) as usize;
+    out[pos..pos + tail].copy_from_slice(&acc.to_le_bytes()[..tail]);
+    debug_assert_eq!(pos + tail, out.len());
+    // A block of all escapes wraps `n & (BLOCK_VALUES - 1)` to 0 at its very
+    // end only, after its last write: `n` is still the true count.
+    let Some(dst) = escapes.get_mut(*e..*e + n) else { return false };
+    dst.copy_from_slice(&local[..n.min(BLOCK_VALUES)]);
+    *e += n;
+    true
+}
+
+/// Pass 1: decide whether and how to encode `data` (little-endian values of
+/// `dtype`). Errors only on bad input (an odd byte count for a 16-bit dtype,
+/// more than 2^32 − 1 values, a bad option); every reason to keep a weight
+/// raw is an `Ok` plan saying so.
+pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
+    crate::ensure!(
+        opts.max_ratio.is_finite() && opts.max_ratio > 0.0,
+        InvalidArgument,
+        "encode: max_ratio {} is not a positive number",
+        opts.max_ratio
+    );
+    if let Some(k) = opts.k {
+        crate::ensure!((1..=MAX_K).contains(&k), InvalidArgument, "encode: code width k={k} is not in 1..={MAX_K}");
+    }
+    let threads = opts.thread_count();
+    let raw = |r| Ok(Plan { decision: Decision::Raw(r), raw_len: data.len(), threads });
+    if dtype == Dtype::Other {
+        return raw(RawReason::UnsupportedDtype);
+    }
+    crate::ensure!(
+        data.len().is_multiple_of(2),
+        InvalidArgument,
+        "encode: {} bytes is not a whole number of 2-byte {} values",
+        data.len(),
+        dtype.name()
+    );
+    if data.is_empty() || data.len() < opts.min_bytes {
+        return raw(RawReason::TooSmall { bytes: data.len(), min_bytes: opts.min_bytes });
+    }
+    let n = data.len() / 2;
+    crate::ensure!(
+        n <= u32::MAX as usize,
+        Unsupported,
+        "encode: {n} values is more than format v1's 2^32 - 1 per weight; split the weight"
+    );
+    let blocks = n.div_ceil(BLOCK_VALUES);
+    let nchunks = threads.min(blocks).max(1);
+    let ranges: Vec<Range<usize>> = (0..nchunks).map(|i| blocks * i / nchunks..blocks * (i + 1) / nchunks).collect();
+    let hists: Vec<[u64; 256]> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranges
+            .iter()
+            .map(|r| {
+                let bytes = &data[r.start * BLOCK_VALUES * 2..(r.end * BLOCK_VALUES * 2).min(data.len())];
+                s.spawn(move || histogram(dtype, bytes))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    let mut total = [0u64; 256];
+    for h in &hists {
+        for (t, c) in total.iter_mut().zip(h) {
+            *t += c;
+        }
+    }
+    // Exponents by descending count (ties: the smaller exponent), for the table.
+    let mut order: Vec<usize> = (0..256).filter(|&e| total[e] > 0).collect();
+    order.sort_by_key(|&e| (std::cmp::Reverse(total[e]), e));
+    let mut best: Option<(Layout, u32, usize)> = None;
+    for k in opts.k.map_or(1..=MAX_K, |k| k..=k) {
+        let used = ((1usize << k) - 1).min(order.len());
+        let covered: u64 = order[..used].iter().map(|&e| total[e]).sum();
+        let escapes = n - covered as usize;
+        let layout = Layout::new(dtype, k, n, escapes)?;
+        if best.is_none_or(|(b, _, _)| layout.total_len < b.total_len) {
+            best = Some((layout, k, escapes));
+        }
+    }
+    let Some((layout, k, escapes)) = best else { return Err(Error::internal("encode: no code width considered")) };
+    let ratio = layout.total_len as f64 / data.len() as f64;
+    if ratio >= opts.max_ratio {
+        return raw(RawReason::NoGain { ratio, max_ratio: opts.max_ratio });
+    }
+    let used = ((1usize << k) - 1).min(order.len());
+    let mut table = [0u8; TABLE_LEN];
+    for (t, &e) in table.iter_mut().zip(&order[..used]) {
+        *t = e as u8;
+    }
+    let mut before = 0;
+    let chunks = ranges
+        .into_iter()
+        .zip(&hists)
+        .map(|(blocks, h)| {
+            let values: u64 = h.iter().sum();
+            let covered: u64 = order[..used].iter().map(|&e| h[e]).sum();
+            let c = Chunk { blocks, escapes_before: before, escapes: (values - covered) as usize };
+            before += c.escapes;
+            c
+        })
+        .collect();
+    let desc = DecodeDesc { dtype, k, n, escapes, table, layout };
+    Ok(Plan { decision: Decision::Coded { desc, chunks }, raw_len: data.len(), threads })
+}
+
+/// Exponent counts; four interleaved tables so consecutive equal exponents
+/// do not serialise on one counter.
+fn histogram(dtype: Dtype, bytes: &[u8]) -> [u64; 256] {
+    let mut h = [[0u32; 256]; 4];
+    let mut out = [0u64; 256];
+    // u32 counters are flushed before they can overflow.
+    for part in bytes.chunks(4 << 30) {
+        let mut quads = part.chunks_exact(8);
+        for q in &mut quads {
+            for (i, t) in h.iter_mut().enumerate() {
+                let v = u16::from_le_bytes([q[2 * i], q[2 * i + 1]]);
+                t[dtype.split(v).0 as usize] += 1;
+            }
+        }
+        for pair in quads.remainder().chunks_exact(2) {
+            h[0][dtype.split(u16::from_le_bytes([pair[0], pair[1]])).0 as usize] += 1;
+        }
+        for t in &mut h {
+            for (o, c) in out.iter_mut().zip(t.iter_mut()) {
+                *o += *c as u64;
+                *c = 0;
+            }
+        }
+    }
+    out
+}
+
+/// Encode a weight in one call: [`plan`] then [`Plan::encode_into`].
+pub fn encode(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Encoded> {
+    let p = plan(data, dtype, opts)?;
+    match p.outcome() {
+        Err(r) => Ok(Encoded::Raw(r)),
+        Ok(len) => {
+            let mut out = vec![0u8; len];
+            p.encode_into(data, &mut out)?;
+            Ok(Encoded::Coded(out))
+        }
+    }
+}

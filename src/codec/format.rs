@@ -1,0 +1,316 @@
+//! Format v1 of a compressed weight: the header, the stream layout, and the
+//! validation that stands between a buffer and any decoder.
+//!
+//! ```text
+//! offset  size  field
+//!      0     4  magic "EPMZ"
+//!      4     2  version (1)
+//!      6     2  header length (128): the first stream starts here
+//!      8     1  dtype (1 = bf16, 2 = fp16)
+//!      9     1  k, the exponent code width in bits (1..=4)
+//!     10     1  code width W = k + the dtype's extra raw bits (bf16 0, fp16 3)
+//!     11     1  reserved, 0
+//!     12     4  values per block (4096)
+//!     16     8  n, the number of values (1..=2^32-1)
+//!     24     8  escapes, the number of escaped exponents
+//!     32     8  offset of the block escape offsets
+//!     40     8  offset of the code stream
+//!     48     8  offset of the low-byte stream
+//!     56     8  offset of the escape stream
+//!     64     8  total length of the buffer
+//!     72    16  exponent table: 2^k-1 entries, the rest 0
+//!     88    36  reserved, 0
+//!    124     4  CRC-32 (IEEE) of bytes [0, 124) followed by [128, total)
+//! ```
+//! All integers little-endian. Every stream starts at a multiple of 16 and
+//! is zero-padded to one, so the total length is one too and a GPU block may
+//! read whole 16-byte words of any stream without leaving the buffer.
+
+use crate::error::{Error, Result};
+
+use super::Dtype;
+
+pub const MAGIC: [u8; 4] = *b"EPMZ";
+pub const VERSION: u16 = 1;
+pub const HEADER_LEN: usize = 128;
+/// Values per block. A block is the unit a GPU thread block decodes alone
+/// (256 threads × 16 values) and the unit of the escape index.
+pub const BLOCK_VALUES: usize = 4096;
+/// Stream alignment in bytes: the kernel's loads and stores are 16 bytes wide.
+pub const ALIGN: usize = 16;
+/// The largest exponent code width; its table has 15 entries.
+pub const MAX_K: u32 = 4;
+pub const TABLE_LEN: usize = 16;
+const CRC_AT: usize = 124;
+
+pub(super) fn align(n: usize) -> usize {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+fn corrupt(msg: impl std::fmt::Display) -> Error {
+    Error::invalid_argument(format!("compressed weight refused: {msg}"))
+}
+
+/// Where each stream lies, a pure function of (dtype, k, n, escapes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Layout {
+    pub blocks: usize,
+    pub offsets_off: usize,
+    pub codes_off: usize,
+    pub codes_len: usize,
+    pub lows_off: usize,
+    pub escapes_off: usize,
+    pub total_len: usize,
+}
+
+impl Layout {
+    pub fn new(dtype: Dtype, k: u32, n: usize, escapes: usize) -> Result<Self> {
+        let w = dtype.extra_bits() + k;
+        let blocks = n.div_ceil(BLOCK_VALUES);
+        let offsets_off = HEADER_LEN;
+        // One u32 per block plus the total: block j's escapes are [off[j], off[j+1]).
+        let codes_off = offsets_off + align((blocks + 1) * 4);
+        let codes_len = (n * w as usize).div_ceil(8);
+        let lows_off = codes_off + align(codes_len);
+        let escapes_off = lows_off + align(n);
+        let total_len = escapes_off + align(escapes);
+        Ok(Self { blocks, offsets_off, codes_off, codes_len, lows_off, escapes_off, total_len })
+    }
+}
+
+/// What a decoder needs of a compressed weight, read from a validated
+/// header: the host parses it once (at registration), so a decode on the
+/// device never reads the header back. Only [`parse`] makes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeDesc {
+    pub(super) dtype: Dtype,
+    pub(super) k: u32,
+    pub(super) n: usize,
+    pub(super) escapes: usize,
+    pub(super) table: [u8; TABLE_LEN],
+    pub(super) layout: Layout,
+}
+
+impl DecodeDesc {
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    /// Exponent code width in bits.
+    pub fn k(&self) -> u32 {
+        self.k
+    }
+    /// Bits per value in the code stream: `k` plus the dtype's extra raw bits.
+    pub fn code_bits(&self) -> u32 {
+        self.k + self.dtype.extra_bits()
+    }
+    pub fn values(&self) -> usize {
+        self.n
+    }
+    pub fn escapes(&self) -> usize {
+        self.escapes
+    }
+    pub fn blocks(&self) -> usize {
+        self.layout.blocks
+    }
+    /// The exponent table (entries past `2^k - 1` are 0).
+    pub fn table(&self) -> [u8; TABLE_LEN] {
+        self.table
+    }
+    /// Length of the compressed buffer, header included.
+    pub fn compressed_len(&self) -> usize {
+        self.layout.total_len
+    }
+    /// Length of the decoded tensor in bytes.
+    pub fn raw_len(&self) -> usize {
+        self.n * 2
+    }
+    /// Byte offsets of the (escape offsets, codes, low bytes, escapes) streams.
+    pub fn stream_offsets(&self) -> [usize; 4] {
+        let l = &self.layout;
+        [l.offsets_off, l.codes_off, l.lows_off, l.escapes_off]
+    }
+    /// compressed ÷ raw.
+    pub fn ratio(&self) -> f64 {
+        self.layout.total_len as f64 / self.raw_len() as f64
+    }
+    /// Check the lengths a decode was given against this description.
+    pub fn check_lengths(&self, src_len: usize, dst_len: usize) -> Result<()> {
+        crate::ensure!(
+            src_len == self.layout.total_len,
+            InvalidArgument,
+            "decode: the compressed source is {src_len} bytes, its header says {}",
+            self.layout.total_len
+        );
+        crate::ensure!(
+            dst_len == self.raw_len(),
+            InvalidArgument,
+            "decode: the destination is {dst_len} bytes, the weight decodes to {}",
+            self.raw_len()
+        );
+        Ok(())
+    }
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// Write the header of `desc` into `out[..HEADER_LEN]` (CRC field 0).
+pub(super) fn write_header(desc: &DecodeDesc, out: &mut [u8]) {
+    let l = &desc.layout;
+    let h = &mut out[..HEADER_LEN];
+    h.fill(0);
+    h[0..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    h[6..8].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
+    h[8] = desc.dtype.code();
+    h[9] = desc.k as u8;
+    h[10] = desc.code_bits() as u8;
+    h[12..16].copy_from_slice(&(BLOCK_VALUES as u32).to_le_bytes());
+    for (at, v) in [
+        (16, desc.n),
+        (24, desc.escapes),
+        (32, l.offsets_off),
+        (40, l.codes_off),
+        (48, l.lows_off),
+        (56, l.escapes_off),
+        (64, l.total_len),
+    ] {
+        h[at..at + 8].copy_from_slice(&(v as u64).to_le_bytes());
+    }
+    h[72..88].copy_from_slice(&desc.table);
+}
+
+/// CRC-32 of the buffer less its CRC field, on up to `threads` threads
+/// (crc32fast combines the CRCs of consecutive pieces exactly).
+pub(super) fn checksum(buf: &[u8], threads: usize) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&buf[..CRC_AT]);
+    let rest = &buf[HEADER_LEN..];
+    // Below 8 MiB a thread costs more than it saves (crc32fast: ~10 GB/s a core).
+    let pieces = threads.clamp(1, rest.len() / (8 << 20) + 1);
+    if pieces == 1 {
+        h.update(rest);
+        return h.finalize();
+    }
+    let chunk = rest.len().div_ceil(pieces);
+    let parts: Vec<crc32fast::Hasher> = std::thread::scope(|s| {
+        let jobs: Vec<_> = rest
+            .chunks(chunk)
+            .map(|c| {
+                s.spawn(move || {
+                    let mut p = crc32fast::Hasher::new();
+                    p.update(c);
+                    p
+                })
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    for p in parts {
+        h.combine(&p);
+    }
+    h.finalize()
+}
+
+pub(super) fn store_checksum(buf: &mut [u8], threads: usize) {
+    let c = checksum(buf, threads);
+    buf[CRC_AT..HEADER_LEN].copy_from_slice(&c.to_le_bytes());
+}
+
+/// Validate a whole compressed buffer (header fields, layout, escape index
+/// and checksum) and describe it. A buffer that passes was written by the
+/// encoder of this format version and not changed since, up to CRC-32's
+/// chance of 2^-32 for a random corruption; decoders still bound every read.
+pub fn parse(buf: &[u8], threads: usize) -> Result<DecodeDesc> {
+    let desc = parse_header(buf)?;
+    let l = &desc.layout;
+    if buf.len() != l.total_len {
+        return Err(corrupt(format!(
+            "{} bytes given, the header says {} ({})",
+            buf.len(),
+            l.total_len,
+            if buf.len() < l.total_len { "truncated" } else { "trailing bytes" }
+        )));
+    }
+    let stored = u32_at(buf, CRC_AT);
+    let actual = checksum(buf, threads);
+    if stored != actual {
+        return Err(corrupt(format!("checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): the buffer is corrupt")));
+    }
+    // The escape index: starts at 0, never decreases, ends at the escape count.
+    let offs = &buf[l.offsets_off..l.offsets_off + (l.blocks + 1) * 4];
+    let mut prev = 0u32;
+    for (j, w) in offs.chunks_exact(4).enumerate() {
+        let o = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        let bad = (j == 0 && o != 0) || o < prev || (o as usize) > desc.escapes;
+        if bad {
+            return Err(corrupt(format!("escape offset of block {j} is {o} after {prev} (of {} escapes)", desc.escapes)));
+        }
+        prev = o;
+    }
+    if prev as usize != desc.escapes {
+        return Err(corrupt(format!("the escape index ends at {prev}, the header says {} escapes", desc.escapes)));
+    }
+    Ok(desc)
+}
+
+/// The fixed header alone (no checksum): enough to size buffers.
+pub fn parse_header(buf: &[u8]) -> Result<DecodeDesc> {
+    if buf.len() < HEADER_LEN {
+        return Err(corrupt(format!("{} bytes is shorter than the {HEADER_LEN}-byte header (truncated)", buf.len())));
+    }
+    if buf[0..4] != MAGIC {
+        return Err(corrupt(format!("bad magic {:02x?} (not an epmem compressed weight)", &buf[0..4])));
+    }
+    let version = u16_at(buf, 4);
+    if version != VERSION {
+        return Err(corrupt(format!("format version {version}; this library reads version {VERSION}")));
+    }
+    let header_len = u16_at(buf, 6) as usize;
+    if header_len != HEADER_LEN {
+        return Err(corrupt(format!("header length {header_len}, version 1 has {HEADER_LEN}")));
+    }
+    let dtype = Dtype::from_code(buf[8]).ok_or_else(|| corrupt(format!("unknown dtype code {}", buf[8])))?;
+    let k = buf[9] as u32;
+    if !(1..=MAX_K).contains(&k) {
+        return Err(corrupt(format!("exponent code width {k} is not in 1..={MAX_K}")));
+    }
+    if buf[10] as u32 != k + dtype.extra_bits() {
+        return Err(corrupt(format!("code width {} does not match k {k} for {}", buf[10], dtype.name())));
+    }
+    let block = u32_at(buf, 12) as usize;
+    if block != BLOCK_VALUES {
+        return Err(corrupt(format!("{block} values per block; version 1 has {BLOCK_VALUES}")));
+    }
+    let n = u64_at(buf, 16);
+    let escapes = u64_at(buf, 24);
+    if n == 0 || n > u32::MAX as u64 || escapes > n {
+        return Err(corrupt(format!("{n} values with {escapes} escapes (values must be 1..=2^32-1, escapes at most values)")));
+    }
+    let (n, escapes) = (n as usize, escapes as usize);
+    let layout = Layout::new(dtype, k, n, escapes)?;
+    let stored = [u64_at(buf, 32), u64_at(buf, 40), u64_at(buf, 48), u64_at(buf, 56), u64_at(buf, 64)];
+    let want = [layout.offsets_off, layout.codes_off, layout.lows_off, layout.escapes_off, layout.total_len].map(|v| v as u64);
+    if stored != want {
+        return Err(corrupt(format!("stream offsets {stored:?} do not match the layout of version 1 {want:?}")));
+    }
+    let mut table = [0u8; TABLE_LEN];
+    table.copy_from_slice(&buf[72..88]);
+    let used = (1usize << k) - 1;
+    if table[used..].iter().any(|&b| b != 0) || buf[11] != 0 || buf[88..CRC_AT].iter().any(|&b| b != 0) {
+        return Err(corrupt("reserved header bytes are not zero"));
+    }
+    if let Some(&e) = table[..used].iter().find(|&&e| e as u32 >= 1 << dtype.exponent_bits()) {
+        return Err(corrupt(format!("table exponent {e} does not fit {}'s {} exponent bits", dtype.name(), dtype.exponent_bits())));
+    }
+    Ok(DecodeDesc { dtype, k, n, escapes, table, layout })
+}

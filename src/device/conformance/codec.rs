@@ -1,0 +1,132 @@
+//! [`Device::decode_async`] is bit-exact and ordered like a copy, and refuses
+//! bad arguments.
+
+use std::sync::Arc;
+
+use super::{assert_same, download, no_leaks, upload};
+use crate::codec::{self, BLOCK_VALUES, Dtype, EncodeOptions, Encoded};
+use crate::device::{Device, DeviceBuffer, Stream};
+use crate::error::{EpmStatus, Result};
+
+/// Encode anything of at least one value, at code width `k` (None: the best).
+fn encode(data: &[u8], dtype: Dtype, k: Option<u32>) -> Vec<u8> {
+    let opts = EncodeOptions { threads: 2, max_ratio: 1e9, min_bytes: 0, k };
+    match codec::encode(data, dtype, &opts) {
+        Ok(Encoded::Coded(b)) => b,
+        other => panic!("encoding {} bytes of {dtype:?}: {other:?}", data.len()),
+    }
+}
+
+/// Values like a trained weight: a rough N(0, 0.02) (sum of uniforms) in bf16
+/// or fp16, with an odd value of every kind sprinkled in (NaN, ±inf, −0,
+/// subnormals), so blocks carry escapes.
+pub fn weight_like(dtype: Dtype, n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let odd: [u16; 6] = match dtype {
+        Dtype::Fp16 => [0x7E01, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x83FF],
+        _ => [0x7FC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F],
+    };
+    (0..n)
+        .flat_map(|_| {
+            let v = if rng.u32(..1000) == 0 {
+                odd[rng.usize(..odd.len())]
+            } else {
+                let x = ((0..4).map(|_| rng.f32()).sum::<f32>() - 2.0) * 0.035;
+                match dtype {
+                    Dtype::Fp16 => {
+                        // Normal fp16 range only (|x| < 0.14): exponent from f32's.
+                        let b = x.to_bits();
+                        let e = ((b >> 23) & 0xFF) as i32 - 127 + 15;
+                        if e <= 0 { (b >> 16) as u16 & 0x8000 } else { ((b >> 16) & 0x8000 | (e as u32) << 10 | (b >> 13) & 0x3FF) as u16 }
+                    }
+                    _ => (x.to_bits() >> 16) as u16,
+                }
+            };
+            v.to_le_bytes()
+        })
+        .collect()
+}
+
+/// One decode through the device: H2D of the compressed bytes, the decode
+/// and a D2H of the result queued back to back on one stream (the stream
+/// alone orders them), into a destination with guard bytes behind it.
+fn device_round_trip(dev: &Arc<dyn Device>, s: &Stream, data: &[u8], buf: &[u8], what: &str) -> Result<()> {
+    const GUARD: u8 = 0xC5;
+    const PAD: usize = 64;
+    let desc = codec::parse(buf, 2)?;
+    let src = DeviceBuffer::new(dev, buf.len())?;
+    let dst = DeviceBuffer::new(dev, data.len() + PAD)?;
+    dev.memset_d8_async(dst.ptr(), GUARD, data.len() + PAD, s.raw())?;
+    let mut out = vec![0u8; data.len()];
+    // SAFETY: `buf` and `out` outlive the queued copies (synchronized below)
+    // and are not touched until then.
+    let queued = unsafe {
+        dev.memcpy_htod_async(src.ptr(), buf.as_ptr(), buf.len(), s.raw())
+            .and_then(|()| dev.decode_async(src.ptr(), buf.len(), dst.ptr(), data.len(), &desc, s.raw()))
+            .and_then(|()| dev.memcpy_dtoh_async(out.as_mut_ptr(), dst.ptr(), data.len(), s.raw()))
+    };
+    let sync = s.synchronize();
+    queued.and(sync)?;
+    assert_same(what, &out, data);
+    let tail = download(dev, s, dst.ptr() + data.len() as u64, PAD)?;
+    assert!(tail.iter().all(|&b| b == GUARD), "{what}: the decode wrote past its destination");
+    Ok(())
+}
+
+/// Every bf16 and fp16 bit pattern at every code width, and weight-like
+/// tensors of odd lengths (one value, a block ± 1, several blocks and a tail),
+/// decode bit-exactly on the device.
+pub fn decode_is_bit_exact(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "decode_is_bit_exact", || {
+        let s = Stream::new(dev)?;
+        let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
+        for dtype in [Dtype::Bf16, Dtype::Fp16] {
+            for k in 1..=4 {
+                let what = format!("all 65536 {} bit patterns, k={k}", dtype.name());
+                device_round_trip(dev, &s, &all, &encode(&all, dtype, Some(k)), &what)?;
+            }
+            let b = BLOCK_VALUES;
+            for (i, n) in [1, 7, 16, 17, b - 1, b, b + 1, 3 * b + 17, (1 << 20) + 5].into_iter().enumerate() {
+                let data = weight_like(dtype, n, 40 + i as u64);
+                let what = format!("{n} weight-like {} values", dtype.name());
+                device_round_trip(dev, &s, &data, &encode(&data, dtype, None), &what)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Lengths that disagree with the description, unaligned or overlapping
+/// ranges and an unknown stream are refused at enqueue, before anything
+/// runs; a refused decode leaves the destination untouched.
+pub fn decode_bad_arguments_are_refused(dev: &Arc<dyn Device>) -> Result<()> {
+    no_leaks(dev, "decode_bad_arguments_are_refused", || {
+        let s = Stream::new(dev)?;
+        let data = weight_like(Dtype::Bf16, BLOCK_VALUES + 3, 1);
+        let buf = encode(&data, Dtype::Bf16, None);
+        let desc = codec::parse(&buf, 1)?;
+        let (n, m) = (buf.len(), data.len());
+        let src = DeviceBuffer::new(dev, n + 64)?;
+        let dst = DeviceBuffer::new(dev, m + 64)?;
+        upload(dev, &s, src.ptr(), &buf)?;
+        dev.memset_d8_async(dst.ptr(), 0x11, m + 64, s.raw())?;
+        let (a, b) = (src.ptr(), dst.ptr());
+        let cases: [(&str, u64, usize, u64, usize); 6] = [
+            ("a short source", a, n - 16, b, m),
+            ("a long destination", a, n, b, m + 2),
+            ("an unaligned source", a + 8, n, b, m),
+            ("an unaligned destination", a, n, b + 2, m),
+            ("overlapping ranges", a, n, a + 16, m),
+            ("a destination past its allocation", a, n, b + 64 + 16, m),
+        ];
+        for (what, sp, sl, dp, dl) in cases {
+            let e = dev.decode_async(sp, sl, dp, dl, &desc, s.raw()).expect_err(what);
+            assert_eq!(e.status(), EpmStatus::InvalidArgument, "{what}: {e}");
+        }
+        let e = dev.decode_async(a, n, b, m, &desc, crate::device::RawStream(0xDEAD)).expect_err("unknown stream");
+        assert_eq!(e.status(), EpmStatus::InvalidHandle, "unknown stream: {e}");
+        s.synchronize()?;
+        assert!(download(dev, &s, dst.ptr(), m + 64)?.iter().all(|&x| x == 0x11), "a refused decode wrote");
+        Ok(())
+    })
+}

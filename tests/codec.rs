@@ -1,0 +1,323 @@
+//! The weight codec (src/codec): bit-exact round trips, ratios on the
+//! distributions of issue 29, raw fallbacks, and refusal of bad buffers.
+
+use epmem::EpmStatus;
+use epmem::codec::{self, Dtype, EncodeOptions, Encoded, RawReason};
+
+/// Options that encode anything of at least one value (tests of the format
+/// itself, not of the worth-encoding policy).
+fn always(k: Option<u32>) -> EncodeOptions {
+    EncodeOptions { threads: 3, max_ratio: 1e9, min_bytes: 0, k }
+}
+
+fn to_bytes(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn coded(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Vec<u8> {
+    match codec::encode(data, dtype, opts).unwrap() {
+        Encoded::Coded(b) => b,
+        Encoded::Raw(r) => panic!("expected an encoded weight, got {r}"),
+    }
+}
+
+#[track_caller]
+fn round_trip(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Vec<u8> {
+    let buf = coded(data, dtype, opts);
+    let mut out = vec![0xA5u8; data.len()];
+    let desc = codec::decode(&buf, &mut out, 2).unwrap();
+    assert_eq!(desc.raw_len(), data.len());
+    assert_eq!(desc.compressed_len(), buf.len());
+    if out != data {
+        let i = out.chunks(2).zip(data.chunks(2)).position(|(a, b)| a != b).unwrap();
+        panic!("{dtype:?} value {i} of {}: decoded {:02x?}, want {:02x?}", data.len() / 2, &out[2 * i..2 * i + 2], &data[2 * i..2 * i + 2]);
+    }
+    buf
+}
+
+fn all_patterns() -> Vec<u8> {
+    to_bytes(&(0..=u16::MAX).collect::<Vec<_>>())
+}
+
+#[test]
+fn every_bf16_bit_pattern_round_trips_at_every_code_width() {
+    // NaN payloads, ±inf, subnormals and ±0 included: all 65,536 patterns.
+    let data = all_patterns();
+    for k in [None, Some(1), Some(2), Some(3), Some(4)] {
+        let buf = round_trip(&data, Dtype::Bf16, &always(k));
+        let d = codec::parse(&buf, 1).unwrap();
+        // Every exponent is equally frequent: 256 values each.
+        let table = (1 << d.k()) - 1;
+        assert_eq!(d.escapes(), 65536 - 256 * table, "k={k:?}");
+    }
+    // Shuffled, so blocks mix exponents and escapes sit anywhere.
+    let mut v: Vec<u16> = (0..=u16::MAX).collect();
+    fastrand::Rng::with_seed(7).shuffle(&mut v);
+    round_trip(&to_bytes(&v), Dtype::Bf16, &always(Some(3)));
+}
+
+#[test]
+fn every_fp16_bit_pattern_round_trips_at_every_code_width() {
+    let data = all_patterns();
+    for k in [None, Some(1), Some(2), Some(3), Some(4)] {
+        let buf = round_trip(&data, Dtype::Fp16, &always(k));
+        let d = codec::parse(&buf, 1).unwrap();
+        assert_eq!(d.code_bits(), d.k() + 3);
+        assert_eq!(d.escapes(), 65536 - 2048 * ((1 << d.k()) - 1), "k={k:?}");
+    }
+    let mut v: Vec<u16> = (0..=u16::MAX).collect();
+    fastrand::Rng::with_seed(8).shuffle(&mut v);
+    round_trip(&to_bytes(&v), Dtype::Fp16, &always(Some(2)));
+}
+
+/// The three distributions of issue 29, as f32.
+fn normal(rng: &mut fastrand::Rng) -> f32 {
+    // Box–Muller.
+    let (u, v) = (rng.f64().max(1e-300), rng.f64());
+    ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+}
+fn sample(dist: &str, n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..n)
+        .map(|_| match dist {
+            "normal" => 0.02 * normal(&mut rng),
+            // torch.nn.Linear's default init for fan_in 4096: U(-1/64, 1/64).
+            "kaiming" => (rng.f32() * 2.0 - 1.0) / 64.0,
+            "student_t3" => {
+                let chi2: f32 = (0..3).map(|_| normal(&mut rng).powi(2)).sum();
+                0.02 * normal(&mut rng) / (chi2 / 3.0).sqrt()
+            }
+            _ => unreachable!(),
+        })
+        .collect()
+}
+/// f32 → bf16, round to nearest even (as torch does).
+fn bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+/// f32 → fp16 (finite inputs of small magnitude; round half up is enough here).
+fn fp16(x: f32) -> u16 {
+    let sign = ((x.to_bits() >> 16) & 0x8000) as u16;
+    let a = x.abs();
+    if a >= 65504.0 {
+        return sign | 0x7BFF;
+    }
+    if a < 6.103_515_6e-5 {
+        return sign | (a / 5.960_464_5e-8).round() as u16;
+    }
+    let b = a.to_bits();
+    let e = (b >> 23) as i32 - 127 + 15;
+    let m = b & 0x7F_FFFF;
+    sign | (((e as u32) << 10 | (m >> 13)) + ((m >> 12) & 1)) as u16
+}
+
+#[test]
+fn issue_distributions_round_trip_and_reach_fixed_code_ratios() {
+    let n = (1 << 20) + 123; // 2 MiB and an odd tail
+    // (distribution, bf16 ratio ceiling, fp16 ratio ceiling): the issue's
+    // 0.70–0.75 for fixed codes on bf16; fp16 keeps 11 raw bits of 16.
+    for (dist, bf_max, fp_max) in [("normal", 0.72, 0.90), ("kaiming", 0.72, 0.90), ("student_t3", 0.74, 0.90)] {
+        let x = sample(dist, n, 0xD15 + dist.len() as u64);
+        for (dtype, max, vals) in [
+            (Dtype::Bf16, bf_max, x.iter().map(|&v| bf16(v)).collect::<Vec<_>>()),
+            (Dtype::Fp16, fp_max, x.iter().map(|&v| fp16(v)).collect::<Vec<_>>()),
+        ] {
+            let data = to_bytes(&vals);
+            let buf = round_trip(&data, dtype, &EncodeOptions { threads: 2, max_ratio: 0.95, ..Default::default() });
+            let d = codec::parse(&buf, 2).unwrap();
+            let ratio = buf.len() as f64 / data.len() as f64;
+            println!(
+                "{dist:>10} {:>4}: {ratio:.4} × raw (k={}, {:.2}% escapes)",
+                dtype.name(),
+                d.k(),
+                100.0 * d.escapes() as f64 / n as f64
+            );
+            assert!(ratio < max && ratio > 0.6, "{dist} {dtype:?}: ratio {ratio:.4} not in (0.6, {max})");
+        }
+    }
+}
+
+#[test]
+fn a_weight_of_mostly_escapes_round_trips() {
+    // 3 common exponents, then 90% of the values spread over all others.
+    let mut rng = fastrand::Rng::with_seed(99);
+    let v: Vec<u16> = (0..100_000)
+        .map(|_| {
+            let exp: u16 = if rng.u8(..10) == 0 { 120 + rng.u16(..3) } else { rng.u16(..256) };
+            (rng.u16(..2) << 15) | (exp << 7) | rng.u16(..128)
+        })
+        .collect();
+    for k in [Some(1), Some(2), None] {
+        let buf = round_trip(&to_bytes(&v), Dtype::Bf16, &always(k));
+        let d = codec::parse(&buf, 1).unwrap();
+        assert!(d.escapes() > v.len() / 2, "k={k:?}: only {} escapes", d.escapes());
+    }
+}
+
+#[test]
+fn odd_lengths_round_trip() {
+    let b = codec::BLOCK_VALUES;
+    let x = sample("normal", 3 * b + 17, 5);
+    for n in [1, 2, 7, 31, 33, 255, b - 1, b, b + 1, 2 * b - 1, 2 * b + 1, 3 * b + 17] {
+        for dtype in [Dtype::Bf16, Dtype::Fp16] {
+            let vals: Vec<u16> = x[..n].iter().map(|&v| if dtype == Dtype::Bf16 { bf16(v) } else { fp16(v) }).collect();
+            for threads in [1, 2, 5] {
+                let buf = round_trip(&to_bytes(&vals), dtype, &EncodeOptions { threads, ..always(None) });
+                assert_eq!(buf.len() % codec::ALIGN, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn encoding_is_the_same_on_any_thread_count() {
+    let data = to_bytes(&sample("student_t3", 5 * codec::BLOCK_VALUES + 3, 11).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    let one = coded(&data, Dtype::Bf16, &EncodeOptions { threads: 1, ..always(None) });
+    for threads in [2, 3, 6, 64] {
+        assert!(coded(&data, Dtype::Bf16, &EncodeOptions { threads, ..always(None) }) == one, "{threads} threads");
+    }
+}
+
+#[test]
+fn small_incompressible_and_unsupported_weights_stay_raw_and_say_why() {
+    let small = to_bytes(&sample("normal", 1000, 1).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    match codec::encode(&small, Dtype::Bf16, &EncodeOptions::default()).unwrap() {
+        Encoded::Raw(r @ RawReason::TooSmall { bytes: 2000, min_bytes: 1048576 }) => {
+            assert!(r.to_string().contains("below the 1048576-byte minimum"), "{r}")
+        }
+        other => panic!("a 2000-byte weight: {other:?}"),
+    }
+    assert_eq!(codec::encode(&[], Dtype::Bf16, &always(None)).unwrap(), Encoded::Raw(RawReason::TooSmall { bytes: 0, min_bytes: 0 }));
+    // Random bytes (fp8, int4 or noise): every exponent equally likely.
+    let mut noise = vec![0u8; 4 << 20];
+    fastrand::Rng::with_seed(3).fill(&mut noise);
+    match codec::encode(&noise, Dtype::Bf16, &EncodeOptions::default()).unwrap() {
+        Encoded::Raw(r @ RawReason::NoGain { ratio, max_ratio }) => {
+            assert!(ratio > 0.9 && max_ratio == 0.9, "{r}");
+            assert!(r.to_string().contains("compresses only to"), "{r}");
+        }
+        other => panic!("random bytes: {other:?}"),
+    }
+    // The threshold is the caller's: a stricter one keeps a normal weight raw.
+    let normal = to_bytes(&sample("normal", 1 << 20, 2).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    let strict = EncodeOptions { max_ratio: 0.5, ..Default::default() };
+    assert!(matches!(codec::encode(&normal, Dtype::Bf16, &strict).unwrap(), Encoded::Raw(RawReason::NoGain { .. })));
+    match codec::encode(&normal, Dtype::Other, &EncodeOptions::default()).unwrap() {
+        Encoded::Raw(r @ RawReason::UnsupportedDtype) => assert!(r.to_string().contains("bf16 and fp16 only"), "{r}"),
+        other => panic!("an unsupported dtype: {other:?}"),
+    }
+}
+
+#[test]
+fn bad_encode_input_is_an_error_with_a_message() {
+    let e = codec::encode(&[1, 2, 3], Dtype::Bf16, &always(None)).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::InvalidArgument);
+    assert!(e.message().contains("not a whole number"), "{e}");
+    let e = codec::encode(&[0; 64], Dtype::Fp16, &always(Some(5))).unwrap_err();
+    assert!(e.message().contains("k=5"), "{e}");
+    let e = codec::encode(&[0; 64], Dtype::Fp16, &EncodeOptions { max_ratio: f64::NAN, ..always(None) }).unwrap_err();
+    assert!(e.message().contains("max_ratio"), "{e}");
+    // A weight that changes between the plan and the encode is refused.
+    let mut data = to_bytes(&sample("normal", 50_000, 4).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    let plan = codec::plan(&data, Dtype::Bf16, &always(Some(1))).unwrap();
+    let mut out = vec![0u8; plan.outcome().unwrap()];
+    data[..20].copy_from_slice(&to_bytes(&[0x7F80; 10])); // ten +inf: ten new escapes
+    let e = plan.encode_into(&data, &mut out).unwrap_err();
+    assert!(e.message().contains("changed"), "{e}");
+    let e = plan.encode_into(&data[2..], &mut out).unwrap_err();
+    assert!(e.message().contains("plan was made for"), "{e}");
+    let e = plan.encode_into(&data, &mut out[1..]).unwrap_err();
+    assert!(e.message().contains("needs"), "{e}");
+}
+
+fn sample_buffer() -> (Vec<u8>, Vec<u8>) {
+    let data = to_bytes(&sample("normal", 2 * codec::BLOCK_VALUES + 77, 21).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    let buf = coded(&data, Dtype::Bf16, &always(Some(2)));
+    (data, buf)
+}
+
+#[track_caller]
+fn refused(buf: &[u8], what: &str) -> String {
+    let mut out = vec![0u8; 2 * (2 * codec::BLOCK_VALUES + 77)];
+    let e = codec::decode(buf, &mut out, 1).expect_err(what);
+    assert_eq!(e.status(), EpmStatus::InvalidArgument, "{what}: {e}");
+    assert!(e.message().contains("refused"), "{what}: {e}");
+    e.message().to_string()
+}
+
+#[test]
+fn corrupt_buffers_are_refused_with_a_message() {
+    let (data, buf) = sample_buffer();
+    let mut out = vec![0u8; data.len()];
+    codec::decode(&buf, &mut out, 1).unwrap();
+    assert_eq!(out, data);
+    // One flipped bit anywhere: header, index, codes, low bytes, escapes, padding, CRC.
+    let mut rng = fastrand::Rng::with_seed(1);
+    let mut positions: Vec<usize> = (0..codec::HEADER_LEN).collect();
+    positions.extend((0..400).map(|_| rng.usize(codec::HEADER_LEN..buf.len())));
+    positions.push(buf.len() - 1);
+    for &i in &positions {
+        let mut bad = buf.clone();
+        bad[i] ^= 1 << rng.u8(..8);
+        refused(&bad, &format!("bit flipped in byte {i}"));
+    }
+    let mut bad = buf.clone();
+    bad[0] = b'X';
+    assert!(refused(&bad, "magic").contains("magic"));
+    let mut bad = buf.clone();
+    bad[4] = 2;
+    assert!(refused(&bad, "version").contains("version 2"));
+    let mut bad = buf.clone();
+    bad[128 + 8] ^= 4; // the second block's escape offset
+    assert!(refused(&bad, "escape index").contains("checksum"));
+}
+
+#[test]
+fn truncated_and_overlong_buffers_are_refused() {
+    let (_, buf) = sample_buffer();
+    for len in (0..buf.len()).step_by(7).chain([buf.len() - 1, 127, 128, 129]) {
+        let m = refused(&buf[..len], &format!("truncated to {len}"));
+        assert!(m.contains("truncated") || m.contains("header"), "{len}: {m}");
+    }
+    let mut long = buf.clone();
+    long.push(0);
+    assert!(refused(&long, "one byte too many").contains("trailing"));
+}
+
+#[test]
+fn a_decode_into_a_wrong_sized_destination_is_refused() {
+    let (data, buf) = sample_buffer();
+    for n in [0, data.len() - 2, data.len() + 2] {
+        let mut out = vec![0u8; n];
+        let e = codec::decode(&buf, &mut out, 1).unwrap_err();
+        assert!(e.message().contains("decodes to"), "{e}");
+    }
+}
+
+#[test]
+fn decode_with_bounds_every_read_of_a_buffer_changed_after_validation() {
+    let (data, buf) = sample_buffer();
+    let desc = codec::parse(&buf, 1).unwrap();
+    let [offsets, codes, _, _] = desc.stream_offsets();
+    let mut out = vec![0u8; data.len()];
+    // An escape index pointing past the escapes: an error, not a panic.
+    let mut bad = buf.clone();
+    bad[offsets + 4..offsets + 8].copy_from_slice(&u32::MAX.to_le_bytes());
+    let e = codec::decode_with(&desc, &bad, &mut out, 1).unwrap_err();
+    assert!(e.message().contains("escape index"), "{e}");
+    // Every code an escape: more escapes than the index gives.
+    let mut bad = buf.clone();
+    bad[codes..codes + 1024].fill(0xFF);
+    let e = codec::decode_with(&desc, &bad, &mut out, 2).unwrap_err();
+    assert!(e.message().contains("escape index"), "{e}");
+}
+
+#[test]
+fn the_checksum_is_crc32_of_the_buffer_less_its_field() {
+    let (_, buf) = sample_buffer();
+    let mut h = crc32fast::Hasher::new();
+    h.update(&buf[..124]);
+    h.update(&buf[128..]);
+    assert_eq!(u32::from_le_bytes(buf[124..128].try_into().unwrap()), h.finalize());
+}

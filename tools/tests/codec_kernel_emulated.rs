@@ -1,0 +1,77 @@
+//! The decode kernel (src/device/cuda/codec.cu) run on the CPU by
+//! tools/codec-emu/emulate.cpp (a thread per CUDA thread, barriers for
+//! __syncthreads and warp shuffles), bit-exact against the encoder's input:
+//! the kernel's indexing, escape scan and partial blocks are checked on every
+//! `cargo test`, GPU or not. Speed and real-hardware behaviour are the H200
+//! run's (scripts/codec-gpu.sh).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use epmem::codec::{self, Dtype, EncodeOptions, Encoded};
+
+fn weight_like(n: usize, seed: u64, dtype: Dtype) -> Vec<u8> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let odd: [u16; 4] = if dtype == Dtype::Fp16 { [0x7E01, 0x7C00, 0x8000, 0x0001] } else { [0x7FC1, 0x7F80, 0x8000, 0x0001] };
+    (0..n)
+        .flat_map(|_| {
+            let v = if rng.u32(..300) == 0 {
+                odd[rng.usize(..4)]
+            } else {
+                let x = ((0..4).map(|_| rng.f32()).sum::<f32>() - 2.0) * 0.035;
+                let b = x.to_bits();
+                match dtype {
+                    // Normal fp16 range (|x| < 0.14 keeps the exponent above 0 mostly; 0 flushes).
+                    Dtype::Fp16 => {
+                        let e = ((b >> 23) & 0xFF) as i32 - 127 + 15;
+                        if e <= 0 { (b >> 16) as u16 & 0x8000 } else { ((b >> 16) & 0x8000 | (e as u32) << 10 | (b >> 13) & 0x3FF) as u16 }
+                    }
+                    _ => (b >> 16) as u16,
+                }
+            };
+            v.to_le_bytes()
+        })
+        .collect()
+}
+
+#[test]
+fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = std::env::temp_dir().join(format!("epmem-codec-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("emulate");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let built = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(root.join("tools/codec-emu/emulate.cpp"))
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs a C++20 compiler ({cxx}): {e}"));
+    assert!(built.success(), "{cxx} failed on tools/codec-emu/emulate.cpp");
+
+    let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
+    let mut cases: Vec<(String, Vec<u8>, Dtype, Option<u32>)> = Vec::new();
+    for dtype in [Dtype::Bf16, Dtype::Fp16] {
+        for k in 1..=4 {
+            cases.push((format!("all {} patterns, k={k}", dtype.name()), all.clone(), dtype, Some(k)));
+        }
+        for n in [1, 7, 16, 17, 4095, 4096, 4097, 3 * 4096 + 17] {
+            cases.push((format!("{n} weight-like {}", dtype.name()), weight_like(n, n as u64, dtype), dtype, None));
+        }
+    }
+    let mut failures = Vec::new();
+    for (what, raw, dtype, k) in &cases {
+        let opts = EncodeOptions { threads: 2, max_ratio: 1e9, min_bytes: 0, k: *k };
+        let Encoded::Coded(buf) = codec::encode(raw, *dtype, &opts).unwrap() else { panic!("{what}: kept raw") };
+        let (src, dst) = (dir.join("in"), dir.join("out"));
+        std::fs::write(&src, &buf).unwrap();
+        let out = Command::new(&exe).arg(&src).arg(&dst).output().unwrap();
+        let got = if out.status.success() { std::fs::read(&dst).unwrap() } else { Vec::new() };
+        if got != *raw {
+            let first = got.chunks(2).zip(raw.chunks(2)).position(|(a, b)| a != b);
+            failures.push(format!("{what}: {} first differing value {first:?}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{} of {} cases differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
