@@ -535,3 +535,33 @@ fn a_held_block_streams_within_the_block_floor_plus_one_weight_at_any_prefetch_d
     }
     eprintln!("{table}");
 }
+
+/// A host that cannot declare its order: nothing is planned and no order is
+/// known, so the bound is the trivial one — a step copies each weight at most
+/// once (no weight is copied twice for one use) — and the budget holds.
+#[test]
+fn without_a_declared_cycle_a_step_copies_each_weight_at_most_once() {
+    let d = dev();
+    for (name, b) in [("llama7b/32", block(128, 344, 128)), ("llama70b/64", block(128, 448, 16))] {
+        let sizes: Vec<usize> = (0..4).flat_map(|_| b).collect();
+        let total: usize = sizes.iter().sum();
+        for pct in [25, 50, 75] {
+            let budget = total * pct / 100;
+            let w = Weights::new(&sizes, 77 + pct as u64);
+            let m = ResidencyManager::new(&d, cfg(budget, 1)).unwrap();
+            let ids: Vec<WeightId> = (0..sizes.len()).map(|i| m.register(w.range(i)).unwrap()).collect();
+            decode(&d, &m, &w, &ids, 2, 1, 0);
+            m.synchronize().unwrap();
+            let warm = m.stats();
+            decode(&d, &m, &w, &ids, MEASURED_STEPS, 1, 0);
+            m.synchronize().unwrap();
+            let end = m.stats();
+            let per_step = (end.htod_bytes - warm.htod_bytes) as f64 / MEASURED_STEPS as f64;
+            eprintln!("{name} {pct}%: {per_step:.0} bytes per step of {total} (total − budget {})", total - budget);
+            assert!(per_step <= total as f64, "{name} {pct}%: {per_step:.0} > {total}");
+            assert!(per_step >= (total - budget) as f64, "{name} {pct}%: {per_step:.0} below what the budget forces");
+            assert!(end.peak_resident_bytes <= budget as u64, "{end:?}");
+            assert_eq!(end.plans, 0, "no cycle, no plan");
+        }
+    }
+}
