@@ -103,7 +103,7 @@ def build(c, path, seed=0):
         nodes.append(helper.make_node(op, ins, [out], name=out + "_n", **attrs))
         return out
 
-    const("eps", np.array(1e-5, dtype=npt))
+    const("eps", np.array(1e-5, dtype=np.float32))
     const("att_scale", np.array(1.0 / np.sqrt(hd), dtype=npt))
     const("shape_q", np.array([0, 1, H, hd], dtype=np.int64))
     const("shape_kv", np.array([0, 1, KV, hd], dtype=np.int64))
@@ -111,11 +111,19 @@ def build(c, path, seed=0):
     const("shape_ctx", np.array([0, 1, d], dtype=np.int64))
 
     def rms(x, g, p):
-        sq = n("Mul", [x, x], p + "sq")
+        # In float32, as Llama's RMSNorm computes it: in float16 the sum of
+        # squares overflows once the residual stream's RMS passes
+        # sqrt(65504 / d) (about 4 at d 4096, reached by layer ~10 of the big
+        # model), the norm becomes x / inf = 0 and every logit 0.
+        lo = T == TensorProto.FLOAT16
+        xf = n("Cast", [x], p + "xf", to=TensorProto.FLOAT) if lo else x
+        sq = n("Mul", [xf, xf], p + "sq")
         ms = n("ReduceMean", [sq], p + "ms", axes=[-1], keepdims=1)
         ms = n("Add", [ms, "eps"], p + "mse")
         r = n("Sqrt", [ms], p + "rt")
-        y = n("Div", [x, r], p + "nx")
+        y = n("Div", [xf, r], p + "nx")
+        if lo:
+            y = n("Cast", [y], p + "nx16", to=T)
         return n("Mul", [y, g], p + "out")
 
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", 1])]
