@@ -28,7 +28,8 @@ Each configuration runs in its own process (device memory starts clean):
             tokens (greedy, 32 after an 8-token prompt fed one at a time),
             their logits, ms/token
   epmem-P   epmem's EP (budget_bytes = P% of the streamed bytes) listed
-            before the CUDA EP, session.use_env_allocators=1; it is fed the
+            before the CUDA EP, session.use_env_allocators=1 (unless
+            --no-env-allocators); it is fed the
             reference tokens (teacher forcing), so its argmax at every step is
             compared with the reference token and its logits with the
             reference logits (largest absolute difference)
@@ -62,6 +63,9 @@ SIZES = {
     "tiny": dict(d=64, heads=4, kv_heads=2, ffn=192, layers=2, vocab=256, dtype="float32"),
 }
 PROMPT, TOKENS, WARM = 8, 32, 4
+# Part of the model's file name: a model built by an earlier build() (kept in
+# --model-dir) is never reused after build() changes. Bump with build().
+MODEL_REV = 2
 
 
 # ---------------------------------------------------------------- the model
@@ -209,7 +213,8 @@ def child(a):
         sess = ort.InferenceSession(a.model, sess_options=so, providers=so_providers)
     else:
         dev = [e for e in ort.get_ep_devices() if e.ep_name == REG][0]
-        so.add_session_config_entry("session.use_env_allocators", "1")
+        if not a.no_env_allocators:
+            so.add_session_config_entry("session.use_env_allocators", "1")
         opts = {"budget_bytes": str(a.budget), "weight_min_bytes": "1024"}
         if a.register_sources:
             opts["register_sources"] = a.register_sources
@@ -336,6 +341,9 @@ def main():
     ap.add_argument("--lib", default=os.environ.get("EPMEM_LIB", ""))
     ap.add_argument("--register-sources", default="", choices=["", "memlock", "always", "never"],
                     help="the EP option register_sources (default: the EP's, memlock)")
+    ap.add_argument("--no-env-allocators", action="store_true",
+                    help="epmem rows without session.use_env_allocators (the CUDA EP keeps its own arena): "
+                         "separates the allocator's cost from the streaming EP's")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="resident")
     ap.add_argument("--model")
@@ -359,7 +367,7 @@ def main():
     lines = []
     for size in sizes:
         c = SIZES[size]
-        model = os.path.join(mdir, f"llama_{size}.onnx")
+        model = os.path.join(mdir, f"llama_{size}_r{MODEL_REV}.onnx")
         if not os.path.exists(model):
             t = time.time()
             build(c, model)
@@ -368,6 +376,8 @@ def main():
         tmp = tempfile.mkdtemp(prefix="bos-")
         ref_json, ref_logits = os.path.join(tmp, "ref.json"), os.path.join(tmp, "ref_logits.npy")
         base = ["--size", size, "--model", model, "--lib", a.lib, "--register-sources", a.register_sources]
+        if a.no_env_allocators:
+            base.append("--no-env-allocators")
         res = run_child(base + ["--mode", "resident", "--logits-out", ref_logits],
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))
