@@ -477,7 +477,7 @@ mod tests {
         let dev = open(DeviceSelect::Host, 0).unwrap();
         let producer = Stream::new(&dev).unwrap();
         let ours = Stream::new(&dev).unwrap();
-        const BIG: usize = 256 << 20;
+        const BIG: usize = 64 << 20;
         const N: usize = 4096;
         let (a, b, out) = (dev.mem_alloc(BIG).unwrap(), dev.mem_alloc(BIG).unwrap(), dev.mem_alloc(N).unwrap());
         let old = vec![0x11u8; N];
