@@ -18,8 +18,8 @@
 //! the logits) or reading the destination (a buffer the stream-ordered
 //! allocator handed on). So a copy touching a device's memory is ordered
 //! after that work first: after the stream ORT passes for it (an event
-//! recorded there, waited on by ours), or, where ORT passes none (onnxruntime
-//! 1.23–1.31 pass NULL to plugins), after everything queued on the device (one
+//! recorded there, waited on by ours), or, where ORT passes none (its plugin
+//! data-transfer wrapper passes NULL), after everything queued on the device (one
 //! context synchronization per call). Copying at once instead read outputs
 //! before the kernels computing them had run.
 
