@@ -153,6 +153,8 @@ pub(crate) struct DataTransfer {
     /// where the device cannot adopt it (then the whole device is waited for).
     adopted: Mutex<HashMap<(usize, u64), Option<RawStream>>>,
     warned_unordered: AtomicBool,
+    /// The first device copy's ordering was logged (INFO: which way ORT calls us).
+    logged_order: AtomicBool,
 }
 
 /// Make `ours` wait (on the device) for the work queued on `theirs` so far.
@@ -177,6 +179,7 @@ impl DataTransfer {
             streams: Mutex::new((0..factory.devices.len()).map(|_| None).collect()),
             adopted: Mutex::new(HashMap::new()),
             warned_unordered: AtomicBool::new(false),
+            logged_order: AtomicBool::new(false),
             factory,
         });
         Box::into_raw(t) as *mut OrtDataTransferImpl
@@ -404,6 +407,13 @@ unsafe extern "C" fn copy_tensors(
                     })
                     .collect();
                 devices.dedup();
+                if !devices.is_empty() && !t.logged_order.swap(true, Ordering::Relaxed) {
+                    log::info!(
+                        "epmem: data transfer: ORT {} for a copy of device memory; it is ordered after {}",
+                        if ort.is_null() { "passes no stream" } else { "passes a stream" },
+                        if ort.is_null() { "all work queued on the device" } else { "the work queued on that stream" }
+                    );
+                }
                 if ort.is_null() {
                     for &k in &devices {
                         if !synced[k] {
