@@ -218,6 +218,8 @@ def child(a):
         opts = {"budget_bytes": str(a.budget), "weight_min_bytes": "1024"}
         if a.register_sources:
             opts["register_sources"] = a.register_sources
+        if a.prefetch_depth:
+            opts["prefetch_depth"] = a.prefetch_depth
         so.add_provider_for_devices([dev], opts)
         if cuda:
             so.add_provider("CUDAExecutionProvider", {})
@@ -341,6 +343,8 @@ def main():
     ap.add_argument("--lib", default=os.environ.get("EPMEM_LIB", ""))
     ap.add_argument("--register-sources", default="", choices=["", "memlock", "always", "never"],
                     help="the EP option register_sources (default: the EP's, memlock)")
+    ap.add_argument("--prefetch-depth", default="",
+                    help="the EP option prefetch_depth (weights paged in ahead of use; default: the EP's, 1)")
     ap.add_argument("--no-env-allocators", action="store_true",
                     help="epmem rows without session.use_env_allocators (the CUDA EP keeps its own arena): "
                          "separates the allocator's cost from the streaming EP's")
@@ -378,6 +382,8 @@ def main():
         base = ["--size", size, "--model", model, "--lib", a.lib, "--register-sources", a.register_sources]
         if a.no_env_allocators:
             base.append("--no-env-allocators")
+        if a.prefetch_depth:
+            base += ["--prefetch-depth", a.prefetch_depth]
         res = run_child(base + ["--mode", "resident", "--logits-out", ref_logits],
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))
