@@ -28,7 +28,8 @@ Each configuration runs in its own process (device memory starts clean):
             tokens (greedy, 32 after an 8-token prompt fed one at a time),
             their logits, ms/token
   epmem-P   epmem's EP (budget_bytes = P% of the streamed bytes) listed
-            before the CUDA EP, session.use_env_allocators=1; it is fed the
+            before the CUDA EP, session.use_env_allocators=1 (unless
+            --no-env-allocators); it is fed the
             reference tokens (teacher forcing), so its argmax at every step is
             compared with the reference token and its logits with the
             reference logits (largest absolute difference)
@@ -62,6 +63,9 @@ SIZES = {
     "tiny": dict(d=64, heads=4, kv_heads=2, ffn=192, layers=2, vocab=256, dtype="float32"),
 }
 PROMPT, TOKENS, WARM = 8, 32, 4
+# Part of the model's file name: a model built by an earlier build() (kept in
+# --model-dir) is never reused after build() changes. Bump with build().
+MODEL_REV = 2
 
 
 # ---------------------------------------------------------------- the model
@@ -103,7 +107,7 @@ def build(c, path, seed=0):
         nodes.append(helper.make_node(op, ins, [out], name=out + "_n", **attrs))
         return out
 
-    const("eps", np.array(1e-5, dtype=npt))
+    const("eps", np.array(1e-5, dtype=np.float32))
     const("att_scale", np.array(1.0 / np.sqrt(hd), dtype=npt))
     const("shape_q", np.array([0, 1, H, hd], dtype=np.int64))
     const("shape_kv", np.array([0, 1, KV, hd], dtype=np.int64))
@@ -111,11 +115,19 @@ def build(c, path, seed=0):
     const("shape_ctx", np.array([0, 1, d], dtype=np.int64))
 
     def rms(x, g, p):
-        sq = n("Mul", [x, x], p + "sq")
+        # In float32, as Llama's RMSNorm computes it: in float16 the sum of
+        # squares overflows once the residual stream's RMS passes
+        # sqrt(65504 / d) (about 4 at d 4096, reached by layer ~10 of the big
+        # model), the norm becomes x / inf = 0 and every logit 0.
+        lo = T == TensorProto.FLOAT16
+        xf = n("Cast", [x], p + "xf", to=TensorProto.FLOAT) if lo else x
+        sq = n("Mul", [xf, xf], p + "sq")
         ms = n("ReduceMean", [sq], p + "ms", axes=[-1], keepdims=1)
         ms = n("Add", [ms, "eps"], p + "mse")
         r = n("Sqrt", [ms], p + "rt")
-        y = n("Div", [x, r], p + "nx")
+        y = n("Div", [xf, r], p + "nx")
+        if lo:
+            y = n("Cast", [y], p + "nx16", to=T)
         return n("Mul", [y, g], p + "out")
 
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", 1])]
@@ -201,10 +213,13 @@ def child(a):
         sess = ort.InferenceSession(a.model, sess_options=so, providers=so_providers)
     else:
         dev = [e for e in ort.get_ep_devices() if e.ep_name == REG][0]
-        so.add_session_config_entry("session.use_env_allocators", "1")
+        if not a.no_env_allocators:
+            so.add_session_config_entry("session.use_env_allocators", "1")
         opts = {"budget_bytes": str(a.budget), "weight_min_bytes": "1024"}
         if a.register_sources:
             opts["register_sources"] = a.register_sources
+        if a.prefetch_depth:
+            opts["prefetch_depth"] = a.prefetch_depth
         so.add_provider_for_devices([dev], opts)
         if cuda:
             so.add_provider("CUDAExecutionProvider", {})
@@ -328,6 +343,11 @@ def main():
     ap.add_argument("--lib", default=os.environ.get("EPMEM_LIB", ""))
     ap.add_argument("--register-sources", default="", choices=["", "memlock", "always", "never"],
                     help="the EP option register_sources (default: the EP's, memlock)")
+    ap.add_argument("--prefetch-depth", default="",
+                    help="the EP option prefetch_depth (weights paged in ahead of use; default: the EP's, 1)")
+    ap.add_argument("--no-env-allocators", action="store_true",
+                    help="epmem rows without session.use_env_allocators (the CUDA EP keeps its own arena): "
+                         "separates the allocator's cost from the streaming EP's")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="resident")
     ap.add_argument("--model")
@@ -351,7 +371,7 @@ def main():
     lines = []
     for size in sizes:
         c = SIZES[size]
-        model = os.path.join(mdir, f"llama_{size}.onnx")
+        model = os.path.join(mdir, f"llama_{size}_r{MODEL_REV}.onnx")
         if not os.path.exists(model):
             t = time.time()
             build(c, model)
@@ -360,6 +380,10 @@ def main():
         tmp = tempfile.mkdtemp(prefix="bos-")
         ref_json, ref_logits = os.path.join(tmp, "ref.json"), os.path.join(tmp, "ref_logits.npy")
         base = ["--size", size, "--model", model, "--lib", a.lib, "--register-sources", a.register_sources]
+        if a.no_env_allocators:
+            base.append("--no-env-allocators")
+        if a.prefetch_depth:
+            base += ["--prefetch-depth", a.prefetch_depth]
         res = run_child(base + ["--mode", "resident", "--logits-out", ref_logits],
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))

@@ -7,19 +7,32 @@
 //! pinned memory) is copied directly. Device → host, device → device and
 //! host ↔ host are single copies.
 //!
-//! epmem's EP is not stream aware, so ORT passes no streams and every copy
-//! is complete when `CopyTensors` returns: copies are queued on one stream
-//! per device (the engine's copies ordered into it by events), all of a
-//! batch before the first wait, then each used stream is synchronized once.
+//! Every copy is complete when `CopyTensors` returns: copies are queued on
+//! one stream per device (the engine's copies ordered into it by events), all
+//! of a batch before the first wait, then each used stream is synchronized
+//! once.
+//!
+//! ORT calls a plugin's `CopyTensors` where it would queue a copy on a compute
+//! stream (`CopyTensorAsync`: a graph output fetched to CPU, a Memcpy node):
+//! kernels queued there may still be writing the source (the GEMM computing
+//! the logits) or reading the destination (a buffer the stream-ordered
+//! allocator handed on). So a copy touching a device's memory is ordered
+//! after that work first: after the stream ORT passes for it (an event
+//! recorded there, waited on by ours), or, where ORT passes none (its plugin
+//! data-transfer wrapper passes NULL), after everything queued on the device (one
+//! context synchronization per call). Copying at once instead read outputs
+//! before the kernels computing them had run.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
 use super::api::MemoryDeviceDesc;
 use super::factory::Factory;
 use super::status_boundary;
-use crate::device::{Device, HostRange, Stream};
+use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::Result;
 use crate::staging::{CopyEngine, EngineConfig, Fence, PinnedStagingPool, PoolConfig};
 
@@ -136,6 +149,22 @@ pub(crate) struct DataTransfer {
     /// One stream per device, made on first use; the lock also serializes
     /// concurrent CopyTensors calls on this object.
     streams: Mutex<Vec<Option<Stream>>>,
+    /// ORT's native streams adopted by device i, by (i, native handle); None
+    /// where the device cannot adopt it (then the whole device is waited for).
+    adopted: Mutex<HashMap<(usize, u64), Option<RawStream>>>,
+    warned_unordered: AtomicBool,
+    /// The first device copy's ordering was logged (INFO: which way ORT calls us).
+    logged_order: AtomicBool,
+}
+
+/// Make `ours` wait (on the device) for the work queued on `theirs` so far.
+/// The event is kept in `keep` until `ours` is synchronized.
+pub(crate) fn order_after(dev: &Arc<dyn Device>, ours: RawStream, theirs: RawStream, keep: &mut Vec<Event>) -> Result<()> {
+    let e = Event::new(dev, false)?;
+    e.record_raw(theirs)?;
+    dev.stream_wait_event(ours, e.raw())?;
+    keep.push(e);
+    Ok(())
 }
 
 impl DataTransfer {
@@ -148,9 +177,57 @@ impl DataTransfer {
                 CopyTensors: Some(copy_tensors),
             },
             streams: Mutex::new((0..factory.devices.len()).map(|_| None).collect()),
+            adopted: Mutex::new(HashMap::new()),
+            warned_unordered: AtomicBool::new(false),
+            logged_order: AtomicBool::new(false),
             factory,
         });
         Box::into_raw(t) as *mut OrtDataTransferImpl
+    }
+
+    /// Order device `i`'s copy stream after the work ORT queued on its
+    /// stream `ort` so far. A stream the device cannot adopt (not in the
+    /// primary context, or the host device) is waited for by synchronizing
+    /// the device, with one warning.
+    ///
+    /// # Safety
+    /// `ort` is a live `OrtSyncStream` ORT passed to `CopyTensors`.
+    unsafe fn after_ort_stream(
+        &self,
+        streams: &mut [Option<Stream>],
+        keep: &mut Vec<Event>,
+        i: usize,
+        ort: *mut OrtSyncStream,
+    ) -> Result<()> {
+        let dev = &self.factory.devices[i].dev;
+        // SAFETY: per the caller.
+        let native = unsafe { (self.factory.api.o.SyncStream_GetHandle)(ort) } as u64;
+        let theirs = {
+            let mut m = self.adopted.lock().unwrap_or_else(|p| p.into_inner());
+            *m.entry((i, native)).or_insert_with(|| match dev.stream_wrap_native(native) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    if !self.warned_unordered.swap(true, Ordering::Relaxed) {
+                        log::warn!(
+                            "epmem: {}: cannot order copies after ORT's stream {native:#x} ({e}); \
+                             such copies wait for the whole device first",
+                            self.factory.devices[i].label()
+                        );
+                    }
+                    None
+                }
+            })
+        };
+        match theirs {
+            Some(theirs) => {
+                if streams[i].is_none() {
+                    streams[i] = Some(Stream::new(dev)?);
+                }
+                let ours = streams[i].as_ref().map(Stream::raw).expect("created above");
+                order_after(dev, ours, theirs, keep)
+            }
+            None => dev.synchronize(),
+        }
     }
 
     /// Copy `n` bytes from `src` to `dst`, queueing device copies on
@@ -228,6 +305,20 @@ impl DataTransfer {
     }
 }
 
+impl Drop for DataTransfer {
+    fn drop(&mut self) {
+        // Adopted streams are ORT's: forgetting them destroys nothing.
+        for ((i, _), r) in self.adopted.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
+            if let Some(r) = r {
+                crate::device::objects::log_drop_error(
+                    "forgetting an adopted stream",
+                    self.factory.devices[i].dev.stream_destroy(r),
+                );
+            }
+        }
+    }
+}
+
 /// # Safety
 /// `this` is a transfer made by [`DataTransfer::create`].
 unsafe fn me<'a>(this: *const OrtDataTransferImpl) -> &'a DataTransfer {
@@ -266,7 +357,7 @@ unsafe extern "C" fn copy_tensors(
     this: *mut OrtDataTransferImpl,
     src: *const *const OrtValue,
     dst: *mut *mut OrtValue,
-    _streams: *mut *mut OrtSyncStream,
+    ort_streams: *mut *mut OrtSyncStream,
     n: usize,
 ) -> *mut OrtStatus {
     // SAFETY: ORT passes our transfer.
@@ -281,6 +372,9 @@ unsafe extern "C" fn copy_tensors(
         let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
         // Kept until the streams are synchronized (their events order the copies).
         let mut fences = Vec::new();
+        let mut events = Vec::new();
+        // Devices already synchronized in this call (copies with no stream).
+        let mut synced = vec![false; t.factory.devices.len()];
         let mut result = Ok(());
         for i in 0..n {
             // SAFETY: ORT passes n live source and destination values.
@@ -302,6 +396,46 @@ unsafe extern "C" fn copy_tensors(
                     })
                 };
                 let (ss, ds) = (side(&s)?, side(&d)?);
+                // SAFETY: ORT passes NULL or an array of n streams, each NULL
+                // or live for the call.
+                let ort = if ort_streams.is_null() { std::ptr::null_mut() } else { unsafe { *ort_streams.add(i) } };
+                let mut devices: Vec<usize> = [ss, ds]
+                    .iter()
+                    .filter_map(|x| match *x {
+                        Side::Device(k) | Side::Pinned(k) => Some(k),
+                        Side::Cpu => None,
+                    })
+                    .collect();
+                devices.dedup();
+                if !devices.is_empty() && !t.logged_order.swap(true, Ordering::Relaxed) {
+                    log::info!(
+                        "epmem: data transfer: ORT {} for a copy of device memory; it is ordered after {}",
+                        if ort.is_null() { "passes no stream" } else { "passes a stream" },
+                        if ort.is_null() { "all work queued on the device" } else { "the work queued on that stream" }
+                    );
+                }
+                if ort.is_null() {
+                    for &k in &devices {
+                        if !synced[k] {
+                            t.factory.devices[k].dev.synchronize().map_err(|e| {
+                                e.context("waiting for the device's queued work before a copy")
+                            })?;
+                            synced[k] = true;
+                        }
+                    }
+                } else {
+                    for &k in &devices {
+                        // SAFETY: a live stream ORT passed for this copy.
+                        unsafe { t.after_ort_stream(&mut streams, &mut events, k, ort) }?;
+                        if ss.is_host() && ds.is_host() {
+                            // A host copy (pinned memory) runs now, on this
+                            // thread: wait here for ORT's queued work.
+                            if let Some(st) = streams[k].as_ref() {
+                                st.synchronize()?;
+                            }
+                        }
+                    }
+                }
                 // SAFETY: ORT's tensors own their buffers for the whole call,
                 // and we synchronize before returning.
                 unsafe { t.copy(&mut streams, &mut fences, (ss, s.ptr), (ds, d.ptr), s.bytes) }
@@ -340,5 +474,64 @@ mod tests {
         }
         assert!(!can_copy(c, c), "CPU to CPU is ORT's own copy");
         assert!(!can_copy(None, d0) && !can_copy(d0, None), "foreign memory is refused");
+    }
+
+    /// The bug class behind wrong fetched outputs: a copy queued on our
+    /// stream while the producer's stream still has the write queued. On the
+    /// host device streams are worker threads; a large copy keeps the
+    /// producer busy, so a copy that is not ordered after it reads the old
+    /// bytes (checked by `unordered_reads_can_be_stale` below, which shows the
+    /// test can fail).
+    fn produce_then_read(ordered: bool) -> (Vec<u8>, Vec<u8>) {
+        use crate::device::{DeviceSelect, open};
+        let dev = open(DeviceSelect::Host, 0).unwrap();
+        let producer = Stream::new(&dev).unwrap();
+        let ours = Stream::new(&dev).unwrap();
+        const BIG: usize = 64 << 20;
+        const N: usize = 4096;
+        let (a, b, out) = (dev.mem_alloc(BIG).unwrap(), dev.mem_alloc(BIG).unwrap(), dev.mem_alloc(N).unwrap());
+        let old = vec![0x11u8; N];
+        let new = vec![0x77u8; N];
+        // SAFETY: `old` and `new` outlive the synchronizations below.
+        unsafe { dev.memcpy_htod_async(out, old.as_ptr(), N, producer.raw()).unwrap() };
+        producer.synchronize().unwrap();
+        // The producer: a long copy, then the write the reader must see.
+        dev.memcpy_dtod_async(b, a, BIG, producer.raw()).unwrap();
+        // SAFETY: as above.
+        unsafe { dev.memcpy_htod_async(out, new.as_ptr(), N, producer.raw()).unwrap() };
+        let mut keep = Vec::new();
+        if ordered {
+            order_after(&dev, ours.raw(), producer.raw(), &mut keep).unwrap();
+        }
+        let mut got = vec![0u8; N];
+        // SAFETY: `got` outlives the synchronization just below.
+        unsafe { dev.memcpy_dtoh_async(got.as_mut_ptr(), out, N, ours.raw()).unwrap() };
+        ours.synchronize().unwrap();
+        producer.synchronize().unwrap();
+        drop(keep);
+        for p in [a, b, out] {
+            dev.mem_free(p).unwrap();
+        }
+        (got, new)
+    }
+
+    #[test]
+    fn a_copy_ordered_after_the_producers_stream_reads_what_it_wrote() {
+        for _ in 0..4 {
+            let (got, want) = produce_then_read(true);
+            assert!(got == want, "the ordered copy read bytes the producer had not written yet");
+        }
+    }
+
+    #[test]
+    fn unordered_reads_can_be_stale() {
+        // Without the ordering the read races the producer's long copy: at
+        // least one of a few tries reads the old bytes (it runs first on an
+        // idle worker), so the ordered test above is not vacuous.
+        let stale = (0..4).any(|_| {
+            let (got, want) = produce_then_read(false);
+            got != want
+        });
+        assert!(stale, "an unordered read never raced the producer: the ordering test proves nothing");
     }
 }

@@ -243,8 +243,9 @@ unsafe extern "C" fn is_stream_aware(_this: *const OrtEpFactory) -> bool {
     // EP (PluginExecutionProvider::RegisterStreamHandlers); the registry
     // keeps the first registration, so a session with epmem's EP and the
     // CUDA EP could hand the CUDA EP's kernels a plugin stream where they
-    // expect a CudaStream. epmem's EP runs no kernels, so it needs no stream,
-    // and its copies complete before CopyTensors returns.
+    // expect a CudaStream. epmem's GEMMs run on the stream ORT gives their
+    // nodes (the CUDA EP's), and its copies complete before CopyTensors
+    // returns, ordered after the work queued before them (data_transfer).
     false
 }
 

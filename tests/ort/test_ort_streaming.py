@@ -11,7 +11,8 @@ models are built by tests/ort/make_decoder.py from fixed seeds. Prints
 With EPMEM_FAKE_CUDA=1 (scripts/ort-test.sh's pass on the fake libcuda) the
 device is a "GPU" with no cuBLAS: session creation must fail cleanly, naming
 cuBLAS. With EPM_DEVICE=cuda on a real GPU the same scenarios check cuBLAS's
-results.
+results, in sessions that list ORT's CUDA EP after epmem's (the set-up
+docs/ORT.md gives for a GPU).
 """
 
 import json
@@ -37,7 +38,8 @@ WEIGHTS, WEIGHT_BYTES, RUNS = 13, 2 << 20, 3
 
 def child(mode, opts):
     """Runs in the child: one scenario, result as JSON on a "RESULT " line."""
-    if os.environ.get("EPM_DEVICE", "").lower() == "cuda" and not FAKE_CUDA:
+    on_gpu = os.environ.get("EPM_DEVICE", "").lower() == "cuda" and not FAKE_CUDA
+    if on_gpu:
         try:  # on a GPU machine torch brings the CUDA 13 libraries (cuBLAS) into the process
             import torch  # noqa: F401
         except ImportError:
@@ -58,6 +60,13 @@ def child(mode, opts):
     def session(path, options):
         so = ort.SessionOptions()
         so.add_provider_for_devices([dev], options)
+        if on_gpu:
+            # On a GPU the EP computes only the nodes it claims, on device
+            # tensors: ORT's CUDA EP runs the rest and keeps activations on the
+            # GPU (docs/ORT.md). Without TF32, so its own float32 MatMuls stay
+            # within the float32 tolerances below. A wheel without the CUDA EP
+            # fails here, naming it.
+            so.add_provider("CUDAExecutionProvider", {"use_tf32": "0"})
         return ort.InferenceSession(path, sess_options=so)
 
     try:
@@ -159,10 +168,28 @@ def opts(**kw):
     return o
 
 
+def gpu_without_cuda_ep():
+    """On a real GPU, whether this onnxruntime lacks the CUDA EP (the CPU
+    wheel): the claimed nodes would get activations in CPU memory, which the
+    EP refuses on a GPU, so the scenarios need onnxruntime-gpu."""
+    if os.environ.get("EPM_DEVICE", "").lower() != "cuda" or FAKE_CUDA:
+        return False
+    try:
+        import torch  # noqa: F401  (first, as in the child)
+    except ImportError:
+        pass
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" not in ort.get_available_providers()
+
+
 class Streaming(unittest.TestCase):
     def setUp(self):
         if FAKE_CUDA:
             self.skipTest("the fake libcuda has no cuBLAS: FakeCuda covers it")
+        if gpu_without_cuda_ep():
+            self.skipTest("on a GPU the EP runs next to ORT's CUDA EP, which this onnxruntime lacks "
+                          "(run with onnxruntime-gpu first on PYTHONPATH)")
 
     def test_decoder_streams_its_weights_under_a_budget_and_matches_the_cpu_ep(self):
         res, log = run_child("decoder", opts())

@@ -77,6 +77,17 @@ class CudaEpOnEpmem(unittest.TestCase):
         cls.plain_ptr_vmm = is_vmm(device_output_ptr(plain, x_for(SHAPES[2]))[0])
         del plain
         ort.register_execution_provider_library(REG, LIB)
+        # A session without session.use_env_allocators, made with epmem
+        # registered but before any test's session: onnxruntime's Python
+        # binding keeps CUDA EP options it was given (gpu_external_alloc /
+        # free) in process-wide state, so once
+        # test_the_cuda_eps_external_allocator_options_take_epmem_memory ran,
+        # later CUDA EP sessions in this process allocate through epmem
+        # whatever their own options say.
+        s = session(False)
+        cls.no_entry_ptr, cls.no_entry_y = device_output_ptr(s, x_for(SHAPES[3]))
+        cls.no_entry_vmm = is_vmm(cls.no_entry_ptr)
+        del s
 
     @classmethod
     def tearDownClass(cls):
@@ -97,11 +108,10 @@ class CudaEpOnEpmem(unittest.TestCase):
         del s
 
     def test_without_the_config_entry_the_cuda_ep_keeps_its_own_allocator(self):
-        s = session(False)
-        ptr, y = device_output_ptr(s, x_for(SHAPES[3]))
-        self.assertFalse(is_vmm(ptr), "without session.use_env_allocators the CUDA EP should not use epmem")
-        self.assertTrue(np.array_equal(y, EXPECTED[SHAPES[3], 0]))
-        del s
+        # Run in setUpClass (see there): epmem registered, no session yet.
+        self.assertFalse(self.no_entry_vmm, f"without session.use_env_allocators the CUDA EP should not use epmem "
+                         f"(output at {self.no_entry_ptr:#x})")
+        self.assertTrue(np.array_equal(self.no_entry_y, EXPECTED[SHAPES[3], 0]))
 
     def test_two_sessions_on_two_streams_churning_allocations(self):
         # Both sessions take the one env allocator (epmem's), each CUDA EP
