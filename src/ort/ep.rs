@@ -142,10 +142,13 @@ unsafe extern "C" fn compile(
                 // SAFETY: ORT passes `count` live graphs; each holds the one
                 // node we fused, whose first output keys our claim.
                 let g = unsafe { *graphs.add(i) };
+                // SAFETY: `g` is one of those live graphs.
                 let nodes = unsafe { api.graph_nodes(g) }?;
                 let node = *nodes.first().ok_or_else(|| crate::error::Error::internal("an empty fused graph"))?;
+                // SAFETY: `node` belongs to the live graph `g`.
                 let outs = unsafe { api.node_outputs(node) }?;
                 let out = *outs.first().ok_or_else(|| crate::error::Error::internal("a fused node without outputs"))?;
+                // SAFETY: `out` is a value info of that live node.
                 let key = unsafe { api.value_name(out) }?;
                 let claimed = ep
                     .claims

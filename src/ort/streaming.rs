@@ -59,6 +59,7 @@ pub(crate) unsafe fn get_capability(
     // and value infos are live during GetCapability.
     let nodes = unsafe { api.graph_nodes(graph) }?;
     for (i, &node) in nodes.iter().enumerate() {
+        // SAFETY: `node` is one of the live graph's nodes.
         let (name, op, domain) = unsafe { api.node_ident(node) }?;
         if !matches!(op.as_str(), "MatMul" | "Gemm") {
             continue;
@@ -456,6 +457,7 @@ impl Streamer {
             "node '{}' got {n_in} inputs; the EP expects 1 (its weight is its own)",
             k.label
         );
+        // SAFETY: per the caller, `ctx` is this Compute's live kernel context.
         let a = unsafe { api.kernel_input(ctx, 0) }?
             .ok_or_else(|| Error::invalid_argument(format!("node '{}' got no input", k.label)))?;
         // SAFETY: a live input value of this Compute.
