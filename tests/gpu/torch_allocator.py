@@ -159,6 +159,7 @@ class Gate:
         must be open and passed (the caller synchronized)."""
         with self.lock:
             self.word.value = 0
+            self.watchdog_fired = False
         try:
             # flags 0: CU_STREAM_WAIT_VALUE_GEQ
             self.drv.call("cuStreamWaitValue32_v2", self.drv.C.c_void_p(stream.cuda_stream), self.dptr, 1, 0)
