@@ -11,11 +11,26 @@ Each row runs in its own process (an allocator is chosen before CUDA starts):
   expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   epmem       epmem.torch_allocator.use_as_allocator()
 
-The workload: a Llama built from a config (fixed seed, bf16, ~1.3 B parameters
-by default: 2.6 GB of weights), greedy generate() over --shapes (batch,
-prompt length) pairs drawn with a fixed seed (prefill, then --new-tokens
-decode steps each). A warm-up pass runs every shape once; the measured pass
-runs them again in another order. Reported per row:
+The workload: a Llama built from a config (fixed seed, bf16; by default
+hidden 2048, 8 layers, ~0.51 B parameters: 1 GB of weights), greedy
+generate() over --shapes (batch, prompt length) pairs drawn with a fixed seed
+(prefill, then --new-tokens - 1 decode steps each). A warm-up pass runs every
+shape once; the measured pass runs them again in another order.
+
+The defaults fit the three rows in one GPU call (about 3 minutes on an H200).
+Eager generate() at these sizes is bound by kernel launches, not FLOPs: on the
+H200 a 24-layer model (the same widths) ran 240 shapes x 8 tokens in 37 s per
+pass (0.154 s per shape, ~19 ms per forward, ~0.75 ms of it per layer), which
+with the warm-up pass, model build and trace made one row outlast a 330 s
+call. With 8 layers a forward is ~7.5 ms: a pass of 200 shapes ~12 s, a row
+(import and model build, warm-up pass, measured pass, trace replay) about a
+minute. Each row prints its phases (setup, warm-up, measured, trace) and is
+stopped after --row-timeout seconds, the other rows still running. Depth
+changes how often the pattern repeats, not the pattern: every layer allocates
+the same tensors and its KV cache grows at each decode step; the weights'
+share of the peak is smaller than with 24 layers (--layers 24 restores it).
+
+Reported per row:
 
 - tok/s: generated tokens of the measured pass / its wall time.
 - peak reserved / peak requested: the most memory the allocator held from the
@@ -64,13 +79,13 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="torch,expandable,epmem",
                     help="comma-separated rows to run, in order (torch first: it is the token reference)")
-    ap.add_argument("--shapes", type=int, default=240, help="(batch, prompt) pairs per pass (>= 200 for the record)")
+    ap.add_argument("--shapes", type=int, default=200, help="(batch, prompt) pairs per pass (>= 200 for the record)")
     ap.add_argument("--new-tokens", type=int, default=8, help="decode steps per shape")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -79,6 +94,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-shapes", type=int, default=4, help="shapes whose allocations are replayed for timing")
     ap.add_argument("--replays", type=int, default=20, help="times the recorded trace is replayed")
+    ap.add_argument("--row-timeout", type=float, default=150.0,
+                    help="seconds a row's process may run before it is stopped and reported as an error")
     ap.add_argument("--out-json", help="write the results here (JSON)")
     ap.add_argument("--out-md", help="write a markdown table here")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 4 shapes: no allocator figures")
@@ -172,6 +189,7 @@ def replay(torch, path, times):
 
 
 def child(args):
+    t_start = time.perf_counter()
     row, cuda = args.child, not args.smoke
     out = {"row": row, "env": {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "EPM_TORCH_CAPACITY")}}
     if row == "epmem":
@@ -213,7 +231,9 @@ def child(args):
         if cuda:
             torch.cuda.synchronize()
 
+    sync()
     t0 = time.perf_counter()
+    out["setup_s"] = t0 - t_start
     for i in range(len(sh)):
         run_shape(i)
     sync()
@@ -256,6 +276,7 @@ def child(args):
         out["reserved_over_requested"] = out["peak_reserved"] / out["peak_requested"]
 
     if cuda and args.trace:
+        t0 = time.perf_counter()
         try:
             if row == "torch" and not os.path.exists(args.trace):
                 out["trace_events"] = record_trace(torch, run_shape, range(min(args.trace_shapes, len(sh))), args.trace)
@@ -263,6 +284,7 @@ def child(args):
                 out["replay"] = replay(torch, args.trace, args.replays)
         except Exception as e:  # the timing column is reported missing, with why
             out["replay_error"] = f"{type(e).__name__}: {e}"
+        out["trace_s"] = time.perf_counter() - t0
     with open(args.result, "w") as f:
         json.dump(out, f)
 
@@ -279,7 +301,12 @@ def run_row(args, row, trace):
     argv = [sys.executable, os.path.abspath(__file__), "--child", row, "--result", result, "--trace", trace]
     argv += forward_args(args)
     t0 = time.perf_counter()
-    p = subprocess.run(argv, env=env, capture_output=True, text=True)
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired as e:
+        os.unlink(result)
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {"row": row, "error": f"{tail[-2000:]}\nstopped after --row-timeout {args.row_timeout:.0f} s"}
     try:
         if p.returncode != 0:
             return {"row": row, "error": f"exit {p.returncode}: {(p.stderr or p.stdout)[-2000:]}"}
@@ -383,7 +410,10 @@ def main(argv=None):
             print(f"  {row}: " + (r["error"].splitlines()[-1] if "error" in r else
                                   f"{r['tok_per_s']:.1f} tok/s, reserved/requested "
                                   f"{fmt(r.get('reserved_over_requested'), '.3f')}, driver allocs after warm-up "
-                                  f"{r.get('driver_allocs_after_warmup', 'n/a')}"), flush=True)
+                                  f"{r.get('driver_allocs_after_warmup', 'n/a')}; seconds: setup "
+                                  f"{fmt(r.get('setup_s'), '.1f')}, warm-up {fmt(r.get('warmup_s'), '.1f')}, "
+                                  f"measured {fmt(r.get('measured_s'), '.1f')}, trace {fmt(r.get('trace_s'), '.1f')}, "
+                                  f"process {fmt(r.get('process_s'), '.1f')}"), flush=True)
     s = summarize(args, results)
     md = markdown(s)
     if args.out_json:

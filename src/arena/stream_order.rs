@@ -652,6 +652,69 @@ mod tests {
         dev.event_destroy(done).unwrap();
     }
 
+    /// The sequence of tests/gpu/torch_allocator.py's `streams` case (sizes
+    /// scaled down): after a trim and one footprint committed and freed on
+    /// b, every held round gives a's freed block back to a at once and never
+    /// to b. The GPU test asserts both; this is where the layout it relies
+    /// on is checked without a GPU.
+    #[test]
+    fn after_a_reset_a_held_streams_freed_block_goes_back_to_it_at_once_round_after_round() {
+        const BLK: usize = 4 * MIB;
+        const OUT: usize = 16 << 10;
+        let (dev, l) = layer(256 * MIB as u64);
+        let l = l.single_stream_fast_path();
+        let (d, a, b) = (dev.stream_create().unwrap(), dev.stream_create().unwrap(), dev.stream_create().unwrap());
+        // Leave the fast path: d (PyTorch's default stream) first, then b.
+        let (p, _) = l.alloc(1024, Some(d)).unwrap();
+        l.free(p).unwrap();
+        let (q, _) = l.alloc(1024, Some(b)).unwrap();
+        l.free(q).unwrap();
+        // An unheld round (the GPU test's warm-up of its kernels).
+        let (x, _) = l.alloc(BLK, Some(a)).unwrap();
+        let (y, _) = l.alloc(OUT, Some(a)).unwrap();
+        l.free(x).unwrap();
+        let (z, _) = l.alloc(BLK, Some(b)).unwrap();
+        let (w, _) = l.alloc(BLK, Some(a)).unwrap();
+        for st in [d, a, b] {
+            dev.stream_synchronize(st).unwrap();
+        }
+        for m in [y, z, w] {
+            l.free(m).unwrap();
+        }
+        // The reset: trim, then the footprint committed and freed on b.
+        assert!(l.trim().unwrap() > 0);
+        let (pre, _) = l.alloc(2 * BLK + 2 * MIB, Some(b)).unwrap();
+        l.free(pre).unwrap();
+        dev.stream_synchronize(b).unwrap();
+        let grown = dev.driver_counts().vmm_create_calls;
+        for round in 0..5 {
+            let gate = device::Gate::new();
+            let wd = gate.watchdog(std::time::Duration::from_secs(60));
+            let (x, _) = l.alloc(BLK, Some(a)).unwrap();
+            dev.hold_async(a, &gate).unwrap();
+            let (y, _) = l.alloc(OUT, Some(a)).unwrap();
+            l.free(x).unwrap();
+            let (z, _) = l.alloc(BLK, Some(b)).unwrap();
+            let reuses = l.order_stats().same_stream_reuses;
+            let (w, _) = l.alloc(BLK, Some(a)).unwrap();
+            assert!(z >= x + BLK as u64 || z + BLK as u64 <= x, "round {round}: b got a's block while a is held");
+            assert_eq!(w, x, "round {round}: a did not take its freed block back at once");
+            assert_eq!(l.order_stats().same_stream_reuses, reuses + 1, "round {round}");
+            gate.open();
+            assert!(!wd.fired(), "round {round}: the checks waited on the held stream");
+            dev.stream_synchronize(a).unwrap();
+            dev.stream_synchronize(b).unwrap();
+            for m in [y, z, w] {
+                l.free(m).unwrap();
+            }
+        }
+        assert_eq!(dev.driver_counts().vmm_create_calls, grown, "the held rounds fit in the committed footprint");
+        for st in [d, a, b] {
+            dev.stream_synchronize(st).unwrap();
+            dev.stream_destroy(st).unwrap();
+        }
+    }
+
     #[test]
     fn trim_on_the_single_stream_fast_path_waits_for_the_stream_first() {
         let (dev, l) = layer(64 * MIB as u64);
