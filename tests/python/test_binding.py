@@ -58,7 +58,7 @@ def header_typedefs(path=HEADER):
 
 
 _C_SCALARS = {"uint8_t": ctypes.c_uint8, "uint32_t": ctypes.c_uint32, "uint64_t": ctypes.c_uint64,
-              "size_t": ctypes.c_size_t, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double,
+              "size_t": ctypes.c_size_t, "ptrdiff_t": ctypes.c_ssize_t, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double,
               "bool": ctypes.c_bool, "EpmStatus": ctypes.c_int, "EpmLogCallback": L.EpmLogCallback}
 
 

@@ -67,7 +67,8 @@ class Docs(unittest.TestCase):
         self.assertGreaterEqual(counts["docs/KV.md"], 1, counts)
         self.assertGreaterEqual(counts["docs/ORT.md"], 2, counts)
         marked = [(p, line, need) for p in DOCS for line, need, _ in blocks(p) if need]
-        self.assertLessEqual(len(marked), 4, f"keep blocks that cannot run on the host device rare: {marked}")
+        # ORT.md's weight-streaming and gpu_external_* examples need onnxruntime-gpu.
+        self.assertLessEqual(len(marked), 5, f"keep blocks that cannot run on the host device rare: {marked}")
 
 
 def _run(self, path, line, need, code):

@@ -77,7 +77,9 @@ class LlamaOffload(unittest.TestCase):
             self.assertLessEqual(st["peak_resident_bytes"], budget)
             # Every forward over the 8 layers streams at least what the budget cannot hold.
             # greedy(): prefill + STEPS forwards; each generate(): prefill + STEPS - 1.
-            forwards = st["hook_calls"] // 8
+            # One hook call per linear (the default granularity): 8 layers x 7.
+            self.assertEqual(st["granularity"], "linear")
+            forwards = st["hook_calls"] // (8 * 7)
             generates = 2 if dev.type == "cuda" else 1
             self.assertEqual(forwards, (STEPS + 1) + generates * STEPS)
             self.assertEqual(st["acquires"], forwards * 8 * 7)
