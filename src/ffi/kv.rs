@@ -441,20 +441,8 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
     out: *mut *mut EpmKvSeq,
     shared_tokens: *mut u64,
 ) -> EpmStatus {
-    ffi_boundary! {
-        let pool = try_handle!(pool);
-        let out = try_out!(out);
-        let l = layout_from_c(layout)?;
-        let mode = admit_mode(admit)?;
-        let toks = self::tokens(tokens, n_tokens)?;
-        let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
-        let (id, shared) = pool.lock()?.create_sequence_for_tokens(&l, max_tokens, toks, mode)?;
-        new_seq(&pool, id, out)?;
-        if let Some(o) = shared_out {
-            o.set(shared);
-        }
-        Ok(())
-    }
+    // The default namespace: the same checks, in the same order.
+    epm_kv_seq_create_for_tokens_ns(pool, layout, max_tokens, std::ptr::null(), 0, tokens, n_tokens, admit, out, shared_tokens)
 }
 
 /// As `epm_kv_seq_create_for_tokens`, in the sharing namespace `ns[0..ns_len)`
@@ -764,15 +752,8 @@ pub extern "C" fn epm_kv_find_prefix(
     n_tokens: usize,
     out: *mut u64,
 ) -> EpmStatus {
-    ffi_boundary! {
-        let pool = try_handle!(pool);
-        let out = try_out!(out);
-        let l = layout_from_c(layout)?;
-        let toks = self::tokens(tokens, n_tokens)?;
-        let found = pool.lock()?.find_prefix(&l, toks).map_or(0, |(_, m)| m);
-        out.set(found);
-        Ok(())
-    }
+    // The default namespace: the same checks, in the same order.
+    epm_kv_find_prefix_ns(pool, layout, std::ptr::null(), 0, tokens, n_tokens, out)
 }
 
 /// As `epm_kv_find_prefix`, among the prefixes of namespace `ns[0..ns_len)`

@@ -298,21 +298,8 @@ pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
     out: *mut *mut EpmKvSeq,
     shared_tokens: *mut u64,
 ) -> EpmStatus {
-    ffi_boundary! {
-        let b = try_handle!(batch);
-        let stream = try_handle!(stream);
-        let out = try_out!(out);
-        let mode = self::admit(admit)?;
-        let toks = token_ids(tokens, n_tokens)?;
-        let shared_out = if shared_tokens.is_null() { None } else { Some(try_out!(shared_tokens)) };
-        let raw = raw_stream(&b.pool, stream)?;
-        let (id, shared) = lock(&b.pool)?.take_slot_for_tokens(b.id, choice(slot), toks, mode, raw)?;
-        insert_seq(&b.pool, id, out)?;
-        if let Some(o) = shared_out {
-            o.set(shared);
-        }
-        Ok(())
-    }
+    // The default namespace: the same checks, in the same order.
+    epm_kv_batch_take_slot_for_tokens_ns(batch, slot, std::ptr::null(), 0, tokens, n_tokens, admit, stream, out, shared_tokens)
 }
 
 /// As `epm_kv_batch_take_slot_for_tokens`, in the sharing namespace
