@@ -10,6 +10,7 @@ use std::sync::Arc;
 use super::batch::Batch;
 use super::granule::{GranuleId, GranulePool, PoolStats};
 use super::hash::PrefixIndex;
+use super::id::{BatchId, PrefixId, SeqId};
 use super::ledger::LedgerStats;
 use super::prefix::Prefix;
 use super::sequence::Sequence;
@@ -81,10 +82,10 @@ pub struct KvPool {
     pub(crate) config: KvConfig,
     pub(crate) pool: GranulePool,
     pub(crate) dummy: GranuleId,
-    pub(crate) seqs: Slab<Sequence>,
-    pub(crate) prefixes: Slab<Prefix>,
-    pub(crate) batches: Slab<Batch>,
-    pub(crate) index: PrefixIndex<u64>,
+    pub(crate) seqs: Slab<SeqId, Sequence>,
+    pub(crate) prefixes: Slab<PrefixId, Prefix>,
+    pub(crate) batches: Slab<BatchId, Batch>,
+    pub(crate) index: PrefixIndex<PrefixId>,
     pub(crate) stream_wait_event: Event,
     pub(crate) counters: KvCounters,
 }
@@ -101,9 +102,9 @@ impl KvPool {
             config,
             pool,
             dummy,
-            seqs: Slab::new("KV sequence"),
-            prefixes: Slab::new("KV prefix"),
-            batches: Slab::new("KV batch"),
+            seqs: Slab::new(),
+            prefixes: Slab::new(),
+            batches: Slab::new(),
             index: PrefixIndex::new(),
             stream_wait_event: Event::new(dev, false)?,
             counters: KvCounters::default(),
