@@ -27,7 +27,6 @@ EPM_DEVICE_NAME_LEN = 256
 EPM_PCI_BUS_ID_LEN = 32
 EPM_EVENT_TIMING = 1
 EPM_KV_ADMIT_PROMISE = 0
-EPM_KV_ADMIT_RESERVE = EPM_KV_ADMIT_PROMISE  # the deprecated name (docs/ABI.md, "Names")
 EPM_KV_ADMIT_ON_DEMAND = 1
 EPM_POLICY_CYCLIC = 0
 EPM_POLICY_LRU = 1
@@ -311,11 +310,6 @@ FUNCTIONS = [
     ("epm_kv_pool_create", STATUS, [H, u64, OH]),
     ("epm_kv_pool_destroy", STATUS, [H]),
     ("epm_kv_pool_get_stats", STATUS, [H, P(EpmKvStats)]),
-    # The deprecated names of the three above (docs/ABI.md, "Names"): bound so
-    # the library's whole surface is, but KvArena is KvPool and calls the new ones.
-    ("epm_kv_arena_create", STATUS, [H, u64, OH]),
-    ("epm_kv_arena_destroy", STATUS, [H]),
-    ("epm_kv_arena_get_stats", STATUS, [H, P(EpmKvStats)]),
     ("epm_kv_seq_create", STATUS, [H, P(EpmKvLayout), u64, u32, OH]),
     ("epm_kv_seq_create_for_tokens", STATUS, [H, P(EpmKvLayout), u64, P(u32), size_t, u32, OH, P(u64)]),
     ("epm_kv_seq_destroy", STATUS, [H]),

@@ -97,9 +97,6 @@ impl_handle!(EpmKvPrefix => PrefixObj, tag = 0x42);
 /// with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
 /// for budget afterwards.
 pub const EPM_KV_ADMIT_PROMISE: u32 = 0;
-/// Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
-/// reservations; a budget is promised), kept until the next major version.
-pub const EPM_KV_ADMIT_RESERVE: u32 = EPM_KV_ADMIT_PROMISE;
 /// Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
 pub const EPM_KV_ADMIT_ON_DEMAND: u32 = 1;
 

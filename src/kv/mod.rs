@@ -16,8 +16,8 @@
 //! - [`admission`]: admissible-concurrency arithmetic;
 //! - [`reservation`]: VA reservations as granule mapping tables, and windows;
 //! - [`batch`]: batch reservations, many sequences at a fixed slot stride;
-//! - [`pool`]: the object that ties them together ([`KvPool`]; it was `KvArena`,
-//!   but it owns a granule pool, not an `arena/` allocator).
+//! - [`pool`]: the object that ties them together ([`KvPool`]: it owns a
+//!   granule pool, not an `arena/` allocator).
 
 pub mod admission;
 pub mod batch;

@@ -38,8 +38,8 @@ impl KvConfig {
 pub enum AdmitMode {
     /// Promise the sequence's worst-case private granules up front (refused
     /// with OutOfBudget if the ledger cannot hold them); `prepare_append`
-    /// then never fails for budget. (C: `EPM_KV_ADMIT_PROMISE`, formerly
-    /// `EPM_KV_ADMIT_RESERVE`: *reserve* is for VA reservations.)
+    /// then never fails for budget. (C: `EPM_KV_ADMIT_PROMISE`; *promise*,
+    /// not *reserve*: *reserve* is for VA reservations.)
     Promise,
     /// Promise nothing: granules are charged as `prepare_append` commits
     /// them, and that may fail with OutOfBudget.

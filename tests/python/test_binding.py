@@ -505,24 +505,6 @@ class Objects(unittest.TestCase):
                 x.close()
             self.assertEqual(arena.stats()["sequences"], 0)
 
-    def test_kv_arena_is_the_old_name_of_kv_pool(self):
-        # KvArena (C: EpmKvArena, epm_kv_arena_*) was renamed KvPool; the old
-        # name and the old `.arena` attributes stay until the next major version.
-        self.assertIs(epmem.KvArena, epmem.KvPool)
-        layout = epmem.kv_layout_token_major(4, 2, 64, 2)
-        g = self.dev.info()["granularity"]
-        with epmem.KvArena(self.dev, 16 * g) as pool, self.dev.stream() as s:
-            seq = pool.seq(layout, 1024)
-            seq.prepare_append(10, s)
-            self.assertIs(seq.pool, pool)
-            self.assertIs(seq.arena, pool)
-            batch = pool.batch(layout, 256, 2)
-            self.assertIs(batch.arena, batch.pool)
-            self.assertEqual(pool.stats()["sequences"], 1)
-            batch.close()
-            seq.close()
-            self.assertEqual(pool.stats()["sequences"], 0)
-
     def test_children_keep_parents_alive(self):
         dev = epmem.Device()
         dev_ref = weakref.ref(dev)
