@@ -181,6 +181,26 @@ class HeaderAgreement(unittest.TestCase):
         declared = set(re.findall(r"typedef struct (Epm\w+) \{", text))
         self.assertEqual(declared, {s.__name__ for s in L.STRUCTS})
 
+    def test_struct_layouts_are_read_from_the_header_the_tests_check(self):
+        with open(L.header_path()) as f:
+            self.assertEqual(f.read(), header_text(), f"{L.header_path()} is not {HEADER}")
+        self.assertEqual(set(L.HEADER_STRUCTS), {s.__name__ for s in L.STRUCTS})
+        # The classes still written out by hand (EpmResidencyConfig,
+        # EpmResidencyStats) have exactly the header's fields too.
+        for s in L.STRUCTS:
+            want = [(n, ctypes.sizeof(t)) for n, t in L.HEADER_STRUCTS[s.__name__]]
+            self.assertEqual([(n, ctypes.sizeof(t)) for n, t in s._fields_], want, s.__name__)
+
+    def test_the_struct_parser_reads_every_field_or_refuses(self):
+        ok = L.parse_structs("#define EPM_N 4\ntypedef struct EpmA {\n  /**\n   * doc; with a semicolon\n   */\n"
+                             "  size_t size;\n  enum EpmK k;\n  char name[EPM_N];\n  uint8_t b[3];\n  double x;\n} EpmA;\n")
+        self.assertEqual([(n, ctypes.sizeof(t)) for n, t in ok["EpmA"]],
+                         [("size", 8), ("k", 4), ("name", 4), ("b", 3), ("x", 8)])
+        for bad, why in (("int8_t x;", "no ctypes equivalent"), ("char n[EPM_M];", "not a #define"),
+                         ("void (*f)(void);", "cannot read field")):
+            with self.assertRaisesRegex(ValueError, why):
+                L.parse_structs("typedef struct EpmB {\n  size_t size;\n  " + bad + "\n} EpmB;\n")
+
     def test_every_header_constant_is_declared(self):
         text = re.sub(r"/\*.*?\*/", "", header_text(), flags=re.S)
         defines = set(re.findall(r"#define\s+(EPM_\w+)\s+\S", text))
