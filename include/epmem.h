@@ -667,7 +667,7 @@ typedef struct EpmKvStats {
   uint64_t committed_granules;
   /**
    * Host waits on a caller's stream before a mapping change (`stream_waits`
-   * in Rust; the C field keeps its first name, see docs/ABI.md "Names").
+   * in Rust; this published field keeps its first name, see docs/CONCEPTS.md).
    */
   uint64_t fences;
   /**
@@ -748,7 +748,7 @@ typedef struct EpmKvAdmission {
    * 1 + floor((B − P) / Q), a common shorthand that admits one more than
    * fits (kept so callers can compare). Rust calls it
    * `over_admitting_formula`; this published field keeps its first name
-   * (docs/ABI.md, "Names").
+   * (docs/CONCEPTS.md).
    */
   uint64_t seed_formula;
 } EpmKvAdmission;

@@ -331,7 +331,7 @@ pub struct EpmKvStats {
     pub cow_granules: u64,
     pub committed_granules: u64,
     /// Host waits on a caller's stream before a mapping change (`stream_waits`
-    /// in Rust; the C field keeps its first name, see docs/ABI.md "Names").
+    /// in Rust; this published field keeps its first name, see docs/CONCEPTS.md).
     pub fences: u64,
     /// Sequences that found a prefix by content hash.
     pub hash_hits: u64,
@@ -795,7 +795,7 @@ pub struct EpmKvAdmission {
     /// 1 + floor((B − P) / Q), a common shorthand that admits one more than
     /// fits (kept so callers can compare). Rust calls it
     /// `over_admitting_formula`; this published field keeps its first name
-    /// (docs/ABI.md, "Names").
+    /// (docs/CONCEPTS.md).
     pub seed_formula: u64,
 }
 

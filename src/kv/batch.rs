@@ -14,7 +14,7 @@
 //! dummy read-only. So a captured CUDA graph over the whole batch never
 //! touches unmapped memory, and a slot's addresses never move when others
 //! join, leave or append. Releasing a slot maps the dummy back over its
-//! granules (after fencing the caller's stream) and returns them to the pool.
+//! granules (after a host wait for the caller's stream) and returns them to the pool.
 //!
 //! Teardown: slots first (unmap → dummy back → release), then the batch
 //! (unmap the dummies → free VA).

@@ -54,7 +54,7 @@ pub struct KvCounters {
     /// Fresh granules committed by prepare_append (excluding COW).
     pub committed_granules: u64,
     /// Host waits on a caller's stream before a mapping change.
-    /// (C: `EpmKvStats.fences`, the name the ABI shipped with.)
+    /// (C: `EpmKvStats.fences`, a published name; docs/CONCEPTS.md.)
     pub stream_waits: u64,
     /// Sequences created with a prefix found by content hash.
     pub hash_hits: u64,
