@@ -5,29 +5,41 @@
 // by the driver at first use: no CUDA toolkit at build time). The parameter
 // block must match `DecodeParams` in codec.rs, field for field.
 //
-// One thread block per 4096-value codec block, 256 threads, 16 values each:
-// - the block's codes (4096 × W bits, W = k + extra raw bits ≤ 8) are staged
-//   in shared memory with 16-byte loads; thread t's 16 codes are the 2W bytes
-//   at byte 2Wt, so no code straddles two threads;
-// - the low bytes are one coalesced 16-byte load per thread;
-// - escapes: each thread counts its own, a block-wide exclusive scan (warp
-//   shuffles, then the 8 warp totals) gives its first escape's index after
-//   the block's indexed start;
+// One thread block per 4096-value codec block, 256 threads, 16 values each.
+// The kernel is specialised at compile time for each (dtype, k), so every
+// shift and mask is a constant, and it works on whole registers:
+// - thread t's 16 codes are the 2W bytes at byte 2Wt of the block: one to
+//   four aligned 4-byte loads (one 8-byte load for W = 4), straight into
+//   registers; the low bytes are one 16-byte load; the block's escape-index
+//   entries are loaded beside them, so all global reads start at once;
+// - four values at a time: their k-bit exponent codes become the four
+//   selector nibbles of one byte permute that reads the (up to 16-byte)
+//   table from registers, and two more permutes interleave exponents and low
+//   bytes into two output words;
+// - escapes only where the block has any (its index entries differ): each
+//   thread counts its own, a block-wide exclusive scan (warp shuffles, then
+//   the 8 warp totals) gives its first escape's rank, and the block's escape
+//   bytes are staged in shared memory with 16-byte loads, so no thread waits
+//   on one global load per escape;
 // - output: two 16-byte stores per thread (scalar stores only in the
 //   weight's last, partial chunk).
-// Every global read is bounded: escape indexes are clamped to the escape
-// count, so a corrupt buffer yields wrong values, never a fault.
+// Every global read is bounded: the escape range is clamped to the escape
+// count and to one block's worth, so a corrupt buffer yields wrong values,
+// never a fault.
 
 #define EPM_BLOCK_VALUES 4096
 #define EPM_THREADS 256
 #define EPM_PER_THREAD 16
+// A block's escapes as 16-byte words: at most 4096 bytes, starting anywhere
+// within the first word and ending anywhere within the last.
+#define EPM_ESC_WORDS (EPM_BLOCK_VALUES / 16 + 2)
 
 struct EpmDecodeParams {
   unsigned long long dst;       // decoded weight, 16-byte aligned
   unsigned long long offsets;   // u32 escape index, one per block (+ total)
   unsigned long long codes;     // code stream, 16-byte aligned, padded to 16
   unsigned long long lows;      // low-byte stream, 16-byte aligned, padded to 16
-  unsigned long long escapes;   // escaped exponents, one byte each
+  unsigned long long escapes;   // escaped exponents, one byte each, padded to 16
   unsigned long long n_values;
   unsigned long long n_escapes;
   unsigned int dtype;           // 1 = bf16, 2 = fp16
@@ -37,101 +49,175 @@ struct EpmDecodeParams {
   unsigned char table[16];      // 2^k - 1 exponents
 };
 
-__device__ __forceinline__ unsigned int code_at(unsigned long long lo, unsigned long long hi, unsigned int bit,
-                                                unsigned int w) {
-  unsigned long long v;
-  if (bit >= 64) v = hi >> (bit - 64);
-  else if (bit == 0) v = lo;
-  else v = (lo >> bit) | (hi << (64 - bit));
-  return (unsigned int)v & ((1u << w) - 1u);
+// The W-bit field `i` of the little-endian bit string `c` (W and i are
+// constants once the callers' loops are unrolled).
+template <int W>
+__device__ __forceinline__ unsigned int epm_field(const unsigned int (&c)[4], const int i) {
+  const int b = W * i, j = b >> 5, s = b & 31;
+  unsigned int v = c[j] >> s;
+  if (s + W > 32) v |= c[j + 1] << (32 - s);
+  return v & ((1u << W) - 1u);
 }
 
-extern "C" __global__ void __launch_bounds__(EPM_THREADS) epm_codec_decode(const EpmDecodeParams p) {
-  __shared__ uint4 s_codes[EPM_BLOCK_VALUES * 8 / 8 / 16];
-  __shared__ unsigned char s_table[16];
-  __shared__ unsigned int s_warp[EPM_THREADS / 32];
+// Thread t's 2W code bytes (at byte 2Wt of the block's codes, `blk`) into
+// c[0..]; `lim` bounds the reads (a multiple of 16: the stream is padded).
+template <int W>
+__device__ __forceinline__ void epm_load_codes(const unsigned char *blk, const unsigned int t, const unsigned int lim,
+                                               unsigned int (&c)[4]) {
+  const unsigned int at = 2u * W * t;
+  c[0] = c[1] = c[2] = c[3] = 0u;
+  if (W == 4) {
+    // 8-byte aligned: one 8-byte load (lim is a multiple of 16, so both words or neither).
+    if (at < lim) {
+      const uint2 v = *(const uint2 *)(blk + at);
+      c[0] = v.x;
+      c[1] = v.y;
+    }
+  } else if ((W & 1) == 0) {
+    // W = 2, 6: 4-byte aligned, W/2 words.
+#pragma unroll
+    for (int j = 0; j < W / 2; j++)
+      if (at + 4u * j < lim) c[j] = ((const unsigned int *)(blk + at))[j];
+  } else {
+    // W odd: 2-byte aligned. The (W+1)/2 aligned words from at & ~3 hold
+    // the 2W bytes; an odd thread's start half a word in.
+    const unsigned int a = at & ~3u;
+    unsigned int r[(W + 1) / 2 + 1];
+#pragma unroll
+    for (int j = 0; j < (W + 1) / 2; j++) r[j] = a + 4u * j < lim ? ((const unsigned int *)(blk + a))[j] : 0u;
+    r[(W + 1) / 2] = 0u;
+    const unsigned int sh = (at & 2u) * 8u;
+#pragma unroll
+    for (int j = 0; j < (W + 1) / 2; j++) c[j] = __funnelshift_r(r[j], r[j + 1], sh);
+  }
+}
 
-  const unsigned int t = threadIdx.x;
-  const unsigned long long first = (unsigned long long)blockIdx.x * EPM_BLOCK_VALUES;
+// DT: 1 = bf16, 2 = fp16; K: the exponent code width.
+template <int DT, int K>
+__device__ __forceinline__ void epm_decode_block(const EpmDecodeParams &p, uint4 *s_esc, unsigned int *s_warp) {
+  constexpr int W = K + (DT == 2 ? 3 : 0);
+  constexpr unsigned int KMASK = (1u << K) - 1u;
+
+  const unsigned int t = threadIdx.x, b = blockIdx.x;
+  const unsigned long long first = (unsigned long long)b * EPM_BLOCK_VALUES;
   if (first >= p.n_values) return;  // the whole block: uniform
   const unsigned long long left = p.n_values - first;
   const unsigned int count = left < EPM_BLOCK_VALUES ? (unsigned int)left : EPM_BLOCK_VALUES;
-  const unsigned int w = p.code_bits, k = p.k;
-
-  const unsigned int code_bytes = (count * w + 7) / 8;
-  const uint4 *gcodes = (const uint4 *)(p.codes + (unsigned long long)blockIdx.x * (EPM_BLOCK_VALUES / 8) * w);
-  for (unsigned int i = t; i < (code_bytes + 15) / 16; i += EPM_THREADS) s_codes[i] = gcodes[i];
-  // Constant indexes only: a variable index into the parameter block would
-  // make the compiler copy all of it to local memory.
-  if (t == 0) {
-#pragma unroll
-    for (unsigned int j = 0; j < 16; j++) s_table[j] = p.table[j];
-  }
-
   const unsigned int v0 = t * EPM_PER_THREAD;
   const bool active = v0 < count;
+  const unsigned int mine = active ? (count - v0 < EPM_PER_THREAD ? count - v0 : EPM_PER_THREAD) : 0u;
+
+  // Every global read of the block, issued together.
+  const unsigned int *offsets = (const unsigned int *)p.offsets;
+  const unsigned int off0 = offsets[b], off1 = offsets[b + 1];
+  unsigned int c[4];
+  const unsigned int lim = active ? (((count * W + 7u) / 8u + 15u) & ~15u) : 0u;
+  epm_load_codes<W>((const unsigned char *)p.codes + (unsigned long long)b * (EPM_BLOCK_VALUES / 8) * W, t, lim, c);
   uint4 lows = make_uint4(0, 0, 0, 0);
   if (active) lows = *(const uint4 *)(p.lows + first + v0);
-  __syncthreads();
 
-  // This thread's 16 codes: 2W bytes at byte 2Wt (u16-aligned) of the block.
-  unsigned long long lo = 0, hi = 0;
-  const unsigned short *s16 = (const unsigned short *)s_codes + w * t;
+  // The table in four registers (constant indexes into the parameter block).
+  const unsigned int t0 = p.table[0] | p.table[1] << 8 | p.table[2] << 16 | (unsigned int)p.table[3] << 24;
+  const unsigned int t1 = p.table[4] | p.table[5] << 8 | p.table[6] << 16 | (unsigned int)p.table[7] << 24;
+  unsigned int t2 = 0, t3 = 0;
+  if (K == 4) {
+    t2 = p.table[8] | p.table[9] << 8 | p.table[10] << 16 | (unsigned int)p.table[11] << 24;
+    t3 = p.table[12] | p.table[13] << 8 | p.table[14] << 16 | (unsigned int)p.table[15] << 24;
+  }
+
+  // Per group of four values: exponent bytes e[g] (escapes get the table's
+  // padding for now), fp16's extra bits as bytes x[g], escape flags at bit
+  // 4i of `flags` for value i.
+  unsigned int e[4], x[4];
+  unsigned long long flags = 0;
 #pragma unroll
-  for (unsigned int j = 0; j < 8; j++) {
-    if (j < w) {
-      const unsigned long long x = s16[j];
-      if (j < 4) lo |= x << (16 * j);
-      else hi |= x << (16 * (j - 4));
+  for (int g = 0; g < 4; g++) {
+    unsigned int sel = 0, xb = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const unsigned int f = epm_field<W>(c, 4 * g + j);
+      sel |= (f & KMASK) << (4 * j);
+      if (DT == 2) xb |= (f >> K) << (8 * j);
+    }
+    x[g] = xb;
+    unsigned int all = sel;
+#pragma unroll
+    for (int s = 1; s < K; s++) all &= sel >> s;
+    flags |= (unsigned long long)(all & 0x1111u) << (16 * g);
+    if (K == 4) {
+      const unsigned int lo = __byte_perm(t0, t1, sel & 0x7777u), hi = __byte_perm(t2, t3, sel & 0x7777u);
+      const unsigned int upper = __byte_perm(0x0000FF00u, 0u, (sel >> 3) & 0x1111u);  // 0xFF where code >= 8
+      e[g] = (hi & upper) | (lo & ~upper);
+    } else {
+      e[g] = __byte_perm(t0, t1, sel);
     }
   }
-  const unsigned int esc = (1u << k) - 1u;
-  const unsigned int mine = active ? (count - v0 < EPM_PER_THREAD ? count - v0 : EPM_PER_THREAD) : 0;
-  unsigned int n_esc = 0;
-#pragma unroll
-  for (unsigned int i = 0; i < EPM_PER_THREAD; i++)
-    n_esc += (i < mine && (code_at(lo, hi, i * w, w) & esc) == esc) ? 1u : 0u;
+  flags &= mine >= EPM_PER_THREAD ? ~0ull : (1ull << (4 * mine)) - 1ull;
 
-  // Exclusive scan of the escape counts over the block.
-  const unsigned int lane = t & 31, warp = t >> 5;
-  unsigned int incl = n_esc;
+  // Escapes, where the block has any (uniform: every thread read the same index entries).
+  const unsigned long long n_esc_all = p.n_escapes;
+  const unsigned int lo_e = off0 < n_esc_all ? off0 : (unsigned int)n_esc_all;
+  unsigned int hi_e = off1 < n_esc_all ? off1 : (unsigned int)n_esc_all;
+  if (hi_e < lo_e) hi_e = lo_e;
+  if (hi_e - lo_e > EPM_BLOCK_VALUES) hi_e = lo_e + EPM_BLOCK_VALUES;
+  if (hi_e > lo_e) {
+    const unsigned int n_esc = __popcll(flags);
+    const unsigned int lane = t & 31, warp = t >> 5;
+    unsigned int incl = n_esc;
 #pragma unroll
-  for (unsigned int d = 1; d < 32; d <<= 1) {
-    const unsigned int y = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += y;
+    for (unsigned int d = 1; d < 32; d <<= 1) {
+      const unsigned int y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    // Stage the block's escape bytes [lo_e, hi_e) from the 16-byte word holding lo_e.
+    const unsigned int w0 = lo_e >> 4, words = ((hi_e + 15u) >> 4) - w0;
+    const uint4 *gesc = (const uint4 *)p.escapes + w0;
+    for (unsigned int i = t; i < words; i += EPM_THREADS) s_esc[i] = gesc[i];
+    __syncthreads();
+    unsigned int before = 0;
+#pragma unroll
+    for (unsigned int i = 0; i < EPM_THREADS / 32; i++)
+      if (i < warp) before += s_warp[i];
+    // This thread's escapes are ranks [r, r + n_esc) of the block's, at byte
+    // (lo_e & 15) + rank of the staged words.
+    unsigned int r = before + incl - n_esc;
+    const unsigned int n_blk = hi_e - lo_e, skip = lo_e & 15u;
+    const unsigned char *sb = (const unsigned char *)s_esc;
+    unsigned long long e01 = (unsigned long long)e[1] << 32 | e[0], e23 = (unsigned long long)e[3] << 32 | e[2];
+    while (flags) {
+      const unsigned int i = (unsigned int)(__ffsll((long long)flags) - 1) >> 2;
+      flags &= flags - 1;
+      const unsigned long long v = r < n_blk ? sb[skip + r] : 0u;
+      r++;
+      const unsigned int at = (i & 7u) * 8u;
+      if (i < 8) e01 = (e01 & ~(0xFFull << at)) | v << at;
+      else e23 = (e23 & ~(0xFFull << at)) | v << at;
+    }
+    e[0] = (unsigned int)e01;
+    e[1] = (unsigned int)(e01 >> 32);
+    e[2] = (unsigned int)e23;
+    e[3] = (unsigned int)(e23 >> 32);
   }
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  unsigned int before = 0;
-#pragma unroll
-  for (unsigned int i = 0; i < EPM_THREADS / 32; i++)
-    if (i < warp) before += s_warp[i];
-  const unsigned int block_first = ((const unsigned int *)p.offsets)[blockIdx.x];
-  unsigned long long e = (unsigned long long)block_first + before + incl - n_esc;
 
-  const unsigned char *lb = (const unsigned char *)&lows;
-  unsigned int out[EPM_PER_THREAD / 2];
+  // Four values a group: a high byte and a low byte each, then two permutes
+  // interleave them into two output words.
+  const unsigned int lw[4] = {lows.x, lows.y, lows.z, lows.w};
+  unsigned int out[8];
 #pragma unroll
-  for (unsigned int i = 0; i < EPM_PER_THREAD; i++) {
-    const unsigned int c = code_at(lo, hi, i * w, w);
-    const unsigned int code = c & esc;
-    unsigned int exp;
-    if (code == esc) {
-      exp = (i < mine && e < p.n_escapes) ? ((const unsigned char *)p.escapes)[e] : 0u;
-      e += 1;
+  for (int g = 0; g < 4; g++) {
+    unsigned int hi, lo;
+    if (DT == 2) {
+      // fp16: sign = extra bit 2, exponent 5 bits, mantissa's top 2 = extra bits 1..0.
+      hi = ((x[g] << 5) & 0x80808080u) | ((e[g] << 2) & 0x7C7C7C7Cu) | (x[g] & 0x03030303u);
+      lo = lw[g];
     } else {
-      exp = s_table[code];
+      // bf16: sign from the low byte, then the exponent, whose low bit tops the low byte.
+      hi = (lw[g] & 0x80808080u) | ((e[g] >> 1) & 0x7F7F7F7Fu);
+      lo = ((e[g] << 7) & 0x80808080u) | (lw[g] & 0x7F7F7F7Fu);
     }
-    const unsigned int low = lb[i];
-    unsigned int v;
-    if (p.dtype == 2) {
-      const unsigned int extra = c >> k;
-      v = ((extra & 4u) << 13) | ((exp & 0x1Fu) << 10) | ((extra & 3u) << 8) | low;
-    } else {
-      v = ((low & 0x80u) << 8) | ((exp & 0xFFu) << 7) | (low & 0x7Fu);
-    }
-    if (i & 1) out[i / 2] |= v << 16;
-    else out[i / 2] = v;
+    out[2 * g] = __byte_perm(lo, hi, 0x5140);
+    out[2 * g + 1] = __byte_perm(lo, hi, 0x7362);
   }
   if (!active) return;
   unsigned short *dst = (unsigned short *)p.dst + first + v0;
@@ -144,5 +230,29 @@ extern "C" __global__ void __launch_bounds__(EPM_THREADS) epm_codec_decode(const
 #pragma unroll
     for (unsigned int i = 0; i < EPM_PER_THREAD; i++)
       if (i < mine) dst[i] = (unsigned short)(out[i / 2] >> (16 * (i & 1)));
+  }
+}
+
+#ifdef EPM_MIN_BLOCKS
+#define EPM_BOUNDS __launch_bounds__(EPM_THREADS, EPM_MIN_BLOCKS)
+#else
+#define EPM_BOUNDS __launch_bounds__(EPM_THREADS)
+#endif
+
+extern "C" __global__ void EPM_BOUNDS epm_codec_decode(const EpmDecodeParams p) {
+  // Declared here, not in the template: one allocation, whichever (dtype, k) runs.
+  __shared__ uint4 s_esc[EPM_ESC_WORDS];
+  __shared__ unsigned int s_warp[EPM_THREADS / 32];
+  // Uniform over the grid; the host validated dtype and k.
+  switch (p.dtype == 2 ? 4 + p.k : p.k) {
+    case 1: epm_decode_block<1, 1>(p, s_esc, s_warp); break;
+    case 2: epm_decode_block<1, 2>(p, s_esc, s_warp); break;
+    case 3: epm_decode_block<1, 3>(p, s_esc, s_warp); break;
+    case 4: epm_decode_block<1, 4>(p, s_esc, s_warp); break;
+    case 5: epm_decode_block<2, 1>(p, s_esc, s_warp); break;
+    case 6: epm_decode_block<2, 2>(p, s_esc, s_warp); break;
+    case 7: epm_decode_block<2, 3>(p, s_esc, s_warp); break;
+    case 8: epm_decode_block<2, 4>(p, s_esc, s_warp); break;
+    default: break;
   }
 }
