@@ -3,7 +3,8 @@
 //
 // scripts/build-ptx.sh compiles this file to codec.ptx (committed, JIT-loaded
 // by the driver at first use: no CUDA toolkit at build time). The parameter
-// block must match `DecodeParams` in codec.rs, field for field.
+// block must match `DecodeParams` in codec.rs, field for field (its 16 table
+// bytes are read here as four little-endian words).
 //
 // One thread block per 4096-value codec block, 256 threads, 16 values each.
 // The kernel is specialised at compile time for each (dtype, k), so every
@@ -12,10 +13,11 @@
 //   four aligned 4-byte loads (one 8-byte load for W = 4), straight into
 //   registers; the low bytes are one 16-byte load; the block's escape-index
 //   entries are loaded beside them, so all global reads start at once;
-// - four values at a time: their k-bit exponent codes become the four
-//   selector nibbles of one byte permute that reads the (up to 16-byte)
-//   table from registers, and two more permutes interleave exponents and low
-//   bytes into two output words;
+// - the exponent codes become nibbles, eight to a register (bf16: three
+//   shift-and-mask steps per eight codes; fp16, whose codes carry three raw
+//   bits too, a field at a time); four nibbles are the selector of one byte
+//   permute that reads the (up to 16-byte) table from registers, and two
+//   more permutes interleave exponents and low bytes into two output words;
 // - escapes only where the block has any (its index entries differ): each
 //   thread counts its own, a block-wide exclusive scan (warp shuffles, then
 //   the 8 warp totals) gives its first escape's rank, and the block's escape
@@ -46,7 +48,7 @@ struct EpmDecodeParams {
   unsigned int k;               // exponent code width, 1..4
   unsigned int code_bits;       // W = k (bf16) or k + 3 (fp16)
   unsigned int blocks;
-  unsigned char table[16];      // 2^k - 1 exponents
+  unsigned int table[4];        // 2^k - 1 exponent bytes, the rest 0 (little-endian words)
 };
 
 // The W-bit field `i` of the little-endian bit string `c` (W and i are
@@ -57,6 +59,24 @@ __device__ __forceinline__ unsigned int epm_field(const unsigned int (&c)[4], co
   unsigned int v = c[j] >> s;
   if (s + W > 32) v |= c[j + 1] << (32 - s);
   return v & ((1u << W) - 1u);
+}
+
+// 32 bits of the bit string `c` from bit `b` (a constant once unrolled).
+__device__ __forceinline__ unsigned int epm_bits(const unsigned int (&c)[4], const int b) {
+  const int j = b >> 5, s = b & 31;
+  return s == 0 ? c[j] : __funnelshift_r(c[j], c[j + 1 < 4 ? j + 1 : 3], s);
+}
+
+// Eight W-bit fields (W < 4, packed from bit 0 of x) spread to the eight
+// nibbles of the result, each field at its nibble's bottom; higher bits of x
+// are ignored.
+template <int W>
+__device__ __forceinline__ unsigned int epm_nibbles(unsigned int x) {
+  constexpr unsigned int F4 = (1u << (4 * W)) - 1u, F2 = ((1u << (2 * W)) - 1u) * 0x00010001u,
+                         F1 = ((1u << W) - 1u) * 0x01010101u;
+  x = (x & F4) | ((x << (16 - 4 * W)) & (F4 << 16));  // fields 4..7 to bit 16
+  x = (x & F2) | ((x << (8 - 2 * W)) & (F2 << 8));    // odd pairs to the next byte
+  return (x & F1) | ((x << (4 - W)) & (F1 << 4));     // odd fields to the next nibble
 }
 
 // Thread t's 2W code bytes (at byte 2Wt of the block's codes, `blk`) into
@@ -117,39 +137,50 @@ __device__ __forceinline__ void epm_decode_block(const EpmDecodeParams &p, uint4
   if (active) lows = *(const uint4 *)(p.lows + first + v0);
 
   // The table in four registers (constant indexes into the parameter block).
-  const unsigned int t0 = p.table[0] | p.table[1] << 8 | p.table[2] << 16 | (unsigned int)p.table[3] << 24;
-  const unsigned int t1 = p.table[4] | p.table[5] << 8 | p.table[6] << 16 | (unsigned int)p.table[7] << 24;
-  unsigned int t2 = 0, t3 = 0;
-  if (K == 4) {
-    t2 = p.table[8] | p.table[9] << 8 | p.table[10] << 16 | (unsigned int)p.table[11] << 24;
-    t3 = p.table[12] | p.table[13] << 8 | p.table[14] << 16 | (unsigned int)p.table[15] << 24;
-  }
+  const unsigned int t0 = p.table[0], t1 = p.table[1];
+  const unsigned int t2 = K == 4 ? p.table[2] : 0u, t3 = K == 4 ? p.table[3] : 0u;
 
-  // Per group of four values: exponent bytes e[g] (escapes get the table's
-  // padding for now), fp16's extra bits as bytes x[g], escape flags at bit
-  // 4i of `flags` for value i.
-  unsigned int e[4], x[4];
-  unsigned long long flags = 0;
+  // The exponent codes as nibbles, eight values a word: sel[h] holds values
+  // 8h..8h+7. fp16's extra bits as bytes, four values a word: x[g].
+  unsigned int sel[2], x[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    if (DT == 1 && K == 4) {
+      sel[h] = c[h];
+    } else if (DT == 1) {
+      sel[h] = epm_nibbles<(DT == 1 && K < 4) ? K : 1>(epm_bits(c, 8 * W * h));
+    } else {
+      unsigned int sh = 0;
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        const unsigned int f = epm_field<W>(c, 8 * h + j);
+        sh |= (f & KMASK) << (4 * j);
+        x[2 * h + j / 4] |= (f >> K) << (8 * (j & 3));
+      }
+      sel[h] = sh;
+    }
+  }
+  // Escape flags at bit 4i of `flags` for value i: a code of all ones.
+  unsigned int all[2] = {sel[0], sel[1]};
+#pragma unroll
+  for (int s = 1; s < K; s++) {
+    all[0] &= sel[0] >> s;
+    all[1] &= sel[1] >> s;
+  }
+  unsigned long long flags = (unsigned long long)(all[1] & 0x11111111u) << 32 | (all[0] & 0x11111111u);
+
+  // Exponent bytes, four values a word (escapes get the table's padding for now).
+  unsigned int e[4];
 #pragma unroll
   for (int g = 0; g < 4; g++) {
-    unsigned int sel = 0, xb = 0;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const unsigned int f = epm_field<W>(c, 4 * g + j);
-      sel |= (f & KMASK) << (4 * j);
-      if (DT == 2) xb |= (f >> K) << (8 * j);
-    }
-    x[g] = xb;
-    unsigned int all = sel;
-#pragma unroll
-    for (int s = 1; s < K; s++) all &= sel >> s;
-    flags |= (unsigned long long)(all & 0x1111u) << (16 * g);
+    const unsigned int sg = g & 1 ? sel[g >> 1] >> 16 : sel[g >> 1];  // a permute reads bits 15..0
     if (K == 4) {
-      const unsigned int lo = __byte_perm(t0, t1, sel & 0x7777u), hi = __byte_perm(t2, t3, sel & 0x7777u);
-      const unsigned int upper = __byte_perm(0x0000FF00u, 0u, (sel >> 3) & 0x1111u);  // 0xFF where code >= 8
+      // 15 entries: the low and high 8 bytes, chosen per value by the code's bit 3.
+      const unsigned int lo = __byte_perm(t0, t1, sg & 0x7777u), hi = __byte_perm(t2, t3, sg & 0x7777u);
+      const unsigned int upper = __byte_perm(0x0000FF00u, 0u, (sg >> 3) & 0x1111u);  // 0xFF where code >= 8
       e[g] = (hi & upper) | (lo & ~upper);
     } else {
-      e[g] = __byte_perm(t0, t1, sel);
+      e[g] = __byte_perm(t0, t1, sg);
     }
   }
   flags &= mine >= EPM_PER_THREAD ? ~0ull : (1ull << (4 * mine)) - 1ull;
