@@ -1,11 +1,12 @@
 // Times decode-kernel variants (PTX files with the epm_codec_decode entry,
 // each JIT-loaded by the driver as epmem loads codec.ptx, launched with
-// epmem's grid and block: one 256-thread block per 4096 values) on the cases
+// epmem's grid, one block per 4096 values, of 256 threads or the variant's
+// own count) on the cases
 // `bench_codec --dump DIR` wrote, and checks every decode bit-exact against
 // the case's raw input, with guard bytes behind the output.
 //
 //   nvcc -O2 -o codec-kernel-bench scripts/codec-kernel-bench.cu -lcuda
-//   codec-kernel-bench DIR RUNS NAME=PTX [NAME=PTX ...]
+//   codec-kernel-bench DIR RUNS NAME=PTX[@THREADS] [NAME=PTX[@THREADS] ...]
 //
 // Prints each variant's registers, spills, shared memory and resident blocks
 // per SM, then a table: per case, each variant's output GB/s (decoded bytes
@@ -61,11 +62,12 @@ struct Variant {
   std::string name;
   CUmodule mod;
   CUfunction f;
+  unsigned int threads;
 };
 
 int main(int argc, char **argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: %s DIR RUNS NAME=PTX [NAME=PTX ...]\n", argv[0]);
+    fprintf(stderr, "usage: %s DIR RUNS NAME=PTX[@THREADS] [NAME=PTX[@THREADS] ...]\n", argv[0]);
     return 2;
   }
   const std::string dir = argv[1];
@@ -83,7 +85,7 @@ int main(int argc, char **argv) {
   printf("codec-kernel-bench on %s (%d SMs), %d runs per figure\n\n", dev_name, sms, runs);
 
   std::vector<Variant> vs;
-  printf("| variant | registers | local (spill) bytes | static shared bytes | blocks/SM |\n|---|---|---|---|---|\n");
+  printf("| variant | threads/block | registers | local (spill) bytes | static shared bytes | blocks/SM |\n|---|---|---|---|---|---|\n");
   for (int i = 3; i < argc; i++) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -91,17 +93,28 @@ int main(int argc, char **argv) {
       fprintf(stderr, "codec-kernel-bench: %s is not NAME=PTX\n", arg.c_str());
       return 2;
     }
-    std::vector<unsigned char> ptx = slurp(arg.substr(eq + 1));
+    std::string path = arg.substr(eq + 1);
+    unsigned int threads = 256;
+    const size_t at = path.rfind('@');
+    if (at != std::string::npos) {
+      threads = (unsigned int)atoi(path.c_str() + at + 1);
+      path = path.substr(0, at);
+      if (threads == 0 || threads > 1024) {
+        fprintf(stderr, "codec-kernel-bench: %s: bad thread count\n", arg.c_str());
+        return 2;
+      }
+    }
+    std::vector<unsigned char> ptx = slurp(path);
     ptx.push_back(0);
-    Variant v{arg.substr(0, eq), nullptr, nullptr};
+    Variant v{arg.substr(0, eq), nullptr, nullptr, threads};
     CK(cuModuleLoadData(&v.mod, ptx.data()));
     CK(cuModuleGetFunction(&v.f, v.mod, "epm_codec_decode"));
     int regs = 0, local = 0, shared = 0, occ = 0;
     CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, v.f));
     CK(cuFuncGetAttribute(&local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, v.f));
     CK(cuFuncGetAttribute(&shared, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, v.f));
-    CK(cuOccupancyMaxActiveBlocksPerMultiprocessor(&occ, v.f, 256, 0));
-    printf("| %s | %d | %d | %d | %d |\n", v.name.c_str(), regs, local, shared, occ);
+    CK(cuOccupancyMaxActiveBlocksPerMultiprocessor(&occ, v.f, (int)threads, 0));
+    printf("| %s | %u | %d | %d | %d | %d |\n", v.name.c_str(), threads, regs, local, shared, occ);
     vs.push_back(v);
   }
 
@@ -176,7 +189,7 @@ int main(int argc, char **argv) {
       return gbps[gbps.size() / 2];
     };
     for (size_t i = 0; i < vs.size(); i++) {
-      auto launch = [&] { CK(cuLaunchKernel(vs[i].f, p.blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr)); };
+      auto launch = [&] { CK(cuLaunchKernel(vs[i].f, p.blocks, 1, 1, vs[i].threads, 1, 1, 0, s, args, nullptr)); };
       CK(cuMemsetD8Async(dst, 0xA5, raw.size() + guard, s));
       launch();
       CK(cuMemcpyDtoHAsync(out.data(), dst, out.size(), s));

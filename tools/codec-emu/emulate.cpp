@@ -3,7 +3,7 @@
 // exchange. It checks the kernel's logic (indexing, escapes, the block scan,
 // partial blocks) where there is no GPU; it says nothing about speed.
 //
-//   c++ -std=c++20 -O1 -pthread -o emulate tools/codec-emu/emulate.cpp
+//   c++ -std=c++20 -O1 -pthread [-DEPM_SLICES=2] -o emulate tools/codec-emu/emulate.cpp
 //   ./emulate COMPRESSED RAW_OUT     (a format v1 buffer; writes the decoded bytes)
 //
 // Driven by tools/tests/codec_kernel_emulated.rs.
@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+// Room for the largest block (256 threads); the kernel's EPM_THREADS picks how much is used.
 #define EPM_WARPS 8
 
 struct uint2 { unsigned int x, y; };
@@ -55,7 +56,7 @@ static unsigned int __shfl_up_sync(unsigned int, unsigned int v, unsigned int d)
 #define __shared__ static
 
 #include "../../src/device/cuda/codec.cu"
-static_assert(EPM_THREADS == EPM_WARPS * 32);
+static_assert(EPM_THREADS % 32 == 0 && EPM_THREADS <= EPM_WARPS * 32);
 
 static uint64_t u64_at(const unsigned char *b, size_t at) { uint64_t v; memcpy(&v, b + at, 8); return v; }
 
@@ -93,7 +94,7 @@ int main(int argc, char **argv) {
   p.dst = (uint64_t)(uintptr_t)out;
   std::barrier<> bb(EPM_THREADS);
   block_barrier = &bb;
-  for (int w = 0; w < EPM_WARPS; w++) warp_barrier[w] = new std::barrier<>(32);
+  for (int w = 0; w < EPM_THREADS / 32; w++) warp_barrier[w] = new std::barrier<>(32);
   for (unsigned int b = 0; b < p.blocks; b++) {
     std::vector<std::thread> ts;
     for (unsigned int t = 0; t < EPM_THREADS; t++)

@@ -30,8 +30,18 @@
 // never a fault.
 
 #define EPM_BLOCK_VALUES 4096
-#define EPM_THREADS 256
 #define EPM_PER_THREAD 16
+// 16-value slices per thread. The launcher's block is EPM_THREADS threads,
+// its grid one block per 4096 values; scripts/codec-gpu.sh --variants times
+// a build with 2 (128 threads, 32 values each).
+#ifndef EPM_SLICES
+#define EPM_SLICES 1
+#endif
+#if EPM_SLICES == 1
+#define EPM_THREADS 256
+#else
+#define EPM_THREADS (256 / EPM_SLICES)
+#endif
 // A block's escapes as 16-byte words: at most 4096 bytes, starting anywhere
 // within the first word and ending anywhere within the last.
 #define EPM_ESC_WORDS (EPM_BLOCK_VALUES / 16 + 2)
@@ -112,10 +122,11 @@ __device__ __forceinline__ void epm_load_codes(const unsigned char *blk, const u
   }
 }
 
-// DT: 1 = bf16, 2 = fp16; K: the exponent code width.
+// DT: 1 = bf16, 2 = fp16; K: the exponent code width. Thread t decodes the
+// EPM_SLICES 16-value slices q = t + j * EPM_THREADS of the block.
 template <int DT, int K>
 __device__ __forceinline__ void epm_decode_block(const EpmDecodeParams &p, uint4 *s_esc, unsigned int *s_warp) {
-  constexpr int W = K + (DT == 2 ? 3 : 0);
+  constexpr int W = K + (DT == 2 ? 3 : 0), S = EPM_SLICES;
   constexpr unsigned int KMASK = (1u << K) - 1u;
 
   const unsigned int t = threadIdx.x, b = blockIdx.x;
@@ -123,67 +134,78 @@ __device__ __forceinline__ void epm_decode_block(const EpmDecodeParams &p, uint4
   if (first >= p.n_values) return;  // the whole block: uniform
   const unsigned long long left = p.n_values - first;
   const unsigned int count = left < EPM_BLOCK_VALUES ? (unsigned int)left : EPM_BLOCK_VALUES;
-  const unsigned int v0 = t * EPM_PER_THREAD;
-  const bool active = v0 < count;
-  const unsigned int mine = active ? (count - v0 < EPM_PER_THREAD ? count - v0 : EPM_PER_THREAD) : 0u;
+  const unsigned int lim = ((count * W + 7u) / 8u + 15u) & ~15u;  // the block's code bytes, padded
 
   // Every global read of the block, issued together.
   const unsigned int *offsets = (const unsigned int *)p.offsets;
   const unsigned int off0 = offsets[b], off1 = offsets[b + 1];
-  unsigned int c[4];
-  const unsigned int lim = active ? (((count * W + 7u) / 8u + 15u) & ~15u) : 0u;
-  epm_load_codes<W>((const unsigned char *)p.codes + (unsigned long long)b * (EPM_BLOCK_VALUES / 8) * W, t, lim, c);
-  uint4 lows = make_uint4(0, 0, 0, 0);
-  if (active) lows = *(const uint4 *)(p.lows + first + v0);
+  const unsigned char *codes = (const unsigned char *)p.codes + (unsigned long long)b * (EPM_BLOCK_VALUES / 8) * W;
+  unsigned int c[S][4], mine[S];
+  uint4 lows[S];
+#pragma unroll
+  for (int j = 0; j < S; j++) {
+    const unsigned int q = t + j * EPM_THREADS, v0 = q * EPM_PER_THREAD;
+    mine[j] = v0 < count ? (count - v0 < EPM_PER_THREAD ? count - v0 : EPM_PER_THREAD) : 0u;
+    epm_load_codes<W>(codes, q, mine[j] ? lim : 0u, c[j]);
+    lows[j] = make_uint4(0, 0, 0, 0);
+    if (mine[j]) lows[j] = *(const uint4 *)(p.lows + first + v0);
+  }
 
   // The table in four registers (constant indexes into the parameter block).
   const unsigned int t0 = p.table[0], t1 = p.table[1];
   const unsigned int t2 = K == 4 ? p.table[2] : 0u, t3 = K == 4 ? p.table[3] : 0u;
 
-  // The exponent codes as nibbles, eight values a word: sel[h] holds values
-  // 8h..8h+7. fp16's extra bits as bytes, four values a word: x[g].
-  unsigned int sel[2], x[4] = {0, 0, 0, 0};
+  // Per slice: the exponent codes as nibbles, eight values a word (sel[h]:
+  // values 8h..8h+7); fp16's extra bits as bytes, four values a word (x[g]);
+  // escape flags at bit 4i of `flags` for value i (a code of all ones);
+  // exponent bytes, four values a word (e[g]; escapes get the table's
+  // padding for now).
+  unsigned int e[S][4], x[S][4], n_esc[S];
+  unsigned long long flags[S];
 #pragma unroll
-  for (int h = 0; h < 2; h++) {
-    if (DT == 1 && K == 4) {
-      sel[h] = c[h];
-    } else if (DT == 1) {
-      sel[h] = epm_nibbles<(DT == 1 && K < 4) ? K : 1>(epm_bits(c, 8 * W * h));
-    } else {
-      unsigned int sh = 0;
+  for (int j = 0; j < S; j++) {
+    unsigned int sel[2];
 #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        const unsigned int f = epm_field<W>(c, 8 * h + j);
-        sh |= (f & KMASK) << (4 * j);
-        x[2 * h + j / 4] |= (f >> K) << (8 * (j & 3));
+    for (int g = 0; g < 4; g++) x[j][g] = 0;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      if (DT == 1 && K == 4) {
+        sel[h] = c[j][h];
+      } else if (DT == 1) {
+        sel[h] = epm_nibbles<(DT == 1 && K < 4) ? K : 1>(epm_bits(c[j], 8 * W * h));
+      } else {
+        unsigned int sh = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          const unsigned int f = epm_field<W>(c[j], 8 * h + i);
+          sh |= (f & KMASK) << (4 * i);
+          x[j][2 * h + i / 4] |= (f >> K) << (8 * (i & 3));
+        }
+        sel[h] = sh;
       }
-      sel[h] = sh;
+    }
+    unsigned int all[2] = {sel[0], sel[1]};
+#pragma unroll
+    for (int s = 1; s < K; s++) {
+      all[0] &= sel[0] >> s;
+      all[1] &= sel[1] >> s;
+    }
+    flags[j] = (unsigned long long)(all[1] & 0x11111111u) << 32 | (all[0] & 0x11111111u);
+    flags[j] &= mine[j] >= EPM_PER_THREAD ? ~0ull : (1ull << (4 * mine[j])) - 1ull;
+    n_esc[j] = __popcll(flags[j]);
+#pragma unroll
+    for (int g = 0; g < 4; g++) {
+      const unsigned int sg = g & 1 ? sel[g >> 1] >> 16 : sel[g >> 1];  // a permute reads bits 15..0
+      if (K == 4) {
+        // 15 entries: the low and high 8 bytes, chosen per value by the code's bit 3.
+        const unsigned int lo = __byte_perm(t0, t1, sg & 0x7777u), hi = __byte_perm(t2, t3, sg & 0x7777u);
+        const unsigned int upper = __byte_perm(0x0000FF00u, 0u, (sg >> 3) & 0x1111u);  // 0xFF where code >= 8
+        e[j][g] = (hi & upper) | (lo & ~upper);
+      } else {
+        e[j][g] = __byte_perm(t0, t1, sg);
+      }
     }
   }
-  // Escape flags at bit 4i of `flags` for value i: a code of all ones.
-  unsigned int all[2] = {sel[0], sel[1]};
-#pragma unroll
-  for (int s = 1; s < K; s++) {
-    all[0] &= sel[0] >> s;
-    all[1] &= sel[1] >> s;
-  }
-  unsigned long long flags = (unsigned long long)(all[1] & 0x11111111u) << 32 | (all[0] & 0x11111111u);
-
-  // Exponent bytes, four values a word (escapes get the table's padding for now).
-  unsigned int e[4];
-#pragma unroll
-  for (int g = 0; g < 4; g++) {
-    const unsigned int sg = g & 1 ? sel[g >> 1] >> 16 : sel[g >> 1];  // a permute reads bits 15..0
-    if (K == 4) {
-      // 15 entries: the low and high 8 bytes, chosen per value by the code's bit 3.
-      const unsigned int lo = __byte_perm(t0, t1, sg & 0x7777u), hi = __byte_perm(t2, t3, sg & 0x7777u);
-      const unsigned int upper = __byte_perm(0x0000FF00u, 0u, (sg >> 3) & 0x1111u);  // 0xFF where code >= 8
-      e[g] = (hi & upper) | (lo & ~upper);
-    } else {
-      e[g] = __byte_perm(t0, t1, sg);
-    }
-  }
-  flags &= mine >= EPM_PER_THREAD ? ~0ull : (1ull << (4 * mine)) - 1ull;
 
   // Escapes, where the block has any (uniform: every thread read the same index entries).
   const unsigned long long n_esc_all = p.n_escapes;
@@ -192,9 +214,12 @@ __device__ __forceinline__ void epm_decode_block(const EpmDecodeParams &p, uint4
   if (hi_e < lo_e) hi_e = lo_e;
   if (hi_e - lo_e > EPM_BLOCK_VALUES) hi_e = lo_e + EPM_BLOCK_VALUES;
   if (hi_e > lo_e) {
-    const unsigned int n_esc = __popcll(flags);
+    // One scan for all slices: slice j's count in bits 16j.. (each sum < 2^16).
+    unsigned int mine_n = 0;
+#pragma unroll
+    for (int j = 0; j < S; j++) mine_n += n_esc[j] << (16 * j);
     const unsigned int lane = t & 31, warp = t >> 5;
-    unsigned int incl = n_esc;
+    unsigned int incl = mine_n;
 #pragma unroll
     for (unsigned int d = 1; d < 32; d <<= 1) {
       const unsigned int y = __shfl_up_sync(0xffffffffu, incl, d);
@@ -206,61 +231,77 @@ __device__ __forceinline__ void epm_decode_block(const EpmDecodeParams &p, uint4
     const uint4 *gesc = (const uint4 *)p.escapes + w0;
     for (unsigned int i = t; i < words; i += EPM_THREADS) s_esc[i] = gesc[i];
     __syncthreads();
-    unsigned int before = 0;
+    unsigned int before = 0, total = 0;
 #pragma unroll
-    for (unsigned int i = 0; i < EPM_THREADS / 32; i++)
-      if (i < warp) before += s_warp[i];
-    // This thread's escapes are ranks [r, r + n_esc) of the block's, at byte
-    // (lo_e & 15) + rank of the staged words.
-    unsigned int r = before + incl - n_esc;
+    for (unsigned int i = 0; i < EPM_THREADS / 32; i++) {
+      const unsigned int wsum = s_warp[i];
+      if (i < warp) before += wsum;
+      total += wsum;
+    }
+    const unsigned int excl = before + incl - mine_n;
     const unsigned int n_blk = hi_e - lo_e, skip = lo_e & 15u;
     const unsigned char *sb = (const unsigned char *)s_esc;
-    unsigned long long e01 = (unsigned long long)e[1] << 32 | e[0], e23 = (unsigned long long)e[3] << 32 | e[2];
-    while (flags) {
-      const unsigned int i = (unsigned int)(__ffsll((long long)flags) - 1) >> 2;
-      flags &= flags - 1;
-      const unsigned long long v = r < n_blk ? sb[skip + r] : 0u;
-      r++;
-      const unsigned int at = (i & 7u) * 8u;
-      if (i < 8) e01 = (e01 & ~(0xFFull << at)) | v << at;
-      else e23 = (e23 & ~(0xFFull << at)) | v << at;
+    // Slice j's escapes follow all of slices 0..j-1's, block-wide.
+    unsigned int r = 0;
+#pragma unroll
+    for (int j = 0; j < S; j++) {
+      r += (excl >> (16 * j)) & 0xFFFFu;
+      // This slice's escapes are ranks [r, r + n_esc[j]) of the block's, at
+      // byte skip + rank of the staged words.
+      unsigned int rr = r;
+      unsigned long long f = flags[j];
+      unsigned long long e01 = (unsigned long long)e[j][1] << 32 | e[j][0];
+      unsigned long long e23 = (unsigned long long)e[j][3] << 32 | e[j][2];
+      while (f) {
+        const unsigned int i = (unsigned int)(__ffsll((long long)f) - 1) >> 2;
+        f &= f - 1;
+        const unsigned long long v = rr < n_blk ? sb[skip + rr] : 0u;
+        rr++;
+        const unsigned int at = (i & 7u) * 8u;
+        if (i < 8) e01 = (e01 & ~(0xFFull << at)) | v << at;
+        else e23 = (e23 & ~(0xFFull << at)) | v << at;
+      }
+      e[j][0] = (unsigned int)e01;
+      e[j][1] = (unsigned int)(e01 >> 32);
+      e[j][2] = (unsigned int)e23;
+      e[j][3] = (unsigned int)(e23 >> 32);
+      // The next slice starts after every thread's slice j.
+      r += ((total >> (16 * j)) & 0xFFFFu) - ((excl >> (16 * j)) & 0xFFFFu);
     }
-    e[0] = (unsigned int)e01;
-    e[1] = (unsigned int)(e01 >> 32);
-    e[2] = (unsigned int)e23;
-    e[3] = (unsigned int)(e23 >> 32);
   }
 
   // Four values a group: a high byte and a low byte each, then two permutes
   // interleave them into two output words.
-  const unsigned int lw[4] = {lows.x, lows.y, lows.z, lows.w};
-  unsigned int out[8];
 #pragma unroll
-  for (int g = 0; g < 4; g++) {
-    unsigned int hi, lo;
-    if (DT == 2) {
-      // fp16: sign = extra bit 2, exponent 5 bits, mantissa's top 2 = extra bits 1..0.
-      hi = ((x[g] << 5) & 0x80808080u) | ((e[g] << 2) & 0x7C7C7C7Cu) | (x[g] & 0x03030303u);
-      lo = lw[g];
-    } else {
-      // bf16: sign from the low byte, then the exponent, whose low bit tops the low byte.
-      hi = (lw[g] & 0x80808080u) | ((e[g] >> 1) & 0x7F7F7F7Fu);
-      lo = ((e[g] << 7) & 0x80808080u) | (lw[g] & 0x7F7F7F7Fu);
+  for (int j = 0; j < S; j++) {
+    const unsigned int lw[4] = {lows[j].x, lows[j].y, lows[j].z, lows[j].w};
+    unsigned int out[8];
+#pragma unroll
+    for (int g = 0; g < 4; g++) {
+      unsigned int hi, lo;
+      if (DT == 2) {
+        // fp16: sign = extra bit 2, exponent 5 bits, mantissa's top 2 = extra bits 1..0.
+        hi = ((x[j][g] << 5) & 0x80808080u) | ((e[j][g] << 2) & 0x7C7C7C7Cu) | (x[j][g] & 0x03030303u);
+        lo = lw[g];
+      } else {
+        // bf16: sign from the low byte, then the exponent, whose low bit tops the low byte.
+        hi = (lw[g] & 0x80808080u) | ((e[j][g] >> 1) & 0x7F7F7F7Fu);
+        lo = ((e[j][g] << 7) & 0x80808080u) | (lw[g] & 0x7F7F7F7Fu);
+      }
+      out[2 * g] = __byte_perm(lo, hi, 0x5140);
+      out[2 * g + 1] = __byte_perm(lo, hi, 0x7362);
     }
-    out[2 * g] = __byte_perm(lo, hi, 0x5140);
-    out[2 * g + 1] = __byte_perm(lo, hi, 0x7362);
-  }
-  if (!active) return;
-  unsigned short *dst = (unsigned short *)p.dst + first + v0;
-  if (mine == EPM_PER_THREAD) {
-    uint4 *d4 = (uint4 *)dst;
-    d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
-    d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
-  } else {
-    // Unrolled with constant indexes, so `out` stays in registers.
+    unsigned short *dst = (unsigned short *)p.dst + first + (t + j * EPM_THREADS) * EPM_PER_THREAD;
+    if (mine[j] == EPM_PER_THREAD) {
+      uint4 *d4 = (uint4 *)dst;
+      d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
+      d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    } else {
+      // Unrolled with constant indexes, so `out` stays in registers.
 #pragma unroll
-    for (unsigned int i = 0; i < EPM_PER_THREAD; i++)
-      if (i < mine) dst[i] = (unsigned short)(out[i / 2] >> (16 * (i & 1)));
+      for (unsigned int i = 0; i < EPM_PER_THREAD; i++)
+        if (i < mine[j]) dst[i] = (unsigned short)(out[i / 2] >> (16 * (i & 1)));
+    }
   }
 }
 
