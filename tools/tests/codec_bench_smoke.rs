@@ -21,6 +21,7 @@ fn quick_bench_runs_checks_and_reports_every_tensor() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("bit patterns, k=1..4: bit-exact"), "{stdout}");
+    assert!(stdout.contains("(a partial last block): bit-exact"), "{stdout}");
     for row in ["| normal | bf16 |", "| kaiming | bf16 |", "| student_t3 | bf16 |", "| normal | fp16 |", "| student_t3 | fp16 |"] {
         assert!(stdout.contains(row), "no row {row}:\n{stdout}");
     }
@@ -32,8 +33,11 @@ fn quick_bench_runs_checks_and_reports_every_tensor() {
     // --dump: every case, in run order, an encoded buffer that decodes to its raw file.
     let list = std::fs::read_to_string(dir.join("cases.txt")).expect("cases.txt written");
     let names: Vec<&str> = list.lines().collect();
-    assert_eq!(names.len(), 8 + 6, "{list}");
-    assert_eq!((names[0], names[7], names[8], names[13]), ("all-bf16-k1", "all-fp16-k4", "normal-bf16", "student_t3-fp16"));
+    assert_eq!(names.len(), 8 + 2 + 6, "{list}");
+    assert_eq!(
+        (names[0], names[7], names[8], names[9], names[10], names[15]),
+        ("all-bf16-k1", "all-fp16-k4", "odd-normal-bf16", "odd-normal-fp16", "normal-bf16", "student_t3-fp16")
+    );
     for name in names {
         let buf = std::fs::read(dir.join(format!("{name}.epmz"))).unwrap();
         let raw = std::fs::read(dir.join(format!("{name}.raw"))).unwrap();

@@ -214,6 +214,16 @@ fn main() {
         }
     }
     println!("all 65536 bf16 and fp16 bit patterns, k=1..4: bit-exact through decode_async");
+    // A length that ends in a partial block and a partial 16-value slice.
+    const ODD: usize = 1_000_003;
+    for dtype in [Dtype::Bf16, Dtype::Fp16] {
+        let raw = tensor("normal", dtype, 2 * ODD, 5);
+        let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: None };
+        let Ok(Encoded::Coded(buf)) = codec::encode(&raw, dtype, &opts) else { fail(format!("encoding {ODD} {} values", dtype.name())) };
+        device_decode(&dev, &s, &raw, &buf, 1, &format!("{ODD} normal {} values", dtype.name()));
+        dump(args.dump.as_deref(), &format!("odd-normal-{}", dtype.name()), &raw, &buf);
+    }
+    println!("{ODD} normal bf16 and fp16 values (a partial last block): bit-exact through decode_async");
 
     println!();
     println!("| tensor | dtype | ratio | k | escapes | encode GB/s (per CPU-second) | CPU decode GB/s (per CPU-second) | device decode GB/s | device D2D GB/s |");
