@@ -39,6 +39,11 @@ BUDGET = 2 << 20
 
 def child(mode, model_dir):
     """Runs in the child: one generation, result as JSON on a "RESULT " line."""
+    if os.environ.get("EPM_DEVICE", "").lower() == "cuda":
+        try:  # on a GPU machine torch brings the CUDA 13 libraries into the process
+            import torch  # noqa: F401
+        except ImportError:
+            pass
     import numpy as np
     import onnxruntime_genai as og
 
@@ -83,7 +88,10 @@ def run_child(mode, model_dir):
 
 
 def with_epmem(src, dst, options):
-    """DST: SRC's model with epmem's entry first in provider_options."""
+    """DST: SRC's model with epmem's entry first in provider_options (none
+    when OPTIONS is None). The CUDA EP, where listed, runs without TF32 in
+    both (its float32 MatMuls then round like the EP's cuBLAS GEMM, which
+    never uses TF32)."""
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
         if f != "genai_config.json":
@@ -92,9 +100,12 @@ def with_epmem(src, dst, options):
         cfg = json.load(f)
     so = cfg["model"]["decoder"]["session_options"]
     others = so.get("provider_options", [])
-    if any("cuda" in p for p in others):
-        so["session.use_env_allocators"] = "1"  # the CUDA EP's memory from epmem too
-    so["provider_options"] = [{REG: options}] + others
+    for p in others:
+        if "cuda" in p:
+            p["cuda"]["use_tf32"] = "0"
+            if options is not None:
+                so["session.use_env_allocators"] = "1"  # the CUDA EP's memory from epmem too
+    so["provider_options"] = ([{REG: options}] if options is not None else []) + others
     with open(os.path.join(dst, "genai_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return so
@@ -126,7 +137,9 @@ class Genai(unittest.TestCase):
             self.weights = json.load(f)
 
     def test_streamed_weights_generate_the_same_tokens(self):
-        ref, _ = run_child("alone", MODEL)
+        alone = os.path.join(self.tmp, "alone")
+        with_epmem(MODEL, alone, None)  # the model as built (no TF32 where the CUDA EP is)
+        ref, _ = run_child("alone", alone)
         self.assertNotIn("error", ref)
         d = os.path.join(self.tmp, "epmem")
         so = with_epmem(MODEL, d, {"budget_bytes": str(BUDGET), "weight_min_bytes": str(MIN)})
