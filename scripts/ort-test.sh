@@ -154,7 +154,7 @@ run_suites() {
   if [ -z "$FAKE" ]; then
     if ! ort_at_least "$py" 1 31; then
       echo "  onnxruntime-genai: not run with onnxruntime $label (onnxruntime-genai $GENAI_VERSION needs 1.31+)"
-    elif [ $INSTALL = 0 ] && ! "$py" -c 'import onnxruntime_genai' 2>/dev/null; then
+    elif [ $INSTALL = 0 ] && ! "$py" -c $'try:\n import torch\nexcept ImportError:\n pass\nimport onnxruntime_genai' 2>/dev/null; then
       echo "  onnxruntime-genai: not run ($py has no onnxruntime_genai; pip install onnxruntime-genai(-cuda)==$GENAI_VERSION)"
     else
       run_genai "$py" "$label"

@@ -127,8 +127,10 @@ class Genai(unittest.TestCase):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def setUp(self):
-        r = subprocess.run([sys.executable, "-c", "import onnxruntime_genai as og, onnxruntime as o;"
-                            "print(og.__version__, o.__version__)"], capture_output=True, text=True)
+        # (torch first where it is: on a GPU machine it loads the CUDA libraries genai-cuda needs)
+        r = subprocess.run([sys.executable, "-c", "try:\n import torch\nexcept ImportError:\n pass\n"
+                            "import onnxruntime_genai as og, onnxruntime as o\nprint(og.__version__, o.__version__)"],
+                           capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, "onnxruntime_genai does not import here (pip install "
                          "onnxruntime-genai; it needs onnxruntime 1.31+):\n" + r.stderr[-2000:])
         self.assertTrue(MODEL and os.path.isfile(os.path.join(MODEL, "genai_config.json")),
