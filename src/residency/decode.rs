@@ -51,6 +51,8 @@ pub struct Registered {
     /// Bytes of the host copy the manager streams from: the compressed
     /// buffer, or the raw weight.
     pub host_bytes: usize,
+    /// The compressed buffer's description (`None` when raw).
+    pub desc: Option<crate::codec::DecodeDesc>,
 }
 
 /// One staging buffer and the event recorded after the last decode reading it.
@@ -129,7 +131,7 @@ impl ResidencyManager {
             Ok(len) => len,
             Err(reason) => {
                 let id = self.register(raw)?;
-                return Ok(Registered { id, raw: Some(reason), host_bytes: raw.len() });
+                return Ok(Registered { id, raw: Some(reason), host_bytes: raw.len(), desc: None });
             }
         };
         self.check_fits(raw.len(), len)?;
@@ -139,7 +141,7 @@ impl ResidencyManager {
         let mut buf = PinnedBuffer::new(&self.dev, len)?;
         plan.encode_into(data, &mut buf)?;
         let id = self.add_coded(Coded { buf, desc })?;
-        Ok(Registered { id, raw: None, host_bytes: len })
+        Ok(Registered { id, raw: None, host_bytes: len, desc: Some(desc) })
     }
 
     /// Refuse (before anything is allocated) a compressed weight of `raw_len`
