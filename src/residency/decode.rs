@@ -102,12 +102,14 @@ impl ResidencyManager {
     /// free `encoded` when this returns. The weight occupies its decoded
     /// length of the budget; see [`DECODE_STAGING_BUFFERS`] for the staging.
     pub fn register_compressed(&self, encoded: &[u8]) -> Result<WeightId> {
-        let head = codec::parse_header(encoded)?;
-        self.check_fits(head.raw_len(), encoded.len())?;
+        // A buffer that is not even a whole header is refused before anything is allocated.
+        codec::parse_header(encoded)?;
         let mut buf = PinnedBuffer::new(&self.dev, encoded.len())?;
         buf.copy_from_slice(encoded);
-        // Validated in the manager's own copy: what is checked is what streams.
+        // Validated in the manager's own copy (what is checked is what
+        // streams), before the budget: a corrupt buffer says so first.
         let desc = codec::parse(&buf, 0)?;
+        self.check_fits(desc.raw_len(), buf.len())?;
         self.add_coded(Coded { buf, desc })
     }
 
