@@ -391,3 +391,56 @@ fn a_decode_into_a_reused_block_waits_for_its_readers_on_the_device() {
     assert_eq!((st.evictions, st.ordered_reuses, st.eviction_waits, st.decodes), (1, 1, 0, 2), "{st:?}");
     assert_eq!(pa, pb, "B did not take A's block");
 }
+
+/// A copy or decode that fails while a compressed weight pages in (every
+/// Nth enqueue, then every Nth event) is reported by `acquire` (the weight
+/// is then not acquired) or absorbed by a prefetch; afterwards every weight
+/// still reads back bit-exact and nothing is left acquired.
+#[test]
+fn failed_copies_and_decodes_are_reported_and_leave_the_weights_exact() {
+    use epmem::device::fault::{FaultKind, FaultyDevice};
+    let inner = dev();
+    let fd = Arc::new(FaultyDevice::new(inner));
+    let d: Arc<dyn Device> = fd.clone();
+    let sizes = vec![30_000usize; 6];
+    let mut reported = 0;
+    for kind in [FaultKind::Copy, FaultKind::Event] {
+        for nth in [1u64, 2, 3, 5, 8] {
+            let mut c = cfg(0);
+            c.coalesce_below_bytes = 0;
+            c.budget_bytes = 2 * 30_000 * 3 + 4 * 2 * 30_000;
+            let m = ResidencyManager::new(&d, c).unwrap();
+            let x = mix(&m, &sizes, 70);
+            m.declare_cycle(&x.ids).unwrap();
+            let s = Stream::new(&d).unwrap();
+            fd.fail_nth(kind, nth);
+            let mut failed = 0;
+            for _ in 0..2 {
+                for &id in &x.ids {
+                    match m.acquire(id, s.raw()) {
+                        Ok(_) => {
+                            // A release whose event fails is reported and
+                            // leaves the weight acquired: release it again.
+                            if let Err(e) = m.release(id, s.raw()) {
+                                assert_eq!(e.status(), EpmStatus::CudaError, "{kind:?} #{nth}: {e}");
+                                failed += 1;
+                                m.release(id, s.raw()).unwrap();
+                            }
+                        }
+                        Err(e) => {
+                            assert_eq!(e.status(), EpmStatus::CudaError, "{kind:?} #{nth}: {e}");
+                            failed += 1;
+                        }
+                    }
+                }
+            }
+            fd.clear();
+            s.synchronize().unwrap();
+            assert!(failed <= 1, "{kind:?} #{nth}: {failed} acquires failed for one fault");
+            reported += failed;
+            run(&d, &m, &x, 2, &format!("after {kind:?} fault #{nth}"));
+            drop(m);
+        }
+    }
+    assert!(fd.injected() >= 10 && reported > 0, "{} faults injected, {reported} reported", fd.injected());
+}
