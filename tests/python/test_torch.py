@@ -198,9 +198,11 @@ class Offload(unittest.TestCase):
                         self.assertEqual(greedy(m), ref)
                         st = h.stats()
                         self.assertTrue(st["compress"])
-                        self.assertEqual(st["compressed_weights"], 6 * 3, st)
+                        # up.weight and down.weight; the biases (512 bytes) do not compress
+                        # below 0.9 x (the header alone is 128 bytes) and stream raw.
+                        self.assertEqual(st["compressed_weights"], 6 * 2, st)
                         self.assertGreater(st["decodes"], 0)
-                        self.assertEqual(st["compressed_raw_bytes"], offloaded)
+                        self.assertEqual(st["compressed_raw_bytes"], 6 * 2 * 256 * 64 * 2)
                         self.assertLess(st["host_weight_bytes"], offloaded * 0.85, st)
                         self.assertLess(st["compressed_htod_bytes"], st["decoded_bytes"], st)
                         self.assertLessEqual(st["peak_resident_bytes"] + st["decode_staging_bytes"],
