@@ -14,12 +14,14 @@
 //!    `i` (its *free* event) and, for a page-in into memory whose readers
 //!    may still run, for the order stream that waits for them;
 //! 2. the copy engine copies the compressed bytes into buffer `i` after the
-//!    gate stream;
+//!    gate stream (copies stay in issue order on the engine's stream);
 //! 3. the decode stream waits for the copy, decodes into the weight's memory,
 //!    and records the page-in's fence and buffer `i`'s free event.
 //!
 //! So an H2D never overwrites staging a decode still reads, the decode of
-//! weight k runs while the copy of weight k+1 fills the other buffer, and the
+//! weight k runs while the copy of weight k+1 fills the other buffer (nothing
+//! orders a copy after the decode before it, except the decode that last read
+//! its buffer and the readers of its destination), and the
 //! acquiring stream waits for the decode through the page-in fence, as it
 //! waits for a raw copy: no host wait per page-in.
 
@@ -296,11 +298,10 @@ impl ResidencyManager {
             done.record(&dec.stream)?;
             b.free.record(&dec.stream)?;
             b.used = true;
-            if let Some(o) = order {
-                // Both ways, as a copy after `order` is: later work on it
-                // (the next reuse of these bytes) follows the decode.
-                self.dev.stream_wait_event(o, done.raw())?;
-            }
+            // `order` is not made to wait for the decode: the next page-in
+            // after it would then wait for this decode before its copy (the
+            // overlap lost). A later reuse of `dst` waits for this page-in's
+            // fence anyway (`reuse_after`, `order_before`).
             Ok(done)
         })();
         let done = match r {
