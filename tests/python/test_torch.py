@@ -234,6 +234,12 @@ class Offload(unittest.TestCase):
             self.assertEqual((st["compressed_weights"], st["decodes"]), (0, 0))
             self.assertEqual(greedy(m), ref)
         self.assertEqual(greedy(m), ref)
+        # A budget that holds the largest weight but not beside its decode staging
+        # is refused with the sizes, and the module is left as it was.
+        with self.assertRaisesRegex(epmem.errors.OutOfBudget, "staging"):
+            et.offload(m, 256 * 64 * 2 + 4096, compress=True, compress_options={"min_bytes": 0})
+        self.assertEqual(greedy(m), ref)
+        self.assertIsNone(getattr(m, "_epmem_offload", None))
         with self.assertRaises(ValueError):
             et.offload(m, block_linear_bytes(m) // 2, compress="yes")
         with self.assertRaises(ValueError):
