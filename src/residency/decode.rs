@@ -110,7 +110,7 @@ impl ResidencyManager {
         buf.copy_from_slice(encoded);
         // Validated in the manager's own copy (what is checked is what
         // streams), before the budget: a corrupt buffer says so first.
-        let desc = codec::parse(&buf, 0)?;
+        let desc = codec::parse(&buf, EncodeOptions::default().thread_count())?;
         self.check_fits(desc.raw_len(), buf.len())?;
         self.add_coded(Coded { buf, desc })
     }
