@@ -151,6 +151,11 @@ def parse_structs(text):
         for decl in (d.strip() for d in body.split(";")):
             if not decl:
                 continue
+            # A pointer field (any pointee, `const` or not) is a void pointer.
+            p = re.fullmatch(r"(?:const )?[\w ]*?\w\s*\*\s*(\w+)", decl)
+            if p:
+                fields.append((p.group(1), c_void_p))
+                continue
             f = re.fullmatch(r"(enum \w+|[\w ]*?\w)\s+(\w+)(?:\[(\w+)\])?", decl)
             if not f:
                 raise ValueError(f"{name}: cannot read field `{decl}`")
