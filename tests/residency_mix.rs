@@ -565,3 +565,196 @@ fn without_a_declared_cycle_a_step_copies_each_weight_at_most_once() {
         }
     }
 }
+
+/// `scripts/bench_ort_stream.py --size big`'s claimed weights in the order
+/// its model computes them (per layer q d×d, k and v d×kv, o d×d, gate and
+/// up d×ffn, down ffn×d; then the lm_head d×vocab), float16: 141 weights at
+/// d 4096, kv 1024, ffn 14336, vocab 32000, 20 layers.
+fn ort_bench_decoder(d: usize, kv: usize, ffn: usize, vocab: usize, layers: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..layers)
+        .flat_map(|_| [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, ffn * d])
+        .collect();
+    v.push(d * vocab);
+    v.into_iter().map(|e| 2 * e).collect()
+}
+
+/// What the ORT EP does with that decoder (src/ort/streaming.rs): every
+/// weight registered, the execution order declared as the cycle, each
+/// weight acquired alone around its GEMM at prefetch depth 1, 52
+/// session runs one token each (the benchmark's 12 warm-up and 40 measured
+/// steps). The first run pages every weight in once (the plan's resident set
+/// is filled then); every later run copies exactly the whole-weight floor.
+/// So the H200's 52-run average, 2.49e9 bytes per run at 75% (1.11 ×
+/// (total − budget)), is (total + 51 × floor) / 52: steady state is the
+/// floor, 1.052 × (total − budget), the least any schedule of whole matrices
+/// copies (docs/ORT.md, "What it costs").
+#[test]
+fn the_ort_benchmark_decoder_streams_the_whole_weight_floor_after_its_first_run() {
+    const RUNS: usize = 52;
+    let real = ort_bench_decoder(4096, 1024, 14336, 32000, 20);
+    assert_eq!(real.len(), 141);
+    assert_eq!(real.iter().sum::<usize>(), 8_986_296_320, "the benchmark's streamed bytes");
+    // Every dimension / 64: each size / 4096, every ratio kept.
+    let small = ort_bench_decoder(64, 16, 224, 500, 20);
+    let d = dev();
+    let mut table = String::from(
+        "| budget % | floor ÷ (total − budget), real sizes | first run ÷ total | later runs ÷ floor (max) | 52-run mean ÷ (total − budget) |\n",
+    );
+    for pct in [25, 50, 75] {
+        let rt: usize = real.iter().sum();
+        let rb = rt * pct / 100;
+        let rf = whole_weight_floor(&real, rb);
+        let total: usize = small.iter().sum();
+        let budget = total * pct / 100;
+        let floor = whole_weight_floor(&small, budget);
+        assert_eq!(floor * 4096, rf, "{pct}%: the scaled floor is the real one / 4096");
+        let w = Weights::new(&small, 141 + pct as u64);
+        let m = ResidencyManager::new(&d, cfg(budget, 1)).unwrap();
+        let ids = w.register_all(&m);
+        m.declare_cycle(&ids).unwrap();
+        let mut per_run = Vec::new();
+        let mut before = 0;
+        for _ in 0..RUNS {
+            decode(&d, &m, &w, &ids, 1, 1, 0);
+            m.synchronize().unwrap();
+            let s = m.stats();
+            per_run.push(s.htod_bytes - before);
+            before = s.htod_bytes;
+            assert!(s.peak_resident_bytes <= budget as u64, "{pct}%: {s:?}");
+        }
+        let end = m.stats();
+        let later = per_run[1..].iter().copied().max().unwrap();
+        let mean = per_run.iter().sum::<u64>() as f64 / RUNS as f64;
+        table.push_str(&format!(
+            "| {pct} | {:.4} | {:.4} | {:.4} | {:.4} |\n",
+            rf as f64 / (rt - rb) as f64,
+            per_run[0] as f64 / total as f64,
+            later as f64 / floor as f64,
+            mean / (total - budget) as f64,
+        ));
+        // Installing the plan may copy one weight twice (a planned resident
+        // paged in through the arena before the plan settled).
+        let largest = *small.iter().max().unwrap();
+        assert!(
+            per_run[0] <= (total + largest) as u64,
+            "{pct}%: the first run copied {} bytes, more than every weight once ({total}) + the largest\n{table}",
+            per_run[0]
+        );
+        // The arena's 256-byte alignment per weight, as elsewhere here.
+        assert!(
+            later <= (floor + 256 * small.len()) as u64,
+            "{pct}%: a run after the first copied {later} bytes > whole-weight floor {floor}\n{table}"
+        );
+        assert_eq!((end.eviction_waits, end.host_stall_ms), (0, 0.0), "{pct}%: host waits: {end:?}");
+    }
+    eprintln!("{table}");
+}
+
+
+/// The H200 run of `scripts/bench_ort_stream.py --size big`
+/// (docs/bench/h200-2026-12-02-bench_ort_stream-big.json): pinned
+/// host→device bytes/s, the CUDA EP's all-resident ms/token, and epmem's
+/// ms/token at 25, 50 and 75%.
+const H200_PCIE: f64 = 55.53e9;
+const H200_RESIDENT_MS: f64 = 4.88;
+const H200_STREAMED_MS: [(usize, f64); 3] = [(25, 130.36), (50, 89.21), (75, 47.74)];
+
+/// A decode step's time in steady state by a timeline model of one copy
+/// engine and one compute stream: a weight's compute takes the resident
+/// step's time in proportion to its bytes; a streamed weight's copy takes
+/// its bytes at the PCIe rate, runs after the previous copy, and after the
+/// last read of every streamed weight whose ring bytes it overwrites (the
+/// manager's order stream); its compute waits for its copy. The host is
+/// assumed ahead (it never waits on the device in steady state).
+fn modeled_step_ms(sizes: &[usize], resident: &[bool], offsets: &[usize]) -> f64 {
+    let total: usize = sizes.iter().sum();
+    let n = sizes.len();
+    let mut read_end = vec![0.0f64; n];
+    let (mut copy_free, mut f) = (0.0f64, 0.0f64);
+    let mut ends = Vec::new();
+    for _cycle in 0..5 {
+        for p in 0..n {
+            let x = H200_RESIDENT_MS * sizes[p] as f64 / total as f64;
+            if resident[p] {
+                f += x;
+                continue;
+            }
+            let (a0, a1) = (offsets[p], offsets[p] + sizes[p]);
+            let wait = (0..n)
+                .filter(|&q| q != p && !resident[q] && offsets[q] < a1 && a0 < offsets[q] + sizes[q])
+                .map(|q| read_end[q])
+                .fold(0.0, f64::max);
+            let end = copy_free.max(wait) + sizes[p] as f64 / H200_PCIE * 1e3;
+            copy_free = end;
+            f = f.max(end) + x;
+            read_end[p] = f;
+        }
+        ends.push(f);
+    }
+    ends[4] - ends[3]
+}
+
+/// The same streamed bytes, spread along the cycle: of each size's
+/// positions, as many stream as in `resident`, evenly spaced, all at
+/// ring offset 0 (a ring of the largest streamed weight).
+fn spread(sizes: &[usize], resident: &[bool]) -> (Vec<bool>, Vec<usize>) {
+    let mut out = vec![true; sizes.len()];
+    let mut classes: Vec<usize> = sizes.to_vec();
+    classes.sort_unstable();
+    classes.dedup();
+    for c in classes {
+        let pos: Vec<usize> = (0..sizes.len()).filter(|&i| sizes[i] == c).collect();
+        let k = pos.iter().filter(|&&i| !resident[i]).count();
+        for j in 0..k {
+            out[pos[((2 * j + 1) * pos.len()) / (2 * k)]] = false;
+        }
+    }
+    (out, vec![0; sizes.len()])
+}
+
+/// Which weights the plan streams decides how much of a step's compute
+/// overlaps its copies: with a ring of one weight a copy can run only while
+/// the compute between the previous streamed weight and its own runs, so a
+/// long stretch of resident weights is compute the copy engine sits out.
+/// `placement::fill` (the knapsack that picks the resident set) keeps, of
+/// equal sizes, the first in cycle order, so the resident set is the cycle's
+/// prefix and every streamed weight is in its last layers: at 75% of the
+/// ORT benchmark's decoder the first 13 of 20 layers and the lm_head stay
+/// resident and the 2256 MiB streamed come from layers 13–19. The model
+/// above reproduces the H200's ms/token for those plans (printed), and
+/// puts the 75% row at 0.85 × the PCIe floor where spreading the same
+/// bytes along the cycle gives 0.94.
+///
+/// The fix (src/residency/placement.rs, `best_plan`): after `fill` chooses
+/// the resident set, re-choose within each size the positions that stream so
+/// they are evenly spaced along the cycle (same count per size, so the same
+/// bytes, resident bytes and ring), keeping the first-fit offsets only if
+/// `assign` still fits the ring.
+#[test]
+#[ignore = "fails until placement::best_plan spreads the streamed weights along the cycle: \
+            its knapsack keeps the cycle's first weights resident and streams only the last layers"]
+fn the_plan_spreads_streamed_weights_so_copies_overlap_compute() {
+    let real = ort_bench_decoder(4096, 1024, 14336, 32000, 20);
+    let total: usize = real.iter().sum();
+    let mut table = String::from(
+        "| budget % | floor ms | H200 ms | model ms (plan) | floor ÷ model | model ms (spread) | floor ÷ model (spread) | resident layers before the first streamed weight |\n",
+    );
+    let mut worst: f64 = 1.0;
+    for (pct, measured) in H200_STREAMED_MS {
+        let b = total * pct / 100;
+        let floor_ms = (total - b) as f64 / H200_PCIE * 1e3;
+        let p = placement::plan(&real, b, &Hold::ONE, 1).expect("a plan");
+        let m = modeled_step_ms(&real, &p.resident, &p.offsets);
+        let (sr, so) = spread(&real, &p.resident);
+        let ms = modeled_step_ms(&real, &sr, &so);
+        let lead = p.resident.iter().position(|&r| !r).unwrap_or(real.len()) / 7;
+        table.push_str(&format!(
+            "| {pct} | {floor_ms:.1} | {measured:.1} | {m:.1} | {:.3} | {ms:.1} | {:.3} | {lead} |\n",
+            floor_ms / m,
+            floor_ms / ms
+        ));
+        worst = worst.min(floor_ms / m);
+    }
+    eprintln!("{table}");
+    assert!(worst >= 0.9, "a plan's modeled step is under 0.9 × the PCIe floor\n{table}");
+}
