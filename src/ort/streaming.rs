@@ -17,11 +17,12 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::abi::*;
 use super::api::{Api, MemoryKind, TensorView};
 use super::claim::{Claim, EpOptions, GemmAttrs, InputFacts, decide};
-use super::gemm_host::{GemmShape, gemm, to_f32};
+use super::gemm_host::{GemmShape, gemm as host_gemm, to_f32};
 use super::graph::elem_name;
 use crate::arena::Arena;
 use crate::device::{Device, DeviceKind, HostRange, RawStream};
@@ -181,6 +182,16 @@ pub(crate) struct Streamer {
     blas: Option<Mutex<super::gemm_cuda::Blas>>,
     warned_sync: AtomicBool,
     computes: AtomicU64,
+    /// Nodes per session run: the cycle's length (set by `declare_cycle`).
+    per_run: AtomicU64,
+    /// The manager's htod bytes when the second run began: what the first
+    /// run copied (every weight once, the resident set's fill included).
+    first_run_htod: AtomicU64,
+    /// Host time in `Compute` outside the GEMM call (on the host device,
+    /// outside what replaces the kernel: read-backs, host GEMM), summed
+    /// over every compute, and over the first run's.
+    host_ns: AtomicU64,
+    first_run_host_ns: AtomicU64,
 }
 
 #[derive(Default)]
@@ -243,6 +254,10 @@ impl Streamer {
             blas,
             warned_sync: AtomicBool::new(false),
             computes: AtomicU64::new(0),
+            per_run: AtomicU64::new(0),
+            first_run_htod: AtomicU64::new(0),
+            host_ns: AtomicU64::new(0),
+            first_run_host_ns: AtomicU64::new(0),
         })
     }
 
@@ -384,6 +399,7 @@ impl Streamer {
             st.uses.sort_by_key(|u| u.0);
             let mut seen = std::collections::HashSet::new();
             let order: Vec<WeightId> = st.uses.iter().map(|u| u.1).filter(|w| seen.insert(*w)).collect();
+            self.per_run.store(st.uses.len() as u64, Ordering::Relaxed);
             (order, st.by_name.len(), st.weight_bytes)
         };
         self.mgr().declare_cycle(&order)?;
@@ -447,6 +463,20 @@ impl Streamer {
     /// # Safety
     /// `ctx` is the live kernel context of a `Compute` call for `k`'s node.
     pub unsafe fn compute(&self, k: &Kernel, ctx: *mut OrtKernelContext) -> Result<()> {
+        let t0 = Instant::now();
+        let mut gemm = Duration::ZERO;
+        // SAFETY: per the caller.
+        let r = unsafe { self.compute_timed(k, ctx, &mut gemm) };
+        let host = t0.elapsed().saturating_sub(gemm);
+        self.host_ns.fetch_add(host.as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// `compute`, adding the time spent in the GEMM itself to `gemm`.
+    ///
+    /// # Safety
+    /// As for [`Self::compute`].
+    unsafe fn compute_timed(&self, k: &Kernel, ctx: *mut OrtKernelContext, gemm: &mut Duration) -> Result<()> {
         let api = &self.api;
         let c = &k.claim;
         // SAFETY: per the caller for every ORT call on ctx and its values.
@@ -500,7 +530,14 @@ impl Streamer {
         out_dims.push(c.n as i64);
         // SAFETY: ctx is the live kernel context (the caller's contract).
         let y = unsafe { api.kernel_output(ctx, 0, &out_dims) }?;
-        self.computes.fetch_add(1, Ordering::Relaxed);
+        let n = self.computes.fetch_add(1, Ordering::Relaxed);
+        let per_run = self.per_run.load(Ordering::Relaxed);
+        if n == per_run && n > 0 {
+            // The second run begins: what was copied so far is the first run's.
+            self.first_run_htod.store(self.mgr().stats().htod_bytes, Ordering::Relaxed);
+            self.first_run_host_ns
+                .store(self.host_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
         if m == 0 {
             return Ok(());
         }
@@ -521,8 +558,8 @@ impl Streamer {
         // SAFETY: ctx is the live kernel context.
         let given = unsafe { api.kernel_gpu_stream(ctx) }?;
         match self.dev.info().kind {
-            DeviceKind::Host => self.compute_host(k, shape, &av, &yv),
-            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given),
+            DeviceKind::Host => self.compute_host(k, shape, &av, &yv, gemm),
+            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given, gemm),
         }
     }
 
@@ -537,19 +574,28 @@ impl Streamer {
         Ok(v)
     }
 
-    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView) -> Result<()> {
+    /// `gemm`: gets the time of what the host device does where a GPU runs
+    /// a kernel on device tensors: the input's and the weight's read-back,
+    /// the host GEMM and the output's copy.
+    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, gemm: &mut Duration) -> Result<()> {
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
         let stream = self.own_stream()?;
+        let t = Instant::now();
         let x = self.host_copy(av)?;
         crate::ensure!(x.len() == s.m * s.k * eb, Internal, "input of {} bytes", x.len());
         let mut w = vec![0u8; c.weight_bytes];
+        let mut spent = t.elapsed();
         self.with_weight(k, stream, |addr| {
+            let t = Instant::now();
             // SAFETY: w has weight_bytes bytes; read only after the sync below.
-            unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, c.weight_bytes, stream) }
+            let r = unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, c.weight_bytes, stream) };
+            spent += t.elapsed();
+            r
         })?;
+        let t = Instant::now();
         self.dev.stream_synchronize(stream)?;
-        let out = gemm(c.elem, s, &x, &w, k.bias.as_ref().map(|b| b.host.as_slice()));
+        let out = host_gemm(c.elem, s, &x, &w, k.bias.as_ref().map(|b| b.host.as_slice()));
         crate::ensure!(
             out.len() == yv.bytes,
             Internal,
@@ -565,6 +611,7 @@ impl Streamer {
             // SAFETY: ORT's output tensor in host-readable memory of yv.bytes bytes.
             unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yv.ptr as *mut u8, out.len()) };
         }
+        *gemm += spent + t.elapsed();
         Ok(())
     }
 
@@ -576,6 +623,7 @@ impl Streamer {
         av: &TensorView,
         yv: &TensorView,
         given: Option<u64>,
+        gemm: &mut Duration,
     ) -> Result<()> {
         crate::ensure!(
             self.on_device(av) && self.on_device(yv),
@@ -629,11 +677,14 @@ impl Streamer {
                 _ => shape.beta = 0.0,
             }
             let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
+            let t = Instant::now();
             // SAFETY: x, w, y are device addresses of m·k, k·n, m·n
             // elements: ORT's tensors (checked sizes via their shapes) and
             // the acquired weight, which stays resident until the release
             // recorded after this GEMM on the same stream completes.
-            unsafe { h.gemm(native, c.elem, shape, av.ptr, w, yv.ptr) }
+            let r = unsafe { h.gemm(native, c.elem, shape, av.ptr, w, yv.ptr) };
+            *gemm += t.elapsed();
+            r
         })?;
         if sync {
             self.dev.stream_synchronize(stream)?;
@@ -675,20 +726,42 @@ impl Drop for Streamer {
         for (_, st) in self.adopted.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = self.dev.stream_destroy(st);
         }
+        let computes = self.computes.load(Ordering::Relaxed);
+        let per_run = self.per_run.load(Ordering::Relaxed);
+        // Per compute after the first run (its page-ins are the resident
+        // set's fill), or over every compute when there was one run.
+        let (ns, n) = if computes > per_run && per_run > 0 {
+            (
+                self.host_ns.load(Ordering::Relaxed) - self.first_run_host_ns.load(Ordering::Relaxed),
+                computes - per_run,
+            )
+        } else {
+            (self.host_ns.load(Ordering::Relaxed), computes)
+        };
         log::info!(
             "epmem ({}): weight streaming released: weights={weights} weight_bytes={bytes} budget_bytes={} \
-             computes={} acquires={} hits={} page_ins={} evictions={} peak_resident_bytes={} htod_bytes={} \
-             stall_ms={:.1} live_allocations_after={} in_use_bytes_after={}",
+             computes={computes} nodes_per_run={} first_run_htod_bytes={} host_us_per_compute={:.2} \
+             acquires={} hits={} page_ins={} evictions={} eviction_waits={} plans={} ring_bytes={} \
+             peak_resident_bytes={} htod_bytes={} stall_ms={:.1} device_stall_ms={:.1} host_stall_ms={:.1} \
+             background_waits={} live_allocations_after={} in_use_bytes_after={}",
             self.ep_name,
             self.budget,
-            self.computes.load(Ordering::Relaxed),
+            per_run,
+            self.first_run_htod.load(Ordering::Relaxed),
+            ns as f64 / 1e3 / n.max(1) as f64,
             s.acquires,
             s.hits,
             s.page_ins,
             s.evictions,
+            s.eviction_waits,
+            s.plans,
+            s.ring_bytes,
             s.peak_resident_bytes,
             s.htod_bytes,
             s.stall_ms,
+            s.device_stall_ms,
+            s.host_stall_ms,
+            s.background_waits,
             a.live_allocations,
             a.in_use_bytes
         );
