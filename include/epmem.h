@@ -14,17 +14,6 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#ifndef EPM_DEPRECATED
-#if defined(__GNUC__) || defined(__clang__)
-#define EPM_DEPRECATED(msg) __attribute__((deprecated(msg)))
-#else
-#define EPM_DEPRECATED(msg)
-#endif
-#endif
-
-/* Deprecated type names, typedefs of the renamed types, kept until the next
- * major version (docs/ABI.md, "Names"; src/ffi/deprecated.rs). */
-typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
 
 /**
  * `sizeof(EpmArenaConfig)` in its first published version (epmem 0.1):
@@ -65,12 +54,6 @@ typedef struct EpmKvPool EpmKvArena EPM_DEPRECATED("renamed EpmKvPool");
  * for budget afterwards.
  */
 #define EPM_KV_ADMIT_PROMISE 0
-
-/**
- * Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
- * reservations; a budget is promised), kept until the next major version.
- */
-#define EPM_KV_ADMIT_RESERVE EPM_KV_ADMIT_PROMISE
 
 /**
  * Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
@@ -684,7 +667,7 @@ typedef struct EpmKvStats {
   uint64_t committed_granules;
   /**
    * Host waits on a caller's stream before a mapping change (`stream_waits`
-   * in Rust; the C field keeps its first name, see docs/ABI.md "Names").
+   * in Rust; this published field keeps its first name, see docs/CONCEPTS.md).
    */
   uint64_t fences;
   /**
@@ -765,7 +748,7 @@ typedef struct EpmKvAdmission {
    * 1 + floor((B − P) / Q), a common shorthand that admits one more than
    * fits (kept so callers can compare). Rust calls it
    * `over_admitting_formula`; this published field keeps its first name
-   * (docs/ABI.md, "Names").
+   * (docs/CONCEPTS.md).
    */
   uint64_t seed_formula;
 } EpmKvAdmission;
@@ -3015,43 +2998,6 @@ enum EpmStatus epm_codec_decode(const void *buf,
                                 void *dst,
                                 size_t dst_len,
                                 uint32_t threads);
-
-/**
- * Deprecated name of `epm_kv_pool_create` (the object was called a KV
- * arena, though it owns a granule pool and no `arena/` allocator); same
- * contract: creates a KV pool on `dev` with a budget of `budget_bytes`
- * physical bytes, `*out` a new handle to destroy with `epm_kv_pool_destroy`
- * (or `epm_kv_arena_destroy`). NULL: `dev` is INVALID_HANDLE, `out` is
- * NULL_POINTER. Errors: as `epm_kv_pool_create`.
- *
- * Threading: safe from any thread; calls on one pool are serialized.
- */
-EPM_DEPRECATED("renamed epm_kv_pool_create")
-enum EpmStatus epm_kv_arena_create(struct EpmDevice *dev,
-                                   uint64_t budget_bytes,
-                                   struct EpmKvPool **out);
-
-/**
- * Deprecated name of `epm_kv_pool_destroy`; same contract: releases the
- * pool handle (NULL is a no-op); sequences and prefixes still held keep the
- * pool alive.
- *
- * Threading: safe from any thread; calls on one pool are serialized.
- */
-EPM_DEPRECATED("renamed epm_kv_pool_destroy")
-enum EpmStatus epm_kv_arena_destroy(struct EpmKvPool *arena);
-
-/**
- * Deprecated name of `epm_kv_pool_get_stats`; same contract: fills `*out`
- * (set `out->size` first). NULL: `arena` is INVALID_HANDLE, `out` is
- * NULL_POINTER. Errors: INVALID_ARGUMENT for a size below the first
- * version's.
- *
- * Threading: safe from any thread; calls on one pool are serialized.
- */
-EPM_DEPRECATED("renamed epm_kv_pool_get_stats")
-enum EpmStatus epm_kv_arena_get_stats(struct EpmKvPool *arena,
-                                      struct EpmKvStats *out);
 
 #ifdef __cplusplus
 }  // extern "C"

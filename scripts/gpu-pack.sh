@@ -35,5 +35,17 @@ for line in sys.stdin:
     if name:
         shutil.copy(m["executable"], os.path.join(".carry/tests", name))
 '
+# The onnxruntime-genai model tests/ort/test_genai.py runs on CUDA (~8 MB): genai's
+# builder needs torch, transformers and onnx_ir together, which the GPU machine
+# lacks. Made where a builder python is here (GENAI_BUILD_PYTHON, else the venv
+# scripts/ort-test.sh makes, .venv/genai-builder); scripts/ort-test.sh --no-install uses it.
+gbp=${GENAI_BUILD_PYTHON:-.venv/genai-builder/bin/python}
+if [ -x "$gbp" ]; then
+  "$gbp" tests/ort/make_genai_model.py .carry/genai-model-cuda --ep cuda >.carry/genai-build.log 2>&1 ||
+    { tail -20 .carry/genai-build.log; echo "gpu-pack: the genai model build failed" >&2; exit 1; }
+  rm -f .carry/genai-build.log
+else
+  echo "gpu-pack: no $gbp (scripts/ort-test.sh makes it): no genai model carried; test_genai.py is then not run there"
+fi
 strip --strip-debug .carry/lib/libepmem.so .carry/lib-testing/libepmem_testing.so .carry/tests/* .carry/bin/* 2>/dev/null || true
 du -sh .carry; ls .carry/*

@@ -11,6 +11,12 @@
 #                 else target/debug libepmem.so, built with cargo if missing)
 #   PYTHON        interpreter for venvs / --no-install (default python3)
 #   ORT_VENV_DIR  where the per-version venvs live (default .venv/, reused across runs)
+#   GENAI_VERSION onnxruntime-genai to test with every version 1.31+ (default 0.18.0;
+#                 installed --no-deps into that version's venv)
+#   GENAI_BUILD_PYTHON  the python that runs genai's model builder (torch,
+#                 transformers, onnx, onnx_ir, onnxruntime_genai); default: a venv
+#                 .venv/genai-builder over scripts/torch-venv.sh's .venv/torch, or
+#                 with --no-install python3
 #   ORT_FAKE_CUDA 1 (default without --no-install): also run every version with
 #                 EPM_DEVICE=cuda against src/device/cuda/fake_libcuda.c, so the
 #                 GPU labelling (GPU memory infos, created or CPU-bound hardware
@@ -20,7 +26,8 @@
 # tests/ort/test_ort_streaming.py (the EP streaming weights; needs the onnx
 # package), tests/ort/ort_c_test.c (C, linked against that wheel's libonnxruntime) and the
 # onnxruntime snippets of the docs (tests/python/test_docs.py, 1.28+),
-# then prints one closing line "ort: N passed, N failed".
+# tests/ort/test_genai.py (epmem's EP inside onnxruntime-genai, 1.31+; with
+# --no-install where onnxruntime_genai imports), then prints one closing line "ort: N passed, N failed".
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -50,6 +57,7 @@ CC=${CC:-$(command -v gcc || command -v cc)}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/epmem-ort.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
+GENAI_VERSION=${GENAI_VERSION:-0.18.0}
 PASSED=0
 FAILED=0
 # tally LOG: add the "N passed, N failed" of a suite's log to the totals.
@@ -59,6 +67,53 @@ tally() {
   if [ -z "$line" ]; then FAILED=$((FAILED + 1)); echo "  (no result line: counted as a failure)"; return; fi
   p=${line%% passed*}; f=${line#*passed, }; f=${f%% failed*}
   PASSED=$((PASSED + p)); FAILED=$((FAILED + f))
+}
+
+# genai_build_python: the python that runs genai's builder (made once).
+genai_build_python() {
+  if [ -n "${GENAI_BUILD_PYTHON:-}" ]; then echo "$GENAI_BUILD_PYTHON"; return; fi
+  if [ $INSTALL = 0 ]; then echo "$PY"; return; fi
+  local tv=${EPMEM_TORCH_VENV:-$ROOT/.venv/torch} bv=${ORT_VENV_DIR:-$ROOT/.venv}/genai-builder
+  PYTHON=$PY scripts/torch-venv.sh "$tv" >&2 || return 1
+  if ! "$bv/bin/python" -c "import torch, transformers, onnx, onnx_ir, importlib.util as u, sys; sys.exit(u.find_spec('onnxruntime_genai') is None)" 2>/dev/null; then
+    # torch and transformers come from the torch venv (a .pth file), the
+    # builder's own needs are installed here (~70 MB).
+    { rm -rf "$bv" && "$PY" -m venv "$bv" &&
+      "$tv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+        "$("$bv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/epmem-torch-venv.pth" &&
+      "$bv/bin/python" -m pip install -q --disable-pip-version-check onnx onnx_ir "onnxruntime-genai==$GENAI_VERSION" >&2; } ||
+      { echo "cannot make $bv for genai's model builder" >&2; return 1; }
+  fi
+  echo "$bv/bin/python"
+}
+
+# run_genai PYTHON LABEL: tests/ort/test_genai.py against PYTHON's onnxruntime
+# and onnxruntime_genai, on a model genai's builder makes (once per EP kind:
+# cuda where this onnxruntime has the CUDA EP, else cpu).
+run_genai() {
+  local py=$1 label=$2 out=$WORK/genai-$2.log ep model bpy
+  ep=$("$py" -c 'import onnxruntime as o; print("cuda" if "CUDAExecutionProvider" in o.get_available_providers() else "cpu")')
+  model=$WORK/genai-model-$ep
+  # The GPU machine cannot run the builder (no onnx_ir): scripts/gpu-pack.sh carries the model.
+  if [ $INSTALL = 0 ] && [ -f "$ROOT/.carry/genai-model-$ep/weights.json" ]; then
+    model=$ROOT/.carry/genai-model-$ep
+  elif [ $INSTALL = 0 ] && ! "$(genai_build_python)" -c 'import torch, transformers, onnx, onnx_ir' 2>/dev/null; then
+    echo "  onnxruntime-genai: not run (no .carry/genai-model-$ep from scripts/gpu-pack.sh, and no torch+transformers+onnx+onnx_ir here to build it)"
+    return
+  fi
+  if [ ! -f "$model/weights.json" ]; then
+    if ! bpy=$(genai_build_python) || ! "$bpy" tests/ort/make_genai_model.py "$model" --ep "$ep" >"$WORK/genai-build.log" 2>&1; then
+      tail -30 "$WORK/genai-build.log" 2>/dev/null
+      echo "ort-genai: could not build the genai model: 0 passed, 1 failed" | tee "$out"; tally "$out"; return
+    fi
+  fi
+  EPMEM_GENAI_MODEL=$model "$py" tests/ort/test_genai.py >"$out" 2>&1
+  cat "$out"; tally "$out"
+}
+
+# ort_at_least PYTHON MAJOR MINOR: whether PYTHON's onnxruntime is at least that.
+ort_at_least() {
+  "$1" -c "import onnxruntime as o, sys; sys.exit(tuple(map(int, o.__version__.split('.')[:2])) < ($2, $3))"
 }
 
 # run_suites PYTHON LABEL: the Python and C tests against PYTHON's onnxruntime.
@@ -91,6 +146,19 @@ run_suites() {
     out=$WORK/bench-$label.log
     "$py" scripts/bench_ort_stream.py --size tiny --out "$WORK/bench-$label" >"$out" 2>&1
     grep -E '^(TARGET|bench-ort-stream:)' "$out" || tail -20 "$out"; tally "$out"
+  fi
+
+  # epmem's EP inside onnxruntime-genai (0.18 needs onnxruntime 1.31+). In CI
+  # every such version has it installed (a missing one fails the test); with
+  # --no-install it runs where python3 has onnxruntime_genai.
+  if [ -z "$FAKE" ]; then
+    if ! ort_at_least "$py" 1 31; then
+      echo "  onnxruntime-genai: not run with onnxruntime $label (onnxruntime-genai $GENAI_VERSION needs 1.31+)"
+    elif [ $INSTALL = 0 ] && ! "$py" -c $'try:\n import torch\nexcept ImportError:\n pass\nimport onnxruntime_genai' 2>/dev/null; then
+      echo "  onnxruntime-genai: not run ($py has no onnxruntime_genai; pip install onnxruntime-genai(-cuda)==$GENAI_VERSION)"
+    else
+      run_genai "$py" "$label"
+    fi
   fi
 
   # The docs' onnxruntime snippets (tests/python/test_docs.py; the others run in
@@ -145,6 +213,14 @@ else
       cat "$WORK/pip.log"; echo "pip could not install $spec" >&2; FAILED=$((FAILED + 1)); continue
     fi
     v=$("$venv/bin/python" -c 'import onnxruntime; print(onnxruntime.__version__)')
+    # onnxruntime-genai where it can run (1.31+), without its dependencies so the
+    # onnxruntime under test stays the one installed above. A failed install
+    # shows up as test_genai.py's failure (genai does not import).
+    if ort_at_least "$venv/bin/python" 1 31 &&
+        ! "$venv/bin/python" -c "import onnxruntime_genai as g, sys; sys.exit(g.__version__ != '$GENAI_VERSION')" 2>/dev/null; then
+      "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "onnxruntime-genai==$GENAI_VERSION" >"$WORK/pip.log" 2>&1 ||
+        { cat "$WORK/pip.log"; echo "pip could not install onnxruntime-genai==$GENAI_VERSION" >&2; }
+    fi
     run_suites "$venv/bin/python" "$v"
     if [ $fake_ok = 1 ]; then
       FAKE=$WORK/fakecuda EPM_DEVICE=cuda run_suites "$venv/bin/python" "$v-fakecuda"

@@ -32,27 +32,7 @@ fi
 
 if [ $INSTALL = 1 ]; then
   venv=${EPMEM_TORCH_VENV:-$ROOT/.venv/torch}
-  if [ ! -x "$venv/bin/python" ]; then
-    "$PY" -m venv "$venv" || { echo "python-test: cannot make a venv at $venv" >&2; exit 2; }
-  fi
-  if ! "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
-    t0=$SECONDS
-    # torch from PyPI is the CUDA build: ~5.7 GB installed, and pip holds its
-    # ~3 GB of wheels in a temp dir until it is done (peak ~9 GB). --no-cache-dir
-    # keeps pip from keeping those wheels under ~/.cache/pip afterwards too.
-    echo "python-test: installing torch and numpy from PyPI into $venv (once; ~2-3 min, ~5.7 GB; $(df -Ph "$venv" | awk 'NR==2 {print $4}') free there)"
-    "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check torch numpy ||
-      { echo "python-test: pip could not install torch ($(df -Ph "$venv" | awk 'NR==2 {print $4}') free under $venv)" >&2; exit 2; }
-    echo "python-test: torch installed in $((SECONDS - t0)) s"
-  fi
-  # transformers, the GPU machine's version, for tests/python/test_kvcache.py and
-  # test_transformers.py (tiny Llama models from a config): pure Python, ~15 MB of
-  # wheels with its deps (tokenizers, safetensors, huggingface_hub), ~160 MB installed.
-  if ! "$venv/bin/python" -c 'import transformers' 2>/dev/null; then
-    echo "python-test: installing transformers 5.17.0 from PyPI into $venv (once)"
-    "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check "transformers==5.17.0" ||
-      { echo "python-test: pip could not install transformers" >&2; exit 2; }
-  fi
+  PYTHON=$PY scripts/torch-venv.sh "$venv" || exit 2
   PY=$venv/bin/python
   # The newest transformers too, for epmem.kvcache (it must hand its Cache over the
   # way each supports: `cache=` from 5.24, `past_key_values=` before): a second venv

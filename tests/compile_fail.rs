@@ -1,4 +1,4 @@
-//! The witnesses' refusals, proven by the compiler's own error messages.
+//! The witnesses' and the typed ids' refusals, proven by the compiler's own error messages.
 //!
 //! Each file in tests/compile_fail/ is a program that compiles against
 //! epmem, with one line marked `// @slot`, and a list of cases:
@@ -175,4 +175,9 @@ fn the_harness_itself_rejects_a_case_with_the_wrong_code_or_name() {
     assert!(errs.iter().all(|e| e.starts_with("error[E0308]")), "{errs:?}");
     assert!(!errs.iter().all(|e| e.starts_with("error[E0599]")), "a wrong code would be caught");
     assert!(!stderr.contains("`CopyCompleted`"), "a wrong fragment would be caught");
+}
+
+#[test]
+fn the_kv_ids_do_not_mix() {
+    run_file("kv_ids", include_str!("compile_fail/kv_ids.rs"));
 }

@@ -144,51 +144,6 @@ fn header_compiles_alone_as_cpp17() {
     compile("g++", "-std=c++17", "cpp");
 }
 
-/// The renamed names kept as aliases (src/ffi/deprecated.rs) compile, and
-/// every use of one warns `deprecated` (an error under -Werror), naming the
-/// new name; defining EPM_DEPRECATED empty silences them.
-#[test]
-fn deprecated_names_compile_and_warn() {
-    let dir = std::env::temp_dir().join(format!("epmem-header-{}-deprecated", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("old.c");
-    std::fs::write(
-        &src,
-        "#include \"epmem.h\"\n\
-         int main(void) {\n\
-           EpmKvArena *a = NULL; EpmKvStats st = {0};\n\
-           st.size = sizeof st;\n\
-           if (epm_kv_arena_create(NULL, 0, &a) != EPM_STATUS_INVALID_HANDLE) return 1;\n\
-           if (epm_kv_arena_get_stats(a, &st) != EPM_STATUS_INVALID_HANDLE) return 1;\n\
-           return epm_kv_arena_destroy(a) == EPM_STATUS_OK ? 0 : 1;\n\
-         }\n",
-    )
-    .unwrap();
-    let run = |extra: &[&str]| {
-        Command::new("gcc")
-            .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-c", "-o"])
-            .arg(dir.join("old.o"))
-            .arg("-I")
-            .arg(root().join("include"))
-            .args(extra)
-            .arg(&src)
-            .output()
-            .expect("gcc runs")
-    };
-    let warned = run(&[]);
-    let err = String::from_utf8_lossy(&warned.stderr);
-    assert!(!warned.status.success(), "old names compiled with no deprecation warning");
-    for (old, new) in [("EpmKvArena", "EpmKvPool"), ("epm_kv_arena_create", "epm_kv_pool_create"), ("epm_kv_arena_get_stats", "epm_kv_pool_get_stats"), ("epm_kv_arena_destroy", "epm_kv_pool_destroy")] {
-        assert!(
-            err.lines().any(|l| l.contains(old) && l.contains("deprecated") && l.contains(&format!("renamed {new}"))),
-            "no deprecation warning for {old} naming {new}:\n{err}"
-        );
-    }
-    let silenced = run(&["-DEPM_DEPRECATED(msg)="]);
-    assert!(silenced.status.success(), "old names do not compile:\n{}", String::from_utf8_lossy(&silenced.stderr));
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
 /// Every status in the header has the value and name the library reports.
 #[test]
 fn header_status_values_match_library_names() {
@@ -232,14 +187,12 @@ fn every_function_is_documented() {
     let mut functions = 0;
     for (i, line) in lines.iter().enumerate() {
         let Some(open) = line.find("epm_").filter(|_| line.contains('(') && !line.starts_with(' ')) else { continue };
-        if line.starts_with("typedef") || line.starts_with(" *") || line.starts_with("#") || line.starts_with("EPM_DEPRECATED(") {
+        if line.starts_with("typedef") || line.starts_with(" *") || line.starts_with("#") {
             continue;
         }
         let name: String = line[open..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
         functions += 1;
-        // A deprecated alias has its EPM_DEPRECATED("...") line between the
-        // doc comment and the declaration.
-        let end = if i > 0 && lines[i - 1].starts_with("EPM_DEPRECATED(") { i - 1 } else { i };
+        let end = i;
         assert!(end > 0 && lines[end - 1].trim() == "*/", "{name} has no doc comment in the header");
         let start = lines[..end].iter().rposition(|l| l.trim() == "/**").expect("doc comment start");
         let doc = lines[start..end].join("\n").to_lowercase();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use epmem::EpmStatus;
 use epmem::device::{Device, DeviceKind, Stream};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, SlotChoice};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, SeqId, SlotChoice};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
@@ -156,7 +156,7 @@ fn a_prefix_shared_across_slots_is_one_physical_copy() {
     assert!(((used1 - used0) - (k * g) as i64).abs() <= slack(&d), "the device's figure moved {} for {} owned", used1 - used0, k * g);
     let p = a.pin_prefix(origin, 50, s.raw()).unwrap();
     let phys = d.live_counts().physical_handles;
-    let sharers: Vec<u64> = (1..9).map(|_| a.take_shared_slot(b, SlotChoice::Any, p, 50, AdmitMode::OnDemand, s.raw()).unwrap()).collect();
+    let sharers: Vec<SeqId> = (1..9).map(|_| a.take_shared_slot(b, SlotChoice::Any, p, 50, AdmitMode::OnDemand, s.raw()).unwrap()).collect();
     // Eight more slots map the prompt: the ledger and the device both see nothing new.
     assert_eq!(a.stats().ledger.owned_bytes, owned1, "the Nth sharer costs 0 owned bytes");
     assert_eq!(d.live_counts().physical_handles, phys, "and no physical handle");
@@ -272,7 +272,7 @@ fn slots_join_and_leave_while_the_others_keep_their_addresses_and_bytes() {
     let bi = a.batch_info(b).unwrap();
     let mut rng = Rng::with_seed(0x5eed_0014);
     // (slot index, sequence, bytes written so far)
-    let mut live: Vec<(u32, u64, Vec<u8>)> = Vec::new();
+    let mut live: Vec<(u32, SeqId, Vec<u8>)> = Vec::new();
     let mut seed = 20u8;
     for step in 0..80 {
         let r = below(&mut rng, 10);
@@ -328,11 +328,11 @@ fn misuse_is_a_status_with_a_message() {
     let s = Stream::new(&d).unwrap();
     let mut a = KvPool::new(&d, KvConfig::new(GIB)).unwrap();
     let l = qwen14b();
-    let st = |r: epmem::Result<u64>| {
+    fn st<T: std::fmt::Debug>(r: epmem::Result<T>) -> EpmStatus {
         let e = r.unwrap_err();
         assert!(!e.message().is_empty());
         e.status()
-    };
+    }
     assert_eq!(st(a.create_batch(&l, 0, 4)), EpmStatus::InvalidArgument);
     assert_eq!(st(a.create_batch(&l, 8, 0)), EpmStatus::InvalidArgument);
     assert_eq!(st(a.create_batch(&l, u64::MAX / 4, 4)), EpmStatus::InvalidArgument);
@@ -453,7 +453,7 @@ fn a_failed_driver_call_never_leaves_a_slot_unmapped_or_the_ledger_wrong() {
             }
             injected += fd.injected();
             fd.clear();
-            let live: Vec<u64> = (0..4).filter_map(|i| a.slot_sequence(b, i).unwrap()).collect();
+            let live: Vec<SeqId> = (0..4).filter_map(|i| a.slot_sequence(b, i).unwrap()).collect();
             let what = format!("{} fault at call {n}", kind.name());
             // The whole range is mapped and reads back: the prompt where it is
             // shared, zeros in every free slot.

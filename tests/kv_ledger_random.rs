@@ -8,7 +8,7 @@ mod kv_util;
 use std::collections::{HashMap, HashSet};
 
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvPool, KvConfig};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, PrefixId, SeqId};
 use kv_util::*;
 
 #[derive(Clone)]
@@ -17,7 +17,7 @@ struct MSeq {
     len: u64,
     /// Per slot: (identity, shared?) or None for the dummy.
     slots: Vec<Option<(u64, bool)>>,
-    link: Option<u64>,
+    link: Option<PrefixId>,
     promise: u64,
 }
 
@@ -31,8 +31,8 @@ struct Model {
     g: u64,
     bpt: u64,
     next_id: u64,
-    seqs: HashMap<u64, MSeq>,
-    prefixes: HashMap<u64, MPrefix>,
+    seqs: HashMap<SeqId, MSeq>,
+    prefixes: HashMap<PrefixId, MPrefix>,
 }
 
 impl Model {
@@ -56,10 +56,10 @@ impl Model {
     fn promised(&self) -> u64 {
         self.seqs.values().map(|s| s.promise).sum::<u64>() * self.g
     }
-    fn sharers(&self, pid: u64) -> usize {
+    fn sharers(&self, pid: PrefixId) -> usize {
         self.seqs.values().filter(|s| s.link == Some(pid)).count()
     }
-    fn unlink(&mut self, seq: u64) {
+    fn unlink(&mut self, seq: SeqId) {
         if let Some(pid) = self.seqs.get_mut(&seq).and_then(|s| s.link.take()) {
             if self.sharers(pid) == 0 && !self.prefixes[&pid].pinned {
                 self.prefixes.remove(&pid);
@@ -80,8 +80,8 @@ fn ledger_matches_an_independent_model_over_random_operations() {
     let steps = std::env::var("EPM_KV_RANDOM_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
     let mut done = [0u32; 7];
     for step in 0..steps {
-        let seq_ids: Vec<u64> = m.seqs.keys().copied().collect();
-        let pids: Vec<u64> = m.prefixes.keys().copied().collect();
+        let seq_ids: Vec<SeqId> = m.seqs.keys().copied().collect();
+        let pids: Vec<PrefixId> = m.prefixes.keys().copied().collect();
         let op = below(&mut rng, 7);
         let mode = if below(&mut rng, 2) == 0 { AdmitMode::Promise } else { AdmitMode::OnDemand };
         match op {

@@ -9,7 +9,7 @@ mod kv_util;
 use epmem::EpmStatus;
 use epmem::device::Stream;
 use epmem::kv::batch::SlotChoice;
-use epmem::kv::{AdmitMode, KvConfig, KvPool, Namespace};
+use epmem::kv::{AdmitMode, KvConfig, KvPool, Namespace, PrefixId, SeqId};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
@@ -20,7 +20,7 @@ fn ns(s: &str) -> Namespace {
 
 /// A 40-token prompt (two whole 16-token hash blocks), prefilled with
 /// pattern `seed` and pinned, in namespace `n`. Returns (sequence, prefix, bytes).
-fn pinned(a: &mut KvPool, s: &Stream, n: &Namespace, prompt: &[u32], seed: u8) -> (u64, u64, Vec<u8>) {
+fn pinned(a: &mut KvPool, s: &Stream, n: &Namespace, prompt: &[u32], seed: u8) -> (SeqId, PrefixId, Vec<u8>) {
     let l = qwen14b();
     let (o, shared) = a.create_sequence_for_tokens_in(n, &l, 64, prompt, AdmitMode::OnDemand).unwrap();
     assert_eq!(shared, 0, "nothing pinned in {n:?} yet");

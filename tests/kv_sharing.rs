@@ -6,13 +6,13 @@ mod kv_util;
 
 use epmem::EpmStatus;
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvPool, KvConfig};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, PrefixId, SeqId};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
 
 /// An origin sequence with `n` tokens written (pattern 1), pinned.
-fn origin(a: &mut KvPool, s: &Stream, n: u64, max: u64) -> (u64, u64, Vec<u8>) {
+fn origin(a: &mut KvPool, s: &Stream, n: u64, max: u64) -> (SeqId, PrefixId, Vec<u8>) {
     let l = qwen14b();
     let seq = a.create_sequence(&l, max, AdmitMode::OnDemand).unwrap();
     a.prepare_append(seq, n, s.raw()).unwrap();
@@ -33,7 +33,7 @@ fn one_granule_is_visible_at_n_addresses_and_charged_once() {
     let owned = a.stats().ledger.owned_bytes;
     assert_eq!(owned, 2 * g, "dummy + one prefix granule");
     let phys_before = d.live_counts().physical_handles;
-    let sharers: Vec<u64> = (0..8).map(|_| a.commit_shared_prefix(p, 10, 64, AdmitMode::OnDemand).unwrap()).collect();
+    let sharers: Vec<SeqId> = (0..8).map(|_| a.commit_shared_prefix(p, 10, 64, AdmitMode::OnDemand).unwrap()).collect();
     // The Nth sharer costs 0 owned bytes and no physical handle.
     assert_eq!(a.stats().ledger.owned_bytes, owned);
     assert_eq!(d.live_counts().physical_handles, phys_before);

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream};
 use epmem::transfer::witness;
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape, PrefixId, SeqId};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 use epmem::EpmStatus;
@@ -80,9 +80,9 @@ struct Residency {
 #[derive(Default)]
 struct KvBook {
     /// Sequence → (owner thread, the bytes of its tokens so far).
-    seqs: HashMap<u64, (u64, Vec<u8>)>,
+    seqs: HashMap<SeqId, (u64, Vec<u8>)>,
     /// Live prefixes we pinned (pinned or not), with the bytes they hold.
-    prefixes: HashMap<u64, (bool, Vec<u8>)>,
+    prefixes: HashMap<PrefixId, (bool, Vec<u8>)>,
 }
 
 struct Kv {
@@ -146,8 +146,10 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
     let bpt = kv.layout.bytes_per_token() as usize;
     let mut g = kv.arena.lock().unwrap();
     let (a, book) = &mut *g;
-    let mine: Vec<u64> = book.seqs.iter().filter(|(_, (o, _))| *o == me).map(|(id, _)| *id).collect();
-    let pick = |r: &mut Rng, v: &[u64]| v[below(r, v.len() as u64) as usize];
+    let mine: Vec<SeqId> = book.seqs.iter().filter(|(_, (o, _))| *o == me).map(|(id, _)| *id).collect();
+    fn pick<T: Copy>(r: &mut Rng, v: &[T]) -> T {
+        v[below(r, v.len() as u64) as usize]
+    }
     match below(r, 6) {
         0 if mine.len() < 3 => {
             let id = a.create_sequence(&kv.layout, 8 + below(r, 120), AdmitMode::OnDemand).unwrap();
@@ -183,7 +185,7 @@ fn kv_cycle(kv: &Kv, s: &Stream, me: u64, r: &mut Rng, c: &Counts) {
             book.prefixes.insert(pid, (true, bytes));
         }
         4 => {
-            let pinned: Vec<u64> = book.prefixes.iter().filter(|(_, (p, _))| *p).map(|(id, _)| *id).collect();
+            let pinned: Vec<PrefixId> = book.prefixes.iter().filter(|(_, (p, _))| *p).map(|(id, _)| *id).collect();
             if pinned.is_empty() {
                 return;
             }

@@ -16,12 +16,12 @@ from . import _lib
 from ._lib import (  # noqa: F401  (constants, re-exported)
     EPM_COPY_ENGINE_NO_DIRECT, EPM_COPY_ENGINE_NO_SPLIT_TAIL, EPM_COPY_ENGINE_NO_STREAMING_STORES,
     EPM_COPY_ENGINE_NO_TIMING, EPM_EVENT_TIMING, EPM_FILL_AHEAD_ALL_SLOTS, EPM_KV_ADMIT_ON_DEMAND,
-    EPM_KV_ADMIT_PROMISE, EPM_KV_ADMIT_RESERVE, EPM_KV_BATCH_ANY_SLOT, EPM_LOG_LEVEL_DEBUG, EPM_LOG_LEVEL_ERROR,
+    EPM_KV_ADMIT_PROMISE, EPM_KV_BATCH_ANY_SLOT, EPM_LOG_LEVEL_DEBUG, EPM_LOG_LEVEL_ERROR,
     EPM_LOG_LEVEL_INFO, EPM_LOG_LEVEL_OFF, EPM_LOG_LEVEL_TRACE, EPM_LOG_LEVEL_WARN, EPM_POLICY_CYCLIC,
     EPM_POLICY_LRU, EPM_REGISTER_ALWAYS, EPM_REGISTER_NEVER, EPM_REGISTER_WITHIN_MEMLOCK, EPM_VERSION,
 )
 from .core import (  # noqa: F401
-    Arena, ArenaBlock, CopyEngine, Device, DeviceMemory, Event, Fence, HostRegistration, KvArena, KvPool, KvBatch,
+    Arena, ArenaBlock, CopyEngine, Device, DeviceMemory, Event, Fence, HostRegistration, KvPool, KvBatch,
     KvPrefix, KvSeq, KvSlot, Residency, StagingPool, Stream, checksum_host, kv_admissible,
     kv_layout_token_major, last_error_message, set_log_callback, status_name, version, version_string,
 )

@@ -1,10 +1,12 @@
-"""ctypes declarations of include/epmem.h: every struct once, every function once.
+"""ctypes declarations of include/epmem.h: every function once; the structs
+read from the header itself.
 
 Nothing here is compiled: the library is loaded with ctypes from
-`epmem.get_library_path()`. tests/python/test_binding.py checks every struct's
-size and field offsets against the header (by compiling a C program generated
-from these declarations) and that every `epm_*` function the header declares
-has a line in FUNCTIONS below.
+`epmem.get_library_path()`, and the struct layouts are parsed from the epmem.h
+the wheel bundles (`header_path()`). tests/python/test_binding.py checks every
+struct's size and field offsets against the header (by compiling a C program
+generated from these classes) and that every `epm_*` function the header
+declares has a line in FUNCTIONS below.
 
 Adding a C function is one line in FUNCTIONS: (name, restype, argtypes).
 A function whose restype is STATUS raises the EpmError subclass of its status
@@ -13,6 +15,7 @@ A function whose restype is STATUS raises the EpmError subclass of its status
 
 import ctypes
 import os
+import re
 import threading
 from ctypes import (
     CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_float, c_int,
@@ -27,7 +30,6 @@ EPM_DEVICE_NAME_LEN = 256
 EPM_PCI_BUS_ID_LEN = 32
 EPM_EVENT_TIMING = 1
 EPM_KV_ADMIT_PROMISE = 0
-EPM_KV_ADMIT_RESERVE = EPM_KV_ADMIT_PROMISE  # the deprecated name (docs/ABI.md, "Names")
 EPM_KV_ADMIT_ON_DEMAND = 1
 EPM_POLICY_CYCLIC = 0
 EPM_POLICY_LRU = 1
@@ -100,83 +102,106 @@ HANDLE = c_void_p
 OUT_HANDLE = POINTER(c_void_p)
 
 
-# ---- structs (field order and types exactly as in the header) ------------------
-
-class EpmArenaConfig(Structure):
-    _fields_ = [("size", c_size_t), ("capacity_bytes", c_uint64), ("chunk_bytes", c_uint64),
-                ("max_allocations", c_uint32)]
-
-
-class EpmArenaStats(Structure):
-    _fields_ = [("size", c_size_t), ("driver_alloc_calls", c_uint64), ("driver_free_calls", c_uint64),
-                ("reserved_bytes", c_uint64), ("committed_bytes", c_uint64), ("in_use_bytes", c_uint64),
-                ("peak_in_use_bytes", c_uint64), ("live_allocations", c_uint64), ("alloc_calls", c_uint64),
-                ("free_calls", c_uint64), ("fragmentation", c_double)]
+# ---- structs: read from the header, their one declaration ----------------------
+#
+# Each struct's ctypes layout is built from its `typedef struct EpmX { ... }`
+# in epmem.h (generated from src/ffi), so a field added there needs no edit
+# here. tests/python/test_binding.py compiles a C program that prints every
+# sizeof/offsetof and compares them with these classes.
 
 
-class EpmDeviceInfo(Structure):
-    _fields_ = [("size", c_size_t), ("kind", c_int), ("ordinal", c_uint32), ("total_memory", c_uint64),
-                ("granularity", c_uint64), ("compute_capability_major", c_uint32),
-                ("compute_capability_minor", c_uint32), ("driver_version", c_uint32),
-                ("name", c_char * EPM_DEVICE_NAME_LEN), ("pci_bus_id", c_char * EPM_PCI_BUS_ID_LEN)]
+def header_path():
+    """The epmem.h this package describes: $EPMEM_HEADER, else the copy the
+    wheel bundles (epmem/include/epmem.h), else the source tree's
+    include/epmem.h."""
+    env = os.environ.get("EPMEM_HEADER")
+    if env:
+        return os.path.abspath(env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for p in (os.path.join(here, "include", "epmem.h"), os.path.join(here, "..", "..", "include", "epmem.h")):
+        if os.path.isfile(p):
+            return os.path.normpath(p)
+    raise OSError(f"epmem: no epmem.h next to the package ({here}/include) or in a source tree; set EPMEM_HEADER")
 
 
-class EpmKvLayout(Structure):
-    _fields_ = [("size", c_size_t), ("layers", c_uint32), ("kv_heads", c_uint32), ("head_dim", c_uint32),
-                ("elem_bytes", c_uint32), ("token_stride", c_uint64), ("layer_stride", c_uint64),
-                ("kv_stride", c_uint64), ("head_stride", c_uint64)]
+# C field types of the header's structs and their ctypes.
+C_TYPES = {
+    "size_t": c_size_t, "uint64_t": c_uint64, "uint32_t": c_uint32, "uint8_t": c_uint8, "int": c_int,
+    "double": c_double, "float": c_float, "bool": c_bool, "char": c_char,
+    "EpmDevicePtr": EpmDevicePtr, "EpmWeightId": EpmWeightId, "EpmHostRangeId": EpmHostRangeId,
+}
 
 
-class EpmKvStats(Structure):
-    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
-        "budget_bytes", "owned_bytes", "promised_bytes", "peak_owned_bytes", "owned_granules", "charges",
-        "credits", "refusals", "granule_bytes", "pool_created", "pool_released", "pool_reused",
-        "pool_retained", "sequences", "prefixes", "pinned_prefixes", "mapped_bytes", "cow_granules",
-        "committed_granules", "fences", "hash_hits")]
+def parse_structs(text):
+    """{name: [(field, ctype), ...]} of every `typedef struct EpmX { ... } EpmX;`
+    in header `text`. Enum fields are C ints; array bounds are numbers or the
+    header's #defines. A field of a type not in C_TYPES raises ValueError (a
+    struct is read whole or not at all)."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    defines = {m.group(1): int(m.group(2), 0) for m in re.finditer(r"^#define (EPM_\w+) (0x[0-9A-Fa-f]+|\d+)\s*$", text, re.M)}
+    out = {}
+    for m in re.finditer(r"typedef struct (Epm\w+) \{(.*?)\} (\w+);", text, re.S):
+        name, body = m.group(1), m.group(2)
+        if m.group(3) != name:
+            raise ValueError(f"typedef struct {name} {{...}} {m.group(3)}: names differ")
+        fields = []
+        for decl in (d.strip() for d in body.split(";")):
+            if not decl:
+                continue
+            f = re.fullmatch(r"(enum \w+|[\w ]*?\w)\s+(\w+)(?:\[(\w+)\])?", decl)
+            if not f:
+                raise ValueError(f"{name}: cannot read field `{decl}`")
+            ctype, field, bound = f.groups()
+            if ctype.startswith("enum "):
+                t = c_int
+            elif ctype in C_TYPES:
+                t = C_TYPES[ctype]
+            else:
+                raise ValueError(f"{name}.{field}: C type `{ctype}` has no ctypes equivalent in C_TYPES")
+            if bound is not None:
+                n = int(bound) if bound.isdigit() else defines.get(bound)
+                if n is None:
+                    raise ValueError(f"{name}.{field}: array bound {bound} is not a #define of the header")
+                t = t * n
+            fields.append((field, t))
+        out[name] = fields
+    return out
 
+
+with open(header_path(), encoding="utf-8") as _h:
+    HEADER_STRUCTS = parse_structs(_h.read())
+
+
+def header_struct(name):
+    """A ctypes Structure class with the fields of `name` in the header."""
+    if name not in HEADER_STRUCTS:
+        raise ValueError(f"epmem: struct {name} is not in {header_path()}")
+    return type(name, (Structure,), {"_fields_": HEADER_STRUCTS[name], "__module__": __name__})
+
+
+EpmArenaConfig = header_struct("EpmArenaConfig")
+EpmArenaStats = header_struct("EpmArenaStats")
+EpmDeviceInfo = header_struct("EpmDeviceInfo")
+EpmKvLayout = header_struct("EpmKvLayout")
+EpmKvStats = header_struct("EpmKvStats")
 
 _LAYOUT_FIELDS = [f for f in EpmKvLayout._fields_ if f[0] != "size"]
 
 
-class EpmKvSeqInfo(Structure):
+class EpmKvSeqInfo(header_struct("EpmKvSeqInfo")):
     # The layout's fields are flat (a versioned struct is never embedded by
     # value in another); `.layout` rebuilds an EpmKvLayout from them.
-    _fields_ = [("size", c_size_t)] + _LAYOUT_FIELDS + [
-        ("base", c_uint64), ("max_tokens", c_uint64), ("len_tokens", c_uint64), ("reserved_bytes", c_uint64),
-        ("shared_granules", c_uint64), ("private_granules", c_uint64), ("promised_granules", c_uint64)]
 
     @property
     def layout(self):
         return new(EpmKvLayout, **{n: getattr(self, n) for n, _ in _LAYOUT_FIELDS})
 
 
-class EpmKvPrefixInfo(Structure):
-    _fields_ = [("size", c_size_t), ("n_tokens", c_uint64), ("granules", c_uint64), ("sharers", c_uint32),
-                ("pinned", c_bool), ("view_base", c_uint64)]
-
-
-class EpmKvAdmission(Structure):
-    _fields_ = [("size", c_size_t), ("without_sharing", c_uint64), ("with_sharing", c_uint64),
-                ("seed_formula", c_uint64)]
-
-
-class EpmKvRequestCost(Structure):
-    _fields_ = [("size", c_size_t), ("prefix_bytes", c_uint64), ("private_bytes", c_uint64),
-                ("unshared_bytes", c_uint64)]
-
-
-class EpmKvBatchDesc(Structure):
-    _fields_ = [("size", c_size_t), ("base", c_uint64), ("slot_stride", c_uint64), ("max_slots", c_uint32),
-                ("layers", c_uint32), ("max_tokens", c_uint64), ("token_stride", c_uint64),
-                ("layer_stride", c_uint64), ("kv_stride", c_uint64), ("head_stride", c_uint64),
-                ("kv_heads", c_uint32), ("head_dim", c_uint32), ("elem_bytes", c_uint32),
-                ("live_slots", c_uint32), ("granule_bytes", c_uint64), ("reserved_bytes", c_uint64)]
-
-
-class EpmKvBatchSlotInfo(Structure):
-    _fields_ = [("size", c_size_t), ("base", c_uint64), ("len_tokens", c_uint64), ("committed_tokens", c_uint64),
-                ("max_tokens", c_uint64), ("shared_granules", c_uint64), ("private_granules", c_uint64),
-                ("promised_granules", c_uint64), ("slot", c_uint32), ("max_slots", c_uint32)]
+EpmKvPrefixInfo = header_struct("EpmKvPrefixInfo")
+EpmKvAdmission = header_struct("EpmKvAdmission")
+EpmKvRequestCost = header_struct("EpmKvRequestCost")
+EpmKvBatchDesc = header_struct("EpmKvBatchDesc")
+EpmKvBatchSlotInfo = header_struct("EpmKvBatchSlotInfo")
 
 
 class EpmResidencyConfig(Structure):
@@ -205,16 +230,8 @@ class EpmResidencyStats(Structure):
          ("slot_wait_ms", c_double), ("background_busy_ms", c_double)]
 
 
-class EpmStagingStats(Structure):
-    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
-        "pinned_alloc_calls", "pinned_free_calls", "pinned_reuses", "retained_bytes", "retained_buffers",
-        "copies", "bypassed", "htod_bytes", "chunks")] + [
-        ("fill_ms", c_double), ("slot_wait_ms", c_double), ("htod_ms", c_double), ("timed_copies", c_uint64)]
-
-
-class EpmCopyEngineConfig(Structure):
-    _fields_ = [("size", c_size_t), ("slots", c_uint32), ("fill_threads", c_uint32), ("chunk_bytes", c_uint64),
-                ("flags", c_uint32), ("target_chunks", c_uint32)]
+EpmStagingStats = header_struct("EpmStagingStats")
+EpmCopyEngineConfig = header_struct("EpmCopyEngineConfig")
 
 
 STRUCTS = [EpmArenaConfig, EpmArenaStats, EpmDeviceInfo, EpmKvLayout, EpmKvStats, EpmKvSeqInfo,
@@ -222,17 +239,8 @@ STRUCTS = [EpmArenaConfig, EpmArenaStats, EpmDeviceInfo, EpmKvLayout, EpmKvStats
            EpmResidencyConfig, EpmResidencyStats,
            EpmStagingStats, EpmCopyEngineConfig]
 
-
-class EpmCodecOptions(Structure):
-    _fields_ = [("size", c_size_t), ("threads", c_uint32), ("k", c_uint32), ("max_ratio", c_double),
-                ("min_bytes", c_uint64)]
-
-
-class EpmCodecInfo(Structure):
-    _fields_ = [("size", c_size_t), ("outcome", c_uint32), ("dtype", c_uint32), ("k", c_uint32),
-                ("format_version", c_uint32), ("values", c_uint64), ("raw_bytes", c_uint64),
-                ("encoded_bytes", c_uint64), ("escapes", c_uint64), ("ratio", c_double)]
-
+EpmCodecOptions = header_struct("EpmCodecOptions")
+EpmCodecInfo = header_struct("EpmCodecInfo")
 
 STRUCTS += [EpmCodecOptions, EpmCodecInfo]
 
@@ -311,11 +319,6 @@ FUNCTIONS = [
     ("epm_kv_pool_create", STATUS, [H, u64, OH]),
     ("epm_kv_pool_destroy", STATUS, [H]),
     ("epm_kv_pool_get_stats", STATUS, [H, P(EpmKvStats)]),
-    # The deprecated names of the three above (docs/ABI.md, "Names"): bound so
-    # the library's whole surface is, but KvArena is KvPool and calls the new ones.
-    ("epm_kv_arena_create", STATUS, [H, u64, OH]),
-    ("epm_kv_arena_destroy", STATUS, [H]),
-    ("epm_kv_arena_get_stats", STATUS, [H, P(EpmKvStats)]),
     ("epm_kv_seq_create", STATUS, [H, P(EpmKvLayout), u64, u32, OH]),
     ("epm_kv_seq_create_for_tokens", STATUS, [H, P(EpmKvLayout), u64, P(u32), size_t, u32, OH, P(u64)]),
     ("epm_kv_seq_destroy", STATUS, [H]),
@@ -491,14 +494,7 @@ EPM_ORDERED_ARENA_STATS_SIZE_V1 = 216
 CONSTANTS.append("EPM_ORDERED_ARENA_STATS_SIZE_V1")
 
 
-class EpmOrderedArenaStats(Structure):
-    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
-        "driver_alloc_calls", "driver_free_calls", "reserved_bytes", "committed_bytes", "peak_committed_bytes",
-        "in_use_bytes", "peak_in_use_bytes", "live_allocations", "live_bytes", "peak_live_bytes", "alloc_calls",
-        "free_calls", "failed_allocs", "stream_allocs", "same_stream_reuses", "stream_frees", "pending_ranges",
-        "pending_bytes", "peak_held_bytes", "events_recorded", "single_stream_frees", "events_created",
-        "stream_waits", "alloc_ns", "free_ns")] + [("fragmentation", c_double)]
-
+EpmOrderedArenaStats = header_struct("EpmOrderedArenaStats")
 
 STRUCTS.append(EpmOrderedArenaStats)
 

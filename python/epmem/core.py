@@ -871,10 +871,6 @@ class KvPool(Handle):
         return KvBatch(self, layout, max_tokens, max_slots)
 
 
-# The old name (C: EpmKvArena, epm_kv_arena_*), kept until the next major version.
-KvArena = KvPool
-
-
 class KvSeq(Handle):
     destroy = "epm_kv_seq_destroy"
     _what = "KvSeq"
@@ -882,8 +878,6 @@ class KvSeq(Handle):
     def __init__(self, ptr: int, pool: KvPool):
         super().__init__(ptr, (pool,))
         self.pool = pool
-
-    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def info_struct(self) -> Any:
         out = L.new(L.EpmKvSeqInfo)
@@ -921,7 +915,6 @@ class KvBatch(Handle):
 
     destroy = "epm_kv_batch_destroy"
     _what = "KvBatch"
-    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def __init__(self, pool: KvPool, layout: Any, max_tokens: int, max_slots: int):
         out = _out_handle()
@@ -1033,8 +1026,6 @@ class KvPrefix(Handle):
     def __init__(self, ptr: int, pool: KvPool):
         super().__init__(ptr, (pool,))
         self.pool = pool
-
-    arena = property(lambda self: self.pool, doc="Deprecated name of `pool` (the KvPool).")
 
     def unpin(self) -> None:
         self.close()

@@ -22,7 +22,7 @@ use crate::ffi::device::EpmDevice;
 use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::kv::{self, AdmitMode, KvPool, KvConfig, KvLayout, KvShape, KvStats, Namespace};
+use crate::kv::{self, AdmitMode, KvPool, KvConfig, KvLayout, KvShape, KvStats, Namespace, PrefixId, SeqId};
 
 /// A KV pool: granule pool, ledger (budget) and dummy granule.
 pub struct EpmKvPool {
@@ -62,7 +62,7 @@ impl PoolObj {
 /// What a sequence handle holds: its pool and its id there.
 pub struct SeqObj {
     pool: Arc<PoolObj>,
-    id: u64,
+    id: SeqId,
 }
 impl Drop for SeqObj {
     fn drop(&mut self) {
@@ -79,7 +79,7 @@ impl Drop for SeqObj {
 /// What a prefix handle holds: its pool and its id there.
 pub struct PrefixObj {
     pool: Arc<PoolObj>,
-    id: u64,
+    id: PrefixId,
 }
 impl Drop for PrefixObj {
     fn drop(&mut self) {
@@ -97,9 +97,6 @@ impl_handle!(EpmKvPrefix => PrefixObj, tag = 0x42);
 /// with OUT_OF_BUDGET if the ledger cannot hold them); appends never fail
 /// for budget afterwards.
 pub const EPM_KV_ADMIT_PROMISE: u32 = 0;
-/// Deprecated name of `EPM_KV_ADMIT_PROMISE` (*reserve* names VA
-/// reservations; a budget is promised), kept until the next major version.
-pub const EPM_KV_ADMIT_RESERVE: u32 = EPM_KV_ADMIT_PROMISE;
 /// Promise nothing; `epm_kv_seq_prepare_append` may fail with OUT_OF_BUDGET.
 pub const EPM_KV_ADMIT_ON_DEMAND: u32 = 1;
 
@@ -236,7 +233,7 @@ fn stream_of(pool: &PoolObj, stream: Arc<Stream>) -> Result<RawStream> {
 
 /// Register a sequence the pool just made. If that fails, dropping `obj`
 /// destroys the sequence again, so nothing leaks.
-fn new_seq(pool: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+fn new_seq(pool: &Arc<PoolObj>, id: SeqId, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
     let obj = Arc::new(SeqObj { pool: pool.clone(), id });
     out.set(handle::insert::<EpmKvSeq>(obj)?);
     Ok(())
@@ -334,7 +331,7 @@ pub struct EpmKvStats {
     pub cow_granules: u64,
     pub committed_granules: u64,
     /// Host waits on a caller's stream before a mapping change (`stream_waits`
-    /// in Rust; the C field keeps its first name, see docs/ABI.md "Names").
+    /// in Rust; this published field keeps its first name, see docs/CONCEPTS.md).
     pub fences: u64,
     /// Sequences that found a prefix by content hash.
     pub hash_hits: u64,
@@ -798,7 +795,7 @@ pub struct EpmKvAdmission {
     /// 1 + floor((B − P) / Q), a common shorthand that admits one more than
     /// fits (kept so callers can compare). Rust calls it
     /// `over_admitting_formula`; this published field keeps its first name
-    /// (docs/ABI.md, "Names").
+    /// (docs/CONCEPTS.md).
     pub seed_formula: u64,
 }
 
@@ -878,10 +875,10 @@ pub(crate) mod for_batch {
     pub(crate) fn lock(a: &PoolObj) -> Result<MutexGuard<'_, KvPool>> {
         a.lock()
     }
-    pub(crate) fn seq_of(s: &SeqObj) -> (&Arc<PoolObj>, u64) {
+    pub(crate) fn seq_of(s: &SeqObj) -> (&Arc<PoolObj>, SeqId) {
         (&s.pool, s.id)
     }
-    pub(crate) fn prefix_of(p: &PrefixObj) -> (&Arc<PoolObj>, u64) {
+    pub(crate) fn prefix_of(p: &PrefixObj) -> (&Arc<PoolObj>, PrefixId) {
         (&p.pool, p.id)
     }
     pub(crate) fn layout(p: *const EpmKvLayout) -> Result<KvLayout> {
@@ -899,7 +896,7 @@ pub(crate) mod for_batch {
     pub(crate) fn raw_stream(a: &PoolObj, s: Arc<Stream>) -> Result<RawStream> {
         stream_of(a, s)
     }
-    pub(crate) fn insert_seq(a: &Arc<PoolObj>, id: u64, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
+    pub(crate) fn insert_seq(a: &Arc<PoolObj>, id: SeqId, out: OutParam<'_, *mut EpmKvSeq>) -> Result<()> {
         new_seq(a, id, out)
     }
 }

@@ -21,7 +21,7 @@ use crate::ffi::kv::for_batch::{admit, kv_namespace, layout, lock, prefix_of, ra
 use crate::ffi::kv::{PoolObj, EpmKvPool, EpmKvLayout, EpmKvPrefix, EpmKvSeq};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::EpmStream;
-use crate::kv::SlotChoice;
+use crate::kv::{BatchId, SlotChoice};
 
 /// A batch reservation: slots at a fixed stride behind one base pointer.
 pub struct EpmKvBatch {
@@ -31,7 +31,7 @@ pub struct EpmKvBatch {
 /// What a batch handle holds: its pool and its id there.
 pub struct BatchObj {
     pool: Arc<PoolObj>,
-    id: u64,
+    id: BatchId,
 }
 impl Drop for BatchObj {
     fn drop(&mut self) {

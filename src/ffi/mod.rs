@@ -70,8 +70,6 @@ pub mod testing;
 pub mod version;
 // The weight codec's encoder and validator (src/codec).
 pub mod codec;
-// Last, so the header keeps its order: the renamed names' old aliases.
-pub mod deprecated;
 
 pub use crate::error::EpmStatus;
 

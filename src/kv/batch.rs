@@ -14,13 +14,14 @@
 //! dummy read-only. So a captured CUDA graph over the whole batch never
 //! touches unmapped memory, and a slot's addresses never move when others
 //! join, leave or append. Releasing a slot maps the dummy back over its
-//! granules (after fencing the caller's stream) and returns them to the pool.
+//! granules (after a host wait for the caller's stream) and returns them to the pool.
 //!
 //! Teardown: slots first (unmap → dummy back → release), then the batch
 //! (unmap the dummies → free VA).
 
 use std::sync::{Arc, Mutex};
 
+use super::id::{BatchId, PrefixId, SeqId};
 use super::pool::{AdmitMode, KvPool};
 use super::layout::KvLayout;
 use super::namespace::Namespace;
@@ -38,7 +39,7 @@ pub(crate) struct Batch {
     pub table: Arc<Mutex<VaTable>>,
     pub base: DevicePtr,
     /// The sequence in each slot.
-    pub slots: Vec<Option<u64>>,
+    pub slots: Vec<Option<SeqId>>,
 }
 
 impl Batch {
@@ -71,7 +72,7 @@ pub struct BatchInfo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotInfo {
     pub seq: SeqInfo,
-    pub batch: u64,
+    pub batch: BatchId,
     pub index: u32,
     /// Leading tokens whose granules are all committed (shared or private):
     /// appends up to here change no mapping (no host wait, no driver call).
@@ -90,7 +91,7 @@ impl KvPool {
     /// A batch of `max_slots` slots of up to `max_tokens` tokens of `layout`,
     /// every granule mapping the dummy read-only. Charges nothing: the dummy
     /// is the pool's, already owned.
-    pub fn create_batch(&mut self, layout: &KvLayout, max_tokens: u64, max_slots: u32) -> Result<u64> {
+    pub fn create_batch(&mut self, layout: &KvLayout, max_tokens: u64, max_slots: u32) -> Result<BatchId> {
         layout.validate()?;
         let g = self.granule() as u64;
         crate::ensure!(
@@ -124,7 +125,7 @@ impl KvPool {
 
     /// Destroy a batch: unmap its dummy mappings and free its VA. Refused
     /// with InvalidState while a slot is taken (release them first).
-    pub fn destroy_batch(&mut self, bid: u64) -> Result<()> {
+    pub fn destroy_batch(&mut self, bid: BatchId) -> Result<()> {
         let b = self.batches.get(bid)?;
         let live = b.slots.iter().filter(|s| s.is_some()).count();
         crate::ensure!(live == 0, InvalidState, "KV batch {bid:#x} still has {live} taken slot(s): release them first");
@@ -132,7 +133,7 @@ impl KvPool {
         Ok(())
     }
 
-    fn free_slot(&self, bid: u64, choice: SlotChoice) -> Result<u32> {
+    fn free_slot(&self, bid: BatchId, choice: SlotChoice) -> Result<u32> {
         let b = self.batches.get(bid)?;
         let n = b.slots.len();
         match choice {
@@ -150,7 +151,7 @@ impl KvPool {
 
     /// Take a slot for a new, empty sequence (its granules map the dummy
     /// until prepare_append). No mapping changes, so no host wait.
-    pub fn take_slot(&mut self, bid: u64, choice: SlotChoice, mode: AdmitMode) -> Result<u64> {
+    pub fn take_slot(&mut self, bid: BatchId, choice: SlotChoice, mode: AdmitMode) -> Result<SeqId> {
         let idx = self.free_slot(bid, choice)?;
         let (layout, max) = self.batch_shape(bid)?;
         self.build_in(&layout, max, None, mode, Some((bid, idx)))
@@ -162,13 +163,13 @@ impl KvPool {
     /// captured graph over the whole batch may be reading them.
     pub fn take_shared_slot(
         &mut self,
-        bid: u64,
+        bid: BatchId,
         choice: SlotChoice,
-        pid: u64,
+        pid: PrefixId,
         n_tokens: u64,
         mode: AdmitMode,
         stream: RawStream,
-    ) -> Result<u64> {
+    ) -> Result<SeqId> {
         let idx = self.free_slot(bid, choice)?;
         let (layout, max) = self.batch_shape(bid)?;
         let p = self.prefixes.get(pid)?;
@@ -189,12 +190,12 @@ impl KvPool {
     /// [`KvPool::take_slot_for_tokens_in`].
     pub fn take_slot_for_tokens(
         &mut self,
-        bid: u64,
+        bid: BatchId,
         choice: SlotChoice,
         tokens: &[u32],
         mode: AdmitMode,
         stream: RawStream,
-    ) -> Result<(u64, u64)> {
+    ) -> Result<(SeqId, u64)> {
         self.take_slot_for_tokens_in(&Namespace::default(), bid, choice, tokens, mode, stream)
     }
 
@@ -203,12 +204,12 @@ impl KvPool {
     pub fn take_slot_for_tokens_in(
         &mut self,
         ns: &Namespace,
-        bid: u64,
+        bid: BatchId,
         choice: SlotChoice,
         tokens: &[u32],
         mode: AdmitMode,
         stream: RawStream,
-    ) -> Result<(u64, u64)> {
+    ) -> Result<(SeqId, u64)> {
         let (layout, max) = self.batch_shape(bid)?;
         crate::ensure!(
             tokens.len() as u64 <= max,
@@ -234,7 +235,7 @@ impl KvPool {
     /// read the slot), map the dummy back over its granules, return them to
     /// the pool (credited on their last mapping) and the slot to the batch.
     /// InvalidArgument if `seq` is not a batch slot.
-    pub fn release_slot(&mut self, seq: u64, stream: RawStream) -> Result<()> {
+    pub fn release_slot(&mut self, seq: SeqId, stream: RawStream) -> Result<()> {
         let s = self.seqs.get(seq)?;
         crate::ensure!(s.batch.is_some(), InvalidArgument, "KV sequence {seq:#x} is not a slot of a batch");
         if s.committed_slots() > 0 {
@@ -243,12 +244,12 @@ impl KvPool {
         self.destroy_sequence(seq)
     }
 
-    fn batch_shape(&self, bid: u64) -> Result<(KvLayout, u64)> {
+    fn batch_shape(&self, bid: BatchId) -> Result<(KvLayout, u64)> {
         let b = self.batches.get(bid)?;
         Ok((b.layout, b.max_tokens))
     }
 
-    pub fn batch_info(&self, bid: u64) -> Result<BatchInfo> {
+    pub fn batch_info(&self, bid: BatchId) -> Result<BatchInfo> {
         let b = self.batches.get(bid)?;
         let g = self.granule() as u64;
         let stride = b.slot_granules as u64 * g;
@@ -265,7 +266,7 @@ impl KvPool {
     }
 
     /// The sequence in slot `idx` of a batch, if any.
-    pub fn slot_sequence(&self, bid: u64, idx: u32) -> Result<Option<u64>> {
+    pub fn slot_sequence(&self, bid: BatchId, idx: u32) -> Result<Option<SeqId>> {
         let b = self.batches.get(bid)?;
         match b.slots.get(idx as usize) {
             Some(s) => Ok(*s),
@@ -274,7 +275,7 @@ impl KvPool {
     }
 
     /// A slot's state. InvalidArgument if `seq` is not a batch slot.
-    pub fn slot_info(&self, seq: u64) -> Result<SlotInfo> {
+    pub fn slot_info(&self, seq: SeqId) -> Result<SlotInfo> {
         let s = self.seqs.get(seq)?;
         let Some((batch, index)) = s.batch else {
             crate::bail!(InvalidArgument, "KV sequence {seq:#x} is not a slot of a batch");

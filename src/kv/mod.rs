@@ -11,17 +11,19 @@
 //! - [`sequence`]: reservations, `prepare_append`, copy-on-write, the dummy tail;
 //! - [`prefix`]: pinned prefixes, `commit_shared_prefix`, content-hash detection;
 //! - [`hash`]: the block-chain hash and its index;
+//! - [`id`]: the typed ids ([`SeqId`], [`PrefixId`], [`BatchId`]);
 //! - [`namespace`]: sharing namespaces (per-tenant cache salts) for content lookups;
 //! - [`admission`]: admissible-concurrency arithmetic;
 //! - [`reservation`]: VA reservations as granule mapping tables, and windows;
 //! - [`batch`]: batch reservations, many sequences at a fixed slot stride;
-//! - [`pool`]: the object that ties them together ([`KvPool`]; it was `KvArena`,
-//!   but it owns a granule pool, not an `arena/` allocator).
+//! - [`pool`]: the object that ties them together ([`KvPool`]: it owns a
+//!   granule pool, not an `arena/` allocator).
 
 pub mod admission;
 pub mod batch;
 pub mod granule;
 pub mod hash;
+pub mod id;
 pub mod layout;
 pub mod ledger;
 pub mod namespace;
@@ -34,6 +36,7 @@ mod slab;
 pub use admission::{Admission, RequestCost, admissible, request_cost};
 pub use batch::{BatchInfo, SlotChoice, SlotInfo};
 pub use granule::PoolStats;
+pub use id::{BatchId, KvId, PrefixId, SeqId};
 pub use pool::{AdmitMode, KvConfig, KvCounters, KvPool, KvStats};
 pub use layout::{Kv, KvLayout, KvShape};
 pub use ledger::LedgerStats;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use super::batch::Batch;
 use super::granule::{GranuleId, GranulePool, PoolStats};
 use super::hash::PrefixIndex;
+use super::id::{BatchId, PrefixId, SeqId};
 use super::ledger::LedgerStats;
 use super::prefix::Prefix;
 use super::sequence::Sequence;
@@ -37,8 +38,8 @@ impl KvConfig {
 pub enum AdmitMode {
     /// Promise the sequence's worst-case private granules up front (refused
     /// with OutOfBudget if the ledger cannot hold them); `prepare_append`
-    /// then never fails for budget. (C: `EPM_KV_ADMIT_PROMISE`, formerly
-    /// `EPM_KV_ADMIT_RESERVE`: *reserve* is for VA reservations.)
+    /// then never fails for budget. (C: `EPM_KV_ADMIT_PROMISE`; *promise*,
+    /// not *reserve*: *reserve* is for VA reservations.)
     Promise,
     /// Promise nothing: granules are charged as `prepare_append` commits
     /// them, and that may fail with OutOfBudget.
@@ -53,7 +54,7 @@ pub struct KvCounters {
     /// Fresh granules committed by prepare_append (excluding COW).
     pub committed_granules: u64,
     /// Host waits on a caller's stream before a mapping change.
-    /// (C: `EpmKvStats.fences`, the name the ABI shipped with.)
+    /// (C: `EpmKvStats.fences`, a published name; docs/CONCEPTS.md.)
     pub stream_waits: u64,
     /// Sequences created with a prefix found by content hash.
     pub hash_hits: u64,
@@ -81,10 +82,10 @@ pub struct KvPool {
     pub(crate) config: KvConfig,
     pub(crate) pool: GranulePool,
     pub(crate) dummy: GranuleId,
-    pub(crate) seqs: Slab<Sequence>,
-    pub(crate) prefixes: Slab<Prefix>,
-    pub(crate) batches: Slab<Batch>,
-    pub(crate) index: PrefixIndex<u64>,
+    pub(crate) seqs: Slab<SeqId, Sequence>,
+    pub(crate) prefixes: Slab<PrefixId, Prefix>,
+    pub(crate) batches: Slab<BatchId, Batch>,
+    pub(crate) index: PrefixIndex<PrefixId>,
     pub(crate) stream_wait_event: Event,
     pub(crate) counters: KvCounters,
 }
@@ -101,9 +102,9 @@ impl KvPool {
             config,
             pool,
             dummy,
-            seqs: Slab::new("KV sequence"),
-            prefixes: Slab::new("KV prefix"),
-            batches: Slab::new("KV batch"),
+            seqs: Slab::new(),
+            prefixes: Slab::new(),
+            batches: Slab::new(),
             index: PrefixIndex::new(),
             stream_wait_event: Event::new(dev, false)?,
             counters: KvCounters::default(),

@@ -19,6 +19,7 @@
 use super::pool::{AdmitMode, KvPool};
 use super::granule::GranuleId;
 use super::hash::block_chain;
+use super::id::{PrefixId, SeqId};
 use super::layout::KvLayout;
 use super::namespace::Namespace;
 use super::sequence::Slot;
@@ -62,7 +63,7 @@ impl KvPool {
     /// origin was admitted with a promise and will next write into the now
     /// shared boundary granule, one more granule is promised for its
     /// copy-on-write (OutOfBudget if the ledger cannot hold it).
-    pub fn pin_prefix(&mut self, seq_id: u64, n_tokens: u64, stream: RawStream) -> Result<u64> {
+    pub fn pin_prefix(&mut self, seq_id: SeqId, n_tokens: u64, stream: RawStream) -> Result<PrefixId> {
         let g = self.granule() as u64;
         let block = self.config.hash_block_tokens as usize;
         let seq = self.seqs.get(seq_id)?;
@@ -160,7 +161,7 @@ impl KvPool {
 
     /// Drop the pin. The prefix is freed now if no sequence shares it, else
     /// with its last sharer. Unpinning twice is InvalidState.
-    pub fn unpin_prefix(&mut self, pid: u64) -> Result<()> {
+    pub fn unpin_prefix(&mut self, pid: PrefixId) -> Result<()> {
         let p = self.prefixes.get_mut(pid)?;
         crate::ensure!(p.pinned, InvalidState, "KV prefix {pid:#x} is not pinned");
         p.pinned = false;
@@ -172,7 +173,7 @@ impl KvPool {
 
     /// A new sequence of up to `max_tokens` tokens whose first `n_tokens`
     /// tokens map the prefix read-only at offset 0 (no copy, no charge).
-    pub fn commit_shared_prefix(&mut self, pid: u64, n_tokens: u64, max_tokens: u64, mode: AdmitMode) -> Result<u64> {
+    pub fn commit_shared_prefix(&mut self, pid: PrefixId, n_tokens: u64, max_tokens: u64, mode: AdmitMode) -> Result<SeqId> {
         let p = self.prefixes.get(pid)?;
         let (layout, tokens) = (p.layout, p.tokens.get(..n_tokens as usize).map(<[u32]>::to_vec));
         let seq = self.build_sequence(&layout, max_tokens, Some((pid, n_tokens)), mode)?;
@@ -184,12 +185,12 @@ impl KvPool {
 
     /// The longest live prefix of the default namespace whose declared
     /// tokens begin `tokens` (whole hash blocks only), as (prefix, shared tokens).
-    pub fn find_prefix(&self, layout: &KvLayout, tokens: &[u32]) -> Option<(u64, u64)> {
+    pub fn find_prefix(&self, layout: &KvLayout, tokens: &[u32]) -> Option<(PrefixId, u64)> {
         self.find_prefix_in(&Namespace::default(), layout, tokens)
     }
 
     /// As [`KvPool::find_prefix`], among the prefixes of namespace `ns` only.
-    pub fn find_prefix_in(&self, ns: &Namespace, layout: &KvLayout, tokens: &[u32]) -> Option<(u64, u64)> {
+    pub fn find_prefix_in(&self, ns: &Namespace, layout: &KvLayout, tokens: &[u32]) -> Option<(PrefixId, u64)> {
         let chain = block_chain(layout, ns, tokens, self.config.hash_block_tokens as usize);
         self.index.candidates(&chain).find(|&(pid, m)| {
             self.prefixes.get(pid).is_ok_and(|p| {
@@ -212,7 +213,7 @@ impl KvPool {
         max_tokens: u64,
         tokens: &[u32],
         mode: AdmitMode,
-    ) -> Result<(u64, u64)> {
+    ) -> Result<(SeqId, u64)> {
         self.create_sequence_for_tokens_in(&Namespace::default(), layout, max_tokens, tokens, mode)
     }
 
@@ -226,7 +227,7 @@ impl KvPool {
         max_tokens: u64,
         tokens: &[u32],
         mode: AdmitMode,
-    ) -> Result<(u64, u64)> {
+    ) -> Result<(SeqId, u64)> {
         crate::ensure!(
             tokens.len() as u64 <= max_tokens,
             InvalidArgument,
@@ -249,7 +250,7 @@ impl KvPool {
 
     /// Declare more token ids of a sequence (appended to those declared), so
     /// a prefix pinned from it can be found by content.
-    pub fn declare_tokens(&mut self, seq_id: u64, tokens: &[u32]) -> Result<()> {
+    pub fn declare_tokens(&mut self, seq_id: SeqId, tokens: &[u32]) -> Result<()> {
         let seq = self.seqs.get_mut(seq_id)?;
         crate::ensure!(
             (seq.tokens.len() + tokens.len()) as u64 <= seq.max_tokens,
@@ -262,7 +263,7 @@ impl KvPool {
         Ok(())
     }
 
-    pub fn prefix_info(&self, pid: u64) -> Result<PrefixInfo> {
+    pub fn prefix_info(&self, pid: PrefixId) -> Result<PrefixInfo> {
         let p = self.prefixes.get(pid)?;
         Ok(PrefixInfo {
             n_tokens: p.n_tokens,
@@ -291,7 +292,7 @@ impl KvPool {
     }
 
     /// Unmap the view, drop its granule references, unindex it.
-    pub(crate) fn destroy_prefix(&mut self, pid: u64) -> Result<()> {
+    pub(crate) fn destroy_prefix(&mut self, pid: PrefixId) -> Result<()> {
         let mut p = self.prefixes.remove(pid)?;
         self.index.remove(&p.chain, pid);
         let g = self.granule();

@@ -13,6 +13,7 @@
 
 use super::pool::{AdmitMode, KvPool};
 use super::granule::{GranuleId, GranulePool};
+use super::id::{BatchId, PrefixId, SeqId};
 use super::layout::{KvLayout, round_up};
 use super::namespace::Namespace;
 use super::reservation::Window;
@@ -39,10 +40,10 @@ pub(crate) struct Sequence {
     pub slots: Vec<Slot>,
     /// (batch, slot index) when `va` is a slot of a batch: the batch owns the
     /// VA and the dummy mappings, which stay when the sequence goes.
-    pub batch: Option<(u64, u32)>,
+    pub batch: Option<(BatchId, u32)>,
     /// The prefix whose view backs this sequence's shared slots (the source
     /// of their copy-on-write), if any.
-    pub prefix: Option<u64>,
+    pub prefix: Option<PrefixId>,
     /// Declared token ids (content-hash detection).
     pub tokens: Vec<u32>,
     /// Where prefixes pinned from this sequence can be found by content
@@ -136,7 +137,7 @@ impl KvPool {
     /// Reserve a sequence of up to `max_tokens` tokens of `layout`. Every slot
     /// maps the dummy granule read-only; nothing is charged to the ledger but
     /// the promise of [`AdmitMode::Promise`].
-    pub fn create_sequence(&mut self, layout: &KvLayout, max_tokens: u64, mode: AdmitMode) -> Result<u64> {
+    pub fn create_sequence(&mut self, layout: &KvLayout, max_tokens: u64, mode: AdmitMode) -> Result<SeqId> {
         self.build_sequence(layout, max_tokens, None, mode)
     }
 
@@ -145,9 +146,9 @@ impl KvPool {
         &mut self,
         layout: &KvLayout,
         max_tokens: u64,
-        shared: Option<(u64, u64)>,
+        shared: Option<(PrefixId, u64)>,
         mode: AdmitMode,
-    ) -> Result<u64> {
+    ) -> Result<SeqId> {
         self.build_in(layout, max_tokens, shared, mode, None)
     }
 
@@ -160,10 +161,10 @@ impl KvPool {
         &mut self,
         layout: &KvLayout,
         max_tokens: u64,
-        shared: Option<(u64, u64)>,
+        shared: Option<(PrefixId, u64)>,
         mode: AdmitMode,
-        slot: Option<(u64, u32)>,
-    ) -> Result<u64> {
+        slot: Option<(BatchId, u32)>,
+    ) -> Result<SeqId> {
         layout.validate()?;
         let g = self.granule() as u64;
         let bytes = reservation_bytes(layout, max_tokens, g)?;
@@ -279,7 +280,7 @@ impl KvPool {
     /// Errors: `n_tokens` past `max_tokens` is InvalidArgument; a ledger that
     /// cannot hold the new granules is OutOfBudget, checked before any
     /// mapping changes.
-    pub fn prepare_append(&mut self, seq_id: u64, n_tokens: u64, stream: RawStream) -> Result<()> {
+    pub fn prepare_append(&mut self, seq_id: SeqId, n_tokens: u64, stream: RawStream) -> Result<()> {
         let g = self.granule() as u64;
         let seq = self.seqs.get(seq_id)?;
         crate::ensure!(
@@ -395,7 +396,7 @@ impl KvPool {
     /// Destroy a sequence: unmap every slot, drop its granule references
     /// (crediting the ledger on 1→0), return its unused promise, free its VA.
     /// The caller guarantees no queued kernel still touches it (like cuMemFree).
-    pub fn destroy_sequence(&mut self, seq_id: u64) -> Result<()> {
+    pub fn destroy_sequence(&mut self, seq_id: SeqId) -> Result<()> {
         self.unlink(seq_id)?;
         let seq = self.seqs.remove(seq_id)?;
         let slot = seq.batch;
@@ -441,7 +442,7 @@ impl KvPool {
 
     /// Detach a sequence from its prefix; the prefix dies if that was its
     /// last sharer and it is not pinned.
-    pub(crate) fn unlink(&mut self, seq_id: u64) -> Result<()> {
+    pub(crate) fn unlink(&mut self, seq_id: SeqId) -> Result<()> {
         let seq = self.seqs.get_mut(seq_id)?;
         let Some(pid) = seq.prefix else { return Ok(()) };
         seq.wait_cow()?;
@@ -456,7 +457,7 @@ impl KvPool {
     }
 
     /// The layout descriptor and state of a sequence.
-    pub fn sequence_info(&self, seq_id: u64) -> Result<SeqInfo> {
+    pub fn sequence_info(&self, seq_id: SeqId) -> Result<SeqInfo> {
         let s = self.seqs.get(seq_id)?;
         let shared = s.shared_slots() as u64;
         Ok(SeqInfo {

@@ -181,6 +181,26 @@ class HeaderAgreement(unittest.TestCase):
         declared = set(re.findall(r"typedef struct (Epm\w+) \{", text))
         self.assertEqual(declared, {s.__name__ for s in L.STRUCTS})
 
+    def test_struct_layouts_are_read_from_the_header_the_tests_check(self):
+        with open(L.header_path()) as f:
+            self.assertEqual(f.read(), header_text(), f"{L.header_path()} is not {HEADER}")
+        self.assertEqual(set(L.HEADER_STRUCTS), {s.__name__ for s in L.STRUCTS})
+        # The classes still written out by hand (EpmResidencyConfig,
+        # EpmResidencyStats) have exactly the header's fields too.
+        for s in L.STRUCTS:
+            want = [(n, ctypes.sizeof(t)) for n, t in L.HEADER_STRUCTS[s.__name__]]
+            self.assertEqual([(n, ctypes.sizeof(t)) for n, t in s._fields_], want, s.__name__)
+
+    def test_the_struct_parser_reads_every_field_or_refuses(self):
+        ok = L.parse_structs("#define EPM_N 4\ntypedef struct EpmA {\n  /**\n   * doc; with a semicolon\n   */\n"
+                             "  size_t size;\n  enum EpmK k;\n  char name[EPM_N];\n  uint8_t b[3];\n  double x;\n} EpmA;\n")
+        self.assertEqual([(n, ctypes.sizeof(t)) for n, t in ok["EpmA"]],
+                         [("size", 8), ("k", 4), ("name", 4), ("b", 3), ("x", 8)])
+        for bad, why in (("int8_t x;", "no ctypes equivalent"), ("char n[EPM_M];", "not a #define"),
+                         ("void (*f)(void);", "cannot read field")):
+            with self.assertRaisesRegex(ValueError, why):
+                L.parse_structs("typedef struct EpmB {\n  size_t size;\n  " + bad + "\n} EpmB;\n")
+
     def test_every_header_constant_is_declared(self):
         text = re.sub(r"/\*.*?\*/", "", header_text(), flags=re.S)
         defines = set(re.findall(r"#define\s+(EPM_\w+)\s+\S", text))
@@ -504,24 +524,6 @@ class Objects(unittest.TestCase):
             for x in (seq3, seq2, seq):
                 x.close()
             self.assertEqual(arena.stats()["sequences"], 0)
-
-    def test_kv_arena_is_the_old_name_of_kv_pool(self):
-        # KvArena (C: EpmKvArena, epm_kv_arena_*) was renamed KvPool; the old
-        # name and the old `.arena` attributes stay until the next major version.
-        self.assertIs(epmem.KvArena, epmem.KvPool)
-        layout = epmem.kv_layout_token_major(4, 2, 64, 2)
-        g = self.dev.info()["granularity"]
-        with epmem.KvArena(self.dev, 16 * g) as pool, self.dev.stream() as s:
-            seq = pool.seq(layout, 1024)
-            seq.prepare_append(10, s)
-            self.assertIs(seq.pool, pool)
-            self.assertIs(seq.arena, pool)
-            batch = pool.batch(layout, 256, 2)
-            self.assertIs(batch.arena, batch.pool)
-            self.assertEqual(pool.stats()["sequences"], 1)
-            batch.close()
-            seq.close()
-            self.assertEqual(pool.stats()["sequences"], 0)
 
     def test_children_keep_parents_alive(self):
         dev = epmem.Device()

@@ -3,7 +3,7 @@
 // exchange. It checks the kernel's logic (indexing, escapes, the block scan,
 // partial blocks) where there is no GPU; it says nothing about speed.
 //
-//   c++ -std=c++20 -O1 -pthread -o emulate tools/codec-emu/emulate.cpp
+//   c++ -std=c++20 -O1 -pthread [-DEPM_SLICES=2] -o emulate tools/codec-emu/emulate.cpp
 //   ./emulate COMPRESSED RAW_OUT     (a format v1 buffer; writes the decoded bytes)
 //
 // Driven by tools/tests/codec_kernel_emulated.rs.
@@ -15,13 +15,30 @@
 #include <thread>
 #include <vector>
 
+// Room for the largest block (256 threads); the kernel's EPM_THREADS picks how much is used.
+#define EPM_WARPS 8
+
+struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+// The integer intrinsics, as CUDA defines them (prmt's default mode; the
+// kernel never sets a selector nibble's bit 3).
+static unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t in = (uint64_t)y << 32 | x;
+  unsigned int r = 0;
+  for (int n = 0; n < 4; n++) r |= (unsigned int)((in >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return r;
+}
+static unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int sh) {
+  return (unsigned int)((((uint64_t)hi << 32) | lo) >> (sh & 31));
+}
+static int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+static int __ffsll(long long x) { return __builtin_ffsll(x); }
 struct Dim { unsigned int x, y, z; };
 static thread_local Dim threadIdx, blockIdx;
 static std::barrier<> *block_barrier;
-static std::barrier<> *warp_barrier[8];
-static unsigned int shfl_slot[256];
+static std::barrier<> *warp_barrier[EPM_WARPS];
+static unsigned int shfl_slot[EPM_WARPS * 32];
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
 static unsigned int __shfl_up_sync(unsigned int, unsigned int v, unsigned int d) {
   unsigned int t = threadIdx.x, lane = t & 31, w = t >> 5;
@@ -39,6 +56,7 @@ static unsigned int __shfl_up_sync(unsigned int, unsigned int v, unsigned int d)
 #define __shared__ static
 
 #include "../../src/device/cuda/codec.cu"
+static_assert(EPM_THREADS % 32 == 0 && EPM_THREADS <= EPM_WARPS * 32);
 
 static uint64_t u64_at(const unsigned char *b, size_t at) { uint64_t v; memcpy(&v, b + at, 8); return v; }
 
@@ -74,12 +92,12 @@ int main(int argc, char **argv) {
   unsigned char *out = (unsigned char *)aligned_alloc(256, (out_len + 64 + 255) & ~size_t(255));
   memset(out, 0xC5, out_len + 64);
   p.dst = (uint64_t)(uintptr_t)out;
-  std::barrier<> bb(256);
+  std::barrier<> bb(EPM_THREADS);
   block_barrier = &bb;
-  for (int w = 0; w < 8; w++) warp_barrier[w] = new std::barrier<>(32);
+  for (int w = 0; w < EPM_THREADS / 32; w++) warp_barrier[w] = new std::barrier<>(32);
   for (unsigned int b = 0; b < p.blocks; b++) {
     std::vector<std::thread> ts;
-    for (unsigned int t = 0; t < 256; t++)
+    for (unsigned int t = 0; t < EPM_THREADS; t++)
       ts.emplace_back([&, b, t] { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; epm_codec_decode(p); });
     for (auto &t : ts) t.join();
   }

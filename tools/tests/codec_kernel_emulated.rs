@@ -2,7 +2,9 @@
 //! tools/codec-emu/emulate.cpp (a thread per CUDA thread, barriers for
 //! __syncthreads and warp shuffles), bit-exact against the encoder's input:
 //! the kernel's indexing, escape scan and partial blocks are checked on every
-//! `cargo test`, GPU or not. Speed and real-hardware behaviour are the H200
+//! `cargo test`, GPU or not, as shipped (one 16-value slice per thread) and as
+//! built with `-DEPM_SLICES=2` (two per thread, the variant
+//! `scripts/codec-gpu.sh --variants` times). Speed and real-hardware behaviour are the H200
 //! run's (scripts/codec-gpu.sh).
 
 use std::path::PathBuf;
@@ -39,15 +41,21 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let dir = std::env::temp_dir().join(format!("epmem-codec-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join("emulate");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let built = Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(root.join("tools/codec-emu/emulate.cpp"))
-        .status()
-        .unwrap_or_else(|e| panic!("this test needs a C++20 compiler ({cxx}): {e}"));
-    assert!(built.success(), "{cxx} failed on tools/codec-emu/emulate.cpp");
+    let exes: Vec<(&str, PathBuf)> = [("shipped", "-DEPM_SLICES=1"), ("2 slices a thread", "-DEPM_SLICES=2")]
+        .into_iter()
+        .map(|(name, define)| {
+            let exe = dir.join(format!("emulate{}", &define[define.len() - 1..]));
+            let built = Command::new(&cxx)
+                .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror", define, "-o"])
+                .arg(&exe)
+                .arg(root.join("tools/codec-emu/emulate.cpp"))
+                .status()
+                .unwrap_or_else(|e| panic!("this test needs a C++20 compiler ({cxx}): {e}"));
+            assert!(built.success(), "{cxx} {define} failed on tools/codec-emu/emulate.cpp");
+            (name, exe)
+        })
+        .collect();
 
     let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
     let mut cases: Vec<(String, Vec<u8>, Dtype, Option<u32>)> = Vec::new();
@@ -65,13 +73,16 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
         let Encoded::Coded(buf) = codec::encode(raw, *dtype, &opts).unwrap() else { panic!("{what}: kept raw") };
         let (src, dst) = (dir.join("in"), dir.join("out"));
         std::fs::write(&src, &buf).unwrap();
-        let out = Command::new(&exe).arg(&src).arg(&dst).output().unwrap();
-        let got = if out.status.success() { std::fs::read(&dst).unwrap() } else { Vec::new() };
-        if got != *raw {
-            let first = got.chunks(2).zip(raw.chunks(2)).position(|(a, b)| a != b);
-            failures.push(format!("{what}: {} first differing value {first:?}", String::from_utf8_lossy(&out.stderr).trim()));
+        for (kernel, exe) in &exes {
+            let _ = std::fs::remove_file(&dst);
+            let out = Command::new(exe).arg(&src).arg(&dst).output().unwrap();
+            let got = if out.status.success() { std::fs::read(&dst).unwrap() } else { Vec::new() };
+            if got != *raw {
+                let first = got.chunks(2).zip(raw.chunks(2)).position(|(a, b)| a != b);
+                failures.push(format!("{what} ({kernel}): {} first differing value {first:?}", String::from_utf8_lossy(&out.stderr).trim()));
+            }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "{} of {} cases differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(failures.is_empty(), "{} of {} runs differ:\n{}", failures.len(), cases.len() * exes.len(), failures.join("\n"));
 }

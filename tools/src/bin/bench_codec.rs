@@ -10,7 +10,11 @@
 //!   of the same raw size (the device's own copy rate);
 //! - exit status 1 on any mismatch, so a script can rely on it.
 //!
-//!   bench_codec [--quick] [--mib N] [--runs N] [--threads N] [--json PATH]
+//!   bench_codec [--quick] [--mib N] [--runs N] [--threads N] [--json PATH] [--dump DIR]
+//!
+//! `--dump DIR` also writes every case's encoded buffer (`NAME.epmz`) and raw
+//! input (`NAME.raw`), names listed in `DIR/cases.txt` in run order: what
+//! scripts/codec-kernel-bench.cu decodes with each kernel variant it times.
 //!
 //! On the H200: `EPM_DEVICE=cuda bench_codec` (scripts/codec-gpu.sh runs it;
 //! default 256 MiB outputs). `--quick` (4 MiB, 3 runs) is the CI smoke test on
@@ -29,10 +33,11 @@ struct Args {
     runs: usize,
     threads: usize,
     json: Option<String>,
+    dump: Option<String>,
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { mib: 256, runs: 9, threads: 0, json: None };
+    let mut a = Args { mib: 256, runs: 9, threads: 0, json: None, dump: None };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut num = |name: &str| -> usize {
@@ -47,8 +52,9 @@ fn parse_args() -> Args {
             "--runs" => a.runs = num("--runs"),
             "--threads" => a.threads = num("--threads"),
             "--json" => a.json = Some(it.next().unwrap_or_else(|| fail("--json needs a path".into()))),
+            "--dump" => a.dump = Some(it.next().unwrap_or_else(|| fail("--dump needs a directory".into()))),
             other => {
-                eprintln!("bench_codec: unknown argument {other}; usage: bench_codec [--quick] [--mib N] [--runs N] [--threads N] [--json PATH]");
+                eprintln!("bench_codec: unknown argument {other}; usage: bench_codec [--quick] [--mib N] [--runs N] [--threads N] [--json PATH] [--dump DIR]");
                 std::process::exit(2)
             }
         }
@@ -171,8 +177,26 @@ fn device_decode(dev: &Arc<dyn Device>, s: &Stream, raw: &[u8], buf: &[u8], runs
     go().unwrap_or_else(|e| fail(format!("{what}: {e}")))
 }
 
+/// `--dump`: the case's encoded buffer and raw input, and its name appended to cases.txt.
+fn dump(dir: Option<&str>, name: &str, raw: &[u8], buf: &[u8]) {
+    let Some(dir) = dir else { return };
+    let go = || -> std::io::Result<()> {
+        use std::io::Write;
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(format!("{dir}/{name}.epmz"), buf)?;
+        std::fs::write(format!("{dir}/{name}.raw"), raw)?;
+        let mut list = std::fs::OpenOptions::new().create(true).append(true).open(format!("{dir}/cases.txt"))?;
+        writeln!(list, "{name}")
+    };
+    go().unwrap_or_else(|e| fail(format!("--dump {dir}: {name}: {e}")));
+}
+
 fn main() {
     let args = parse_args();
+    if let Some(dir) = &args.dump {
+        // A fresh list: cases of an earlier run are not this run's.
+        let _ = std::fs::remove_file(format!("{dir}/cases.txt"));
+    }
     let dev = device::open_from_env(0).unwrap_or_else(|e| fail(format!("opening the device: {e}")));
     let s = Stream::new(&dev).unwrap_or_else(|e| fail(format!("a stream: {e}")));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -186,9 +210,20 @@ fn main() {
             let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: Some(k) };
             let Ok(Encoded::Coded(buf)) = codec::encode(&all, dtype, &opts) else { fail(format!("encoding all {} patterns", dtype.name())) };
             device_decode(&dev, &s, &all, &buf, 1, &format!("all {} patterns, k={k}", dtype.name()));
+            dump(args.dump.as_deref(), &format!("all-{}-k{k}", dtype.name()), &all, &buf);
         }
     }
     println!("all 65536 bf16 and fp16 bit patterns, k=1..4: bit-exact through decode_async");
+    // A length that ends in a partial block and a partial 16-value slice.
+    const ODD: usize = 1_000_003;
+    for dtype in [Dtype::Bf16, Dtype::Fp16] {
+        let raw = tensor("normal", dtype, 2 * ODD, 5);
+        let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: None };
+        let Ok(Encoded::Coded(buf)) = codec::encode(&raw, dtype, &opts) else { fail(format!("encoding {ODD} {} values", dtype.name())) };
+        device_decode(&dev, &s, &raw, &buf, 1, &format!("{ODD} normal {} values", dtype.name()));
+        dump(args.dump.as_deref(), &format!("odd-normal-{}", dtype.name()), &raw, &buf);
+    }
+    println!("{ODD} normal bf16 and fp16 values (a partial last block): bit-exact through decode_async");
 
     println!();
     println!("| tensor | dtype | ratio | k | escapes | encode GB/s (per CPU-second) | CPU decode GB/s (per CPU-second) | device decode GB/s | device D2D GB/s |");
@@ -213,6 +248,7 @@ fn main() {
             }
             let what = format!("{dist} {}", dtype.name());
             let (gpu, d2d) = device_decode(&dev, &s, &raw, &buf, args.runs, &what);
+            dump(args.dump.as_deref(), &format!("{dist}-{}", dtype.name()), &raw, &buf);
             let enc_gbps = raw.len() as f64 / enc_s / 1e9;
             rows.push(serde_json::json!({
                 "tensor": dist, "dtype": dtype.name(), "raw_bytes": raw.len(), "compressed_bytes": buf.len(),

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, Stream, checksum_host};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape, PrefixId, SeqId};
 
 /// `n` deterministic bytes per seed, so a checksum failure reproduces.
 fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
@@ -89,9 +89,9 @@ struct Churn {
     appended: [Vec<u8>; 4],
     appended_sums: [u64; 4],
     /// Live prefixes: (id, pinned, host checksum of its bytes).
-    prefixes: Vec<(u64, bool, u64)>,
+    prefixes: Vec<(PrefixId, bool, u64)>,
     /// Live sharers: (sequence, prefix id).
-    window: VecDeque<(u64, u64)>,
+    window: VecDeque<(SeqId, PrefixId)>,
     mismatches: u64,
 }
 
