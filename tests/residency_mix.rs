@@ -651,13 +651,11 @@ fn the_ort_benchmark_decoder_streams_the_whole_weight_floor_after_its_first_run(
 }
 
 
-/// The H200 run of `scripts/bench_ort_stream.py --size big`
+/// From the H200 run of `scripts/bench_ort_stream.py --size big`
 /// (docs/bench/h200-2026-12-02-bench_ort_stream-big.json): pinned
-/// host→device bytes/s, the CUDA EP's all-resident ms/token, and epmem's
-/// ms/token at 25, 50 and 75%.
+/// host→device bytes/s and the CUDA EP's all-resident ms/token.
 const H200_PCIE: f64 = 55.53e9;
 const H200_RESIDENT_MS: f64 = 4.88;
-const H200_STREAMED_MS: [(usize, f64); 3] = [(25, 130.36), (50, 89.21), (75, 47.74)];
 
 /// A decode step's time in steady state by a timeline model of one copy
 /// engine and one compute stream: a weight's compute takes the resident
@@ -713,34 +711,24 @@ fn spread(sizes: &[usize], resident: &[bool]) -> (Vec<bool>, Vec<usize>) {
 }
 
 /// Which weights the plan streams decides how much of a step's compute
-/// overlaps its copies: with a ring of one weight a copy can run only while
-/// the compute between the previous streamed weight and its own runs, so a
-/// long stretch of resident weights is compute the copy engine sits out.
-/// `placement::fill` (the knapsack that picks the resident set) keeps, of
-/// equal sizes, the first in cycle order, so the resident set is the cycle's
-/// prefix and every streamed weight is in its last layers: at 75% of the
-/// ORT benchmark's decoder the first 13 of 20 layers and the lm_head stay
-/// resident and the 2256 MiB streamed come from layers 13–19. The model
-/// above reproduces the H200's ms/token for those plans (printed), and
-/// puts the 75% row at 0.85 × the PCIe floor where spreading the same
-/// bytes along the cycle gives 0.94.
-///
-/// The fix (src/residency/placement.rs, `best_plan`): after `fill` chooses
-/// the resident set, re-choose within each size the positions that stream so
-/// they are evenly spaced along the cycle (same count per size, so the same
-/// bytes, resident bytes and ring), keeping the first-fit offsets only if
-/// `assign` still fits the ring.
+/// overlaps its copies: with a ring of one weight a copy runs only while the
+/// compute between the previous streamed weight and its own runs, so a long
+/// stretch of resident weights (a resident set made of the cycle's first
+/// layers, all streaming in the last ones) is compute the copy engine sits
+/// out. At the ORT benchmark decoder's real sizes, the model above must put
+/// every budget's plan at ≥ 0.9 × the PCIe floor, and within 1% of the same
+/// bytes spread evenly along the cycle by this test's own `spread`. The
+/// model leaves out per-copy latencies, so it is a check of the placement,
+/// not a GPU figure (`scripts/bench_ort_stream.py --size big` is).
 #[test]
-#[ignore = "fails until placement::best_plan spreads the streamed weights along the cycle: \
-            its knapsack keeps the cycle's first weights resident and streams only the last layers"]
 fn the_plan_spreads_streamed_weights_so_copies_overlap_compute() {
     let real = ort_bench_decoder(4096, 1024, 14336, 32000, 20);
     let total: usize = real.iter().sum();
     let mut table = String::from(
-        "| budget % | floor ms | H200 ms | model ms (plan) | floor ÷ model | model ms (spread) | floor ÷ model (spread) | resident layers before the first streamed weight |\n",
+        "| budget % | floor ms | model ms (plan) | floor ÷ model | model ms (spread) | floor ÷ model (spread) | resident layers before the first streamed weight |\n",
     );
     let mut worst: f64 = 1.0;
-    for (pct, measured) in H200_STREAMED_MS {
+    for pct in [25, 50, 75] {
         let b = total * pct / 100;
         let floor_ms = (total - b) as f64 / H200_PCIE * 1e3;
         let p = placement::plan(&real, b, &Hold::ONE, 1).expect("a plan");
@@ -749,11 +737,12 @@ fn the_plan_spreads_streamed_weights_so_copies_overlap_compute() {
         let ms = modeled_step_ms(&real, &sr, &so);
         let lead = p.resident.iter().position(|&r| !r).unwrap_or(real.len()) / 7;
         table.push_str(&format!(
-            "| {pct} | {floor_ms:.1} | {measured:.1} | {m:.1} | {:.3} | {ms:.1} | {:.3} | {lead} |\n",
+            "| {pct} | {floor_ms:.1} | {m:.1} | {:.3} | {ms:.1} | {:.3} | {lead} |\n",
             floor_ms / m,
             floor_ms / ms
         ));
         worst = worst.min(floor_ms / m);
+        assert!(m <= ms * 1.01, "{pct}%: the plan's step is slower than the same bytes spread\n{table}");
     }
     eprintln!("{table}");
     assert!(worst >= 0.9, "a plan's modeled step is under 0.9 × the PCIe floor\n{table}");
