@@ -155,11 +155,21 @@ struct Bias {
     bytes: usize,
 }
 
+/// A part of a weight the manager streams as one unit: the output
+/// columns `n0..n0 + n`, laid out as a weight of its own ([k, n], or [n, k]
+/// with transB).
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    weight: WeightId,
+    n0: usize,
+    n: usize,
+}
+
 /// One compiled node.
 pub(crate) struct Kernel {
     label: String,
     claim: Claim,
-    weight: WeightId,
+    parts: Vec<Part>,
     bias: Option<Bias>,
 }
 
@@ -172,6 +182,8 @@ pub(crate) struct Streamer {
     /// How ORT labels this device's memory.
     kind: MemoryKind,
     budget: usize,
+    /// Weights above this are streamed in parts (0: never).
+    split_bytes: usize,
     /// Dropped before `hosts`: the manager reads them until it goes.
     mgr: Option<ResidencyManager>,
     /// Host copies of the weights, by initializer name, and the order of
@@ -197,11 +209,47 @@ pub(crate) struct Streamer {
 #[derive(Default)]
 struct Owned {
     hosts: Vec<Box<[u8]>>,
-    by_name: HashMap<String, WeightId>,
+    by_name: HashMap<String, Vec<Part>>,
     /// (topological order, weight), sorted into the cycle.
     uses: Vec<(usize, WeightId)>,
     weight_bytes: usize,
     biases: Vec<u64>,
+    /// Compiled nodes (each computes once per run).
+    nodes: usize,
+}
+
+/// Cut a weight's host copy into parts of at most about `split_bytes`
+/// (none when 0 or the weight is smaller): whole output columns each, a
+/// multiple of 64 columns but the last, each laid out as a weight of its
+/// own. Returns ((first column, columns), bytes) in column order.
+fn split(c: &Claim, data: Box<[u8]>, split_bytes: usize) -> Vec<((usize, usize), Box<[u8]>)> {
+    let (k, n) = (c.k, c.n);
+    if split_bytes == 0 || data.len() <= split_bytes || n < 128 {
+        return vec![((0, n), data)];
+    }
+    let eb = data.len() / (k * n).max(1);
+    let count = data.len().div_ceil(split_bytes);
+    let cols = n.div_ceil(count).next_multiple_of(64).min(n);
+    let mut out = Vec::new();
+    let mut n0 = 0;
+    while n0 < n {
+        let w = cols.min(n - n0);
+        let part: Box<[u8]> = if c.trans_b {
+            // [n, k]: the part's rows are contiguous.
+            data[n0 * k * eb..(n0 + w) * k * eb].into()
+        } else {
+            // [k, n]: gather the columns of each row.
+            let mut v = Vec::with_capacity(k * w * eb);
+            for r in 0..k {
+                let at = (r * n + n0) * eb;
+                v.extend_from_slice(&data[at..at + w * eb]);
+            }
+            v.into_boxed_slice()
+        };
+        out.push(((n0, w), part));
+        n0 += w;
+    }
+    out
 }
 
 impl Streamer {
@@ -247,6 +295,7 @@ impl Streamer {
             dev,
             kind,
             budget,
+            split_bytes: usize::try_from(opts.split_bytes).unwrap_or(usize::MAX),
             mgr: Some(mgr),
             state: Mutex::new(Owned::default()),
             own_stream: Mutex::new(None),
@@ -308,10 +357,10 @@ impl Streamer {
         } else {
             c.node_name.clone()
         };
-        let weight = {
-            let known = self.state().by_name.get(&claim.weight).copied();
+        let parts = {
+            let known = self.state().by_name.get(&claim.weight).cloned();
             match known {
-                Some(w) => w,
+                Some(p) => p,
                 None => {
                     // SAFETY: the graph's initializer value info, live during Compile.
                     let v = unsafe { api.initializer_value(find(&claim.weight)?) }?;
@@ -325,26 +374,33 @@ impl Streamer {
                         t.bytes,
                         claim.weight_bytes
                     );
-                    if claim.weight_bytes > self.budget {
+                    let data = self.host_copy(&t)?;
+                    let pieces = split(claim, data, self.split_bytes);
+                    let largest = pieces.iter().map(|p| p.1.len()).max().unwrap_or(0);
+                    if largest > self.budget {
                         crate::bail!(
                             OutOfBudget,
-                            "weight '{}' of node '{label}' has {} bytes, more than the streaming budget of {} bytes \
+                            "weight '{}' of node '{label}' has {} bytes{}, more than the streaming budget of {} bytes \
                              (EP option budget_bytes): it could never be resident",
                             claim.weight,
                             claim.weight_bytes,
+                            if pieces.len() > 1 { format!(" (parts of up to {largest})") } else { String::new() },
                             self.budget
                         );
                     }
-                    let data = self.host_copy(&t)?;
-                    // SAFETY: `data` is owned by this streamer and dropped only
-                    // after the manager (see Drop), never written meanwhile.
-                    let range = unsafe { HostRange::new(data.as_ptr(), data.len()) };
-                    let w = self.mgr().register(range)?;
+                    let mut parts = Vec::with_capacity(pieces.len());
+                    for ((n0, n), data) in pieces {
+                        // SAFETY: `data` is owned by this streamer and dropped only
+                        // after the manager (see Drop), never written meanwhile.
+                        let range = unsafe { HostRange::new(data.as_ptr(), data.len()) };
+                        let w = self.mgr().register(range)?;
+                        self.state().hosts.push(data);
+                        parts.push(Part { weight: w, n0, n });
+                    }
                     let mut st = self.state();
-                    st.hosts.push(data);
-                    st.by_name.insert(claim.weight.clone(), w);
+                    st.by_name.insert(claim.weight.clone(), parts.clone());
                     st.weight_bytes += claim.weight_bytes;
-                    w
+                    parts
                 }
             }
         };
@@ -382,11 +438,15 @@ impl Streamer {
                 })
             }
         };
-        self.state().uses.push((c.order, weight));
+        // Parts in column order, all at the node's position (the sort is stable).
+        let mut st = self.state();
+        st.uses.extend(parts.iter().map(|p| (c.order, p.weight)));
+        st.nodes += 1;
+        drop(st);
         Ok(Arc::new(Kernel {
             label,
             claim: claim.clone(),
-            weight,
+            parts,
             bias,
         }))
     }
@@ -399,7 +459,7 @@ impl Streamer {
             st.uses.sort_by_key(|u| u.0);
             let mut seen = std::collections::HashSet::new();
             let order: Vec<WeightId> = st.uses.iter().map(|u| u.1).filter(|w| seen.insert(*w)).collect();
-            self.per_run.store(st.uses.len() as u64, Ordering::Relaxed);
+            self.per_run.store(st.nodes as u64, Ordering::Relaxed);
             (order, st.by_name.len(), st.weight_bytes)
         };
         self.mgr().declare_cycle(&order)?;
@@ -563,12 +623,12 @@ impl Streamer {
         }
     }
 
-    /// Run `f` between acquire and release of `k`'s weight on `s`: the
+    /// Run `f` between acquire and release of part `p` on `s`: the
     /// release is recorded whatever `f` returns.
-    fn with_weight<T>(&self, k: &Kernel, s: RawStream, f: impl FnOnce(u64) -> Result<T>) -> Result<T> {
-        let addr = self.mgr().acquire(k.weight, s)?;
+    fn with_weight<T>(&self, p: &Part, s: RawStream, f: impl FnOnce(u64) -> Result<T>) -> Result<T> {
+        let addr = self.mgr().acquire(p.weight, s)?;
         let r = f(addr);
-        let rel = self.mgr().release(k.weight, s);
+        let rel = self.mgr().release(p.weight, s);
         let v = r?;
         rel?;
         Ok(v)
@@ -584,18 +644,33 @@ impl Streamer {
         let t = Instant::now();
         let x = self.host_copy(av)?;
         crate::ensure!(x.len() == s.m * s.k * eb, Internal, "input of {} bytes", x.len());
-        let mut w = vec![0u8; c.weight_bytes];
         let mut spent = t.elapsed();
-        self.with_weight(k, stream, |addr| {
+        let mut out = vec![0u8; s.m * s.n * eb];
+        for p in &k.parts {
             let t = Instant::now();
-            // SAFETY: w has weight_bytes bytes; read only after the sync below.
-            let r = unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, c.weight_bytes, stream) };
+            let bytes = p.n * s.k * eb;
+            let mut w = vec![0u8; bytes];
             spent += t.elapsed();
-            r
-        })?;
+            self.with_weight(p, stream, |addr| {
+                let t = Instant::now();
+                // SAFETY: w has the part's bytes; read only after the sync below.
+                let r = unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, bytes, stream) };
+                spent += t.elapsed();
+                r
+            })?;
+            let t2 = Instant::now();
+            self.dev.stream_synchronize(stream)?;
+            let part = GemmShape { n: p.n, ..s };
+            let bias = k.bias.as_ref().map(|b| &b.host[p.n0..p.n0 + p.n]);
+            let y = host_gemm(c.elem, part, &x, &w, bias);
+            // The part's [m, n] into columns n0.. of the [m, N] output.
+            for (r, row) in y.chunks_exact(p.n * eb).enumerate() {
+                let at = (r * s.n + p.n0) * eb;
+                out[at..at + row.len()].copy_from_slice(row);
+            }
+            spent += t2.elapsed();
+        }
         let t = Instant::now();
-        self.dev.stream_synchronize(stream)?;
-        let out = host_gemm(c.elem, s, &x, &w, k.bias.as_ref().map(|b| b.host.as_slice()));
         crate::ensure!(
             out.len() == yv.bytes,
             Internal,
@@ -658,34 +733,47 @@ impl Streamer {
             .blas
             .as_ref()
             .ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
-        self.with_weight(k, stream, |w| {
-            let mut shape = s;
-            match &k.bias {
-                Some(b) if s.beta != 0.0 => {
-                    let src = b.dev.ok_or_else(|| Error::internal("bias not on the device"))?;
-                    // Broadcast the bias row into Y: one copy, then doubling.
-                    let row = c.n * eb;
-                    self.dev.memcpy_dtod_async(yv.ptr, src, b.bytes.min(row), stream)?;
-                    let mut done = 1usize;
-                    while done < s.m {
-                        let rows = done.min(s.m - done);
-                        self.dev
-                            .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
-                        done += rows;
-                    }
+        let mut shape = s;
+        match &k.bias {
+            Some(b) if s.beta != 0.0 => {
+                let src = b.dev.ok_or_else(|| Error::internal("bias not on the device"))?;
+                // Broadcast the bias row into Y: one copy, then doubling.
+                let row = c.n * eb;
+                self.dev.memcpy_dtod_async(yv.ptr, src, b.bytes.min(row), stream)?;
+                let mut done = 1usize;
+                while done < s.m {
+                    let rows = done.min(s.m - done);
+                    self.dev
+                        .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
+                    done += rows;
                 }
-                _ => shape.beta = 0.0,
             }
-            let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
-            let t = Instant::now();
-            // SAFETY: x, w, y are device addresses of m·k, k·n, m·n
-            // elements: ORT's tensors (checked sizes via their shapes) and
-            // the acquired weight, which stays resident until the release
-            // recorded after this GEMM on the same stream completes.
-            let r = unsafe { h.gemm(native, c.elem, shape, av.ptr, w, yv.ptr) };
-            *gemm += t.elapsed();
-            r
-        })?;
+            _ => shape.beta = 0.0,
+        }
+        for p in &k.parts {
+            self.with_weight(p, stream, |w| {
+                let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
+                let t = Instant::now();
+                // SAFETY: x, w, y are device addresses of m·k, k·p.n, m·n
+                // elements: ORT's tensors (checked sizes via their shapes) and
+                // the acquired part, which stays resident until the release
+                // recorded after this GEMM on the same stream completes; the
+                // part writes columns n0..n0 + p.n of each row of Y (ldc n).
+                let r = unsafe {
+                    h.gemm(
+                        native,
+                        c.elem,
+                        GemmShape { n: p.n, ..shape },
+                        av.ptr,
+                        w,
+                        yv.ptr + (p.n0 * eb) as u64,
+                        s.n,
+                    )
+                };
+                *gemm += t.elapsed();
+                r
+            })?;
+        }
         if sync {
             self.dev.stream_synchronize(stream)?;
         }
@@ -704,9 +792,9 @@ impl Drop for Streamer {
         }
         let s = mgr.stats();
         let arena = mgr.arena().clone();
-        let (weights, bytes) = {
+        let (weights, units, bytes) = {
             let st = self.state();
-            (st.by_name.len(), st.weight_bytes)
+            (st.by_name.len(), st.hosts.len(), st.weight_bytes)
         };
         drop(mgr);
         let a = arena.stats();
@@ -739,7 +827,7 @@ impl Drop for Streamer {
             (self.host_ns.load(Ordering::Relaxed), computes)
         };
         log::info!(
-            "epmem ({}): weight streaming released: weights={weights} weight_bytes={bytes} budget_bytes={} \
+            "epmem ({}): weight streaming released: weights={weights} units={units} weight_bytes={bytes} budget_bytes={} \
              computes={computes} nodes_per_run={} first_run_htod_bytes={} host_us_per_compute={:.2} \
              acquires={} hits={} page_ins={} evictions={} eviction_waits={} plans={} ring_bytes={} \
              peak_resident_bytes={} htod_bytes={} stall_ms={:.1} device_stall_ms={:.1} host_stall_ms={:.1} \

@@ -292,6 +292,23 @@ class Streaming(unittest.TestCase):
             self.assertGreaterEqual(per_run, total - budget, (pct, per_run, floor, s))
             self.assertEqual(s["eviction_waits"], 0, s)
 
+    def test_split_weights_stream_in_parts_under_a_budget_below_the_largest(self):
+        # split_bytes 64 KiB: every weight above it (W1, W2 256 KiB, Wlm 512
+        # KiB; the transB Gemm with its bias among them) streams in parts of
+        # whole output columns, so a 256 KiB budget, below the lm_head, runs;
+        # outputs as with whole weights.
+        res, log = run_child("decoder", opts(split_bytes="64KiB", budget_bytes=256 << 10))
+        self.assertNotIn("error", res, log[-3000:])
+        self.assertLessEqual(res["max_abs_diff"], 1e-5 * max(1.0, res["ref_max"]), res)
+        self.assertTrue(res["runs_identical"], res)
+        s = release_stats(log)
+        self.assertEqual((s["weights"], s["weight_bytes"]), (WEIGHTS, WEIGHT_BYTES), s)
+        self.assertGreater(s["units"], WEIGHTS, s)
+        self.assertEqual(s["computes"], WEIGHTS * RUNS, s)
+        self.assertEqual(s["acquires"], s["units"] * RUNS, s)
+        self.assertLessEqual(s["peak_resident_bytes"], 256 << 10, s)
+        self.assertEqual((s["live_allocations_after"], s["in_use_bytes_after"]), (0, 0), s)
+
     def test_float16_and_bfloat16_match_numpy(self):
         res, log = run_child("types", {"weight_min_bytes": "64KiB", "budget_bytes": "1MiB"})
         self.assertEqual(len(re.findall(r"claiming (MatMul|Gemm)", log)), 4, log[-3000:])
