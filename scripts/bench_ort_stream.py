@@ -80,14 +80,25 @@ def streamed_bytes(c):
     return (c["layers"] * per_layer + c["d"] * c["vocab"]) * eb
 
 
-def claimed_sizes(c):
-    """Bytes of each claimed weight in execution order: per layer q, k, v, o,
-    gate, up, down; then the lm_head."""
+def claimed_sizes(c, split_bytes=0):
+    """Bytes of each unit epmem streams, in execution order: per layer q, k,
+    v, o, gate, up, down; then the lm_head. With the EP option split_bytes, a
+    weight above it is cut as the EP cuts it (src/ort/streaming.rs `split`:
+    whole output columns, a multiple of 64 but the last)."""
     eb = 2 if c["dtype"] == "float16" else 4
     d, f, v = c["d"], c["ffn"], c["vocab"]
     kvd = c["kv_heads"] * (d // c["heads"])
-    per = [d * d, d * kvd, d * kvd, d * d, d * f, d * f, f * d]
-    return [eb * e for _ in range(c["layers"]) for e in per] + [eb * d * v]
+    per = [(d, d), (d, kvd), (d, kvd), (d, d), (d, f), (d, f), (f, d)]
+    out = []
+    for k, n in [kn for _ in range(c["layers"]) for kn in per] + [(d, v)]:
+        b = k * n * eb
+        if not split_bytes or b <= split_bytes or n < 128:
+            out.append(b)
+            continue
+        cols = -(-n // -(-b // split_bytes))
+        cols = min(n, -(-cols // 64) * 64)
+        out += [k * min(cols, n - n0) * eb for n0 in range(0, n, cols)]
+    return out
 
 
 def whole_weight_floor(sizes, budget):
@@ -259,6 +270,8 @@ def child(a):
             opts["register_sources"] = a.register_sources
         if a.prefetch_depth:
             opts["prefetch_depth"] = a.prefetch_depth
+        if a.split_mib:
+            opts["split_bytes"] = f"{a.split_mib}MiB"
         so.add_provider_for_devices([dev], opts)
         if cuda:
             so.add_provider("CUDAExecutionProvider", {})
@@ -382,6 +395,8 @@ def main():
     ap.add_argument("--lib", default=os.environ.get("EPMEM_LIB", ""))
     ap.add_argument("--register-sources", default="", choices=["", "memlock", "always", "never"],
                     help="the EP option register_sources (default: the EP's, memlock)")
+    ap.add_argument("--split-mib", default="",
+                    help="the EP option split_bytes in MiB (weights above it stream in parts; default: whole weights)")
     ap.add_argument("--prefetch-depth", default="",
                     help="the EP option prefetch_depth (weights paged in ahead of use; default: the EP's, 1)")
     ap.add_argument("--no-env-allocators", action="store_true",
@@ -423,6 +438,8 @@ def main():
             base.append("--no-env-allocators")
         if a.prefetch_depth:
             base += ["--prefetch-depth", a.prefetch_depth]
+        if a.split_mib:
+            base += ["--split-mib", a.split_mib]
         res = run_child(base + ["--mode", "resident", "--logits-out", ref_logits],
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))
@@ -432,7 +449,8 @@ def main():
             r = run_child(base + ["--mode", f"epmem-{pct}", "--budget", str(budget), "--ref", ref_json,
                                   "--ref-logits", ref_logits], os.path.join(a.out, f"{size}_epmem{pct}.log"))
             r["pct"] = pct
-            r["whole_weight_floor_bytes"] = whole_weight_floor(claimed_sizes(c), budget)
+            split = int(a.split_mib) << 20 if a.split_mib else 0
+            r["whole_weight_floor_bytes"] = whole_weight_floor(claimed_sizes(c, split), budget)
             st = r.get("stream", {})
             runs = st.get("computes", 0) / max(1, st.get("nodes_per_run", 0))
             if runs > 1 and "first_run_htod_bytes" in st:

@@ -128,6 +128,7 @@ def child(mode, opts):
             bos.build(c, path)
             total = bos.streamed_bytes(c)
             budget = total * int(opts.pop("pct")) // 100
+            split = int(opts.get("split_bytes", 0))
             opts.update({"budget_bytes": str(budget), "weight_min_bytes": "1MiB"})
             hd = c["d"] // c["heads"]
             feeds = {"input_ids": np.array([[7]], dtype=np.int64)}
@@ -138,7 +139,7 @@ def child(mode, opts):
             for _ in range(LLAMA_RUNS):
                 s.run(["logits"], feeds)
             del s
-            out["sizes"] = bos.claimed_sizes(c)
+            out["sizes"] = bos.claimed_sizes(c, split)
             out["budget"] = budget
             out["floor"] = bos.whole_weight_floor(out["sizes"], budget)
         elif mode == "input_weight":
@@ -271,16 +272,19 @@ class Streaming(unittest.TestCase):
     def test_a_llama_decoder_copies_at_most_the_whole_weight_floor_per_run(self):
         # Every run after the first copies at most the whole-weight floor for
         # the budget (the first pages every weight in once: the resident set's
-        # fill). The EP reports what the first run copied.
-        for pct in (25, 75):
-            res, log = run_child("llama", {"pct": pct})
+        # fill). The EP reports what the first run copied. With split_bytes
+        # the units are the EP's parts, and the floor is theirs.
+        for pct, split in ((25, 0), (75, 0), (75, 4 << 20)):
+            o = {"pct": pct, "split_bytes": str(split)} if split else {"pct": pct}
+            res, log = run_child("llama", o)
             self.assertNotIn("error", res, log[-3000:])
             s = release_stats(log)
             sizes, budget = res["sizes"], res["budget"]
             total = sum(sizes)
-            self.assertEqual((s["weights"], s["weight_bytes"]), (len(sizes), total), s)
-            self.assertEqual(s["nodes_per_run"], len(sizes), s)
-            self.assertEqual(s["computes"], len(sizes) * LLAMA_RUNS, s)
+            self.assertEqual((s["units"], s["weight_bytes"]), (len(sizes), total), s)
+            nodes = 7 * LLAMA["layers"] + 1
+            self.assertEqual((s["weights"], s["nodes_per_run"]), (nodes, nodes), s)
+            self.assertEqual(s["computes"], nodes * LLAMA_RUNS, s)
             self.assertLessEqual(s["peak_resident_bytes"], budget, s)
             first = s["first_run_htod_bytes"]
             self.assertGreaterEqual(first, total, s)
