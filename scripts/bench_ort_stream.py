@@ -84,7 +84,8 @@ def claimed_sizes(c, split_bytes=0):
     """Bytes of each unit epmem streams, in execution order: per layer q, k,
     v, o, gate, up, down; then the lm_head. With the EP option split_bytes, a
     weight above it is cut as the EP cuts it (src/ort/streaming.rs `split`:
-    whole output columns, a multiple of 64 but the last)."""
+    whole output columns, a multiple of 64 but the last, at most split_bytes,
+    balanced)."""
     eb = 2 if c["dtype"] == "float16" else 4
     d, f, v = c["d"], c["ffn"], c["vocab"]
     kvd = c["kv_heads"] * (d // c["heads"])
@@ -95,7 +96,8 @@ def claimed_sizes(c, split_bytes=0):
         if not split_bytes or b <= split_bytes or n < 128:
             out.append(b)
             continue
-        cols = -(-n // -(-b // split_bytes))
+        most = max(64, split_bytes // (k * eb) // 64 * 64)
+        cols = -(-n // -(-n // most))
         cols = min(n, -(-cols // 64) * 64)
         out += [k * min(cols, n - n0) * eb for n0 in range(0, n, cols)]
     return out

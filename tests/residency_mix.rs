@@ -790,13 +790,14 @@ fn acquire_release_of_resident_weights_costs_microseconds_on_the_host() {
 
 /// The ORT EP's parts of one weight of `k` × `n` (`elem` bytes each) under
 /// its `split_bytes` (src/ort/streaming.rs `split`): whole output columns,
-/// a multiple of 64 but the last.
+/// a multiple of 64 but the last, at most `split_bytes`, balanced.
 fn ort_parts(k: usize, n: usize, elem: usize, split_bytes: usize) -> Vec<usize> {
     let bytes = k * n * elem;
     if split_bytes == 0 || bytes <= split_bytes || n < 128 {
         return vec![bytes];
     }
-    let cols = n.div_ceil(bytes.div_ceil(split_bytes)).next_multiple_of(64).min(n);
+    let most = (split_bytes / (k * elem) / 64 * 64).max(64);
+    let cols = n.div_ceil(n.div_ceil(most)).next_multiple_of(64).min(n);
     (0..n).step_by(cols).map(|n0| k * cols.min(n - n0) * elem).collect()
 }
 

@@ -218,18 +218,26 @@ struct Owned {
     nodes: usize,
 }
 
-/// Cut a weight's host copy into parts of at most about `split_bytes`
-/// (none when 0 or the weight is smaller): whole output columns each, a
-/// multiple of 64 columns but the last, each laid out as a weight of its
-/// own. Returns ((first column, columns), bytes) in column order.
+/// Whether [`split`] cuts `c`'s weight.
+fn splits(c: &Claim, split_bytes: usize) -> bool {
+    split_bytes != 0 && c.weight_bytes > split_bytes && c.n >= 128
+}
+
+/// Cut a weight's host copy into parts of at most `split_bytes` (none when
+/// 0 or the weight is smaller; at least 64 columns each): whole output
+/// columns, a multiple of 64 but the last, as few parts as that allows and
+/// of about equal size, each laid out as a weight of its own. Returns
+/// ((first column, columns), bytes) in column order.
 fn split(c: &Claim, data: Box<[u8]>, split_bytes: usize) -> Vec<((usize, usize), Box<[u8]>)> {
     let (k, n) = (c.k, c.n);
-    if split_bytes == 0 || data.len() <= split_bytes || n < 128 {
+    if !splits(c, split_bytes) || data.len() != c.weight_bytes {
         return vec![((0, n), data)];
     }
     let eb = data.len() / (k * n).max(1);
-    let count = data.len().div_ceil(split_bytes);
-    let cols = n.div_ceil(count).next_multiple_of(64).min(n);
+    // The most whole groups of 64 columns a part of split_bytes holds (at
+    // least one group), then as few parts as that allows, balanced.
+    let most = (split_bytes / (k * eb).max(1) / 64 * 64).max(64);
+    let cols = n.div_ceil(n.div_ceil(most)).next_multiple_of(64).min(n);
     let mut out = Vec::new();
     let mut n0 = 0;
     while n0 < n {
@@ -357,8 +365,15 @@ impl Streamer {
         } else {
             c.node_name.clone()
         };
+        // Parts are laid out for the node's transB: a weight split for a
+        // MatMul and for a transB Gemm is registered once for each.
+        let key = if claim.trans_b && splits(claim, self.split_bytes) {
+            format!("{} (transB)", claim.weight)
+        } else {
+            claim.weight.clone()
+        };
         let parts = {
-            let known = self.state().by_name.get(&claim.weight).cloned();
+            let known = self.state().by_name.get(&key).cloned();
             match known {
                 Some(p) => p,
                 None => {
@@ -398,7 +413,7 @@ impl Streamer {
                         parts.push(Part { weight: w, n0, n });
                     }
                     let mut st = self.state();
-                    st.by_name.insert(claim.weight.clone(), parts.clone());
+                    st.by_name.insert(key, parts.clone());
                     st.weight_bytes += claim.weight_bytes;
                     parts
                 }
@@ -925,4 +940,69 @@ unsafe extern "C" fn compute(
 
 unsafe extern "C" fn release_state(_this: *mut OrtNodeComputeInfo, _state: *mut c_void) {
     // The state is the compute info, released by ReleaseNodeComputeInfos.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(k: usize, n: usize, trans_b: bool) -> Claim {
+        Claim {
+            op: "MatMul",
+            weight: "w".into(),
+            trans_b,
+            alpha: 1.0,
+            bias: None,
+            beta: 0.0,
+            k,
+            n,
+            elem: TENSOR_ELEMENT_FLOAT16,
+            weight_bytes: k * n * 2,
+            a_rank: 2,
+        }
+    }
+
+    /// Element (r, col) of a [k, n] (or, transposed, [n, k]) f16 weight as
+    /// two distinct bytes.
+    fn weight(k: usize, n: usize, trans_b: bool) -> Box<[u8]> {
+        let mut v = Vec::with_capacity(k * n * 2);
+        for i in 0..k * n {
+            let (r, col) = if trans_b { (i % k, i / k) } else { (i / n, i % n) };
+            v.extend_from_slice(&((r * 7 + col * 13) as u16).to_le_bytes());
+        }
+        v.into_boxed_slice()
+    }
+
+    #[test]
+    fn parts_are_whole_columns_that_put_the_weight_back_together() {
+        for trans_b in [false, true] {
+            let (k, n) = (96, 1000);
+            let c = claim(k, n, trans_b);
+            let full = weight(k, n, trans_b);
+            let parts = split(&c, full.clone(), 40_000);
+            // 192 columns (36864 bytes) fit 40000: 6 parts of 167 rounded up to 192.
+            assert_eq!(parts.len(), 6, "192000 bytes in parts of at most 40000");
+            let mut next = 0;
+            for ((n0, w), bytes) in &parts {
+                assert_eq!(*n0, next, "columns in order, none missed");
+                assert!(*n0 + w == n || w % 64 == 0, "{w} columns");
+                assert_eq!(bytes.len(), k * w * 2);
+                assert!(bytes.len() <= 40_000);
+                // The part is the weight's columns n0.. as a [k, w] (or [w, k]) weight.
+                for r in 0..k {
+                    for j in 0..*w {
+                        let at = if trans_b { j * k + r } else { r * w + j };
+                        let got = u16::from_le_bytes([bytes[2 * at], bytes[2 * at + 1]]);
+                        assert_eq!(got as usize, r * 7 + (n0 + j) * 13, "trans_b {trans_b} ({r}, {})", n0 + j);
+                    }
+                }
+                next = n0 + w;
+            }
+            assert_eq!(next, n);
+            // Not split: below the size, 0, or too few columns.
+            assert_eq!(split(&c, full.clone(), 0).len(), 1);
+            assert_eq!(split(&c, full.clone(), 1 << 20).len(), 1);
+            assert_eq!(split(&claim(2000, 100, trans_b), weight(2000, 100, trans_b), 1000).len(), 1);
+        }
+    }
 }
