@@ -242,6 +242,47 @@ static void test_residency(MuFx *f) {
   MU_EXPECT(epm_residency_register_weight(res, top, 64, &uw), EPM_STATUS_INVALID_ARGUMENT, "host+bytes overflows");
   MU_EXPECT(epm_residency_register_weight(res, f->host, 4096, &uw), EPM_STATUS_OUT_OF_BUDGET, "more than the budget");
   CHECK(uw == 777);
+  {
+    /* Compressed weights: 4 KiB of fp16 decoded is over this 3 KiB budget. */
+    static uint16_t vals[2048];
+    static unsigned char enc[8192];
+    EpmCompressedWeight cw, bw;
+    EpmCodecOptions co;
+    EpmCodecInfo ci;
+    for (int i = 0; i < 2048; i++) vals[i] = (uint16_t)(0x3C00 + (i % 7));
+    co.size = sizeof co;
+    REQUIRE_OK(epm_codec_options_default(&co));
+    co.min_bytes = 0;
+    ci.size = sizeof ci;
+    REQUIRE_OK(epm_codec_encode(vals, sizeof vals, EPM_CODEC_DTYPE_FP16, &co, enc, sizeof enc, &ci));
+    REQUIRE(ci.outcome == EPM_CODEC_CODED);
+    memset(&cw, 0, sizeof cw);
+    cw.size = sizeof cw;
+    cw.data = enc;
+    cw.bytes = ci.encoded_bytes;
+    cw.dtype = EPM_CODEC_DTYPE_ENCODED;
+    BAD_HANDLES(EpmResidency, h, f->dev, dead, epm_residency_register_compressed(h, &cw, &uw, NULL));
+    MU_EXPECT(epm_residency_register_compressed(res, NULL, &uw, NULL), EPM_STATUS_NULL_POINTER, "NULL weight");
+    MU_EXPECT(epm_residency_register_compressed(res, &cw, NULL, NULL), EPM_STATUS_NULL_POINTER, "NULL out_weight");
+    bw = cw; bw.data = NULL;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_NULL_POINTER, "NULL data");
+    bw = cw; bw.bytes = 0;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "0 bytes");
+    bw = cw; bw.size = 4;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "size 4");
+    bw = cw; bw.dtype = 9;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "dtype 9");
+    bw = cw; bw.reserved = 1;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "reserved 1");
+    bw = cw; bw.bytes = cw.bytes - 16;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "truncated buffer");
+    bw = cw; bw.data = f->host;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "not a compressed buffer");
+    bw = cw; bw.dtype = EPM_CODEC_DTYPE_FP16; bw.data = vals; bw.bytes = 3;
+    MU_EXPECT(epm_residency_register_compressed(res, &bw, &uw, NULL), EPM_STATUS_INVALID_ARGUMENT, "odd raw length");
+    MU_EXPECT(epm_residency_register_compressed(res, &cw, &uw, NULL), EPM_STATUS_OUT_OF_BUDGET, "over the budget");
+    CHECK(uw == 777);
+  }
   REQUIRE_OK(epm_residency_register_weight(res, f->host, 1024, &w));
   REQUIRE_OK(epm_residency_register_weight(res, f->host + 1024, 1024, &w2));
 

@@ -10,7 +10,11 @@
  * - declare_cycle refuses only while a COALESCED weight is acquired, names
  *   the coalesced weights, and changes nothing when it refuses;
  * - unregister of a weight whose coalesced sibling is acquired names the
- *   weight and its unit, not the sibling as if it were the weight.
+ *   weight and its unit, not the sibling as if it were the weight;
+ * - compressed weights (epm_residency_register_compressed): an encoded
+ *   buffer and raw values the manager encodes both read back bit-exact after
+ *   page-ins under eviction, a weight the codec keeps raw says why, and the
+ *   stats count compressed bytes, decodes and the staging.
  *
  * Runs on the device EPM_DEVICE names (host in CI, cuda on a GPU machine).
  *   make test-c
@@ -405,7 +409,125 @@ cleanup:
   weights_close(&f);
 }
 
+/* bf16 values near N(0, 0.02): exponents 116..122 mostly, random sign and mantissa. */
+static void fill_bf16(uint16_t *v, size_t n, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    uint16_t e = (uint16_t)(116 + (x >> 40) % 7 - ((x >> 50) % 16 == 0 ? 20 : 0));
+    v[i] = (uint16_t)(((x >> 8) & 0x8000) | (e << 7) | (x & 0x7F));
+  }
+}
+
+static void test_compressed_weights_read_back_bit_exact(void) {
+  const size_t n = 300000; /* values: 600,000 bytes per weight */
+  EpmDevice *dev = NULL;
+  EpmStream *s = NULL;
+  EpmResidency *res = NULL;
+  uint16_t *v[3] = {NULL, NULL, NULL};
+  unsigned char *enc = NULL, *back = malloc(2 * n), *noise = malloc(2 * n);
+  EpmWeightId w[4] = {0, 0, 0, 0};
+  EpmCodecOptions o;
+  EpmCodecInfo info;
+  EpmCompressedWeight cw;
+  EpmResidencyStats st;
+  REQUIRE(back && noise);
+  for (int i = 0; i < 3; i++) {
+    v[i] = malloc(2 * n);
+    REQUIRE(v[i] != NULL);
+    fill_bf16(v[i], n, 40 + (uint64_t)i);
+  }
+  th_fill_random(noise, 2 * n, 9);
+  REQUIRE_OK(epm_device_open(0, &dev));
+  REQUIRE_OK(epm_stream_create(dev, &s));
+  o.size = sizeof o;
+  REQUIRE_OK(epm_codec_options_default(&o));
+  o.min_bytes = 4096;
+  info.size = sizeof info;
+  REQUIRE_OK(epm_codec_plan(v[0], 2 * n, EPM_CODEC_DTYPE_BF16, &o, &info));
+  REQUIRE(info.outcome == EPM_CODEC_CODED);
+  enc = malloc(info.encoded_bytes);
+  REQUIRE(enc != NULL);
+  REQUIRE_OK(epm_codec_encode(v[0], 2 * n, EPM_CODEC_DTYPE_BF16, &o, enc, info.encoded_bytes, &info));
+  /* Two weights of room beside the staging (two buffers of ~0.7 × 600 KB):
+   * four weights evict each other every round. */
+  REQUIRE_OK(make_res(dev, 2 * 2 * n + 2 * 2 * n, EPM_REGISTER_NEVER, &res));
+  memset(&cw, 0, sizeof cw);
+  cw.size = sizeof cw;
+  cw.data = enc;
+  cw.bytes = info.encoded_bytes;
+  cw.dtype = EPM_CODEC_DTYPE_ENCODED;
+  REQUIRE_OK(epm_residency_register_compressed(res, &cw, &w[0], NULL));
+  memset(enc, 0, info.encoded_bytes); /* the manager keeps its own copy */
+  cw.dtype = EPM_CODEC_DTYPE_BF16;
+  cw.options = &o;
+  for (int i = 1; i < 3; i++) {
+    cw.data = v[i];
+    cw.bytes = 2 * n;
+    info.size = sizeof info;
+    REQUIRE_OK(epm_residency_register_compressed(res, &cw, &w[i], &info));
+    CHECK(info.outcome == EPM_CODEC_CODED && info.raw_bytes == 2 * n && info.ratio < 0.8);
+  }
+  cw.data = noise;
+  REQUIRE_OK(epm_residency_register_compressed(res, &cw, &w[3], &info));
+  CHECK(info.outcome == EPM_CODEC_RAW_NO_GAIN);
+  for (int round = 0; round < 4; round++) {
+    for (int i = 0; i < 4; i++) {
+      const unsigned char *want = i < 3 ? (const unsigned char *)v[i] : noise;
+      th_checks++;
+      if (!host_read_matches(dev, res, s, w[i], want, back, 2 * n))
+        TH_FAIL("round %d weight %d: not bit-exact after its page-in (%s)", round, i, epm_last_error_message());
+    }
+  }
+  REQUIRE_OK(epm_residency_synchronize(res));
+  memset(&st, 0, sizeof st);
+  st.size = sizeof st;
+  REQUIRE_OK(epm_residency_get_stats(res, &st));
+  CHECK(st.size == sizeof st);
+  CHECK(st.compressed_weights == 3 && st.compressed_raw_bytes == 3 * 2 * n);
+  CHECK(st.compressed_host_bytes < st.compressed_raw_bytes * 8 / 10);
+  CHECK(st.decodes >= 6 && st.decoded_bytes == st.decodes * 2 * n);
+  CHECK(st.compressed_htod_bytes < st.decoded_bytes && st.decode_staging_bytes > 0);
+  CHECK(st.evictions > 0 && st.resident_bytes + st.decode_staging_bytes <= st.budget_bytes);
+  /* A v1 stats struct gets the v1 fields only. */
+  {
+    unsigned char v1[EPM_RESIDENCY_STATS_SIZE_V1 + 8];
+    EpmResidencyStats *p = (EpmResidencyStats *)(void *)v1;
+    memset(v1, 0xAB, sizeof v1);
+    p->size = EPM_RESIDENCY_STATS_SIZE_V1;
+    REQUIRE_OK(epm_residency_get_stats(res, p));
+    CHECK(p->size == EPM_RESIDENCY_STATS_SIZE_V1 && v1[EPM_RESIDENCY_STATS_SIZE_V1] == 0xAB);
+  }
+  /* Corrupt and truncated buffers are refused with a message. */
+  REQUIRE_OK(epm_codec_encode(v[0], 2 * n, EPM_CODEC_DTYPE_BF16, &o, enc, info.encoded_bytes + 1000000, &info));
+  cw.data = enc;
+  cw.bytes = info.encoded_bytes;
+  cw.dtype = EPM_CODEC_DTYPE_ENCODED;
+  enc[info.encoded_bytes / 2] ^= 1;
+  {
+    EpmWeightId x = 77;
+    CHECK_STATUS(epm_residency_register_compressed(res, &cw, &x, NULL), EPM_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(epm_last_error_message(), "checksum") != NULL);
+    enc[info.encoded_bytes / 2] ^= 1;
+    cw.bytes -= 16;
+    CHECK_STATUS(epm_residency_register_compressed(res, &cw, &x, NULL), EPM_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(epm_last_error_message(), "truncated") != NULL);
+    CHECK(x == 77);
+  }
+cleanup:
+  epm_residency_destroy(res);
+  epm_stream_destroy(s);
+  epm_device_destroy(dev);
+  for (int i = 0; i < 3; i++) free(v[i]);
+  free(enc);
+  free(back);
+  free(noise);
+}
+
 int main(void) {
+  RUN(test_compressed_weights_read_back_bit_exact);
   RUN(test_acquire_host_then_sync_read_sees_the_weight);
   RUN(test_cycle_and_unregister_name_the_coalesced_weights);
   RUN(test_staged_prefetches_fill_in_the_background_unless_the_caller_fills);

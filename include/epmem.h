@@ -269,6 +269,23 @@
 #define EPM_CODEC_INFO_SIZE_V1 64
 
 /**
+ * `EpmCompressedWeight::dtype`: `data` is already a compressed buffer
+ * (format v1, from `epm_codec_encode`).
+ */
+#define EPM_CODEC_DTYPE_ENCODED 0
+
+/**
+ * Device staging buffers a residency manager keeps for compressed page-ins
+ * (each the size of the largest compressed weight registered).
+ */
+#define EPM_DECODE_STAGING_BUFFERS 2
+
+/**
+ * `sizeof(EpmCompressedWeight)` in its first published version. Frozen.
+ */
+#define EPM_COMPRESSED_WEIGHT_SIZE_V1 40
+
+/**
  * Status codes returned by every fallible `epm_*` function.
  *
  * Values are stable and never reused: a retired code stays reserved. Codes
@@ -1125,6 +1142,29 @@ typedef struct EpmResidencyStats {
    */
   double slot_wait_ms;
   double background_busy_ms;
+  /**
+   * Weights registered compressed (`epm_residency_register_compressed`),
+   * their host copies' bytes (the compressed buffers, page-locked and
+   * owned by the manager) and their decoded bytes: host RAM of the
+   * compressed weights ÷ raw is `compressed_host_bytes /
+   * compressed_raw_bytes`.
+   */
+  uint64_t compressed_weights;
+  uint64_t compressed_host_bytes;
+  uint64_t compressed_raw_bytes;
+  /**
+   * Device staging for compressed bytes, reserved out of `budget_bytes`
+   * (`EPM_DECODE_STAGING_BUFFERS` buffers of the largest compressed weight).
+   */
+  uint64_t decode_staging_bytes;
+  /**
+   * Compressed bytes copied to the device (also counted in `htod_bytes`),
+   * the bytes their decodes wrote, the decodes, and their device time.
+   */
+  uint64_t compressed_htod_bytes;
+  uint64_t decoded_bytes;
+  uint64_t decodes;
+  double decode_ms;
 } EpmResidencyStats;
 
 /**
@@ -1411,6 +1451,37 @@ typedef struct EpmCodecInfo {
    */
   double ratio;
 } EpmCodecInfo;
+
+/**
+ * A weight for `epm_residency_register_compressed`. Set `size =
+ * sizeof(EpmCompressedWeight)`; fields are only ever added at the end.
+ */
+typedef struct EpmCompressedWeight {
+  /**
+   * `sizeof(EpmCompressedWeight)` as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * The weight's bytes: a compressed buffer (`dtype`
+   * `EPM_CODEC_DTYPE_ENCODED`) or raw little-endian values of `dtype`.
+   */
+  const void *data;
+  size_t bytes;
+  /**
+   * `EPM_CODEC_DTYPE_ENCODED`, or `EPM_CODEC_DTYPE_BF16`, `_FP16` or
+   * `_OTHER` for raw values the manager encodes (`_OTHER` stays raw).
+   */
+  uint32_t dtype;
+  /**
+   * 0.
+   */
+  uint32_t reserved;
+  /**
+   * Encoder options for raw values (NULL: the defaults, as
+   * `epm_codec_options_default`); ignored for a compressed buffer.
+   */
+  const struct EpmCodecOptions *options;
+} EpmCompressedWeight;
 
 #ifdef __cplusplus
 extern "C" {
@@ -2998,6 +3069,42 @@ enum EpmStatus epm_codec_decode(const void *buf,
                                 void *dst,
                                 size_t dst_len,
                                 uint32_t threads);
+
+/**
+ * Register a weight whose host copy is compressed (docs/RESIDENCY.md,
+ * "Streaming compressed weights"): its page-ins copy the compressed bytes
+ * to device staging and decode them into the weight's device memory, ordered
+ * on the device like a copy (the acquiring stream waits; the host does not).
+ * The weight takes its decoded size of the budget; the first compressed
+ * weight (and any larger one later) reserves device staging, two buffers of
+ * the largest compressed weight, out of the budget
+ * (`EpmResidencyStats.decode_staging_bytes`).
+ *
+ * `weight->dtype` `EPM_CODEC_DTYPE_ENCODED`: `data` is a compressed buffer,
+ * validated (header, layout, CRC-32) and copied into page-locked memory
+ * epmem owns. Otherwise `data` holds raw values that epmem encodes (on
+ * `options->threads` threads) into page-locked memory it owns; when the
+ * codec keeps the weight raw (`*out_info` outcome `EPM_CODEC_RAW_*`: too
+ * small, no gain, another dtype), it is registered raw over `data`, exactly
+ * as `epm_residency_register_weight`. `*out_info` (optional: NULL is
+ * allowed; else set its `size` first) says which, with the ratio.
+ *
+ * Ownership: a compressed weight's `data` is only read during the call; a
+ * weight registered raw is read on page-ins until it is unregistered (keep
+ * it allocated and unmodified until then). NULL: `res` INVALID_HANDLE,
+ * `weight`, `weight->data` or `out_weight` NULL_POINTER. Errors:
+ * INVALID_ARGUMENT for a corrupt or truncated buffer (the message says
+ * what: checksum mismatch, truncated, bad magic, ...), 0 bytes, an odd
+ * length of 16-bit values, an unknown `dtype`, nonzero `reserved`, bad
+ * options or a too-small `size`; OUT_OF_BUDGET when the decoded weight and
+ * the staging do not fit the budget; ALL_IN_USE when reserving staging
+ * needs memory held by acquired weights. `*out_weight` and `*out_info` are
+ * written only on success. Threading: safe from any thread.
+ */
+enum EpmStatus epm_residency_register_compressed(struct EpmResidency *res,
+                                                 const struct EpmCompressedWeight *weight,
+                                                 EpmWeightId *out_weight,
+                                                 struct EpmCodecInfo *out_info);
 
 #ifdef __cplusplus
 }  // extern "C"

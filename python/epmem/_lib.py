@@ -54,6 +54,8 @@ EPM_CODEC_CODED = 1
 EPM_CODEC_RAW_TOO_SMALL = 2
 EPM_CODEC_RAW_NO_GAIN = 3
 EPM_CODEC_RAW_UNSUPPORTED_DTYPE = 4
+EPM_CODEC_DTYPE_ENCODED = 0
+EPM_DECODE_STAGING_BUFFERS = 2
 
 # The first published size of each versioned struct: the smallest `size`
 # epmem accepts (never sizeof today's struct, which may have grown).
@@ -74,6 +76,7 @@ EPM_COPY_ENGINE_CONFIG_SIZE_V1 = 32
 EPM_STAGING_STATS_SIZE_V1 = 112
 EPM_CODEC_OPTIONS_SIZE_V1 = 32
 EPM_CODEC_INFO_SIZE_V1 = 64
+EPM_COMPRESSED_WEIGHT_SIZE_V1 = 40
 
 EPM_STATUS_OK = 0
 
@@ -227,7 +230,11 @@ class EpmResidencyStats(Structure):
     ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64),
          ("attached_bytes", c_uint64), ("background_page_ins", c_uint64), ("background_waits", c_uint64),
          ("background_wait_ms", c_double), ("fill_ahead_bytes", c_uint64), ("fill_ahead_used_bytes", c_uint64),
-         ("slot_wait_ms", c_double), ("background_busy_ms", c_double)]
+         ("slot_wait_ms", c_double), ("background_busy_ms", c_double)] + [
+        (n, c_uint64) for n in (
+            "compressed_weights", "compressed_host_bytes", "compressed_raw_bytes", "decode_staging_bytes",
+            "compressed_htod_bytes", "decoded_bytes", "decodes")
+    ] + [("decode_ms", c_double)]
 
 
 EpmStagingStats = header_struct("EpmStagingStats")
@@ -242,7 +249,12 @@ STRUCTS = [EpmArenaConfig, EpmArenaStats, EpmDeviceInfo, EpmKvLayout, EpmKvStats
 EpmCodecOptions = header_struct("EpmCodecOptions")
 EpmCodecInfo = header_struct("EpmCodecInfo")
 
-STRUCTS += [EpmCodecOptions, EpmCodecInfo]
+class EpmCompressedWeight(Structure):
+    _fields_ = [("size", c_size_t), ("data", c_void_p), ("bytes", c_size_t), ("dtype", c_uint32),
+                ("reserved", c_uint32), ("options", POINTER(EpmCodecOptions))]
+
+
+STRUCTS += [EpmCodecOptions, EpmCodecInfo, EpmCompressedWeight]
 
 
 def new(struct_type, **fields):
@@ -385,6 +397,8 @@ FUNCTIONS = [
     ("epm_codec_encode", STATUS, [vp, size_t, u32, P(EpmCodecOptions), vp, size_t, P(EpmCodecInfo)]),
     ("epm_codec_validate", STATUS, [vp, size_t, P(EpmCodecInfo)]),
     ("epm_codec_decode", STATUS, [vp, size_t, vp, size_t, u32]),
+    ("epm_residency_register_compressed", STATUS,
+     [H, P(EpmCompressedWeight), P(EpmWeightId), P(EpmCodecInfo)]),
     # errors and version (never fail)
     ("epm_last_error_message", c_char_p, []),
     ("epm_status_name", c_char_p, [c_int]),

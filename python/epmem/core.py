@@ -628,6 +628,38 @@ class Residency(Handle):
             self._weight_bufs[out.value] = keep
         return out.value
 
+    def register_compressed(self, data: HostBuffer, dtype: Any = "encoded", nbytes: Optional[int] = None, *,
+                            threads: int = 0, max_ratio: Optional[float] = None, min_bytes: Optional[int] = None,
+                            k: int = 0) -> Tuple[int, Any]:
+        """Register a weight whose host copy is compressed; page-ins copy the
+        compressed bytes and decode them on the device (docs/RESIDENCY.md,
+        "Streaming compressed weights"). Returns (weight id, epmem.codec.CodecInfo).
+
+        dtype "encoded" (default): `data` is a compressed buffer
+        (`epmem.codec.encode`), validated and copied; a corrupt or truncated one
+        raises InvalidArgument. "bf16"/"fp16"/"other" (or a torch dtype): `data`
+        holds raw values the manager encodes into its own page-locked copy
+        (threads, max_ratio, min_bytes, k as `epmem.codec.encode`). A weight the
+        codec keeps raw (info.outcome "raw_*", e.g. smaller than min_bytes) is
+        registered over `data`, which is then kept as `register_weight` keeps it."""
+        from . import codec
+        p, n, keep = _host_span(data, nbytes, "data")
+        w = L.new(L.EpmCompressedWeight, data=p, bytes=n)
+        if isinstance(dtype, str) and dtype == "encoded":
+            w.dtype = L.EPM_CODEC_DTYPE_ENCODED
+            opts = None
+        else:
+            w.dtype = codec._dtype(dtype)
+            opts = codec._options(threads, max_ratio, min_bytes, k)
+            w.options = ctypes.pointer(opts)
+        out = c_uint32()
+        info = L.new(L.EpmCodecInfo)
+        _l().epm_residency_register_compressed(self.handle, byref(w), byref(out), byref(info))
+        result = codec._info(info)
+        if not result.coded and keep is not None:
+            self._weight_bufs[out.value] = keep
+        return out.value, result
+
     def unregister_weight(self, weight: int) -> None:
         weight = _u32(weight, "weight")
         _l().epm_residency_unregister_weight(self.handle, weight)

@@ -144,6 +144,16 @@ impl PinnedBuffer {
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
     }
+    /// The buffer as a [`HostRange`], for copies. The range is valid while
+    /// the buffer lives and is not written: the crate code that takes it (the
+    /// residency manager's compressed weights) keeps the buffer alive and
+    /// unchanged until every copy from the range has completed.
+    pub(crate) fn range(&self) -> HostRange {
+        // SAFETY: `ptr` is a live allocation of `len` bytes owned by self;
+        // the caller keeps self alive and unwritten while the range is used
+        // (see above).
+        unsafe { HostRange::new(self.ptr, self.len) }
+    }
 }
 
 impl std::ops::Deref for PinnedBuffer {

@@ -144,13 +144,18 @@ fn info_of_desc(d: &DecodeDesc) -> EpmCodecInfo {
 }
 
 fn info_of_plan(p: &Plan, dtype: Dtype, raw_bytes: usize) -> EpmCodecInfo {
-    if let Some(d) = p.desc() {
-        return info_of_desc(d);
+    match (p.desc(), p.outcome()) {
+        (Some(d), _) => info_of_desc(d),
+        (None, Err(r)) => info_of_raw(r, dtype, raw_bytes),
+        (None, Ok(_)) => info_of_raw(RawReason::UnsupportedDtype, dtype, raw_bytes),
     }
-    let (outcome, ratio) = match p.outcome() {
-        Err(RawReason::TooSmall { .. }) => (EPM_CODEC_RAW_TOO_SMALL, 1.0),
-        Err(RawReason::NoGain { ratio, .. }) => (EPM_CODEC_RAW_NO_GAIN, ratio),
-        _ => (EPM_CODEC_RAW_UNSUPPORTED_DTYPE, 1.0),
+}
+
+fn info_of_raw(reason: RawReason, dtype: Dtype, raw_bytes: usize) -> EpmCodecInfo {
+    let (outcome, ratio) = match reason {
+        RawReason::TooSmall { .. } => (EPM_CODEC_RAW_TOO_SMALL, 1.0),
+        RawReason::NoGain { ratio, .. } => (EPM_CODEC_RAW_NO_GAIN, ratio),
+        RawReason::UnsupportedDtype => (EPM_CODEC_RAW_UNSUPPORTED_DTYPE, 1.0),
     };
     let values = if dtype == Dtype::Other { 0 } else { raw_bytes as u64 / 2 };
     EpmCodecInfo {
@@ -316,5 +321,126 @@ pub extern "C" fn epm_codec_decode(
         desc.check_lengths(bytes.len(), dst_len)?;
         let out = host_bytes_mut(dst, dst_len, bytes, "dst")?;
         codec::decode_with(&desc, bytes, out, threads)
+    }
+}
+
+/// `EpmCompressedWeight::dtype`: `data` is already a compressed buffer
+/// (format v1, from `epm_codec_encode`).
+pub const EPM_CODEC_DTYPE_ENCODED: u32 = 0;
+
+/// A weight for `epm_residency_register_compressed`. Set `size =
+/// sizeof(EpmCompressedWeight)`; fields are only ever added at the end.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct EpmCompressedWeight {
+    /// `sizeof(EpmCompressedWeight)` as the caller compiled it.
+    pub size: usize,
+    /// The weight's bytes: a compressed buffer (`dtype`
+    /// `EPM_CODEC_DTYPE_ENCODED`) or raw little-endian values of `dtype`.
+    pub data: *const c_void,
+    pub bytes: usize,
+    /// `EPM_CODEC_DTYPE_ENCODED`, or `EPM_CODEC_DTYPE_BF16`, `_FP16` or
+    /// `_OTHER` for raw values the manager encodes (`_OTHER` stays raw).
+    pub dtype: u32,
+    /// 0.
+    pub reserved: u32,
+    /// Encoder options for raw values (NULL: the defaults, as
+    /// `epm_codec_options_default`); ignored for a compressed buffer.
+    pub options: *const EpmCodecOptions,
+}
+
+/// Device staging buffers a residency manager keeps for compressed page-ins
+/// (each the size of the largest compressed weight registered).
+pub const EPM_DECODE_STAGING_BUFFERS: u32 = 2;
+const _: () = assert!(EPM_DECODE_STAGING_BUFFERS as usize == crate::residency::DECODE_STAGING_BUFFERS);
+
+/// `sizeof(EpmCompressedWeight)` in its first published version. Frozen.
+pub const EPM_COMPRESSED_WEIGHT_SIZE_V1: usize = 40;
+versioned!(EpmCompressedWeight, EPM_COMPRESSED_WEIGHT_SIZE_V1);
+// SAFETY: integer fields and raw pointers, for which every bit pattern is a
+// valid value; the pointers are checked before use like any C argument.
+unsafe impl crate::ffi::args::VersionedInput for EpmCompressedWeight {}
+
+/// Register a weight whose host copy is compressed (docs/RESIDENCY.md,
+/// "Streaming compressed weights"): its page-ins copy the compressed bytes
+/// to device staging and decode them into the weight's device memory, ordered
+/// on the device like a copy (the acquiring stream waits; the host does not).
+/// The weight takes its decoded size of the budget; the first compressed
+/// weight (and any larger one later) reserves device staging, two buffers of
+/// the largest compressed weight, out of the budget
+/// (`EpmResidencyStats.decode_staging_bytes`).
+///
+/// `weight->dtype` `EPM_CODEC_DTYPE_ENCODED`: `data` is a compressed buffer,
+/// validated (header, layout, CRC-32) and copied into page-locked memory
+/// epmem owns. Otherwise `data` holds raw values that epmem encodes (on
+/// `options->threads` threads) into page-locked memory it owns; when the
+/// codec keeps the weight raw (`*out_info` outcome `EPM_CODEC_RAW_*`: too
+/// small, no gain, another dtype), it is registered raw over `data`, exactly
+/// as `epm_residency_register_weight`. `*out_info` (optional: NULL is
+/// allowed; else set its `size` first) says which, with the ratio.
+///
+/// Ownership: a compressed weight's `data` is only read during the call; a
+/// weight registered raw is read on page-ins until it is unregistered (keep
+/// it allocated and unmodified until then). NULL: `res` INVALID_HANDLE,
+/// `weight`, `weight->data` or `out_weight` NULL_POINTER. Errors:
+/// INVALID_ARGUMENT for a corrupt or truncated buffer (the message says
+/// what: checksum mismatch, truncated, bad magic, ...), 0 bytes, an odd
+/// length of 16-bit values, an unknown `dtype`, nonzero `reserved`, bad
+/// options or a too-small `size`; OUT_OF_BUDGET when the decoded weight and
+/// the staging do not fit the budget; ALL_IN_USE when reserving staging
+/// needs memory held by acquired weights. `*out_weight` and `*out_info` are
+/// written only on success. Threading: safe from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn epm_residency_register_compressed(
+    res: *mut crate::ffi::residency::EpmResidency,
+    weight: *const EpmCompressedWeight,
+    out_weight: *mut crate::ffi::residency::EpmWeightId,
+    out_info: *mut EpmCodecInfo,
+) -> EpmStatus {
+    ffi_boundary! {
+        let res = try_handle!(res);
+        let empty = EpmCompressedWeight {
+            size: 0,
+            data: std::ptr::null(),
+            bytes: 0,
+            dtype: EPM_CODEC_DTYPE_ENCODED,
+            reserved: 0,
+            options: std::ptr::null(),
+        };
+        let w = read_versioned(weight, empty, "weight")?;
+        let out = try_out!(out_weight);
+        ensure!(w.reserved == 0, InvalidArgument, "EpmCompressedWeight.reserved is {}, not 0", w.reserved);
+        let (id, info) = if w.dtype == EPM_CODEC_DTYPE_ENCODED {
+            let data = host_bytes(w.data, w.bytes, "weight->data")?;
+            let id = res.register_compressed(data)?;
+            // Described from the manager's own validated copy's header.
+            let desc = codec::parse_header(data)?;
+            (id, info_of_desc(&desc))
+        } else {
+            let dtype = dtype_of(w.dtype)?;
+            let opts = options_of(w.options)?;
+            let (p, n) = crate::ffi::args::host_range(w.data, w.bytes, "weight->data")?;
+            // SAFETY: the C caller guarantees `bytes` readable bytes at
+            // `data` for the call, and, for a weight kept raw, until it is
+            // unregistered (documented above); checked non-NULL, not wrapping.
+            let range = unsafe { crate::device::HostRange::new(p, n) };
+            let r = res.register_encoded(range, dtype, &opts)?;
+            let info = match (r.desc, r.raw) {
+                (Some(d), _) => info_of_desc(&d),
+                (None, Some(reason)) => info_of_raw(reason, dtype, n),
+                (None, None) => return Err(crate::error::Error::internal("registered with neither outcome")),
+            };
+            (r.id, info)
+        };
+        if !out_info.is_null() {
+            let info_out = try_out!(out_info);
+            if let Err(e) = write_versioned(info_out, info, "EpmCodecInfo") {
+                // The weight is registered; a bad `out_info` must not leak it.
+                let _ = res.unregister(id);
+                return Err(e);
+            }
+        }
+        out.set(id.0);
+        Ok(())
     }
 }

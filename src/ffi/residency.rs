@@ -230,6 +230,23 @@ pub struct EpmResidencyStats {
     /// waited for the next `epm_residency_release` to queue work.
     pub slot_wait_ms: f64,
     pub background_busy_ms: f64,
+    /// Weights registered compressed (`epm_residency_register_compressed`),
+    /// their host copies' bytes (the compressed buffers, page-locked and
+    /// owned by the manager) and their decoded bytes: host RAM of the
+    /// compressed weights ÷ raw is `compressed_host_bytes /
+    /// compressed_raw_bytes`.
+    pub compressed_weights: u64,
+    pub compressed_host_bytes: u64,
+    pub compressed_raw_bytes: u64,
+    /// Device staging for compressed bytes, reserved out of `budget_bytes`
+    /// (`EPM_DECODE_STAGING_BUFFERS` buffers of the largest compressed weight).
+    pub decode_staging_bytes: u64,
+    /// Compressed bytes copied to the device (also counted in `htod_bytes`),
+    /// the bytes their decodes wrote, the decodes, and their device time.
+    pub compressed_htod_bytes: u64,
+    pub decoded_bytes: u64,
+    pub decodes: u64,
+    pub decode_ms: f64,
 }
 
 /// `sizeof(EpmResidencyConfig)` in its first published version (epmem
@@ -592,6 +609,8 @@ mirror! {
             registered_weights, budget_bytes, coalesced_weights, ordered_reuses, attached_bytes,
             background_page_ins, background_waits, background_wait_ms,
             fill_ahead_bytes, fill_ahead_used_bytes, slot_wait_ms, background_busy_ms,
+            compressed_weights, compressed_host_bytes, compressed_raw_bytes, decode_staging_bytes,
+            compressed_htod_bytes, decoded_bytes, decodes, decode_ms,
         }
         mapped {
             arena_driver_alloc_calls: arena.driver_alloc_calls,

@@ -46,7 +46,7 @@ impl ResidencyManager {
         for &w in order.iter().chain(std::iter::once(&WeightId(u32::MAX))) {
             // (the sentinel id closes the last run)
             let range = st.reg.get(w).ok().filter(|e| {
-                e.range.len() < below && !e.resident() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
+                e.range.len() < below && e.coded.is_none() && !e.resident() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
             });
             let range = range.map(|e| e.range);
             let joined = match (range, unit) {

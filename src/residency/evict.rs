@@ -42,7 +42,7 @@ impl ResidencyManager {
     /// on the device behind the readers, instead of waiting on the host.
     pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, need: Need) -> Result<Room> {
         let demand = need.demand();
-        while st.resident_bytes + len > self.cfg.budget_bytes {
+        while st.resident_bytes + len > self.budget(st) {
             let Some(v) = self.victim(st, w, need) else {
                 if demand && self.drop_ring(st)? {
                     continue;
@@ -54,12 +54,12 @@ impl ResidencyManager {
                 };
             };
             let e = st.reg.get(v)?;
-            let vlen = e.unit.len();
+            let vlen = e.dev_len();
             let reusable = e
                 .block
                 .as_ref()
                 .is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
-            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.cfg.budget_bytes {
+            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.budget(st) {
                 let e = st.reg.get_mut(v)?;
                 let Some(fenced) = e.block.take() else { continue };
                 if std::mem::take(&mut e.prefetched) {
@@ -112,7 +112,7 @@ impl ResidencyManager {
         let e = st.reg.get_mut(v)?;
         // The budget was charged the unit's bytes; a reused block may be up
         // to a quarter longer (charging its length undercounted the budget).
-        let len = e.unit.len();
+        let len = e.dev_len();
         let Some(fenced) = e.block.take() else { return Ok(()) };
         if std::mem::take(&mut e.prefetched) {
             st.c.pending_prefetches -= 1;
@@ -150,7 +150,7 @@ impl ResidencyManager {
                 && v != w
             {
                 held += 1;
-                held_bytes += e.unit.len();
+                held_bytes += e.dev_len();
             }
         }
         let ring = st
@@ -163,7 +163,7 @@ impl ResidencyManager {
                 "weight {} ({len} bytes) does not fit: {} of {} budget bytes are resident ({} weights{ring}) \
                  and what could make room is acquired and not released ({held} weights, {held_bytes} bytes); \
                  release weights or raise the budget",
-                w.0, st.resident_bytes, self.cfg.budget_bytes, st.resident_weights
+                w.0, st.resident_bytes, self.budget(st), st.resident_weights
             ),
         )
     }

@@ -94,6 +94,13 @@ pub(super) struct State {
     /// Callers walk the cycle concurrently: the ring was dropped and no plan
     /// is made again until a new cycle is declared (see `drop_ring`).
     pub(super) ring_off: bool,
+    /// Device staging of compressed page-ins (from the first compressed
+    /// registration), its size per buffer, and the budget bytes it reserves.
+    pub(super) dec: Option<super::decode::DecodeStaging>,
+    pub(super) staging_cap: usize,
+    pub(super) staging_reserve: usize,
+    /// Timing events around decodes.
+    pub(super) decode_timer: StallTimer,
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -189,6 +196,10 @@ impl ResidencyManager {
                 starts_seen: false,
                 hold_began: 0,
                 declared: Vec::new(),
+                dec: None,
+                staging_cap: 0,
+                staging_reserve: 0,
+                decode_timer: StallTimer::default(),
             }),
         })
     }
@@ -215,14 +226,20 @@ impl ResidencyManager {
     /// Register a weight: `range` must stay readable and unmodified until the
     /// weight is unregistered (and any page-in of it has completed).
     pub fn register(&self, range: HostRange) -> Result<WeightId> {
+        let mut st = self.lock();
         crate::ensure!(
-            range.len() <= self.cfg.budget_bytes,
+            range.len() <= self.budget(&st),
             OutOfBudget,
-            "a weight of {} bytes can never be resident under a budget of {} bytes",
+            "a weight of {} bytes can never be resident under a budget of {} bytes{}",
             range.len(),
-            self.cfg.budget_bytes
+            self.cfg.budget_bytes,
+            if st.staging_reserve > 0 {
+                format!(" less {} bytes of decode staging for compressed weights", st.staging_reserve)
+            } else {
+                String::new()
+            }
         );
-        self.lock().reg.add(range)
+        st.reg.add(range)
     }
 
     /// Unregister a weight. It must not be acquired; if resident, waits for
@@ -246,6 +263,14 @@ impl ResidencyManager {
         self.engine.forget_ahead();
         let e = st.reg.remove(w)?;
         st.c.registered_bytes -= e.reg_bytes as u64;
+        if let Some(k) = e.coded.as_ref() {
+            // The manager owns these bytes: no copy may still read them
+            // when they are freed below.
+            st.c.compressed_weights -= 1;
+            st.c.compressed_host_bytes -= k.buf.len() as u64;
+            st.c.compressed_raw_bytes -= k.desc.raw_len() as u64;
+            self.engine.synchronize()?;
+        }
         if st.cycle_pos.contains_key(&w) {
             let order: Vec<WeightId> = st.cycle.iter().copied().filter(|&x| x != w).collect();
             Self::set_cycle(&mut st, order)?;
@@ -294,9 +319,16 @@ impl ResidencyManager {
         Ok(())
     }
 
-    /// Bytes of a registered weight.
+    /// Bytes of a registered weight on the device (a compressed weight's
+    /// decoded length).
     pub fn weight_len(&self, w: WeightId) -> Result<usize> {
-        Ok(self.lock().reg.get(w)?.range.len())
+        let st = self.lock();
+        let e = st.reg.get(w)?;
+        Ok(e.coded.as_ref().map_or(e.range.len(), |k| k.desc.raw_len()))
+    }
+    /// Whether `w` is stored compressed (decoded on the device at page-in).
+    pub fn is_compressed(&self, w: WeightId) -> Result<bool> {
+        Ok(self.lock().reg.get(w)?.coded.is_some())
     }
     pub fn is_resident(&self, w: WeightId) -> Result<bool> {
         let st = self.lock();
@@ -617,11 +649,15 @@ impl ResidencyManager {
     pub(super) fn copy_in(&self, st: &mut State, w: WeightId, dst: u64, ordered: bool, demand: bool) -> Result<Fence> {
         let range = st.reg.get(w)?.unit;
         let order = ordered.then(|| st.order.raw());
+        if st.reg.get(w)?.coded.is_some() {
+            return self.compressed_in(st, w, dst, order);
+        }
         self.copier(st, w, demand)?.htod_after(dst, range, order)
     }
 
     fn harvest(&self, st: &mut State) -> Result<()> {
         st.c.device_stall_ms += st.stalls.harvest()?;
+        st.c.decode_ms += st.decode_timer.harvest()?;
         Ok(())
     }
 
@@ -688,6 +724,14 @@ impl ResidencyManager {
             slot_wait_ms: s.slot_wait_ms,
             background_busy_ms: st.fill.as_ref().map_or(0.0, |f| f.busy().as_secs_f64() * 1e3),
             ring_weights: c.ring_weights,
+            compressed_weights: c.compressed_weights,
+            compressed_host_bytes: c.compressed_host_bytes,
+            compressed_raw_bytes: c.compressed_raw_bytes,
+            decode_staging_bytes: st.staging_reserve as u64,
+            compressed_htod_bytes: c.compressed_htod_bytes,
+            decoded_bytes: c.decoded_bytes,
+            decodes: c.decodes,
+            decode_ms: c.decode_ms,
             resident_bytes: st.resident_bytes as u64,
             peak_resident_bytes: st.peak_resident_bytes as u64,
             resident_weights: st.resident_weights as u64,
@@ -714,6 +758,17 @@ impl Drop for ResidencyManager {
             f.drain();
         }
         self.engine.forget_ahead();
+        // Compressed weights' host bytes are the manager's: no copy may read
+        // them once freed. If the copies cannot be observed, leak them.
+        if let Err(e) = self.engine.synchronize() {
+            log::error!("epmem: leaking compressed weights' host copies: copies could not be observed ({e})");
+            let ids: Vec<WeightId> = st.reg.ids().collect();
+            for w in ids {
+                if let Ok(e) = st.reg.get_mut(w) {
+                    std::mem::forget(e.coded.take());
+                }
+            }
+        }
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {
@@ -727,6 +782,7 @@ impl Drop for ResidencyManager {
         }
         // The streaming region synchronizes the device before its memory goes.
         st.ring = None;
+        st.dec = None;
     }
 }
 

@@ -10,6 +10,7 @@
 
 mod coalesce;
 pub mod config;
+mod decode;
 mod evict;
 pub mod manager;
 mod page_in;
@@ -26,6 +27,7 @@ pub mod stats;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WeightId(pub u32);
 
+pub use decode::{DECODE_STAGING_BUFFERS, Registered};
 pub use config::{FILL_AHEAD_ALL_SLOTS, RESIDENCY_STAGING_SLOTS, RESIDENCY_STREAM_BELOW, ResidencyConfig};
 pub use manager::ResidencyManager;
 pub use placement::Hold;

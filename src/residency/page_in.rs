@@ -32,7 +32,7 @@ impl ResidencyManager {
                 }
             }
         }
-        let len = st.reg.get(w)?.unit.len();
+        let len = st.reg.get(w)?.dev_len();
         let reused = match self.make_room(st, w, len, need)? {
             Room::No => return Ok(false),
             Room::Reuse(r) => Some(r),
@@ -41,6 +41,10 @@ impl ResidencyManager {
         self.maybe_register(st, w)?;
         let range = st.reg.get(w)?.unit;
         let fenced = match reused {
+            Some(r) if st.reg.get(w)?.coded.is_some() => {
+                let order = st.order.raw();
+                r.fill_with(len, |dst| self.compressed_in(st, w, dst, Some(order)))?
+            }
             Some(r) => {
                 let order = st.order.raw();
                 r.fill(self.copier(st, w, demand)?, range, order)?

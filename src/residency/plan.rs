@@ -29,7 +29,7 @@ impl ResidencyManager {
         let sizes: Vec<usize> = st
             .cycle
             .iter()
-            .map(|&u| st.reg.get(u).map(|e| e.unit.len()))
+            .map(|&u| st.reg.get(u).map(|e| e.dev_len()))
             .collect::<Result<_>>()?;
         let (lo, hi) = (
             sizes.iter().min().copied().unwrap_or(0),
@@ -58,7 +58,7 @@ impl ResidencyManager {
         // ring bytes whose occupant was read already (`ring_page_in` gives
         // up otherwise), so depth buys overlap, never bytes.
         let window = if width > 1 { 0 } else { 1 };
-        Ok(placement::plan(&sizes, self.cfg.budget_bytes, &Hold { width, starts }, window))
+        Ok(placement::plan(&sizes, self.budget(st), &Hold { width, starts }, window))
     }
 
     /// Install the plan the cycle wants (no unit may be held). A different
@@ -116,7 +116,7 @@ impl ResidencyManager {
         w: WeightId,
         demand: bool,
     ) -> Result<RingPageIn> {
-        let len = st.reg.get(w)?.unit.len();
+        let len = st.reg.get(w)?.dev_len();
         let off = st
             .cycle_pos
             .get(&w)

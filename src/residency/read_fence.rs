@@ -328,19 +328,28 @@ impl Reused {
     /// Copy `src` (at most the block's length) into the block with `copier`,
     /// ordered after `order` — the stream [`Fenced::reuse_after`] made wait
     /// for the block's readers.
-    pub fn fill(mut self, copier: Copier<'_>, src: HostRange, order: RawStream) -> Result<Fenced> {
+    pub fn fill(self, copier: Copier<'_>, src: HostRange, order: RawStream) -> Result<Fenced> {
+        self.fill_with(src.len(), |dst| copier.htod_after(dst, src, Some(order)))
+    }
+
+    /// Write `len` bytes (at most the block's length) into the block with
+    /// `issue`, which gets the block's address and must queue its writes
+    /// after the stream [`Fenced::reuse_after`] made wait for the block's
+    /// readers, returning their fence (a compressed page-in: a copy into
+    /// staging, then a decode into the block, both after that stream).
+    pub fn fill_with(mut self, len: usize, issue: impl FnOnce(u64) -> Result<Fence>) -> Result<Fenced> {
         crate::ensure!(
-            src.len() <= self.len(),
+            len <= self.len(),
             InvalidArgument,
             "a page-in of {} bytes into a reused block of {}",
-            src.len(),
+            len,
             self.len()
         );
         let block = match self.block.take() {
             Some(b) => b,
             None => unreachable!("Reused filled twice"),
         };
-        match copier.htod_after(block.addr(), src, Some(order)) {
+        match issue(block.addr()) {
             Ok(fence) => Ok(Fenced::new(block, fence)),
             Err(e) => {
                 // Nothing was queued into the block: it goes back through

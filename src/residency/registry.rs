@@ -71,6 +71,19 @@ pub(crate) struct Entry {
     pub reg_state: RegState,
     /// Paged in ahead of use and not acquired since.
     pub prefetched: bool,
+    /// A compressed weight: `range` and `unit` are its compressed bytes,
+    /// held here; a page-in copies them to device staging and decodes them
+    /// into the weight's block (`super::decode`).
+    pub coded: Option<Coded>,
+}
+
+/// The host copy of a compressed weight: the encoded buffer, page-locked and
+/// owned by the manager (copied directly, never staged), and its
+/// description, parsed (checksum included) at registration.
+#[derive(Debug)]
+pub(crate) struct Coded {
+    pub buf: crate::device::PinnedBuffer,
+    pub desc: crate::codec::DecodeDesc,
 }
 
 /// Weights by id (ids are never reused) and registered ranges.
@@ -103,6 +116,11 @@ impl Entry {
     pub fn resident(&self) -> bool {
         self.block.is_some() || self.slot.is_some()
     }
+    /// Bytes of the unit on the device (its share of the budget): the
+    /// decoded length of a compressed weight, else the bytes copied.
+    pub fn dev_len(&self) -> usize {
+        self.coded.as_ref().map_or(self.unit.len(), |c| c.desc.raw_len())
+    }
 }
 
 impl Registry {
@@ -133,8 +151,18 @@ impl Registry {
             reg: None,
             reg_state: RegState::Untried,
             prefetched: false,
+            coded: None,
         }));
         self.live += 1;
+        Ok(id)
+    }
+    /// A compressed weight: its copy source is `coded`'s buffer.
+    pub fn add_coded(&mut self, coded: Coded) -> Result<WeightId> {
+        let id = self.add(coded.buf.range())?;
+        let e = self.get_mut(id)?;
+        // Page-locked and owned: copied directly, never registered.
+        e.reg_state = RegState::Registered;
+        e.coded = Some(coded);
         Ok(id)
     }
     pub fn get(&self, w: WeightId) -> Result<&Entry> {

@@ -108,6 +108,22 @@ pub struct ResidencyStats {
     /// waiting for the caller to queue the next copy.
     pub slot_wait_ms: f64,
     pub background_busy_ms: f64,
+    /// Compressed weights registered, their host copies' bytes (the
+    /// compressed buffers, page-locked, owned by the manager) and their
+    /// decoded bytes (what the same weights take raw).
+    pub compressed_weights: u64,
+    pub compressed_host_bytes: u64,
+    pub compressed_raw_bytes: u64,
+    /// Device staging for compressed bytes, reserved out of the budget
+    /// (`DECODE_STAGING_BUFFERS` × the largest compressed weight).
+    pub decode_staging_bytes: u64,
+    /// Compressed bytes copied to the device (also in `htod_bytes`), the
+    /// bytes their decodes wrote, the decodes, and their device time
+    /// (timing events around each decode, read once complete).
+    pub compressed_htod_bytes: u64,
+    pub decoded_bytes: u64,
+    pub decodes: u64,
+    pub decode_ms: f64,
     /// The device arena holding resident weights.
     pub arena: ArenaStats,
 }
@@ -138,6 +154,13 @@ pub(crate) struct Counters {
     pub background_waits: u64,
     pub background_wait_ns: u64,
     pub ring_weights: u64,
+    pub compressed_weights: u64,
+    pub compressed_host_bytes: u64,
+    pub compressed_raw_bytes: u64,
+    pub compressed_htod_bytes: u64,
+    pub decoded_bytes: u64,
+    pub decodes: u64,
+    pub decode_ms: f64,
 }
 
 /// Most stall measurements awaiting completion; beyond it, waits go untimed

@@ -169,6 +169,11 @@ impl Deferred {
 }
 
 impl Fence {
+    /// The fence of work the caller queued itself (a device decode after a
+    /// copy): `event` is already recorded after it.
+    pub(crate) fn recorded(dev: &Arc<dyn Device>, event: Event, bytes: usize) -> Self {
+        Fence { dev: dev.clone(), event: FenceEvent::Recorded(event), bytes, direct: false }
+    }
     pub(super) fn deferred(dev: &Arc<dyn Device>, d: Arc<Deferred>, bytes: usize) -> Self {
         Fence { dev: dev.clone(), event: FenceEvent::Deferred(d), bytes, direct: false }
     }

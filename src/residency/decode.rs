@@ -1,0 +1,323 @@
+//! Compressed weights (format v1 of [`crate::codec`]): registration, and
+//! page-ins that copy the compressed bytes into device staging and decode
+//! them into the weight's memory, all ordered on the device.
+//!
+//! The host copy of a compressed weight is its encoded buffer, page-locked and
+//! owned by the manager, so every page-in is a direct DMA of the compressed
+//! bytes. The weight's share of the budget is its decoded length. The device
+//! staging the compressed bytes land in is [`DECODE_STAGING_BUFFERS`] buffers
+//! of the largest compressed weight registered, reserved out of the budget at
+//! registration: `budget − staging` is what weights may occupy.
+//!
+//! Ordering, per page-in into buffer `i`:
+//! 1. the manager's gate stream waits for the last decode that read buffer
+//!    `i` (its *free* event) and, for a page-in into memory whose readers
+//!    may still run, for the order stream that waits for them;
+//! 2. the copy engine copies the compressed bytes into buffer `i` after the
+//!    gate stream (copies stay in issue order on the engine's stream);
+//! 3. the decode stream waits for the copy, decodes into the weight's memory,
+//!    and records the page-in's fence and buffer `i`'s free event.
+//!
+//! So an H2D never overwrites staging a decode still reads, the decode of
+//! weight k runs while the copy of weight k+1 fills the other buffer (nothing
+//! orders a copy after the decode before it, except the decode that last read
+//! its buffer and the readers of its destination), and the
+//! acquiring stream waits for the decode through the page-in fence, as it
+//! waits for a raw copy: no host wait per page-in.
+
+use std::sync::Arc;
+
+use super::WeightId;
+use super::manager::State;
+use super::placement::ALIGN;
+use super::read_fence::DeviceBlock;
+use super::registry::Coded;
+use crate::arena::DeviceArena;
+use crate::codec::{self, Dtype, EncodeOptions, RawReason};
+use crate::device::{Device, Event, HostRange, PinnedBuffer, RawStream, Stream};
+use crate::error::{EpmStatus, Error, Result};
+use crate::residency::ResidencyManager;
+use crate::staging::Fence;
+
+/// Device staging buffers for compressed bytes: two, so the copy of the next
+/// weight lands in one while the decode of the last reads the other.
+pub const DECODE_STAGING_BUFFERS: usize = 2;
+
+/// What [`ResidencyManager::register_encoded`] registered.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Registered {
+    pub id: WeightId,
+    /// `None`: stored compressed; otherwise why the weight stays raw (it is
+    /// then registered over the caller's bytes, as [`ResidencyManager::register`]).
+    pub raw: Option<RawReason>,
+    /// Bytes of the host copy the manager streams from: the compressed
+    /// buffer, or the raw weight.
+    pub host_bytes: usize,
+    /// The compressed buffer's description (`None` when raw).
+    pub desc: Option<crate::codec::DecodeDesc>,
+}
+
+/// One staging buffer and the event recorded after the last decode reading it.
+#[derive(Debug)]
+struct StagingBuf {
+    block: DeviceBlock,
+    free: Event,
+    /// `free` has been recorded (a decode read the buffer).
+    used: bool,
+}
+
+/// The device staging of compressed page-ins, and the streams ordering them.
+#[derive(Debug)]
+pub(crate) struct DecodeStaging {
+    bufs: Vec<StagingBuf>,
+    next: usize,
+    /// Decodes run here, in page-in order.
+    stream: Stream,
+    /// Copies into staging are issued after this stream, which waits for the
+    /// buffer's last decode (and the destination's readers).
+    gate: Stream,
+    /// Records the caller's order stream for the gate to wait on.
+    after: Event,
+}
+
+impl DecodeStaging {
+    fn new(dev: &Arc<dyn Device>, arena: &Arc<DeviceArena>, cap: usize) -> Result<Self> {
+        let mut bufs = Vec::with_capacity(DECODE_STAGING_BUFFERS);
+        for _ in 0..DECODE_STAGING_BUFFERS {
+            bufs.push(StagingBuf { block: DeviceBlock::alloc(arena, cap)?, free: Event::new(dev, false)?, used: false });
+        }
+        Ok(Self { bufs, next: 0, stream: Stream::new(dev)?, gate: Stream::new(dev)?, after: Event::new(dev, false)? })
+    }
+}
+
+impl ResidencyManager {
+    /// Bytes weights may occupy: the budget less the reserved decode staging.
+    pub(super) fn budget(&self, st: &State) -> usize {
+        self.cfg.budget_bytes - st.staging_reserve
+    }
+
+    /// Register a weight already encoded (format v1, e.g. by
+    /// [`codec::encode`] or `epm_codec_encode`). The bytes are validated
+    /// (header, layout, escape index, CRC-32): a corrupt or truncated buffer
+    /// is refused here with the codec's message, never decoded. They are
+    /// copied into page-locked memory the manager owns, so the caller may
+    /// free `encoded` when this returns. The weight occupies its decoded
+    /// length of the budget; see [`DECODE_STAGING_BUFFERS`] for the staging.
+    pub fn register_compressed(&self, encoded: &[u8]) -> Result<WeightId> {
+        // A buffer that is not even a whole header is refused before anything is allocated.
+        codec::parse_header(encoded)?;
+        let mut buf = PinnedBuffer::new(&self.dev, encoded.len())?;
+        buf.copy_from_slice(encoded);
+        // Validated in the manager's own copy (what is checked is what
+        // streams), before the budget: a corrupt buffer says so first.
+        let desc = codec::parse(&buf, EncodeOptions::default().thread_count())?;
+        self.check_fits(desc.raw_len(), buf.len())?;
+        self.add_coded(Coded { buf, desc })
+    }
+
+    /// Register raw bf16 or fp16 bytes, encoding them on `opts.threads`
+    /// threads straight into page-locked memory the manager owns; the
+    /// caller's bytes are not needed afterwards. A weight the codec keeps raw
+    /// ([`RawReason`]: too small, no gain, another dtype) is registered raw
+    /// over `raw`, exactly as [`Self::register`] (so `raw` must then stay
+    /// readable until it is unregistered), and [`Registered::raw`] says why.
+    pub fn register_encoded(&self, raw: HostRange, dtype: Dtype, opts: &EncodeOptions) -> Result<Registered> {
+        crate::ensure!(
+            !raw.is_empty() && !raw.ptr().is_null(),
+            InvalidArgument,
+            "a weight must be a non-empty host range (got {:p}, {} bytes)",
+            raw.ptr(),
+            raw.len()
+        );
+        let data = raw.as_slice();
+        let plan = codec::plan(data, dtype, opts)?;
+        let len = match plan.outcome() {
+            Ok(len) => len,
+            Err(reason) => {
+                let id = self.register(raw)?;
+                return Ok(Registered { id, raw: Some(reason), host_bytes: raw.len(), desc: None });
+            }
+        };
+        self.check_fits(raw.len(), len)?;
+        let Some(desc) = plan.desc().copied() else {
+            return Err(Error::internal("an encoding plan without a description"));
+        };
+        let mut buf = PinnedBuffer::new(&self.dev, len)?;
+        plan.encode_into(data, &mut buf)?;
+        let id = self.add_coded(Coded { buf, desc })?;
+        Ok(Registered { id, raw: None, host_bytes: len, desc: Some(desc) })
+    }
+
+    /// Refuse (before anything is allocated) a compressed weight of `raw_len`
+    /// decoded and `coded_len` compressed bytes the budget cannot hold beside
+    /// its staging.
+    fn check_fits(&self, raw_len: usize, coded_len: usize) -> Result<()> {
+        let st = self.lock();
+        let cap = st.staging_cap.max(coded_len.next_multiple_of(ALIGN));
+        let reserve = DECODE_STAGING_BUFFERS * cap;
+        let largest = st.reg.ids().filter_map(|w| st.reg.get(w).ok().map(|e| e.dev_len())).max().unwrap_or(0);
+        let need = raw_len.max(largest).saturating_add(reserve);
+        crate::ensure!(
+            need <= self.cfg.budget_bytes,
+            OutOfBudget,
+            "a compressed weight of {raw_len} bytes ({coded_len} compressed) does not fit a budget of {} bytes: \
+             decoding needs {reserve} bytes of device staging ({DECODE_STAGING_BUFFERS} buffers of the largest \
+             compressed weight, {cap} bytes) beside the largest weight ({} bytes)",
+            self.cfg.budget_bytes,
+            raw_len.max(largest)
+        );
+        Ok(())
+    }
+
+    /// Register a validated compressed weight: grow the staging to hold it
+    /// (reserving it out of the budget, evicting what no longer fits).
+    fn add_coded(&self, coded: Coded) -> Result<WeightId> {
+        let (raw_len, coded_len) = (coded.desc.raw_len(), coded.buf.len());
+        let mut st = self.lock();
+        let st = &mut *st;
+        let cap = coded_len.next_multiple_of(ALIGN);
+        if cap > st.staging_cap {
+            self.grow_staging(st, cap)?;
+        }
+        crate::ensure!(
+            raw_len <= self.budget(st),
+            OutOfBudget,
+            "a compressed weight of {raw_len} bytes decoded can never be resident: the budget of {} bytes less \
+             {} bytes of decode staging leaves {}",
+            self.cfg.budget_bytes,
+            st.staging_reserve,
+            self.budget(st)
+        );
+        let id = st.reg.add_coded(coded)?;
+        st.c.compressed_weights += 1;
+        st.c.compressed_host_bytes += coded_len as u64;
+        st.c.compressed_raw_bytes += raw_len as u64;
+        Ok(id)
+    }
+
+    /// Make the staging `cap` bytes per buffer: reserve it out of the budget
+    /// (evicting until the resident weights fit what is left) and allocate it.
+    /// Not in steady state: at a registration of a larger compressed weight.
+    fn grow_staging(&self, st: &mut State, cap: usize) -> Result<()> {
+        let reserve = DECODE_STAGING_BUFFERS * cap;
+        crate::ensure!(
+            reserve < self.cfg.budget_bytes,
+            OutOfBudget,
+            "decode staging of {reserve} bytes ({DECODE_STAGING_BUFFERS} × {cap}) leaves nothing of a budget of {} bytes",
+            self.cfg.budget_bytes
+        );
+        let (old_cap, old_reserve) = (st.staging_cap, st.staging_reserve);
+        // The old buffers go first (their drop synchronizes the device: no
+        // decode reads them any more).
+        st.dec = None;
+        st.staging_cap = cap;
+        st.staging_reserve = reserve;
+        let r = (|| {
+            // A plan was made for the old budget.
+            if st.plan.is_some() {
+                if st.held_units == 0 {
+                    self.install_plan(st)?;
+                } else {
+                    st.replan = true;
+                }
+            }
+            while st.resident_bytes > self.budget(st) {
+                let Some(v) = self.victim(st, WeightId(u32::MAX), super::manager::Need::Demand) else {
+                    return Err(Error::new(
+                        EpmStatus::AllInUse,
+                        format!(
+                            "reserving {reserve} bytes of decode staging: {} of {} budget bytes are resident and \
+                             what could make room is acquired; release weights first",
+                            st.resident_bytes, self.cfg.budget_bytes
+                        ),
+                    ));
+                };
+                self.evict(st, v)?;
+            }
+            loop {
+                match DecodeStaging::new(&self.dev, &self.arena, cap) {
+                    Ok(d) => break Ok(d),
+                    // The arena has the bytes but not in one range.
+                    Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(
+                        st,
+                        WeightId(u32::MAX),
+                        super::manager::Need::Demand,
+                    ) {
+                        Some(v) => self.evict(st, v)?,
+                        None => break Err(e),
+                    },
+                    Err(e) => break Err(e),
+                }
+            }
+        })();
+        match r {
+            Ok(d) => {
+                st.dec = Some(d);
+                Ok(())
+            }
+            Err(e) => {
+                st.staging_cap = old_cap;
+                st.staging_reserve = old_reserve;
+                if old_cap > 0 {
+                    st.dec = DecodeStaging::new(&self.dev, &self.arena, old_cap).ok();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Issue compressed unit `w`'s page-in into `dst`: copy its compressed
+    /// bytes into the next staging buffer, then decode them into `dst`, after
+    /// `order` (the stream that waits for `dst`'s readers) when given. The
+    /// fence completes when the decode has.
+    pub(super) fn compressed_in(&self, st: &mut State, w: WeightId, dst: u64, order: Option<RawStream>) -> Result<Fence> {
+        let State { reg, dec, c, decode_timer, .. } = st;
+        let e = reg.get(w)?;
+        let (src, desc) = match e.coded.as_ref() {
+            Some(k) => (e.unit, k.desc),
+            None => return Err(Error::internal("compressed page-in of a raw weight")),
+        };
+        let dec = dec.as_mut().ok_or_else(|| Error::internal("compressed weight without decode staging"))?;
+        let i = dec.next;
+        dec.next = (i + 1) % dec.bufs.len();
+        let b = &mut dec.bufs[i];
+        if b.used {
+            dec.gate.wait_event(&b.free)?;
+        }
+        if let Some(o) = order {
+            dec.after.record_raw(o)?;
+            dec.gate.wait_event(&dec.after)?;
+        }
+        let copy = self.engine.htod(b.block.addr(), src, Some(dec.gate.raw()))?;
+        copy.make_wait(dec.stream.raw())?;
+        let (clen, dlen) = (desc.compressed_len(), desc.raw_len());
+        let r = (|| {
+            let s = dec.stream.raw();
+            decode_timer.around(&self.dev, s, || self.dev.decode_async(b.block.addr(), clen, dst, dlen, &desc, s))?;
+            let done = Event::new(&self.dev, false)?;
+            done.record(&dec.stream)?;
+            b.free.record(&dec.stream)?;
+            b.used = true;
+            // `order` is not made to wait for the decode: the next page-in
+            // after it would then wait for this decode before its copy (the
+            // overlap lost). A later reuse of `dst` waits for this page-in's
+            // fence anyway (`reuse_after`, `order_before`).
+            Ok(done)
+        })();
+        let done = match r {
+            Ok(d) => d,
+            Err(err) => {
+                // A decode may be queued with no event to fence it: let it end
+                // before the caller frees or reuses `dst` or the staging.
+                if let Err(s) = dec.stream.synchronize() {
+                    log::error!("epmem: a failed decode's stream could not be synchronized ({s})");
+                }
+                return Err(err);
+            }
+        };
+        c.compressed_htod_bytes += clen as u64;
+        c.decoded_bytes += dlen as u64;
+        c.decodes += 1;
+        Ok(Fence::recorded(&self.dev, done, dlen))
+    }
+}

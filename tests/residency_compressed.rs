@@ -1,0 +1,446 @@
+//! Compressed weights through the residency manager, on the device
+//! `EPM_DEVICE` names (host in CI, CUDA with EPM_DEVICE=cuda): registration
+//! (validated, encoded, or kept raw), page-ins that copy the compressed bytes
+//! and decode them on the device, bit-exact under eviction, ring plans,
+//! prefetch and every policy, with the budget and stats as documented.
+
+use std::sync::Arc;
+
+use epmem::EpmStatus;
+use epmem::codec::{self, Dtype, EncodeOptions, Encoded, RawReason};
+use epmem::device::{self, Device, DeviceBuffer, Gate, HostRange, Stream, checksum_host};
+use epmem::residency::{DECODE_STAGING_BUFFERS, PolicyKind, ResidencyConfig, ResidencyManager, WeightId};
+
+fn dev() -> Arc<dyn Device> {
+    device::open_from_env(0).expect("open device (EPM_DEVICE)")
+}
+
+fn normal(rng: &mut fastrand::Rng) -> f32 {
+    let (u, v) = (rng.f32().max(1e-7), rng.f32());
+    (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+}
+
+/// `n` values of N(0, 0.02) as bf16 or fp16 bytes.
+fn weight(dtype: Dtype, n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut out = Vec::with_capacity(2 * n);
+    for _ in 0..n {
+        let x = 0.02 * normal(&mut rng);
+        let v = match dtype {
+            Dtype::Fp16 => f32_to_f16(x),
+            _ => (x.to_bits() >> 16) as u16,
+        };
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Round toward zero: any fp16 pattern will do, the codec is lossless.
+fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let e = ((b >> 23) & 0xFF) as i32 - 127 + 15;
+    let m = b & 0x7F_FFFF;
+    if e <= 0 {
+        if e < -10 {
+            return sign;
+        }
+        return sign | (((m | 0x80_0000) >> (14 - e)) as u16);
+    }
+    if e >= 31 {
+        return sign | 0x7C00;
+    }
+    sign | ((e as u16) << 10) | (m >> 13) as u16
+}
+
+fn range(v: &[u8]) -> HostRange {
+    // SAFETY: every Vec passed here outlives the managers of its test and is
+    // not written while they live.
+    unsafe { HostRange::new(v.as_ptr(), v.len()) }
+}
+
+/// Encode everything at least 1 KiB (the default 1 MiB would keep these
+/// test-sized weights raw).
+fn opts() -> EncodeOptions {
+    EncodeOptions { min_bytes: 1024, ..EncodeOptions::default() }
+}
+
+fn cfg(budget: usize) -> ResidencyConfig {
+    let mut c = ResidencyConfig::with_budget(budget);
+    c.pool.max_bytes = 64 << 20;
+    c.engine.chunk_bytes = 1 << 20;
+    c.engine.fill_threads = 2;
+    c
+}
+
+/// The device bytes at `p` (the stream waits for its queued work first).
+fn read_back(d: &Arc<dyn Device>, p: u64, n: usize, s: &Stream) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    // SAFETY: `out` is an exclusively owned buffer of n bytes, read only after
+    // the stream synchronizes.
+    unsafe { d.memcpy_dtoh_async(out.as_mut_ptr(), p, n, s.raw()).unwrap() };
+    s.synchronize().unwrap();
+    out
+}
+
+#[test]
+fn bf16_and_fp16_round_trip_bit_exact_through_the_manager() {
+    let d = dev();
+    let m = ResidencyManager::new(&d, cfg(8 << 20)).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let mut raw_total = 0;
+    let mut coded_total = 0;
+    for (i, dtype) in [Dtype::Bf16, Dtype::Fp16, Dtype::Bf16, Dtype::Fp16].into_iter().enumerate() {
+        // Odd lengths: a last block of 77 and of 1 value.
+        let n = [3 * codec::BLOCK_VALUES + 77, 2 * codec::BLOCK_VALUES + 1, 40_000, 50_001][i];
+        let data = weight(dtype, n, 10 + i as u64);
+        let r = m.register_encoded(range(&data), dtype, &opts()).unwrap();
+        assert_eq!(r.raw, None, "{dtype:?} weight {i} stayed raw");
+        assert!(m.is_compressed(r.id).unwrap());
+        assert_eq!(m.weight_len(r.id).unwrap(), data.len());
+        assert!(r.host_bytes < data.len(), "{} compressed for {} raw", r.host_bytes, data.len());
+        raw_total += data.len();
+        coded_total += r.host_bytes;
+        let p = m.acquire(r.id, s.raw()).unwrap();
+        assert_eq!(p % 16, 0);
+        let back = read_back(&d, p, data.len(), &s);
+        m.release(r.id, s.raw()).unwrap();
+        assert!(back == data, "{dtype:?} weight {i} of {n} values is not bit-exact on the device");
+    }
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert_eq!(st.compressed_weights, 4);
+    assert_eq!(st.compressed_raw_bytes, raw_total as u64);
+    assert_eq!(st.compressed_host_bytes, coded_total as u64);
+    assert_eq!(st.decodes, 4);
+    assert_eq!(st.decoded_bytes, raw_total as u64);
+    assert_eq!(st.compressed_htod_bytes, coded_total as u64);
+    assert_eq!(st.htod_bytes, coded_total as u64, "only compressed bytes crossed");
+    assert!(st.decode_ms > 0.0, "decode time not measured: {st:?}");
+    assert_eq!(st.staged_page_ins, 0, "a compressed weight's host copy is page-locked: {st:?}");
+    // The staging: two buffers of the largest compressed weight, out of the budget.
+    assert!(st.decode_staging_bytes >= (DECODE_STAGING_BUFFERS * coded_total / 4) as u64);
+    assert_eq!(st.budget_bytes, 8 << 20);
+}
+
+#[test]
+fn an_encoded_buffer_registers_and_a_corrupt_or_truncated_one_is_refused() {
+    let d = dev();
+    let m = ResidencyManager::new(&d, cfg(4 << 20)).unwrap();
+    let data = weight(Dtype::Bf16, 100_000, 3);
+    let Encoded::Coded(buf) = codec::encode(&data, Dtype::Bf16, &opts()).unwrap() else {
+        panic!("a normal bf16 weight stayed raw")
+    };
+    let mut bad = buf.clone();
+    bad[buf.len() / 2] ^= 0x10;
+    let e = m.register_compressed(&bad).unwrap_err();
+    assert!(e.to_string().contains("checksum"), "{e}");
+    let e = m.register_compressed(&buf[..buf.len() - 16]).unwrap_err();
+    assert!(e.to_string().contains("truncated"), "{e}");
+    let e = m.register_compressed(&data).unwrap_err();
+    assert!(e.to_string().contains("magic") || e.to_string().contains("truncated"), "{e}");
+    assert_eq!(m.stats().registered_weights, 0, "a refused buffer was registered");
+    let id = m.register_compressed(&buf).unwrap();
+    drop(buf); // the manager keeps its own copy
+    let s = Stream::new(&d).unwrap();
+    let p = m.acquire(id, s.raw()).unwrap();
+    assert!(read_back(&d, p, data.len(), &s) == data);
+    m.release(id, s.raw()).unwrap();
+    m.unregister(id).unwrap();
+    assert_eq!(m.stats().compressed_weights, 0);
+}
+
+#[test]
+fn weights_the_codec_keeps_raw_are_registered_raw_and_say_why() {
+    let d = dev();
+    let m = ResidencyManager::new(&d, cfg(4 << 20)).unwrap();
+    let mut random = vec![0u8; 200_000];
+    fastrand::Rng::with_seed(5).fill(&mut random);
+    let small = weight(Dtype::Bf16, 100, 6);
+    let fp32 = weight(Dtype::Bf16, 60_000, 7);
+    let cases = [
+        (&random, Dtype::Bf16, "no gain"),
+        (&small, Dtype::Bf16, "too small"),
+        (&fp32, Dtype::Other, "dtype"),
+    ];
+    let s = Stream::new(&d).unwrap();
+    for (data, dtype, what) in cases {
+        let r = m.register_encoded(range(data), dtype, &opts()).unwrap();
+        let ok = match (what, r.raw) {
+            ("no gain", Some(RawReason::NoGain { .. })) => true,
+            ("too small", Some(RawReason::TooSmall { .. })) => true,
+            ("dtype", Some(RawReason::UnsupportedDtype)) => true,
+            _ => false,
+        };
+        assert!(ok, "{what}: {:?}", r.raw);
+        assert!(!m.is_compressed(r.id).unwrap());
+        assert_eq!(r.host_bytes, data.len());
+        let p = m.acquire(r.id, s.raw()).unwrap();
+        assert!(read_back(&d, p, data.len(), &s) == **data, "{what}: raw weight not exact");
+        m.release(r.id, s.raw()).unwrap();
+    }
+    let st = m.stats();
+    assert_eq!((st.compressed_weights, st.decodes), (0, 0));
+}
+
+#[test]
+fn the_budget_must_hold_the_largest_weight_beside_its_staging() {
+    let d = dev();
+    let data = weight(Dtype::Bf16, 200_000, 8); // 400,000 bytes raw, ~0.7 × compressed
+    // The weight alone fits, not with two staging buffers of its compressed bytes.
+    let m = ResidencyManager::new(&d, cfg(500_000)).unwrap();
+    let e = m.register_encoded(range(&data), Dtype::Bf16, &opts()).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget);
+    assert!(e.to_string().contains("staging"), "{e}");
+    assert_eq!(m.stats().registered_weights, 0);
+    // A raw weight registered first makes a later compressed one refused too
+    // when it is the largest that would not fit beside the staging.
+    let m = ResidencyManager::new(&d, cfg(1 << 20)).unwrap();
+    let big = vec![1u8; 900_000];
+    m.register(range(&big)).unwrap();
+    let e = m.register_encoded(range(&data), Dtype::Bf16, &opts()).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
+    // And once staging is reserved, a raw weight must fit what is left.
+    let m = ResidencyManager::new(&d, cfg(1 << 20)).unwrap();
+    let r = m.register_encoded(range(&data), Dtype::Bf16, &opts()).unwrap();
+    assert_eq!(r.raw, None);
+    let staging = m.stats().decode_staging_bytes as usize;
+    assert!(staging >= 2 * r.host_bytes);
+    let too_big = vec![2u8; (1 << 20) - staging + 4096];
+    let e = m.register(range(&too_big)).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::OutOfBudget);
+    assert!(e.to_string().contains("decode staging"), "{e}");
+}
+
+/// A mix of compressed and raw weights (`sizes` in values; odd indexes raw).
+struct Mix {
+    data: Vec<Vec<u8>>,
+    ids: Vec<WeightId>,
+}
+
+fn mix(m: &ResidencyManager, sizes: &[usize], seed: u64) -> Mix {
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let dtype = if i % 4 == 2 { Dtype::Fp16 } else { Dtype::Bf16 };
+        let v = weight(dtype, n, seed + i as u64);
+        data.push(v);
+    }
+    for (i, v) in data.iter().enumerate() {
+        let dtype = if i % 4 == 2 { Dtype::Fp16 } else { Dtype::Bf16 };
+        let id = if i % 3 == 1 {
+            m.register(range(v)).unwrap()
+        } else {
+            let r = m.register_encoded(range(v), dtype, &opts()).unwrap();
+            assert_eq!(r.raw, None);
+            r.id
+        };
+        ids.push(id);
+    }
+    Mix { data, ids }
+}
+
+/// `steps` decode steps: acquire, a spin (the layer's compute, so reads are in
+/// flight when the next page-ins are issued), a checksum on the device, release.
+fn run(d: &Arc<dyn Device>, m: &ResidencyManager, x: &Mix, steps: usize, what: &str) {
+    let s = Stream::new(d).unwrap();
+    let slots = DeviceBuffer::new(d, 8 * x.ids.len()).unwrap();
+    let want: Vec<u64> = x.data.iter().map(|v| checksum_host(v)).collect();
+    for step in 0..steps {
+        for (i, &id) in x.ids.iter().enumerate() {
+            let p = m.acquire(id, s.raw()).unwrap();
+            d.spin_async(50, s.raw()).unwrap();
+            d.checksum_async(p, x.data[i].len(), slots.ptr() + 8 * i as u64, s.raw()).unwrap();
+            m.release(id, s.raw()).unwrap();
+        }
+        let mut got = vec![0u64; x.ids.len()];
+        // SAFETY: `got` is exclusively owned, 8 bytes per weight, read after
+        // the stream synchronizes.
+        unsafe { d.memcpy_dtoh_async(got.as_mut_ptr().cast(), slots.ptr(), 8 * x.ids.len(), s.raw()).unwrap() };
+        s.synchronize().unwrap();
+        for i in 0..x.ids.len() {
+            assert_eq!(got[i], want[i], "{what}, step {step}: weight {i} is not bit-exact on the device");
+        }
+    }
+}
+
+#[test]
+fn compressed_and_raw_mixes_stay_exact_under_eviction_plans_prefetch_and_policies() {
+    let d = dev();
+    // Uneven sizes (a ring plan under the cyclic policy) and equal ones
+    // (farthest-next-use, ordered reuse of the victim's block).
+    let uneven: Vec<usize> = (0..10).map(|i| 30_000 + 17_000 * (i % 4) + 14 * i).collect();
+    let equal = vec![40_000usize; 10];
+    for (shape, sizes) in [("uneven", &uneven), ("equal", &equal)] {
+        let total: usize = sizes.iter().map(|n| 2 * n).sum();
+        for policy in [PolicyKind::Cyclic, PolicyKind::Lru] {
+            for depth in 1..=4 {
+                for frac in [0.45, 0.7] {
+                    let what = format!("{shape}, {policy:?}, depth {depth}, budget {frac}");
+                    let mut c = cfg(0);
+                    c.policy = policy;
+                    c.prefetch_depth = depth;
+                    c.coalesce_below_bytes = 0;
+                    // Staging (two of the largest compressed weights) comes
+                    // out of the budget: add it so `frac` is what weights get.
+                    let largest = 2 * sizes.iter().max().unwrap();
+                    c.budget_bytes = (total as f64 * frac) as usize + 2 * largest;
+                    let m = ResidencyManager::new(&d, c).unwrap();
+                    let x = mix(&m, sizes, 100);
+                    m.declare_cycle(&x.ids).unwrap();
+                    run(&d, &m, &x, 5, &what);
+                    m.synchronize().unwrap();
+                    let st = m.stats();
+                    let ncoded = x.ids.iter().filter(|&&w| m.is_compressed(w).unwrap()).count() as u64;
+                    assert!(st.evictions > 0 && st.decodes > 2 * ncoded, "{what}: {st:?}");
+                    assert!(st.compressed_htod_bytes < st.decoded_bytes, "{what}: {st:?}");
+                    assert!(st.peak_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "{what}: {st:?}");
+                    if shape == "uneven" && policy == PolicyKind::Cyclic {
+                        assert!(st.ring_page_ins > 0, "{what}: no ring: {st:?}");
+                    }
+                    if depth > 1 && policy == PolicyKind::Cyclic {
+                        assert!(st.prefetch_page_ins > 0, "{what}: {st:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn decoded_bytes_match_the_weights_paged_in() {
+    let d = dev();
+    let sizes = vec![40_000usize; 6];
+    let mut c = cfg(0);
+    c.coalesce_below_bytes = 0;
+    c.budget_bytes = 2 * 40_000 * 3 + 4 * 2 * 40_000;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let x = mix(&m, &sizes, 7);
+    m.declare_cycle(&x.ids).unwrap();
+    run(&d, &m, &x, 4, "equal sizes");
+    m.synchronize().unwrap();
+    let st = m.stats();
+    let coded: Vec<usize> = (0..6).filter(|&i| m.is_compressed(x.ids[i]).unwrap()).collect();
+    // Every decode wrote one whole weight of 80,000 bytes.
+    assert_eq!(st.decoded_bytes, st.decodes * 80_000, "{st:?}");
+    assert!(st.decodes > coded.len() as u64, "no weight was decoded twice: {st:?}");
+    let host: u64 = st.compressed_host_bytes;
+    assert_eq!(st.compressed_raw_bytes, 80_000 * coded.len() as u64);
+    assert!(host < st.compressed_raw_bytes * 3 / 4, "host copies {host} of {} raw", st.compressed_raw_bytes);
+    // Raw page-ins copied their 80,000 bytes, decodes their compressed ones.
+    assert!(st.compressed_htod_bytes < st.decoded_bytes, "{st:?}");
+    assert_eq!(st.htod_bytes, st.compressed_htod_bytes + 80_000 * (st.page_ins - st.decodes), "{st:?}");
+}
+
+#[test]
+fn unregistering_and_registering_again_under_a_live_cycle_stays_exact() {
+    let d = dev();
+    let sizes: Vec<usize> = (0..8).map(|i| 20_000 + 9_000 * (i % 3)).collect();
+    let mut c = cfg(0);
+    c.coalesce_below_bytes = 0;
+    c.budget_bytes = sizes.iter().sum::<usize>() + 8 * 38_000;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let mut x = mix(&m, &sizes, 40);
+    m.declare_cycle(&x.ids).unwrap();
+    run(&d, &m, &x, 3, "before");
+    // Replace weight 0 (compressed) with new bytes.
+    m.unregister(x.ids[0]).unwrap();
+    x.data[0] = weight(Dtype::Bf16, sizes[0], 999);
+    x.ids[0] = m.register_encoded(range(&x.data[0]), Dtype::Bf16, &opts()).unwrap().id;
+    m.declare_cycle(&x.ids).unwrap();
+    run(&d, &m, &x, 3, "after");
+}
+
+/// A compressed page-in into the block of a weight whose reader is still
+/// held is ordered behind that reader on the device: the host does not wait
+/// and the reader sees its weight, not the decode's output.
+#[test]
+fn a_decode_into_a_reused_block_waits_for_its_readers_on_the_device() {
+    let d = dev();
+    let a = weight(Dtype::Bf16, 100_000, 1);
+    let b = weight(Dtype::Bf16, 100_000, 2);
+    let mut c = cfg(0);
+    c.prefetch_depth = 0;
+    c.budget_bytes = a.len() + 2 * (a.len() * 3 / 4); // staging: two of ~0.7 × a
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ia = m.register_encoded(range(&a), Dtype::Bf16, &opts()).unwrap().id;
+    let ib = m.register_encoded(range(&b), Dtype::Bf16, &opts()).unwrap().id;
+    let staging = m.stats().decode_staging_bytes as usize;
+    assert!(a.len() + staging <= c.budget_bytes && 2 * a.len() + staging > c.budget_bytes);
+    let (s1, s2) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
+    let slot = DeviceBuffer::new(&d, 16).unwrap();
+    let pa = m.acquire(ia, s1.raw()).unwrap();
+    let gate = Gate::new();
+    let wd = gate.watchdog(std::time::Duration::from_secs(10));
+    d.hold_async(s1.raw(), &gate).unwrap();
+    d.checksum_async(pa, a.len(), slot.ptr(), s1.raw()).unwrap();
+    m.release(ia, s1.raw()).unwrap();
+    let pb = m.acquire(ib, s2.raw()).unwrap();
+    assert!(!wd.fired(), "the host waited for A's held reader");
+    d.checksum_async(pb, b.len(), slot.ptr() + 8, s2.raw()).unwrap();
+    m.release(ib, s2.raw()).unwrap();
+    gate.open();
+    s1.synchronize().unwrap();
+    let mut got = [0u64; 2];
+    // SAFETY: `got` is exclusively owned, 16 bytes, read after the stream synchronizes.
+    unsafe { d.memcpy_dtoh_async(got.as_mut_ptr().cast(), slot.ptr(), 16, s2.raw()).unwrap() };
+    s2.synchronize().unwrap();
+    assert_eq!(got[0], checksum_host(&a), "A was overwritten by B's decode under its reader");
+    assert_eq!(got[1], checksum_host(&b), "B is not bit-exact");
+    let st = m.stats();
+    assert_eq!((st.evictions, st.ordered_reuses, st.eviction_waits, st.decodes), (1, 1, 0, 2), "{st:?}");
+    assert_eq!(pa, pb, "B did not take A's block");
+}
+
+/// A copy or decode that fails while a compressed weight pages in (every
+/// Nth enqueue, then every Nth event) is reported by `acquire` (the weight
+/// is then not acquired) or absorbed by a prefetch; afterwards every weight
+/// still reads back bit-exact and nothing is left acquired.
+#[test]
+fn failed_copies_and_decodes_are_reported_and_leave_the_weights_exact() {
+    use epmem::device::fault::{FaultKind, FaultyDevice};
+    let inner = dev();
+    let fd = Arc::new(FaultyDevice::new(inner));
+    let d: Arc<dyn Device> = fd.clone();
+    let sizes = vec![30_000usize; 6];
+    let mut reported = 0;
+    for kind in [FaultKind::Copy, FaultKind::Event] {
+        for nth in [1u64, 2, 3, 5, 8] {
+            let mut c = cfg(0);
+            c.coalesce_below_bytes = 0;
+            c.budget_bytes = 2 * 30_000 * 3 + 4 * 2 * 30_000;
+            let m = ResidencyManager::new(&d, c).unwrap();
+            let x = mix(&m, &sizes, 70);
+            m.declare_cycle(&x.ids).unwrap();
+            let s = Stream::new(&d).unwrap();
+            fd.fail_nth(kind, nth);
+            let mut failed = 0;
+            for _ in 0..2 {
+                for &id in &x.ids {
+                    match m.acquire(id, s.raw()) {
+                        Ok(_) => {
+                            // A release whose event fails is reported and
+                            // leaves the weight acquired: release it again.
+                            if let Err(e) = m.release(id, s.raw()) {
+                                assert_eq!(e.status(), EpmStatus::CudaError, "{kind:?} #{nth}: {e}");
+                                failed += 1;
+                                m.release(id, s.raw()).unwrap();
+                            }
+                        }
+                        Err(e) => {
+                            assert_eq!(e.status(), EpmStatus::CudaError, "{kind:?} #{nth}: {e}");
+                            failed += 1;
+                        }
+                    }
+                }
+            }
+            fd.clear();
+            s.synchronize().unwrap();
+            assert!(failed <= 1, "{kind:?} #{nth}: {failed} acquires failed for one fault");
+            reported += failed;
+            run(&d, &m, &x, 2, &format!("after {kind:?} fault #{nth}"));
+            drop(m);
+        }
+    }
+    assert!(fd.injected() >= 10 && reported > 0, "{} faults injected, {reported} reported", fd.injected());
+}
