@@ -80,6 +80,58 @@ def streamed_bytes(c):
     return (c["layers"] * per_layer + c["d"] * c["vocab"]) * eb
 
 
+def claimed_sizes(c, split_bytes=0):
+    """Bytes of each unit epmem streams, in execution order: per layer q, k,
+    v, o, gate, up, down; then the lm_head. With the EP option split_bytes, a
+    weight above it is cut as the EP cuts it (src/ort/streaming.rs `split`:
+    whole output columns, a multiple of 64 but the last, at most split_bytes,
+    balanced)."""
+    eb = 2 if c["dtype"] == "float16" else 4
+    d, f, v = c["d"], c["ffn"], c["vocab"]
+    kvd = c["kv_heads"] * (d // c["heads"])
+    per = [(d, d), (d, kvd), (d, kvd), (d, d), (d, f), (d, f), (f, d)]
+    out = []
+    for k, n in [kn for _ in range(c["layers"]) for kn in per] + [(d, v)]:
+        b = k * n * eb
+        if not split_bytes or b <= split_bytes or n < 128:
+            out.append(b)
+            continue
+        most = max(64, split_bytes // (k * eb) // 64 * 64)
+        cols = -(-n // -(-n // most))
+        cols = min(n, -(-cols // 64) * 64)
+        out += [k * min(cols, n - n0) * eb for n0 in range(0, n, cols)]
+    return out
+
+
+def whole_weight_floor(sizes, budget):
+    """The fewest bytes per step any schedule copying whole weights can copy
+    under `budget` (docs/RESIDENCY.md): while a streamed weight of m bytes is
+    read, it and every weight never copied are resident, so a step copies at
+    least total - kept with kept <= budget - m. Exact: for each candidate m,
+    every weight above m kept, the rest chosen by subset sum."""
+    from functools import reduce
+    from math import gcd
+
+    total = sum(sizes)
+    if total <= budget:
+        return 0
+    g = reduce(gcd, sizes)
+    best = total
+    for m in sorted(set(sizes)):
+        kept = sum(x for x in sizes if x > m)
+        room = budget - m - kept
+        if room < 0:
+            continue
+        cap = room // g
+        mask = (1 << (cap + 1)) - 1
+        reach = 1
+        for x in sizes:
+            if x <= m:
+                reach |= (reach << (x // g)) & mask
+        best = min(best, total - kept - (reach.bit_length() - 1) * g)
+    return best
+
+
 def build(c, path, seed=0):
     import numpy as np
     import onnx
@@ -220,6 +272,8 @@ def child(a):
             opts["register_sources"] = a.register_sources
         if a.prefetch_depth:
             opts["prefetch_depth"] = a.prefetch_depth
+        if a.split_mib:
+            opts["split_bytes"] = f"{a.split_mib}MiB"
         so.add_provider_for_devices([dev], opts)
         if cuda:
             so.add_provider("CUDAExecutionProvider", {})
@@ -343,6 +397,8 @@ def main():
     ap.add_argument("--lib", default=os.environ.get("EPMEM_LIB", ""))
     ap.add_argument("--register-sources", default="", choices=["", "memlock", "always", "never"],
                     help="the EP option register_sources (default: the EP's, memlock)")
+    ap.add_argument("--split-mib", default="",
+                    help="the EP option split_bytes in MiB (weights above it stream in parts; default: whole weights)")
     ap.add_argument("--prefetch-depth", default="",
                     help="the EP option prefetch_depth (weights paged in ahead of use; default: the EP's, 1)")
     ap.add_argument("--no-env-allocators", action="store_true",
@@ -384,6 +440,8 @@ def main():
             base.append("--no-env-allocators")
         if a.prefetch_depth:
             base += ["--prefetch-depth", a.prefetch_depth]
+        if a.split_mib:
+            base += ["--split-mib", a.split_mib]
         res = run_child(base + ["--mode", "resident", "--logits-out", ref_logits],
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))
@@ -393,6 +451,13 @@ def main():
             r = run_child(base + ["--mode", f"epmem-{pct}", "--budget", str(budget), "--ref", ref_json,
                                   "--ref-logits", ref_logits], os.path.join(a.out, f"{size}_epmem{pct}.log"))
             r["pct"] = pct
+            split = int(a.split_mib) << 20 if a.split_mib else 0
+            r["whole_weight_floor_bytes"] = whole_weight_floor(claimed_sizes(c, split), budget)
+            st = r.get("stream", {})
+            runs = st.get("computes", 0) / max(1, st.get("nodes_per_run", 0))
+            if runs > 1 and "first_run_htod_bytes" in st:
+                # Runs after the first: the first also fills the resident set.
+                r["htod_bytes_per_later_run"] = (st["htod_bytes"] - st["first_run_htod_bytes"]) / (runs - 1)
             if bw:
                 r["floor_ms"] = max(0, W - budget) / bw * 1e3
             rows.append(r)
@@ -439,11 +504,11 @@ def markdown(report, lines):
         c = s["config"]
         out.append(f"\n### {size}: d {c['d']}, {c['heads']}/{c['kv_heads']} heads, ffn {c['ffn']}, {c['layers']} layers, "
                    f"vocab {c['vocab']}, {c['dtype']}; streamed weights {s['streamed_bytes'] / 2**30:.2f} GiB\n\n")
-        out.append("| run | budget GiB | ms/token (median) | tok/s | floor ms | floor/ms | tokens identical | max logit diff | device GiB used | page-ins | GiB copied |\n")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|\n")
+        out.append("| run | budget GiB | ms/token (median) | tok/s | floor ms | floor/ms | tokens identical | max logit diff | device GiB used | page-ins | GiB copied | GiB per run after the first | whole-weight floor GiB | EP host us/node |\n")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in s["rows"]:
             st = r.get("stream", {})
-            out.append("| {} | {} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} | {} | {} |\n".format(
+            out.append("| {} | {} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n".format(
                 r["mode"], f"{r['budget'] / 2**30:.2f}" if r["budget"] else "all",
                 r["ms_per_token"], 1e3 / r["ms_per_token"],
                 f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-",
@@ -451,7 +516,10 @@ def markdown(report, lines):
                 r.get("tokens_identical", "ref"), f"{r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "-",
                 f"{r['device_bytes_used'] / 2**30:.2f}" if "device_bytes_used" in r else "-",
                 int(st["page_ins"]) if "page_ins" in st else "-",
-                f"{st['htod_bytes'] / 2**30:.2f}" if "htod_bytes" in st else "-"))
+                f"{st['htod_bytes'] / 2**30:.2f}" if "htod_bytes" in st else "-",
+                f"{r['htod_bytes_per_later_run'] / 2**30:.3f}" if "htod_bytes_per_later_run" in r else "-",
+                f"{r['whole_weight_floor_bytes'] / 2**30:.3f}" if "whole_weight_floor_bytes" in r else "-",
+                f"{st['host_us_per_compute']:.1f}" if "host_us_per_compute" in st else "-"))
     out.append("\n" + "\n".join(lines) + "\n")
     return "".join(out)
 

@@ -26,6 +26,10 @@ pub const OPT_PREFETCH_DEPTH: &str = "prefetch_depth";
 /// EP option: when the weights' host pages are registered with the device
 /// (`memlock`: within RLIMIT_MEMLOCK, the default; `always`; `never`).
 pub const OPT_REGISTER_SOURCES: &str = "register_sources";
+/// EP option: weights larger than this are streamed in parts of at most
+/// about this many bytes (whole columns of the output), each its own unit
+/// of the residency manager (default 0: whole weights).
+pub const OPT_SPLIT_BYTES: &str = "split_bytes";
 
 const KNOWN: &[&str] = &[
     OPT_STREAM_WEIGHTS,
@@ -34,6 +38,7 @@ const KNOWN: &[&str] = &[
     OPT_BUDGET_MARGIN_BYTES,
     OPT_PREFETCH_DEPTH,
     OPT_REGISTER_SOURCES,
+    OPT_SPLIT_BYTES,
 ];
 
 /// The EP's options, from the session's `ep.<registered name>.<key>`
@@ -47,6 +52,8 @@ pub(crate) struct EpOptions {
     pub budget_margin_bytes: Option<u64>,
     pub prefetch_depth: Option<usize>,
     pub register_sources: Option<crate::residency::RegisterSources>,
+    /// 0: whole weights.
+    pub split_bytes: u64,
 }
 
 impl Default for EpOptions {
@@ -58,6 +65,7 @@ impl Default for EpOptions {
             budget_margin_bytes: None,
             prefetch_depth: None,
             register_sources: None,
+            split_bytes: 0,
         }
     }
 }
@@ -111,6 +119,14 @@ impl EpOptions {
                         "never" => R::Never,
                         _ => return Err(bad("unknown value", "memlock, always or never")),
                     })
+                }
+                OPT_SPLIT_BYTES => {
+                    o.split_bytes = if v.trim() == "0" {
+                        0
+                    } else {
+                        super::options::parse_bytes(v)
+                            .map_err(|w| bad(w, "0 (whole weights) or a byte count such as 32MiB"))?
+                    }
                 }
                 _ => log::warn!(
                     "epmem: ignoring unknown EP option {k:?}; epmem's EP reads {}",
@@ -489,6 +505,7 @@ mod tests {
                 e("weight_min_bytes", "4096"),
                 e("prefetch_depth", "2"),
                 e("stream_weights", "1"),
+                e("split_bytes", "32MiB"),
                 ("ep.other.budget_bytes".into(), "garbage".into()),
                 ("session.x".into(), "1".into()),
             ],
@@ -499,6 +516,9 @@ mod tests {
             (o.weight_min_bytes, o.prefetch_depth, o.stream_weights),
             (4096, Some(2), true)
         );
+        assert_eq!(o.split_bytes, 32 << 20);
+        assert_eq!(EpOptions::parse("epmem", &[e("split_bytes", "0")]).unwrap().split_bytes, 0);
+        assert!(EpOptions::parse("epmem", &[e("split_bytes", "x")]).is_err());
         assert_eq!(EpOptions::parse("epmem", &[]).unwrap(), EpOptions::default());
         let err = EpOptions::parse("epmem", &[e("budget_bytes", "lots")]).unwrap_err();
         assert!(err.message().contains("budget_bytes"), "{err}");

@@ -194,11 +194,12 @@ impl Blas {
 
     /// Row-major Y[m, n] = alpha · X[m, k] · op(W) + beta · Y, all of type
     /// `elem`, accumulated in f32, queued on `stream` (a `CUstream`).
-    /// W is [k, n], or [n, k] with `trans_b`.
+    /// W is [k, n], or [n, k] with `trans_b`; Y's rows are `ldy` elements
+    /// apart (≥ n: a part of a weight writes some columns of a wider Y).
     ///
     /// # Safety
-    /// `x`, `w`, `y` are device addresses of at least m·k, k·n and m·n
-    /// elements that stay valid until the queued work completes.
+    /// `x`, `w`, `y` are device addresses of at least m·k, k·n and
+    /// (m − 1)·ldy + n elements that stay valid until the queued work completes.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemm(
         &mut self,
@@ -208,6 +209,7 @@ impl Blas {
         x: u64,
         w: u64,
         y: u64,
+        ldy: usize,
     ) -> Result<()> {
         let dt = match elem {
             TENSOR_ELEMENT_FLOAT => cudaDataType::CUDA_R_32F,
@@ -220,6 +222,8 @@ impl Blas {
                 .map_err(|_| Error::invalid_argument(format!("GEMM {what}={v} exceeds cuBLAS's int range")))
         };
         let (m, k, n) = (dim(s.m, "m")?, dim(s.k, "k")?, dim(s.n, "n")?);
+        crate::ensure!(ldy >= s.n, InvalidArgument, "GEMM ldy={ldy} < n={}", s.n);
+        let ldc = dim(ldy, "ldy")?;
         // Row-major Y = X · op(W) is column-major Yᵀ = op(W)ᵀ · Xᵀ: cuBLAS's
         // "A" is W (n×k after its op), its "B" is X (k×m, ld k), C is Y (ld n).
         let (op_w, ld_w) = if s.trans_b {
@@ -255,7 +259,7 @@ impl Blas {
                     &s.beta as *const f32 as *const c_void,
                     y as *mut c_void,
                     dt,
-                    n,
+                    ldc,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 ),

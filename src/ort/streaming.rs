@@ -17,11 +17,12 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::abi::*;
 use super::api::{Api, MemoryKind, TensorView};
 use super::claim::{Claim, EpOptions, GemmAttrs, InputFacts, decide};
-use super::gemm_host::{GemmShape, gemm, to_f32};
+use super::gemm_host::{GemmShape, gemm as host_gemm, to_f32};
 use super::graph::elem_name;
 use crate::arena::Arena;
 use crate::device::{Device, DeviceKind, HostRange, RawStream};
@@ -154,11 +155,21 @@ struct Bias {
     bytes: usize,
 }
 
+/// A part of a weight the manager streams as one unit: the output
+/// columns `n0..n0 + n`, laid out as a weight of its own ([k, n], or [n, k]
+/// with transB).
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    weight: WeightId,
+    n0: usize,
+    n: usize,
+}
+
 /// One compiled node.
 pub(crate) struct Kernel {
     label: String,
     claim: Claim,
-    weight: WeightId,
+    parts: Vec<Part>,
     bias: Option<Bias>,
 }
 
@@ -171,6 +182,8 @@ pub(crate) struct Streamer {
     /// How ORT labels this device's memory.
     kind: MemoryKind,
     budget: usize,
+    /// Weights above this are streamed in parts (0: never).
+    split_bytes: usize,
     /// Dropped before `hosts`: the manager reads them until it goes.
     mgr: Option<ResidencyManager>,
     /// Host copies of the weights, by initializer name, and the order of
@@ -181,16 +194,70 @@ pub(crate) struct Streamer {
     blas: Option<Mutex<super::gemm_cuda::Blas>>,
     warned_sync: AtomicBool,
     computes: AtomicU64,
+    /// Nodes per session run: the cycle's length (set by `declare_cycle`).
+    per_run: AtomicU64,
+    /// The manager's htod bytes when the second run began: what the first
+    /// run copied (every weight once, the resident set's fill included).
+    first_run_htod: AtomicU64,
+    /// Host time in `Compute` outside the GEMM call (on the host device,
+    /// outside what replaces the kernel: read-backs, host GEMM), summed
+    /// over every compute, and over the first run's.
+    host_ns: AtomicU64,
+    first_run_host_ns: AtomicU64,
 }
 
 #[derive(Default)]
 struct Owned {
     hosts: Vec<Box<[u8]>>,
-    by_name: HashMap<String, WeightId>,
+    by_name: HashMap<String, Vec<Part>>,
     /// (topological order, weight), sorted into the cycle.
     uses: Vec<(usize, WeightId)>,
     weight_bytes: usize,
     biases: Vec<u64>,
+    /// Compiled nodes (each computes once per run).
+    nodes: usize,
+}
+
+/// Whether [`split`] cuts `c`'s weight.
+fn splits(c: &Claim, split_bytes: usize) -> bool {
+    split_bytes != 0 && c.weight_bytes > split_bytes && c.n >= 128
+}
+
+/// Cut a weight's host copy into parts of at most `split_bytes` (none when
+/// 0 or the weight is smaller; at least 64 columns each): whole output
+/// columns, a multiple of 64 but the last, as few parts as that allows and
+/// of about equal size, each laid out as a weight of its own. Returns
+/// ((first column, columns), bytes) in column order.
+fn split(c: &Claim, data: Box<[u8]>, split_bytes: usize) -> Vec<((usize, usize), Box<[u8]>)> {
+    let (k, n) = (c.k, c.n);
+    if !splits(c, split_bytes) || data.len() != c.weight_bytes {
+        return vec![((0, n), data)];
+    }
+    let eb = data.len() / (k * n).max(1);
+    // The most whole groups of 64 columns a part of split_bytes holds (at
+    // least one group), then as few parts as that allows, balanced.
+    let most = (split_bytes / (k * eb).max(1) / 64 * 64).max(64);
+    let cols = n.div_ceil(n.div_ceil(most)).next_multiple_of(64).min(n);
+    let mut out = Vec::new();
+    let mut n0 = 0;
+    while n0 < n {
+        let w = cols.min(n - n0);
+        let part: Box<[u8]> = if c.trans_b {
+            // [n, k]: the part's rows are contiguous.
+            data[n0 * k * eb..(n0 + w) * k * eb].into()
+        } else {
+            // [k, n]: gather the columns of each row.
+            let mut v = Vec::with_capacity(k * w * eb);
+            for r in 0..k {
+                let at = (r * n + n0) * eb;
+                v.extend_from_slice(&data[at..at + w * eb]);
+            }
+            v.into_boxed_slice()
+        };
+        out.push(((n0, w), part));
+        n0 += w;
+    }
+    out
 }
 
 impl Streamer {
@@ -236,6 +303,7 @@ impl Streamer {
             dev,
             kind,
             budget,
+            split_bytes: usize::try_from(opts.split_bytes).unwrap_or(usize::MAX),
             mgr: Some(mgr),
             state: Mutex::new(Owned::default()),
             own_stream: Mutex::new(None),
@@ -243,6 +311,10 @@ impl Streamer {
             blas,
             warned_sync: AtomicBool::new(false),
             computes: AtomicU64::new(0),
+            per_run: AtomicU64::new(0),
+            first_run_htod: AtomicU64::new(0),
+            host_ns: AtomicU64::new(0),
+            first_run_host_ns: AtomicU64::new(0),
         })
     }
 
@@ -293,10 +365,17 @@ impl Streamer {
         } else {
             c.node_name.clone()
         };
-        let weight = {
-            let known = self.state().by_name.get(&claim.weight).copied();
+        // Parts are laid out for the node's transB: a weight split for a
+        // MatMul and for a transB Gemm is registered once for each.
+        let key = if claim.trans_b && splits(claim, self.split_bytes) {
+            format!("{} (transB)", claim.weight)
+        } else {
+            claim.weight.clone()
+        };
+        let parts = {
+            let known = self.state().by_name.get(&key).cloned();
             match known {
-                Some(w) => w,
+                Some(p) => p,
                 None => {
                     // SAFETY: the graph's initializer value info, live during Compile.
                     let v = unsafe { api.initializer_value(find(&claim.weight)?) }?;
@@ -310,26 +389,33 @@ impl Streamer {
                         t.bytes,
                         claim.weight_bytes
                     );
-                    if claim.weight_bytes > self.budget {
+                    let data = self.host_copy(&t)?;
+                    let pieces = split(claim, data, self.split_bytes);
+                    let largest = pieces.iter().map(|p| p.1.len()).max().unwrap_or(0);
+                    if largest > self.budget {
                         crate::bail!(
                             OutOfBudget,
-                            "weight '{}' of node '{label}' has {} bytes, more than the streaming budget of {} bytes \
+                            "weight '{}' of node '{label}' has {} bytes{}, more than the streaming budget of {} bytes \
                              (EP option budget_bytes): it could never be resident",
                             claim.weight,
                             claim.weight_bytes,
+                            if pieces.len() > 1 { format!(" (parts of up to {largest})") } else { String::new() },
                             self.budget
                         );
                     }
-                    let data = self.host_copy(&t)?;
-                    // SAFETY: `data` is owned by this streamer and dropped only
-                    // after the manager (see Drop), never written meanwhile.
-                    let range = unsafe { HostRange::new(data.as_ptr(), data.len()) };
-                    let w = self.mgr().register(range)?;
+                    let mut parts = Vec::with_capacity(pieces.len());
+                    for ((n0, n), data) in pieces {
+                        // SAFETY: `data` is owned by this streamer and dropped only
+                        // after the manager (see Drop), never written meanwhile.
+                        let range = unsafe { HostRange::new(data.as_ptr(), data.len()) };
+                        let w = self.mgr().register(range)?;
+                        self.state().hosts.push(data);
+                        parts.push(Part { weight: w, n0, n });
+                    }
                     let mut st = self.state();
-                    st.hosts.push(data);
-                    st.by_name.insert(claim.weight.clone(), w);
+                    st.by_name.insert(key, parts.clone());
                     st.weight_bytes += claim.weight_bytes;
-                    w
+                    parts
                 }
             }
         };
@@ -367,11 +453,15 @@ impl Streamer {
                 })
             }
         };
-        self.state().uses.push((c.order, weight));
+        // Parts in column order, all at the node's position (the sort is stable).
+        let mut st = self.state();
+        st.uses.extend(parts.iter().map(|p| (c.order, p.weight)));
+        st.nodes += 1;
+        drop(st);
         Ok(Arc::new(Kernel {
             label,
             claim: claim.clone(),
-            weight,
+            parts,
             bias,
         }))
     }
@@ -384,6 +474,7 @@ impl Streamer {
             st.uses.sort_by_key(|u| u.0);
             let mut seen = std::collections::HashSet::new();
             let order: Vec<WeightId> = st.uses.iter().map(|u| u.1).filter(|w| seen.insert(*w)).collect();
+            self.per_run.store(st.nodes as u64, Ordering::Relaxed);
             (order, st.by_name.len(), st.weight_bytes)
         };
         self.mgr().declare_cycle(&order)?;
@@ -447,6 +538,20 @@ impl Streamer {
     /// # Safety
     /// `ctx` is the live kernel context of a `Compute` call for `k`'s node.
     pub unsafe fn compute(&self, k: &Kernel, ctx: *mut OrtKernelContext) -> Result<()> {
+        let t0 = Instant::now();
+        let mut gemm = Duration::ZERO;
+        // SAFETY: per the caller.
+        let r = unsafe { self.compute_timed(k, ctx, &mut gemm) };
+        let host = t0.elapsed().saturating_sub(gemm);
+        self.host_ns.fetch_add(host.as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// `compute`, adding the time spent in the GEMM itself to `gemm`.
+    ///
+    /// # Safety
+    /// As for [`Self::compute`].
+    unsafe fn compute_timed(&self, k: &Kernel, ctx: *mut OrtKernelContext, gemm: &mut Duration) -> Result<()> {
         let api = &self.api;
         let c = &k.claim;
         // SAFETY: per the caller for every ORT call on ctx and its values.
@@ -500,7 +605,14 @@ impl Streamer {
         out_dims.push(c.n as i64);
         // SAFETY: ctx is the live kernel context (the caller's contract).
         let y = unsafe { api.kernel_output(ctx, 0, &out_dims) }?;
-        self.computes.fetch_add(1, Ordering::Relaxed);
+        let n = self.computes.fetch_add(1, Ordering::Relaxed);
+        let per_run = self.per_run.load(Ordering::Relaxed);
+        if n == per_run && n > 0 {
+            // The second run begins: what was copied so far is the first run's.
+            self.first_run_htod.store(self.mgr().stats().htod_bytes, Ordering::Relaxed);
+            self.first_run_host_ns
+                .store(self.host_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
         if m == 0 {
             return Ok(());
         }
@@ -521,35 +633,59 @@ impl Streamer {
         // SAFETY: ctx is the live kernel context.
         let given = unsafe { api.kernel_gpu_stream(ctx) }?;
         match self.dev.info().kind {
-            DeviceKind::Host => self.compute_host(k, shape, &av, &yv),
-            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given),
+            DeviceKind::Host => self.compute_host(k, shape, &av, &yv, gemm),
+            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given, gemm),
         }
     }
 
-    /// Run `f` between acquire and release of `k`'s weight on `s`: the
+    /// Run `f` between acquire and release of part `p` on `s`: the
     /// release is recorded whatever `f` returns.
-    fn with_weight<T>(&self, k: &Kernel, s: RawStream, f: impl FnOnce(u64) -> Result<T>) -> Result<T> {
-        let addr = self.mgr().acquire(k.weight, s)?;
+    fn with_weight<T>(&self, p: &Part, s: RawStream, f: impl FnOnce(u64) -> Result<T>) -> Result<T> {
+        let addr = self.mgr().acquire(p.weight, s)?;
         let r = f(addr);
-        let rel = self.mgr().release(k.weight, s);
+        let rel = self.mgr().release(p.weight, s);
         let v = r?;
         rel?;
         Ok(v)
     }
 
-    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView) -> Result<()> {
+    /// `gemm`: gets the time of what the host device does where a GPU runs
+    /// a kernel on device tensors: the input's and the weight's read-back,
+    /// the host GEMM and the output's copy.
+    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, gemm: &mut Duration) -> Result<()> {
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
         let stream = self.own_stream()?;
+        let t = Instant::now();
         let x = self.host_copy(av)?;
         crate::ensure!(x.len() == s.m * s.k * eb, Internal, "input of {} bytes", x.len());
-        let mut w = vec![0u8; c.weight_bytes];
-        self.with_weight(k, stream, |addr| {
-            // SAFETY: w has weight_bytes bytes; read only after the sync below.
-            unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, c.weight_bytes, stream) }
-        })?;
-        self.dev.stream_synchronize(stream)?;
-        let out = gemm(c.elem, s, &x, &w, k.bias.as_ref().map(|b| b.host.as_slice()));
+        let mut spent = t.elapsed();
+        let mut out = vec![0u8; s.m * s.n * eb];
+        for p in &k.parts {
+            let t = Instant::now();
+            let bytes = p.n * s.k * eb;
+            let mut w = vec![0u8; bytes];
+            spent += t.elapsed();
+            self.with_weight(p, stream, |addr| {
+                let t = Instant::now();
+                // SAFETY: w has the part's bytes; read only after the sync below.
+                let r = unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, bytes, stream) };
+                spent += t.elapsed();
+                r
+            })?;
+            let t2 = Instant::now();
+            self.dev.stream_synchronize(stream)?;
+            let part = GemmShape { n: p.n, ..s };
+            let bias = k.bias.as_ref().map(|b| &b.host[p.n0..p.n0 + p.n]);
+            let y = host_gemm(c.elem, part, &x, &w, bias);
+            // The part's [m, n] into columns n0.. of the [m, N] output.
+            for (r, row) in y.chunks_exact(p.n * eb).enumerate() {
+                let at = (r * s.n + p.n0) * eb;
+                out[at..at + row.len()].copy_from_slice(row);
+            }
+            spent += t2.elapsed();
+        }
+        let t = Instant::now();
         crate::ensure!(
             out.len() == yv.bytes,
             Internal,
@@ -565,6 +701,7 @@ impl Streamer {
             // SAFETY: ORT's output tensor in host-readable memory of yv.bytes bytes.
             unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yv.ptr as *mut u8, out.len()) };
         }
+        *gemm += spent + t.elapsed();
         Ok(())
     }
 
@@ -576,6 +713,7 @@ impl Streamer {
         av: &TensorView,
         yv: &TensorView,
         given: Option<u64>,
+        gemm: &mut Duration,
     ) -> Result<()> {
         crate::ensure!(
             self.on_device(av) && self.on_device(yv),
@@ -610,31 +748,47 @@ impl Streamer {
             .blas
             .as_ref()
             .ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
-        self.with_weight(k, stream, |w| {
-            let mut shape = s;
-            match &k.bias {
-                Some(b) if s.beta != 0.0 => {
-                    let src = b.dev.ok_or_else(|| Error::internal("bias not on the device"))?;
-                    // Broadcast the bias row into Y: one copy, then doubling.
-                    let row = c.n * eb;
-                    self.dev.memcpy_dtod_async(yv.ptr, src, b.bytes.min(row), stream)?;
-                    let mut done = 1usize;
-                    while done < s.m {
-                        let rows = done.min(s.m - done);
-                        self.dev
-                            .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
-                        done += rows;
-                    }
+        let mut shape = s;
+        match &k.bias {
+            Some(b) if s.beta != 0.0 => {
+                let src = b.dev.ok_or_else(|| Error::internal("bias not on the device"))?;
+                // Broadcast the bias row into Y: one copy, then doubling.
+                let row = c.n * eb;
+                self.dev.memcpy_dtod_async(yv.ptr, src, b.bytes.min(row), stream)?;
+                let mut done = 1usize;
+                while done < s.m {
+                    let rows = done.min(s.m - done);
+                    self.dev
+                        .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
+                    done += rows;
                 }
-                _ => shape.beta = 0.0,
             }
-            let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: x, w, y are device addresses of m·k, k·n, m·n
-            // elements: ORT's tensors (checked sizes via their shapes) and
-            // the acquired weight, which stays resident until the release
-            // recorded after this GEMM on the same stream completes.
-            unsafe { h.gemm(native, c.elem, shape, av.ptr, w, yv.ptr) }
-        })?;
+            _ => shape.beta = 0.0,
+        }
+        for p in &k.parts {
+            self.with_weight(p, stream, |w| {
+                let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
+                let t = Instant::now();
+                // SAFETY: x, w, y are device addresses of m·k, k·p.n, m·n
+                // elements: ORT's tensors (checked sizes via their shapes) and
+                // the acquired part, which stays resident until the release
+                // recorded after this GEMM on the same stream completes; the
+                // part writes columns n0..n0 + p.n of each row of Y (ldc n).
+                let r = unsafe {
+                    h.gemm(
+                        native,
+                        c.elem,
+                        GemmShape { n: p.n, ..shape },
+                        av.ptr,
+                        w,
+                        yv.ptr + (p.n0 * eb) as u64,
+                        s.n,
+                    )
+                };
+                *gemm += t.elapsed();
+                r
+            })?;
+        }
         if sync {
             self.dev.stream_synchronize(stream)?;
         }
@@ -653,9 +807,9 @@ impl Drop for Streamer {
         }
         let s = mgr.stats();
         let arena = mgr.arena().clone();
-        let (weights, bytes) = {
+        let (weights, units, bytes) = {
             let st = self.state();
-            (st.by_name.len(), st.weight_bytes)
+            (st.by_name.len(), st.hosts.len(), st.weight_bytes)
         };
         drop(mgr);
         let a = arena.stats();
@@ -675,20 +829,42 @@ impl Drop for Streamer {
         for (_, st) in self.adopted.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = self.dev.stream_destroy(st);
         }
+        let computes = self.computes.load(Ordering::Relaxed);
+        let per_run = self.per_run.load(Ordering::Relaxed);
+        // Per compute after the first run (its page-ins are the resident
+        // set's fill), or over every compute when there was one run.
+        let (ns, n) = if computes > per_run && per_run > 0 {
+            (
+                self.host_ns.load(Ordering::Relaxed) - self.first_run_host_ns.load(Ordering::Relaxed),
+                computes - per_run,
+            )
+        } else {
+            (self.host_ns.load(Ordering::Relaxed), computes)
+        };
         log::info!(
-            "epmem ({}): weight streaming released: weights={weights} weight_bytes={bytes} budget_bytes={} \
-             computes={} acquires={} hits={} page_ins={} evictions={} peak_resident_bytes={} htod_bytes={} \
-             stall_ms={:.1} live_allocations_after={} in_use_bytes_after={}",
+            "epmem ({}): weight streaming released: weights={weights} units={units} weight_bytes={bytes} budget_bytes={} \
+             computes={computes} nodes_per_run={} first_run_htod_bytes={} host_us_per_compute={:.2} \
+             acquires={} hits={} page_ins={} evictions={} eviction_waits={} plans={} ring_bytes={} \
+             peak_resident_bytes={} htod_bytes={} stall_ms={:.1} device_stall_ms={:.1} host_stall_ms={:.1} \
+             background_waits={} live_allocations_after={} in_use_bytes_after={}",
             self.ep_name,
             self.budget,
-            self.computes.load(Ordering::Relaxed),
+            per_run,
+            self.first_run_htod.load(Ordering::Relaxed),
+            ns as f64 / 1e3 / n.max(1) as f64,
             s.acquires,
             s.hits,
             s.page_ins,
             s.evictions,
+            s.eviction_waits,
+            s.plans,
+            s.ring_bytes,
             s.peak_resident_bytes,
             s.htod_bytes,
             s.stall_ms,
+            s.device_stall_ms,
+            s.host_stall_ms,
+            s.background_waits,
             a.live_allocations,
             a.in_use_bytes
         );
@@ -764,4 +940,69 @@ unsafe extern "C" fn compute(
 
 unsafe extern "C" fn release_state(_this: *mut OrtNodeComputeInfo, _state: *mut c_void) {
     // The state is the compute info, released by ReleaseNodeComputeInfos.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(k: usize, n: usize, trans_b: bool) -> Claim {
+        Claim {
+            op: "MatMul",
+            weight: "w".into(),
+            trans_b,
+            alpha: 1.0,
+            bias: None,
+            beta: 0.0,
+            k,
+            n,
+            elem: TENSOR_ELEMENT_FLOAT16,
+            weight_bytes: k * n * 2,
+            a_rank: 2,
+        }
+    }
+
+    /// Element (r, col) of a [k, n] (or, transposed, [n, k]) f16 weight as
+    /// two distinct bytes.
+    fn weight(k: usize, n: usize, trans_b: bool) -> Box<[u8]> {
+        let mut v = Vec::with_capacity(k * n * 2);
+        for i in 0..k * n {
+            let (r, col) = if trans_b { (i % k, i / k) } else { (i / n, i % n) };
+            v.extend_from_slice(&((r * 7 + col * 13) as u16).to_le_bytes());
+        }
+        v.into_boxed_slice()
+    }
+
+    #[test]
+    fn parts_are_whole_columns_that_put_the_weight_back_together() {
+        for trans_b in [false, true] {
+            let (k, n) = (96, 1000);
+            let c = claim(k, n, trans_b);
+            let full = weight(k, n, trans_b);
+            let parts = split(&c, full.clone(), 40_000);
+            // 192 columns (36864 bytes) fit 40000: 6 parts of 167 rounded up to 192.
+            assert_eq!(parts.len(), 6, "192000 bytes in parts of at most 40000");
+            let mut next = 0;
+            for ((n0, w), bytes) in &parts {
+                assert_eq!(*n0, next, "columns in order, none missed");
+                assert!(*n0 + w == n || w % 64 == 0, "{w} columns");
+                assert_eq!(bytes.len(), k * w * 2);
+                assert!(bytes.len() <= 40_000);
+                // The part is the weight's columns n0.. as a [k, w] (or [w, k]) weight.
+                for r in 0..k {
+                    for j in 0..*w {
+                        let at = if trans_b { j * k + r } else { r * w + j };
+                        let got = u16::from_le_bytes([bytes[2 * at], bytes[2 * at + 1]]);
+                        assert_eq!(got as usize, r * 7 + (n0 + j) * 13, "trans_b {trans_b} ({r}, {})", n0 + j);
+                    }
+                }
+                next = n0 + w;
+            }
+            assert_eq!(next, n);
+            // Not split: below the size, 0, or too few columns.
+            assert_eq!(split(&c, full.clone(), 0).len(), 1);
+            assert_eq!(split(&c, full.clone(), 1 << 20).len(), 1);
+            assert_eq!(split(&claim(2000, 100, trans_b), weight(2000, 100, trans_b), 1000).len(), 1);
+        }
+    }
 }

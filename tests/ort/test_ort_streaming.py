@@ -32,6 +32,10 @@ REG = "epmem"
 # Wk, Wv, Wo 64 KiB, W1, W2 256 KiB; Wlm 512 KiB) = 2 MiB, under a budget of
 # half of that; three runs.
 MIN = 32 << 10
+# The benchmark decoder's proportions, small enough for a CPU run (142 MB of
+# float32 weights, 15 claimed), and how many runs the "llama" scenario does.
+LLAMA = dict(d=1024, heads=32, kv_heads=8, ffn=3584, layers=2, vocab=8000, dtype="float32")
+LLAMA_RUNS = 3
 BUDGET = 1 << 20
 WEIGHTS, WEIGHT_BYTES, RUNS = 13, 2 << 20, 3
 
@@ -112,6 +116,32 @@ def child(mode, opts):
                 e1 = r(x) @ r(w["W"])
                 e2 = 0.5 * r(x2) @ r(w["Wt"]).T + 2.0 * r(w["b"])
                 out["types"][dtype] = [rel_err(y1, e1), rel_err(y2, e2)]
+        elif mode == "llama":
+            # scripts/bench_ort_stream.py's decoder with its big size's
+            # proportions (kv = d/4, ffn = 3.5 d, vocab = 7.8125 d), float32
+            # for the CPU EP, every weight >= 1 MiB (none coalesced).
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
+            import bench_ort_stream as bos
+
+            c = dict(LLAMA)
+            path = os.path.join(tmp, "llama.onnx")
+            bos.build(c, path)
+            total = bos.streamed_bytes(c)
+            budget = total * int(opts.pop("pct")) // 100
+            split = int(opts.get("split_bytes", 0))
+            opts.update({"budget_bytes": str(budget), "weight_min_bytes": "1MiB"})
+            hd = c["d"] // c["heads"]
+            feeds = {"input_ids": np.array([[7]], dtype=np.int64)}
+            for i in range(c["layers"]):
+                for kind in ("key", "value"):
+                    feeds[f"past_{kind}_{i}"] = np.zeros((1, c["kv_heads"], 0, hd), dtype=np.float32)
+            s = session(path, opts)
+            for _ in range(LLAMA_RUNS):
+                s.run(["logits"], feeds)
+            del s
+            out["sizes"] = bos.claimed_sizes(c, split)
+            out["budget"] = budget
+            out["floor"] = bos.whole_weight_floor(out["sizes"], budget)
         elif mode == "input_weight":
             path = os.path.join(tmp, "input_weight.onnx")
             onnx.save(make_decoder.graph_input_weight(), path)
@@ -238,6 +268,50 @@ class Streaming(unittest.TestCase):
         s = release_stats(log)
         self.assertEqual(s["page_ins"], WEIGHTS, s)
         self.assertEqual(s["evictions"], 0, s)
+
+    def test_a_llama_decoder_copies_at_most_the_whole_weight_floor_per_run(self):
+        # Every run after the first copies at most the whole-weight floor for
+        # the budget (the first pages every weight in once: the resident set's
+        # fill). The EP reports what the first run copied. With split_bytes
+        # the units are the EP's parts, and the floor is theirs.
+        for pct, split in ((25, 0), (75, 0), (75, 4 << 20)):
+            o = {"pct": pct, "split_bytes": str(split)} if split else {"pct": pct}
+            res, log = run_child("llama", o)
+            self.assertNotIn("error", res, log[-3000:])
+            s = release_stats(log)
+            sizes, budget = res["sizes"], res["budget"]
+            total = sum(sizes)
+            self.assertEqual((s["units"], s["weight_bytes"]), (len(sizes), total), s)
+            nodes = 7 * LLAMA["layers"] + 1
+            self.assertEqual((s["weights"], s["nodes_per_run"]), (nodes, nodes), s)
+            self.assertEqual(s["computes"], nodes * LLAMA_RUNS, s)
+            self.assertLessEqual(s["peak_resident_bytes"], budget, s)
+            first = s["first_run_htod_bytes"]
+            self.assertGreaterEqual(first, total, s)
+            self.assertLessEqual(first, total + max(sizes), s)
+            floor = res["floor"]
+            per_run = (s["htod_bytes"] - first) / (LLAMA_RUNS - 1)
+            # The arena aligns each weight to 256 bytes.
+            self.assertLessEqual(per_run, floor + 256 * len(sizes), (pct, per_run, floor, s))
+            self.assertGreaterEqual(per_run, total - budget, (pct, per_run, floor, s))
+            self.assertEqual(s["eviction_waits"], 0, s)
+
+    def test_split_weights_stream_in_parts_under_a_budget_below_the_largest(self):
+        # split_bytes 64 KiB: every weight above it (W1, W2 256 KiB, Wlm 512
+        # KiB; the transB Gemm with its bias among them) streams in parts of
+        # whole output columns, so a 256 KiB budget, below the lm_head, runs;
+        # outputs as with whole weights.
+        res, log = run_child("decoder", opts(split_bytes="64KiB", budget_bytes=256 << 10))
+        self.assertNotIn("error", res, log[-3000:])
+        self.assertLessEqual(res["max_abs_diff"], 1e-5 * max(1.0, res["ref_max"]), res)
+        self.assertTrue(res["runs_identical"], res)
+        s = release_stats(log)
+        self.assertEqual((s["weights"], s["weight_bytes"]), (WEIGHTS, WEIGHT_BYTES), s)
+        self.assertGreater(s["units"], WEIGHTS, s)
+        self.assertEqual(s["computes"], WEIGHTS * RUNS, s)
+        self.assertEqual(s["acquires"], s["units"] * RUNS, s)
+        self.assertLessEqual(s["peak_resident_bytes"], 256 << 10, s)
+        self.assertEqual((s["live_allocations_after"], s["in_use_bytes_after"]), (0, 0), s)
 
     def test_float16_and_bfloat16_match_numpy(self):
         res, log = run_child("types", {"weight_min_bytes": "64KiB", "budget_bytes": "1MiB"})
