@@ -262,9 +262,12 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
     device: an epmem.Device, or "cuda"/"host"/"auto" (default: EPM_DEVICE, on the
         ordinal of the module's CUDA device).
     prefetch_depth: page-ins queued ahead along the forward order (default: 2 for
-        sources="staged", whose page-ins the background filler must fill first, 1
-        otherwise; on the H200 a staged decode at 75% budget took 63 ms/token at
-        depth 1 and 51 at depth 2, docs/BENCHMARKS.md).
+        sources="staged", whose page-ins the background filler must fill first,
+        and for compressed weights, whose copies a decode follows; 1 otherwise.
+        On the H200 a staged decode at 75% budget took 63 ms/token at depth 1 and
+        51 at depth 2; compressed, the small shape at 75% took 41.1 ms/token at
+        depth 1 and 27.8 at depth 2, and the other cells the same within 1%,
+        docs/BENCHMARKS.md).
     policy ("cyclic" or "lru"), **residency_config: EpmResidencyConfig fields
         (e.g. fill_ahead_chunks, staging_slots, caller_fills).
     compress: "auto" (default: on when epmem's device is CUDA, where a page-in
@@ -292,8 +295,6 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         raise ValueError(f"sources must be one of {SOURCES}, not {sources!r}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
-    if prefetch_depth is None:
-        prefetch_depth = 2 if sources == "staged" else 1
     if policy not in ("cyclic", "lru"):
         raise ValueError(f"policy must be 'cyclic' or 'lru', not {policy!r}")
     if not (compress is True or compress is False or compress == "auto"):
@@ -412,6 +413,10 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         for i, u in enumerate(units):
             u.index = i
         compressing = dev.is_cuda if compress == "auto" else compress
+        if prefetch_depth is None:
+            # Two ahead where a page-in is more than one DMA: a staged copy
+            # (the filler fills first) or a compressed one (a decode follows).
+            prefetch_depth = 2 if sources == "staged" or compressing else 1
         st = _State(module, dev, own_device, tdev, chosen, units, budget_bytes, sources, granularity, total,
                     dict(residency_config, prefetch_depth=prefetch_depth,
                          policy=L.EPM_POLICY_CYCLIC if policy == "cyclic" else L.EPM_POLICY_LRU),
@@ -461,6 +466,7 @@ class _State:
             raise
 
     def _setup(self, rcfg):
+        self.prefetch_depth = rcfg.get("prefetch_depth")
         dev = self.dev
         if self.sources == "pinned":
             g = dev.info()["granularity"]
@@ -717,6 +723,7 @@ class Offload:
         raw_host = sum(w.nbytes for w in st.weights if not w.compressed)
         d.update(offloaded_bytes=self.offloaded_bytes, weights=len(st.weights), units=len(st.units),
                  granularity=st.granularity, sources=st.sources, device=st.dev.kind,
+                 prefetch_depth=st.prefetch_depth,
                  compress=st.compress is not None, host_weight_bytes=raw_host + d["compressed_host_bytes"],
                  host_range_registered=st.host_range is not None, host_range_error=st.host_range_error)
         return d

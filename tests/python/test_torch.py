@@ -198,6 +198,8 @@ class Offload(unittest.TestCase):
                         self.assertEqual(greedy(m), ref)
                         st = h.stats()
                         self.assertTrue(st["compress"])
+                        # A decode follows each copy: two page-ins ahead by default.
+                        self.assertEqual(st["prefetch_depth"], 2)
                         # up.weight and down.weight; the biases (512 bytes) do not compress
                         # below 0.9 x (the header alone is 128 bytes) and stream raw.
                         self.assertEqual(st["compressed_weights"], 6 * 2, st)
@@ -221,6 +223,7 @@ class Offload(unittest.TestCase):
         with et.offload(self.model, self.offloaded // 2) as h:
             st = h.stats()
             self.assertEqual(st["compress"], self.dev.type == "cuda")
+            self.assertEqual(st["prefetch_depth"], 2 if self.dev.type == "cuda" else 1)
             # fp32 weights are never encoded: all raw, streamed as before.
             self.assertEqual(st["compressed_weights"], 0)
             self.assertEqual(st["host_weight_bytes"], self.offloaded)
@@ -231,6 +234,7 @@ class Offload(unittest.TestCase):
         with et.offload(m, block_linear_bytes(m) // 2, compress=True) as h:
             st = h.stats()
             self.assertTrue(st["compress"])
+            self.assertEqual(st["prefetch_depth"], 2)
             self.assertEqual((st["compressed_weights"], st["decodes"]), (0, 0))
             self.assertEqual(greedy(m), ref)
         self.assertEqual(greedy(m), ref)
