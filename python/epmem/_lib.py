@@ -212,34 +212,8 @@ EpmKvBatchDesc = header_struct("EpmKvBatchDesc")
 EpmKvBatchSlotInfo = header_struct("EpmKvBatchSlotInfo")
 
 
-class EpmResidencyConfig(Structure):
-    _fields_ = [("size", c_size_t), ("budget_bytes", c_uint64), ("policy", c_uint32),
-                ("register_sources", c_uint32), ("prefetch_depth", c_uint32), ("sync_page_in", c_uint32),
-                ("staging_slots", c_uint32), ("fill_threads", c_uint32), ("staging_chunk_bytes", c_uint64),
-                ("staging_pool_bytes", c_uint64), ("coalesce_below_bytes", c_uint64),
-                ("coalesce_max_bytes", c_uint64), ("caller_fills", c_uint32),
-                ("fill_waits_on_host", c_uint32), ("fill_ahead_chunks", c_uint32)]
-
-
-class EpmResidencyStats(Structure):
-    _fields_ = [("size", c_size_t), ("acquires", c_uint64), ("hits", c_uint64), ("hit_rate", c_double)] + [
-        (n, c_uint64) for n in (
-            "page_ins", "prefetch_page_ins", "pending_prefetches", "wasted_prefetches", "evictions",
-            "eviction_waits", "bypassed_page_ins", "staged_page_ins", "source_registrations",
-            "register_refusals", "registered_bytes", "htod_bytes", "pinned_alloc_calls", "pinned_reuses")
-    ] + [(n, c_double) for n in ("fill_ms", "htod_ms", "stall_ms", "device_stall_ms", "host_stall_ms")] + [
-        (n, c_uint64) for n in (
-            "resident_bytes", "peak_resident_bytes", "resident_weights", "registered_weights", "budget_bytes",
-            "arena_driver_alloc_calls", "arena_driver_free_calls", "arena_reserved_bytes",
-            "arena_committed_bytes", "arena_in_use_bytes")
-    ] + [("arena_fragmentation", c_double), ("coalesced_weights", c_uint64), ("ordered_reuses", c_uint64),
-         ("attached_bytes", c_uint64), ("background_page_ins", c_uint64), ("background_waits", c_uint64),
-         ("background_wait_ms", c_double), ("fill_ahead_bytes", c_uint64), ("fill_ahead_used_bytes", c_uint64),
-         ("slot_wait_ms", c_double), ("background_busy_ms", c_double)] + [
-        (n, c_uint64) for n in (
-            "compressed_weights", "compressed_host_bytes", "compressed_raw_bytes", "decode_staging_bytes",
-            "compressed_htod_bytes", "decoded_bytes", "decodes")
-    ] + [("decode_ms", c_double)]
+EpmResidencyConfig = header_struct("EpmResidencyConfig")
+EpmResidencyStats = header_struct("EpmResidencyStats")
 
 
 EpmStagingStats = header_struct("EpmStagingStats")

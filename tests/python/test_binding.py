@@ -185,8 +185,8 @@ class HeaderAgreement(unittest.TestCase):
         with open(L.header_path()) as f:
             self.assertEqual(f.read(), header_text(), f"{L.header_path()} is not {HEADER}")
         self.assertEqual(set(L.HEADER_STRUCTS), {s.__name__ for s in L.STRUCTS})
-        # The classes still written out by hand (EpmResidencyConfig,
-        # EpmResidencyStats) have exactly the header's fields too.
+        # A class written out by hand (EpmCompressedWeight, for its typed
+        # options pointer) has exactly the header's fields too.
         for s in L.STRUCTS:
             want = [(n, ctypes.sizeof(t)) for n, t in L.HEADER_STRUCTS[s.__name__]]
             self.assertEqual([(n, ctypes.sizeof(t)) for n, t in s._fields_], want, s.__name__)
