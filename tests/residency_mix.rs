@@ -466,7 +466,7 @@ fn split_matrices_stream_close_to_total_minus_budget() {
 #[test]
 fn per_weight_acquisition_streams_the_whole_weight_floor_at_any_prefetch_depth() {
     let mut table = String::from("| shape | budget % | depth | bytes/step | whole-weight floor | ÷ floor | eviction waits |\n");
-    let uniform = vec![(128 * 344 * 2); 24];
+    let uniform = vec![128 * 344 * 2; 24];
     let mut cases: Vec<(&str, Vec<usize>)> = shapes()
         .into_iter()
         .filter(|(n, _)| *n != "llama13b/32")
