@@ -140,6 +140,8 @@ test-rust:
 lint:
 	@$(CARGO) clippy --version >/dev/null 2>&1 || { echo "make lint: cargo clippy is missing (rustup component add clippy)" >&2; exit 1; }
 	$(CARGO) clippy --workspace --all-targets --features testing -- -A clippy::all
+	@$(CARGO) fmt --version >/dev/null 2>&1 || { echo "make lint: cargo fmt is missing (rustup component add rustfmt)" >&2; exit 1; }
+	$(CARGO) fmt --all --check
 
 # The C tests run three ways: plain and sanitized on the host device, then
 # plain with EPM_DEVICE=cuda against the fake libcuda the CUDA device's own

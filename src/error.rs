@@ -103,11 +103,8 @@ impl Error {
     /// An OS call failed; captures `errno` now.
     pub fn last_os_error(call: &str) -> Self {
         let e = std::io::Error::last_os_error();
-        let status = if e.raw_os_error() == Some(libc::ENOMEM) {
-            EpmStatus::OutOfHostMemory
-        } else {
-            EpmStatus::OsError
-        };
+        let status =
+            if e.raw_os_error() == Some(libc::ENOMEM) { EpmStatus::OutOfHostMemory } else { EpmStatus::OsError };
         Self::new(status, format!("{call} failed: {e}"))
     }
 }

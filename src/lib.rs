@@ -21,12 +21,12 @@
 #[forbid(unsafe_code)]
 pub mod arena;
 /// cbindgen:ignore
+#[forbid(unsafe_code)]
+pub mod codec;
+/// cbindgen:ignore
 pub mod device;
 #[forbid(unsafe_code)]
 pub mod error;
-/// cbindgen:ignore
-#[forbid(unsafe_code)]
-pub mod codec;
 pub mod ffi;
 /// cbindgen:ignore
 #[forbid(unsafe_code)]

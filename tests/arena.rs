@@ -12,14 +12,9 @@ fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
 }
 
-
 fn cfg(dev: &Arc<dyn Device>, chunks: usize, chunk_granules: usize) -> ArenaConfig {
     let chunk = dev.vmm_granularity() * chunk_granules;
-    ArenaConfig {
-        capacity: chunks * chunk,
-        chunk_bytes: chunk,
-        max_allocs: 4096,
-    }
+    ArenaConfig { capacity: chunks * chunk, chunk_bytes: chunk, max_allocs: 4096 }
 }
 
 /// Random alloc/free against a model of the live set: no two live blocks
@@ -57,10 +52,7 @@ fn random_pattern(arena: &dyn Arena, seed: u64, ops: usize, max_size: u64) -> (u
         let s = arena.stats();
         assert_eq!(s.live_allocations, live.len() as u64);
         let requested: u64 = live.values().map(|&l| l as u64).sum();
-        assert!(
-            s.in_use_bytes >= requested && s.in_use_bytes <= s.committed_bytes,
-            "{s:?} vs requested {requested}"
-        );
+        assert!(s.in_use_bytes >= requested && s.in_use_bytes <= s.committed_bytes, "{s:?} vs requested {requested}");
     }
     for (a, _) in std::mem::take(&mut live) {
         arena.free(a).unwrap();
@@ -108,10 +100,7 @@ fn device_arena_blocks_are_real_disjoint_memory() {
         // synchronize the stream before reading it.
         unsafe { d.memcpy_dtoh_async(host.as_mut_ptr(), b, n, s.raw()).unwrap() };
         s.synchronize().unwrap();
-        assert!(
-            host.iter().all(|&x| x == i as u8 + 1),
-            "block {i} was overwritten by a neighbour"
-        );
+        assert!(host.iter().all(|&x| x == i as u8 + 1), "block {i} was overwritten by a neighbour");
     }
     for b in blocks {
         arena.free(b).unwrap();
@@ -124,37 +113,22 @@ fn device_arena_grows_by_chunks_reports_exhaustion_and_trims() {
     let c = cfg(&d, 4, 1);
     let arena = DeviceArena::new(&d, c).unwrap();
     let chunk = arena.chunk_bytes();
-    assert_eq!(
-        arena.stats().committed_bytes,
-        0,
-        "nothing committed before the first allocation"
-    );
+    assert_eq!(arena.stats().committed_bytes, 0, "nothing committed before the first allocation");
     let mut blocks = Vec::new();
     for i in 1..=4u64 {
         blocks.push(arena.alloc(chunk, 0).unwrap());
         let s = arena.stats();
-        assert_eq!(
-            (s.committed_bytes, s.driver_alloc_calls),
-            (i * chunk as u64, i),
-            "{s:?}"
-        );
+        assert_eq!((s.committed_bytes, s.driver_alloc_calls), (i * chunk as u64, i), "{s:?}");
     }
     let e = arena.alloc(1, 0).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
     let e = arena.alloc(5 * chunk, 0).unwrap_err();
     assert_eq!(e.status(), EpmStatus::OutOfBudget, "{e}");
-    assert_eq!(
-        arena.free(blocks[0] + 256).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    assert_eq!(arena.free(blocks[0] + 256).unwrap_err().status(), EpmStatus::InvalidArgument);
     assert_eq!(arena.free(1).unwrap_err().status(), EpmStatus::InvalidArgument);
     arena.free(blocks[1]).unwrap();
     arena.free(blocks[3]).unwrap();
-    assert_eq!(
-        arena.free(blocks[3]).unwrap_err().status(),
-        EpmStatus::InvalidArgument,
-        "double free"
-    );
+    assert_eq!(arena.free(blocks[3]).unwrap_err().status(), EpmStatus::InvalidArgument, "double free");
     assert_eq!(arena.trim().unwrap(), 2 * chunk);
     let s = arena.stats();
     assert_eq!((s.committed_bytes, s.driver_free_calls), (2 * chunk as u64, 2), "{s:?}");
@@ -172,20 +146,8 @@ fn device_arena_rejects_bad_arguments() {
     let arena = DeviceArena::new(&d, cfg(&d, 2, 1)).unwrap();
     assert_eq!(arena.alloc(0, 0).unwrap_err().status(), EpmStatus::InvalidArgument);
     assert_eq!(arena.alloc(16, 3).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert_eq!(
-        arena.alloc(16, 4 * arena.chunk_bytes()).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
-    assert!(
-        DeviceArena::new(
-            &d,
-            ArenaConfig {
-                capacity: 0,
-                ..cfg(&d, 1, 1)
-            }
-        )
-        .is_err()
-    );
+    assert_eq!(arena.alloc(16, 4 * arena.chunk_bytes()).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert!(DeviceArena::new(&d, ArenaConfig { capacity: 0, ..cfg(&d, 1, 1) }).is_err());
 }
 
 /// Only a GPU runs out: the host device's memfd commits lazily. Ignored
@@ -226,15 +188,7 @@ fn pinned_arena_random_pattern_and_steady_state() {
 fn pinned_arena_big_requests_get_their_own_segment_and_budget_holds() {
     let d = dev();
     let g = d.vmm_granularity();
-    let arena = PinnedArena::new(
-        &d,
-        ArenaConfig {
-            capacity: 4 * g,
-            chunk_bytes: g,
-            max_allocs: 64,
-        },
-    )
-    .unwrap();
+    let arena = PinnedArena::new(&d, ArenaConfig { capacity: 4 * g, chunk_bytes: g, max_allocs: 64 }).unwrap();
     let big = arena.alloc(2 * g + 1, 0).unwrap();
     let s = arena.stats();
     assert_eq!((s.committed_bytes, s.driver_alloc_calls), (3 * g as u64, 1), "{s:?}");
@@ -270,10 +224,7 @@ fn concurrent(arena: &dyn Arena) {
                         let Ok(a) = arena.alloc(size, 0) else { continue };
                         let mut l = live.lock().unwrap();
                         if let Some((&p, &n)) = l.range(..=a).next_back() {
-                            assert!(
-                                p + n as u64 <= a,
-                                "thread {t}: [{a:#x}, +{size}) overlaps [{p:#x}, +{n})"
-                            );
+                            assert!(p + n as u64 <= a, "thread {t}: [{a:#x}, +{size}) overlaps [{p:#x}, +{n})");
                         }
                         if let Some((&n, _)) = l.range(a..).next() {
                             assert!(a + size as u64 <= n, "thread {t}: [{a:#x}, +{size}) overlaps {n:#x}");
@@ -345,15 +296,7 @@ fn device_arena_last_chunk_ends_at_the_capacity() {
     let chunk = 4 * g;
     let capacity = 2 * chunk + g + 1; // rounds up to 2 chunks + 2 granules
     let bound = capacity.next_multiple_of(g);
-    let arena = DeviceArena::new(
-        &d,
-        ArenaConfig {
-            capacity,
-            chunk_bytes: chunk,
-            max_allocs: 64,
-        },
-    )
-    .unwrap();
+    let arena = DeviceArena::new(&d, ArenaConfig { capacity, chunk_bytes: chunk, max_allocs: 64 }).unwrap();
     assert_eq!(arena.capacity(), bound);
     assert_eq!(arena.stats().reserved_bytes, bound as u64);
     let blocks: Vec<u64> = (0..bound / g).map(|_| arena.alloc(g, 0).unwrap()).collect();

@@ -30,7 +30,12 @@ fn round_trip(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Vec<u8> {
     assert_eq!(desc.compressed_len(), buf.len());
     if out != data {
         let i = out.chunks(2).zip(data.chunks(2)).position(|(a, b)| a != b).unwrap();
-        panic!("{dtype:?} value {i} of {}: decoded {:02x?}, want {:02x?}", data.len() / 2, &out[2 * i..2 * i + 2], &data[2 * i..2 * i + 2]);
+        panic!(
+            "{dtype:?} value {i} of {}: decoded {:02x?}, want {:02x?}",
+            data.len() / 2,
+            &out[2 * i..2 * i + 2],
+            &data[2 * i..2 * i + 2]
+        );
     }
     buf
 }
@@ -172,7 +177,8 @@ fn odd_lengths_round_trip() {
 
 #[test]
 fn encoding_is_the_same_on_any_thread_count() {
-    let data = to_bytes(&sample("student_t3", 5 * codec::BLOCK_VALUES + 3, 11).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    let data =
+        to_bytes(&sample("student_t3", 5 * codec::BLOCK_VALUES + 3, 11).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
     let one = coded(&data, Dtype::Bf16, &EncodeOptions { threads: 1, ..always(None) });
     for threads in [2, 3, 6, 64] {
         assert!(coded(&data, Dtype::Bf16, &EncodeOptions { threads, ..always(None) }) == one, "{threads} threads");
@@ -188,7 +194,10 @@ fn small_incompressible_and_unsupported_weights_stay_raw_and_say_why() {
         }
         other => panic!("a 2000-byte weight: {other:?}"),
     }
-    assert_eq!(codec::encode(&[], Dtype::Bf16, &always(None)).unwrap(), Encoded::Raw(RawReason::TooSmall { bytes: 0, min_bytes: 0 }));
+    assert_eq!(
+        codec::encode(&[], Dtype::Bf16, &always(None)).unwrap(),
+        Encoded::Raw(RawReason::TooSmall { bytes: 0, min_bytes: 0 })
+    );
     // Random bytes (fp8, int4 or noise): every exponent equally likely.
     let mut noise = vec![0u8; 4 << 20];
     fastrand::Rng::with_seed(3).fill(&mut noise);
@@ -232,7 +241,8 @@ fn bad_encode_input_is_an_error_with_a_message() {
 }
 
 fn sample_buffer() -> (Vec<u8>, Vec<u8>) {
-    let data = to_bytes(&sample("normal", 2 * codec::BLOCK_VALUES + 77, 21).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
+    let data =
+        to_bytes(&sample("normal", 2 * codec::BLOCK_VALUES + 77, 21).iter().map(|&v| bf16(v)).collect::<Vec<_>>());
     let buf = coded(&data, Dtype::Bf16, &always(Some(2)));
     (data, buf)
 }

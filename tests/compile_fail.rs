@@ -37,7 +37,10 @@ fn parse(src: &str) -> (Vec<Case>, usize) {
             let parts: Vec<&str> = spec.splitn(3, " | ").collect();
             assert_eq!(parts.len(), 3, "`// @case CODE | fragment | line`: {spec}");
             let code = parts[0].trim().to_string();
-            assert!(code.len() == 5 && code.starts_with('E') && code[1..].bytes().all(|b| b.is_ascii_digit()), "{spec}");
+            assert!(
+                code.len() == 5 && code.starts_with('E') && code[1..].bytes().all(|b| b.is_ascii_digit()),
+                "{spec}"
+            );
             Case { code, fragment: parts[1].to_string(), line: parts[2].to_string() }
         })
         .collect();
@@ -106,11 +109,7 @@ fn check(name: &str, src: &str) -> (bool, String) {
 
 /// The error lines of a rustc run (not the closing summary).
 fn errors(stderr: &str) -> Vec<&str> {
-    stderr
-        .lines()
-        .filter(|l| l.starts_with("error"))
-        .filter(|l| !l.starts_with("error: aborting due to"))
-        .collect()
+    stderr.lines().filter(|l| l.starts_with("error")).filter(|l| !l.starts_with("error: aborting due to")).collect()
 }
 
 fn run_file(stem: &str, src: &str) {

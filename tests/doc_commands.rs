@@ -61,8 +61,10 @@ fn makefile_targets() -> Vec<String> {
         .lines()
         .filter_map(|l| {
             let name = l.split(':').next()?;
-            (!name.is_empty() && !l.starts_with(['\t', ' ', '#']) && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
-                .then(|| name.to_string())
+            (!name.is_empty()
+                && !l.starts_with(['\t', ' ', '#'])
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+            .then(|| name.to_string())
         })
         .collect()
 }
@@ -83,7 +85,10 @@ fn flags(words: &[&str], from: usize) -> Vec<String> {
 /// `Long("flag")` (the benches' shared ones are in tools/src/bench.rs).
 fn parses(src: &str, flag: &str) -> bool {
     let bare = &flag[2..];
-    src.contains(&format!("\"{flag}\"")) || src.contains(&format!("'{flag}'")) || src.contains(&format!("{flag})")) || src.contains(&format!("Long(\"{bare}\")"))
+    src.contains(&format!("\"{flag}\""))
+        || src.contains(&format!("'{flag}'"))
+        || src.contains(&format!("{flag})"))
+        || src.contains(&format!("Long(\"{bare}\")"))
 }
 
 fn check_file(rel: &str, targets: &[String], problems: &mut Vec<String>) {
@@ -155,7 +160,9 @@ fn check_file(rel: &str, targets: &[String], problems: &mut Vec<String>) {
                         let here = r.join("benches").join(format!("{name}.rs")).is_file();
                         let tools = r.join("tools/benches").join(format!("{name}.rs")).is_file();
                         if !(here || tools && pkg_tools) {
-                            bad(format!("no bench {name} in the package this selects (tools/ benches need `-p epmem-tools`)"));
+                            bad(format!(
+                                "no bench {name} in the package this selects (tools/ benches need `-p epmem-tools`)"
+                            ));
                         }
                     }
                     _ => {}
@@ -204,8 +211,16 @@ fn the_check_refuses_what_does_not_exist() {
     check_file(&rel, &makefile_targets(), &mut problems);
     let _ = std::fs::remove_file(root().join(&rel));
     let all = problems.join("\n");
-    for want in ["no Makefile target no-such-target", "has no option --no-such-flag", "no bench micro", "bench_kv has no option --nope"] {
+    for want in [
+        "no Makefile target no-such-target",
+        "has no option --no-such-flag",
+        "no bench micro",
+        "bench_kv has no option --nope",
+    ] {
         assert!(all.contains(want), "missed {want:?} in:\n{all}");
     }
-    assert!(!all.contains("no option --shapes") && !all.contains("no option --json"), "a real flag was refused:\n{all}");
+    assert!(
+        !all.contains("no option --shapes") && !all.contains("no option --json"),
+        "a real flag was refused:\n{all}"
+    );
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
 use epmem::device::fault::{FaultKind, FaultyDevice};
 use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvConfig, KvLayout, KvPool, KvShape};
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
 use epmem::{EpmStatus, Error, Result};
@@ -115,7 +115,6 @@ fn assert_no_leaks(fd: &FaultyDevice) {
     assert_eq!(fd.live_counts(), LiveCounts::default(), "device resources left at teardown");
 }
 
-
 /// Read device bytes through the inner device, so verification injects nothing.
 fn read(fd: &FaultyDevice, s: &Stream, src: u64, n: usize) -> Vec<u8> {
     let mut v = vec![0u8; n];
@@ -144,22 +143,49 @@ fn staging_pool_and_copy_engine() {
         };
         for kind in FaultKind::ALL {
             let before = pool.stats();
-            let buf = drive(&fd, &mut m, "pool acquire", kind, &mut (), |_| pool.acquire(2 * MIB), |_, _| {
-                let now = pool.stats();
-                assert_eq!((now.retained_buffers, now.retained_bytes), (before.retained_buffers, before.retained_bytes));
-                conserved(&pool, 0);
-            }, |_, b| drop(b));
+            let buf = drive(
+                &fd,
+                &mut m,
+                "pool acquire",
+                kind,
+                &mut (),
+                |_| pool.acquire(2 * MIB),
+                |_, _| {
+                    let now = pool.stats();
+                    assert_eq!(
+                        (now.retained_buffers, now.retained_bytes),
+                        (before.retained_buffers, before.retained_bytes)
+                    );
+                    conserved(&pool, 0);
+                },
+                |_, b| drop(b),
+            );
             drop(buf); // un-retired: freed, never recycled
             conserved(&pool, 0);
 
             let live = fd.live_counts();
-            let engine = drive(&fd, &mut m, "engine create", kind, &mut (), |_| CopyEngine::new(&pool, cfg), |_, _| {
-                conserved(&pool, 0);
-                let now = fd.live_counts();
-                assert_eq!((now.streams, now.events), (live.streams, live.events), "engine create left objects");
-            }, |_, e| drop(e));
+            let engine = drive(
+                &fd,
+                &mut m,
+                "engine create",
+                kind,
+                &mut (),
+                |_| CopyEngine::new(&pool, cfg),
+                |_, _| {
+                    conserved(&pool, 0);
+                    let now = fd.live_counts();
+                    assert_eq!((now.streams, now.events), (live.streams, live.events), "engine create left objects");
+                },
+                |_, e| drop(e),
+            );
             let before = pool.stats();
-            drive(&fd, &mut m, "engine htod", kind, &mut (), |_| engine.htod(dst.ptr(), range, Some(s.raw()))?.wait(),
+            drive(
+                &fd,
+                &mut m,
+                "engine htod",
+                kind,
+                &mut (),
+                |_| engine.htod(dst.ptr(), range, Some(s.raw()))?.wait(),
                 |_, _| {
                     engine.synchronize().unwrap();
                     conserved(&pool, 0);
@@ -175,8 +201,16 @@ fn staging_pool_and_copy_engine() {
             let off = page.as_ptr().align_offset(4096);
             let reg_range = HostRange::from_static(&page[off..off + 4096]);
             let regs = fd.live_counts().host_registrations;
-            let reg = drive(&fd, &mut m, "engine register", kind, &mut (), |_| engine.register(reg_range),
-                |_, _| assert_eq!(fd.live_counts().host_registrations, regs), |_, r| drop(r));
+            let reg = drive(
+                &fd,
+                &mut m,
+                "engine register",
+                kind,
+                &mut (),
+                |_| engine.register(reg_range),
+                |_, _| assert_eq!(fd.live_counts().host_registrations, regs),
+                |_, r| drop(r),
+            );
             drop(reg);
             drop(engine);
             conserved(&pool, 0);
@@ -199,8 +233,16 @@ fn device_and_pinned_arenas() {
         for kind in FaultKind::ALL {
             let cfg = ArenaConfig { capacity: 16 * g, chunk_bytes: g, max_allocs: 1024 };
             let live = fd.live_counts();
-            let arena = drive(&fd, &mut m, "arena create", kind, &mut (), |_| DeviceArena::new(&d, cfg),
-                |_, _| assert_eq!(fd.live_counts(), live), |_, a| drop(a));
+            let arena = drive(
+                &fd,
+                &mut m,
+                "arena create",
+                kind,
+                &mut (),
+                |_| DeviceArena::new(&d, cfg),
+                |_, _| assert_eq!(fd.live_counts(), live),
+                |_, a| drop(a),
+            );
             // A failed grow keeps the chunks it committed (reusable, no
             // driver call wasted) but nothing else: committed bytes are
             // exactly the device's physical bytes, each chunk mapped once.
@@ -211,7 +253,13 @@ fn device_and_pinned_arenas() {
                 assert_eq!(now.mappings, st.committed_bytes / g as u64, "{st:?}");
             };
             let before = arena.stats();
-            let addr = drive(&fd, &mut m, "arena alloc (grow 3 chunks)", kind, &mut (), |_| arena.alloc(3 * g - 512, 0),
+            let addr = drive(
+                &fd,
+                &mut m,
+                "arena alloc (grow 3 chunks)",
+                kind,
+                &mut (),
+                |_| arena.alloc(3 * g - 512, 0),
                 |_, _| {
                     let st = arena.stats();
                     assert_eq!((st.in_use_bytes, st.live_allocations), (before.in_use_bytes, before.live_allocations));
@@ -225,7 +273,13 @@ fn device_and_pinned_arenas() {
             drop(arena);
 
             let pinned = PinnedArena::new(&d, cfg).unwrap();
-            let addr = drive(&fd, &mut m, "pinned arena alloc", kind, &mut (), |_| pinned.alloc(g + 256, 0),
+            let addr = drive(
+                &fd,
+                &mut m,
+                "pinned arena alloc",
+                kind,
+                &mut (),
+                |_| pinned.alloc(g + 256, 0),
                 |_, _| {
                     let st = pinned.stats();
                     assert_eq!((st.in_use_bytes, st.live_allocations, st.committed_bytes), (0, 0, 0), "{st:?}");
@@ -258,12 +312,23 @@ fn residency_acquire_and_prefetch() {
             let mut cfg = ResidencyConfig::with_budget(4 * MIB);
             cfg.stream_plan = plan;
             cfg.register_sources = RegisterSources::Always;
-            cfg.engine = EngineConfig { slots: 2, chunk_bytes: MIB, target_chunks: 2, fill_threads: 2, ..Default::default() };
+            cfg.engine =
+                EngineConfig { slots: 2, chunk_bytes: MIB, target_chunks: 2, fill_threads: 2, ..Default::default() };
             let live = fd.live_counts();
-            let res = drive(&fd, &mut m, "residency create", kind, &mut (), |_| ResidencyManager::new(&d, cfg),
-                |_, _| assert_eq!(fd.live_counts(), live), |_, r| drop(r));
-            let ids: Vec<WeightId> =
-                srcs.iter().map(|v| res.register(HostRange::from_static(Box::leak(v.clone().into_boxed_slice()))).unwrap()).collect();
+            let res = drive(
+                &fd,
+                &mut m,
+                "residency create",
+                kind,
+                &mut (),
+                |_| ResidencyManager::new(&d, cfg),
+                |_, _| assert_eq!(fd.live_counts(), live),
+                |_, r| drop(r),
+            );
+            let ids: Vec<WeightId> = srcs
+                .iter()
+                .map(|v| res.register(HostRange::from_static(Box::leak(v.clone().into_boxed_slice()))).unwrap())
+                .collect();
             res.declare_cycle(&ids).unwrap();
             // Resident weights are exactly the arena's live blocks, and no
             // weight is left acquired by a failed acquire.
@@ -273,15 +338,37 @@ fn residency_acquire_and_prefetch() {
                 let ring = st.resident_weights - st.ring_weights + u64::from(st.ring_bytes > 0);
                 assert_eq!(st.arena.live_allocations, ring, "{st:?}");
                 assert_eq!(fd.live_counts().physical_bytes, st.arena.committed_bytes, "{st:?}");
-                assert_eq!(res.release(w, s.raw()).unwrap_err().status(), EpmStatus::InvalidState, "a failed acquire left {w:?} acquired");
+                assert_eq!(
+                    res.release(w, s.raw()).unwrap_err().status(),
+                    EpmStatus::InvalidState,
+                    "a failed acquire left {w:?} acquired"
+                );
             };
             for round in 0..2 {
                 for (i, &w) in ids.iter().enumerate() {
-                    let p = drive(&fd, &mut m, "residency acquire", kind, &mut (), |_| res.acquire(w, s.raw()),
-                        |_, _| consistent(&res, w), |_, _| res.release(w, s.raw()).unwrap());
-                    assert!(read(&fd, &s, p, sizes[i]) == srcs[i], "weight {i} round {round} after {} faults", kind.name());
+                    let p = drive(
+                        &fd,
+                        &mut m,
+                        "residency acquire",
+                        kind,
+                        &mut (),
+                        |_| res.acquire(w, s.raw()),
+                        |_, _| consistent(&res, w),
+                        |_, _| res.release(w, s.raw()).unwrap(),
+                    );
+                    assert!(
+                        read(&fd, &s, p, sizes[i]) == srcs[i],
+                        "weight {i} round {round} after {} faults",
+                        kind.name()
+                    );
                     // A failed release leaves the weight acquired (released exactly once in the end).
-                    drive(&fd, &mut m, "residency release (prefetches)", kind, &mut (), |_| res.release(w, s.raw()),
+                    drive(
+                        &fd,
+                        &mut m,
+                        "residency release (prefetches)",
+                        kind,
+                        &mut (),
+                        |_| res.release(w, s.raw()),
                         |_, _| {
                             let st = res.stats();
                             let blocks = st.resident_weights - st.ring_weights + u64::from(st.ring_bytes > 0);
@@ -290,12 +377,21 @@ fn residency_acquire_and_prefetch() {
                         // Absorbed (a failed prefetch after the release): acquire again to retry.
                         |_, ()| {
                             res.acquire(w, s.raw()).unwrap();
-                        });
+                        },
+                    );
                 }
             }
             let next = [ids[0], ids[1]];
-            drive(&fd, &mut m, "residency prefetch", kind, &mut (), |_| res.prefetch(&next),
-                |_, _| consistent(&res, ids[0]), |_, _| ());
+            drive(
+                &fd,
+                &mut m,
+                "residency prefetch",
+                kind,
+                &mut (),
+                |_| res.prefetch(&next),
+                |_, _| consistent(&res, ids[0]),
+                |_, _| (),
+            );
             for (i, &w) in next.iter().enumerate() {
                 let p = res.acquire(w, s.raw()).unwrap();
                 assert!(read(&fd, &s, p, sizes[i]) == srcs[i], "prefetched weight {i} after {} faults", kind.name());
@@ -323,8 +419,16 @@ fn kv_create_append_pin_share_cow() {
         let s = Stream::new(&d).unwrap();
         for kind in FaultKind::ALL {
             let live = fd.live_counts();
-            let mut a = drive(&fd, &mut m, "kv pool create", kind, &mut (), |_| KvPool::new(&d, KvConfig::new(64 * g)),
-                |_, _| assert_eq!(fd.live_counts(), live), |_, a| drop(a));
+            let mut a = drive(
+                &fd,
+                &mut m,
+                "kv pool create",
+                kind,
+                &mut (),
+                |_| KvPool::new(&d, KvConfig::new(64 * g)),
+                |_, _| assert_eq!(fd.live_counts(), live),
+                |_, a| drop(a),
+            );
             // The ledger and the device agree, and the snapshot taken before
             // the attempt still holds.
             // (Granules given back by a failed step may stay retained for
@@ -336,19 +440,41 @@ fn kv_create_append_pin_share_cow() {
                 let lc = fd.live_counts();
                 assert_eq!(lc.physical_bytes, st.ledger.owned_bytes + st.pool.retained * g, "{st:?}");
                 assert_eq!(st.ledger.charges - st.ledger.credits, st.ledger.owned_granules);
-                (st.ledger.owned_bytes, st.ledger.promised_bytes, st.sequences, st.prefixes, lc.va_reservations, lc.mappings)
+                (
+                    st.ledger.owned_bytes,
+                    st.ledger.promised_bytes,
+                    st.sequences,
+                    st.prefixes,
+                    lc.va_reservations,
+                    lc.mappings,
+                )
             };
             macro_rules! step {
                 ($what:expr, $op:expr, $undo:expr) => {{
                     let before = snap(&a);
-                    drive(&fd, &mut m, $what, kind, &mut a, $op, |a, _| assert_eq!(snap(a), before, "{} after a {} fault", $what, kind.name()), $undo)
+                    drive(
+                        &fd,
+                        &mut m,
+                        $what,
+                        kind,
+                        &mut a,
+                        $op,
+                        |a, _| assert_eq!(snap(a), before, "{} after a {} fault", $what, kind.name()),
+                        $undo,
+                    )
                 }};
             }
-            let origin = step!("kv seq create", |a| a.create_sequence(&l, 4 * tpg, AdmitMode::Promise), |a, id| a.destroy_sequence(id).unwrap());
+            let origin = step!("kv seq create", |a| a.create_sequence(&l, 4 * tpg, AdmitMode::Promise), |a, id| a
+                .destroy_sequence(id)
+                .unwrap());
             // Two appends of one new granule each, so a failure is all or nothing.
             let n = tpg + tpg / 2;
-            step!("kv prepare_append", |a| a.prepare_append(origin, tpg / 2, s.raw()), |_, ()| panic!("an append absorbed a fault"));
-            step!("kv prepare_append", |a| a.prepare_append(origin, n - tpg / 2, s.raw()), |_, ()| panic!("an append absorbed a fault"));
+            step!("kv prepare_append", |a| a.prepare_append(origin, tpg / 2, s.raw()), |_, ()| panic!(
+                "an append absorbed a fault"
+            ));
+            step!("kv prepare_append", |a| a.prepare_append(origin, n - tpg / 2, s.raw()), |_, ()| panic!(
+                "an append absorbed a fault"
+            ));
             let base = a.sequence_info(origin).unwrap().base;
             let bytes = (n * l.bytes_per_token()) as usize;
             let data = random_bytes(40 + kind as u64, bytes);
@@ -356,15 +482,21 @@ fn kv_create_append_pin_share_cow() {
             unsafe { fd.inner().memcpy_htod_async(base, data.as_ptr(), bytes, s.raw()).unwrap() };
             s.synchronize().unwrap();
             let pin = step!("kv prefix pin", |a| a.pin_prefix(origin, n, s.raw()), |a, p| a.unpin_prefix(p).unwrap());
-            let sharer =
-                step!("kv commit_shared_prefix", |a| a.commit_shared_prefix(pin, n, 3 * tpg, AdmitMode::OnDemand), |a, id| a.destroy_sequence(id).unwrap());
+            let sharer = step!(
+                "kv commit_shared_prefix",
+                |a| a.commit_shared_prefix(pin, n, 3 * tpg, AdmitMode::OnDemand),
+                |a, id| a.destroy_sequence(id).unwrap()
+            );
             // A failed copy-on-write event is absorbed: the host waits for the copy instead.
             step!("kv append with COW", |a| a.prepare_append(sharer, 4, s.raw()), |_, ()| ());
             // The copied boundary granule holds the prefix's bytes, not garbage.
             let sb = a.sequence_info(sharer).unwrap().base;
             assert!(read(&fd, &s, sb, bytes) == data, "sharer's prefix after COW with {} faults", kind.name());
-            let hashed = step!("kv create_for_tokens", |a| a.create_sequence_for_tokens(&l, 2 * tpg, &[1, 2, 3], AdmitMode::OnDemand).map(|r| r.0),
-                |a, id| a.destroy_sequence(id).unwrap());
+            let hashed = step!(
+                "kv create_for_tokens",
+                |a| a.create_sequence_for_tokens(&l, 2 * tpg, &[1, 2, 3], AdmitMode::OnDemand).map(|r| r.0),
+                |a, id| a.destroy_sequence(id).unwrap()
+            );
             assert!(a.sequence_info(sharer).unwrap().len_tokens >= n + 4);
             a.destroy_sequence(hashed).unwrap();
             a.destroy_sequence(origin).unwrap();

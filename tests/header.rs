@@ -172,7 +172,10 @@ fn header_version_macros_match_cargo_toml() {
         ("EPM_VERSION_MINOR", env!("CARGO_PKG_VERSION_MINOR")),
         ("EPM_VERSION_PATCH", env!("CARGO_PKG_VERSION_PATCH")),
     ] {
-        let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap_or_else(|| panic!("{name} missing"));
+        let line = header
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(line.split_whitespace().nth(2), Some(want), "{line}");
     }
     let _ = Path::new("");
@@ -241,22 +244,28 @@ fn documented_defaults_match_the_code() {
     let expect = [
         ("EpmResidencyConfig", "prefetch_depth", format!("(default {})", r.prefetch_depth)),
         ("EpmResidencyConfig", "staging_slots", format!("0: {},", r.engine.slots)),
-        ("EpmResidencyConfig", "fill_threads", format!("0: the copy engine's default, {DEFAULT_FILL_THREADS}, or the number of CPUs if fewer")),
+        (
+            "EpmResidencyConfig",
+            "fill_threads",
+            format!("0: the copy engine's default, {DEFAULT_FILL_THREADS}, or the number of CPUs if fewer"),
+        ),
         ("EpmResidencyConfig", "staging_chunk_bytes", format!("0: {};", mib(e.chunk_bytes))),
         ("EpmResidencyConfig", "staging_pool_bytes", format!("0: {})", mib(p.max_bytes))),
         ("EpmResidencyConfig", "coalesce_below_bytes", format!("Default {};", mib(r.coalesce_below_bytes))),
         ("EpmResidencyConfig", "coalesce_max_bytes", format!("(default {};", mib(r.coalesce_max_bytes))),
         ("EpmCopyEngineConfig", "slots", format!("(default {})", e.slots)),
-        ("EpmCopyEngineConfig", "fill_threads", format!("(default {DEFAULT_FILL_THREADS}, or the number of CPUs if fewer)")),
+        (
+            "EpmCopyEngineConfig",
+            "fill_threads",
+            format!("(default {DEFAULT_FILL_THREADS}, or the number of CPUs if fewer)"),
+        ),
         ("EpmCopyEngineConfig", "chunk_bytes", format!("(default {})", mib(e.chunk_bytes))),
         ("EpmCopyEngineConfig", "target_chunks", format!("(default {})", e.target_chunks)),
     ];
     // What the C defaults functions write, named by the constant the header uses.
     use epmem::ffi::{residency as fr, staging as fs};
-    let mut rc = fr::EpmResidencyConfig {
-        size: std::mem::size_of::<fr::EpmResidencyConfig>(),
-        ..c_default_residency()
-    };
+    let mut rc =
+        fr::EpmResidencyConfig { size: std::mem::size_of::<fr::EpmResidencyConfig>(), ..c_default_residency() };
     assert_eq!(fr::epm_residency_config_default(&mut rc), epmem::EpmStatus::Ok);
     let mut ec = fs::EpmCopyEngineConfig { size: std::mem::size_of::<fs::EpmCopyEngineConfig>(), ..c_default_engine() };
     assert_eq!(fs::epm_copy_engine_config_default(&mut ec), epmem::EpmStatus::Ok);
@@ -353,7 +362,8 @@ fn every_versioned_struct_has_a_frozen_first_version_size() {
         let Some(name) = line.strip_prefix("typedef struct ").and_then(|l| l.strip_suffix(" {")) else { continue };
         // A versioned struct starts with `size_t size`.
         let body = &h[h.find(line).unwrap()..];
-        let first_field = body.lines().skip(1).find(|l| !l.trim().starts_with("/*") && !l.trim().starts_with('*')).unwrap();
+        let first_field =
+            body.lines().skip(1).find(|l| !l.trim().starts_with("/*") && !l.trim().starts_with('*')).unwrap();
         if first_field.trim() != "size_t size;" {
             continue;
         }

@@ -90,7 +90,9 @@ fn header_names(rel: &str) -> BTreeMap<String, String> {
         let mut rest = *line;
         while let Some(p) = rest.find("epm_") {
             let name = ident_at(&rest[p..]);
-            if rest[p + name.len()..].starts_with('(') && (p == 0 || !rest[..p].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_')) {
+            if rest[p + name.len()..].starts_with('(')
+                && (p == 0 || !rest[..p].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_'))
+            {
                 out.entry(name.to_string()).or_insert_with(|| doc_before(&lines, i));
                 break;
             }
@@ -119,7 +121,8 @@ fn index_entries(abi_md: &str) -> Vec<Entry> {
         if let Some(h) = line.strip_prefix("### ") {
             heading = h.trim().to_string();
         } else if let Some(rest) = line.strip_prefix("- `") {
-            let close = rest.find('`').unwrap_or_else(|| panic!("docs/ABI.md index line without a closing backtick: {line}"));
+            let close =
+                rest.find('`').unwrap_or_else(|| panic!("docs/ABI.md index line without a closing backtick: {line}"));
             let text = rest[close + 1..].trim_start().trim_start_matches('—').trim().to_string();
             out.push(Entry { name: rest[..close].to_string(), heading: heading.clone(), text });
         }
@@ -133,9 +136,20 @@ fn suggested_heading(name: &str, testing: bool) -> &'static str {
     let has = |p: &str| n.starts_with(p);
     if testing {
         "Test machinery (`include/epmem_testing.h`)"
-    } else if has("epm_version") || has("epm_status") || has("epm_last_error") || has("epm_set_log") || has("epmlog") || has("epmstatus") {
+    } else if has("epm_version")
+        || has("epm_status")
+        || has("epm_last_error")
+        || has("epm_set_log")
+        || has("epmlog")
+        || has("epmstatus")
+    {
         "Version, status and logging"
-    } else if has("epm_device_alloc") || has("epm_device_free") || has("epm_memcpy") || has("epm_memset") || has("epmdeviceptr") {
+    } else if has("epm_device_alloc")
+        || has("epm_device_free")
+        || has("epm_memcpy")
+        || has("epm_memset")
+        || has("epmdeviceptr")
+    {
         "Device memory and copies"
     } else if has("epm_device") || has("epmdevice") || has("epm_pci") {
         "Devices"
@@ -143,9 +157,26 @@ fn suggested_heading(name: &str, testing: bool) -> &'static str {
         "Streams and events"
     } else if has("epm_arena") || has("epmarena") {
         "Arenas"
-    } else if has("epm_staging") || has("epm_copy_engine") || has("epm_fence") || has("epm_host_registration") || has("epmstaging") || has("epmcopyengine") || has("epmfence") || has("epmhostregistration") {
+    } else if has("epm_staging")
+        || has("epm_copy_engine")
+        || has("epm_fence")
+        || has("epm_host_registration")
+        || has("epmstaging")
+        || has("epmcopyengine")
+        || has("epmfence")
+        || has("epmhostregistration")
+    {
         "Staging pool, copy engine and fences"
-    } else if has("epm_residency") || has("epm_shared_host") || has("epm_policy") || has("epm_register") || has("epm_fill_ahead") || has("epmresidency") || has("epmweightid") || has("epmhostrangeid") || has("epmsharedhost") {
+    } else if has("epm_residency")
+        || has("epm_shared_host")
+        || has("epm_policy")
+        || has("epm_register")
+        || has("epm_fill_ahead")
+        || has("epmresidency")
+        || has("epmweightid")
+        || has("epmhostrangeid")
+        || has("epmsharedhost")
+    {
         "Weight residency"
     } else if has("epm_kv_batch") || has("epmkvbatch") {
         "KV batches"
@@ -198,13 +229,19 @@ fn compare(headers: &[(&str, BTreeMap<String, String>)], entries: &[Entry]) -> O
     let mut seen = BTreeSet::new();
     for e in entries {
         if !seen.insert(e.name.as_str()) {
-            msg.push_str(&format!("\ndocs/ABI.md's header index lists `{}` twice (keep it under one heading)\n", e.name));
+            msg.push_str(&format!(
+                "\ndocs/ABI.md's header index lists `{}` twice (keep it under one heading)\n",
+                e.name
+            ));
         }
         if e.text.is_empty() {
             msg.push_str(&format!("\ndocs/ABI.md's header index line for `{}` has no description\n", e.name));
         }
         if e.heading.is_empty() {
-            msg.push_str(&format!("\ndocs/ABI.md's header index line for `{}` comes before any `### heading`\n", e.name));
+            msg.push_str(&format!(
+                "\ndocs/ABI.md's header index line for `{}` comes before any `### heading`\n",
+                e.name
+            ));
         }
     }
     (!msg.is_empty()).then_some(msg)
@@ -221,10 +258,21 @@ fn every_exported_name_is_in_the_abi_index() {
     // The parser must see the header as it is, or this test could pass on nothing.
     let functions = main.keys().filter(|n| n.starts_with("epm_")).count();
     assert!(functions >= 100, "parsed only {functions} functions from include/epmem.h: the parser is wrong");
-    for name in ["epm_device_open", "EpmResidencyConfig", "EpmLogCallback", "EpmDevicePtr", "EpmKvPool", "EPM_VERSION", "EPM_KV_BATCH_ANY_SLOT"] {
+    for name in [
+        "epm_device_open",
+        "EpmResidencyConfig",
+        "EpmLogCallback",
+        "EpmDevicePtr",
+        "EpmKvPool",
+        "EPM_VERSION",
+        "EPM_KV_BATCH_ANY_SLOT",
+    ] {
         assert!(main.contains_key(name), "the parser missed {name} in include/epmem.h");
     }
-    assert!(testing.contains_key("epm_gate_open") && testing.contains_key("EpmGate"), "the parser missed the testing header's names");
+    assert!(
+        testing.contains_key("epm_gate_open") && testing.contains_key("EpmGate"),
+        "the parser missed the testing header's names"
+    );
     assert!(!main.contains_key("epm_gate_open"), "a testing function leaked into include/epmem.h");
     assert!(main["epm_device_open"].starts_with("Open device"), "doc parsing broke: {:?}", main["epm_device_open"]);
 
@@ -238,9 +286,13 @@ fn every_exported_name_is_in_the_abi_index() {
 fn the_check_reports_a_missing_name_with_its_line_and_heading() {
     let headers = headers();
     let abi = read("docs/ABI.md");
-    let without: String = abi.lines().filter(|l| !l.starts_with("- `epm_residency_prefetch`")).map(|l| format!("{l}\n")).collect();
+    let without: String =
+        abi.lines().filter(|l| !l.starts_with("- `epm_residency_prefetch`")).map(|l| format!("{l}\n")).collect();
     let msg = compare(&headers, &index_entries(&without)).expect("removing an index line must fail the check");
-    assert!(msg.contains("### Weight residency\n- `epm_residency_prefetch` — Page in `weights`"), "unhelpful message:\n{msg}");
+    assert!(
+        msg.contains("### Weight residency\n- `epm_residency_prefetch` — Page in `weights`"),
+        "unhelpful message:\n{msg}"
+    );
 
     let extra = abi.replacen(END, &format!("- `epm_no_such_function` — gone\n{END}"), 1);
     let msg = compare(&headers, &index_entries(&extra)).expect("a name no header has must fail the check");

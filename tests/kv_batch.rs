@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use epmem::EpmStatus;
 use epmem::device::{Device, DeviceKind, Stream};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, SeqId, SlotChoice};
+use epmem::kv::{AdmitMode, KvConfig, KvPool, SeqId, SlotChoice};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
@@ -101,7 +101,11 @@ fn slots_read_and_write_only_their_own_granules() {
         slots.push((i, q, bytes));
     }
     let per = |n: u64| (n * bpt).div_ceil(g);
-    assert_eq!(a.stats().ledger.owned_bytes, g + g * (per(7) + per(64) + per(23) + per(11)), "the dummy + each slot's own granules");
+    assert_eq!(
+        a.stats().ledger.owned_bytes,
+        g + g * (per(7) + per(64) + per(23) + per(11)),
+        "the dummy + each slot's own granules"
+    );
     // Each slot reads its own bytes; its tail past the committed granules
     // reads zeros (the dummy); the free slot is all zeros.
     for (i, q, bytes) in &slots {
@@ -153,10 +157,16 @@ fn a_prefix_shared_across_slots_is_one_physical_copy() {
     let owned1 = a.stats().ledger.owned_bytes;
     let used1 = device_used(&d);
     assert_eq!(owned1 - owned0, k * g);
-    assert!(((used1 - used0) - (k * g) as i64).abs() <= slack(&d), "the device's figure moved {} for {} owned", used1 - used0, k * g);
+    assert!(
+        ((used1 - used0) - (k * g) as i64).abs() <= slack(&d),
+        "the device's figure moved {} for {} owned",
+        used1 - used0,
+        k * g
+    );
     let p = a.pin_prefix(origin, 50, s.raw()).unwrap();
     let phys = d.live_counts().physical_handles;
-    let sharers: Vec<SeqId> = (1..9).map(|_| a.take_shared_slot(b, SlotChoice::Any, p, 50, AdmitMode::OnDemand, s.raw()).unwrap()).collect();
+    let sharers: Vec<SeqId> =
+        (1..9).map(|_| a.take_shared_slot(b, SlotChoice::Any, p, 50, AdmitMode::OnDemand, s.raw()).unwrap()).collect();
     // Eight more slots map the prompt: the ledger and the device both see nothing new.
     assert_eq!(a.stats().ledger.owned_bytes, owned1, "the Nth sharer costs 0 owned bytes");
     assert_eq!(d.live_counts().physical_handles, phys, "and no physical handle");
@@ -359,19 +369,31 @@ fn misuse_is_a_status_with_a_message() {
     assert_eq!(a.release_slot(plain, s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
     assert_eq!(a.slot_info(plain).unwrap_err().status(), EpmStatus::InvalidArgument);
     // A prefix of another layout cannot be shared into the batch.
-    let small = epmem::kv::KvLayout::token_major(epmem::kv::KvShape { layers: 2, kv_heads: 2, head_dim: 64, elem_bytes: 2 }).unwrap();
+    let small =
+        epmem::kv::KvLayout::token_major(epmem::kv::KvShape { layers: 2, kv_heads: 2, head_dim: 64, elem_bytes: 2 })
+            .unwrap();
     let other = a.create_sequence(&small, 16, AdmitMode::OnDemand).unwrap();
     a.prepare_append(other, 4, s.raw()).unwrap();
     let p = a.pin_prefix(other, 4, s.raw()).unwrap();
     a.release_slot(q1, s.raw()).unwrap();
-    assert_eq!(st(a.take_shared_slot(b, SlotChoice::Any, p, 4, AdmitMode::OnDemand, s.raw())), EpmStatus::InvalidArgument);
+    assert_eq!(
+        st(a.take_shared_slot(b, SlotChoice::Any, p, 4, AdmitMode::OnDemand, s.raw())),
+        EpmStatus::InvalidArgument
+    );
     // A prefix longer than the batch's max_tokens.
     let long = a.create_sequence(&l, 64, AdmitMode::OnDemand).unwrap();
     a.prepare_append(long, 20, s.raw()).unwrap();
     let lp = a.pin_prefix(long, 20, s.raw()).unwrap();
-    assert_eq!(st(a.take_shared_slot(b, SlotChoice::Any, lp, 20, AdmitMode::OnDemand, s.raw())), EpmStatus::InvalidArgument);
+    assert_eq!(
+        st(a.take_shared_slot(b, SlotChoice::Any, lp, 20, AdmitMode::OnDemand, s.raw())),
+        EpmStatus::InvalidArgument
+    );
     assert_eq!(a.batch_info(b).unwrap().live_slots, 1, "failed takes leave the slot free");
-    assert!(read(&d, &s, a.batch_info(b).unwrap().base + a.batch_info(b).unwrap().slot_stride, 4096).iter().all(|&x| x == 0));
+    assert!(
+        read(&d, &s, a.batch_info(b).unwrap().base + a.batch_info(b).unwrap().slot_stride, 4096)
+            .iter()
+            .all(|&x| x == 0)
+    );
     // Admission: a RESERVE slot the ledger cannot hold is refused.
     let mut tight = KvPool::new(&d, KvConfig::new(3 * a.granule() as u64)).unwrap();
     let tb = tight.create_batch(&l, 64, 2).unwrap();
@@ -467,7 +489,10 @@ fn a_failed_driver_call_never_leaves_a_slot_unmapped_or_the_ledger_wrong() {
                     }
                     None => {
                         for k in 0..bi.slot_stride / g {
-                            assert!(read(&d, &s, base + k * g, 4096).iter().all(|&x| x == 0), "{what}: free slot {idx}");
+                            assert!(
+                                read(&d, &s, base + k * g, 4096).iter().all(|&x| x == 0),
+                                "{what}: free slot {idx}"
+                            );
                         }
                     }
                 }
@@ -478,7 +503,11 @@ fn a_failed_driver_call_never_leaves_a_slot_unmapped_or_the_ledger_wrong() {
             // And everything still works, then tears down to nothing.
             let q = a.take_shared_slot(b, SlotChoice::Any, p, 16, AdmitMode::OnDemand, s.raw()).unwrap();
             a.prepare_append(q, 1, s.raw()).unwrap();
-            for q in a.batch_info(b).map(|_| (0..4).filter_map(|i| a.slot_sequence(b, i).unwrap()).collect::<Vec<_>>()).unwrap() {
+            for q in a
+                .batch_info(b)
+                .map(|_| (0..4).filter_map(|i| a.slot_sequence(b, i).unwrap()).collect::<Vec<_>>())
+                .unwrap()
+            {
                 a.release_slot(q, s.raw()).unwrap();
             }
             a.unpin_prefix(p).unwrap();
@@ -490,5 +519,8 @@ fn a_failed_driver_call_never_leaves_a_slot_unmapped_or_the_ledger_wrong() {
     }
     assert!(injected >= 8, "only {injected} faults were injected: the steps did not reach the driver calls");
     let after = inner.live_counts();
-    assert_eq!((after.va_reservations, after.mappings, after.physical_handles), (baseline.va_reservations, baseline.mappings, baseline.physical_handles));
+    assert_eq!(
+        (after.va_reservations, after.mappings, after.physical_handles),
+        (baseline.va_reservations, baseline.mappings, baseline.physical_handles)
+    );
 }

@@ -8,7 +8,7 @@ mod kv_util;
 use std::collections::{HashMap, HashSet};
 
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvPool, KvConfig, PrefixId, SeqId};
+use epmem::kv::{AdmitMode, KvConfig, KvPool, PrefixId, SeqId};
 use kv_util::*;
 
 #[derive(Clone)]
@@ -189,7 +189,8 @@ fn ledger_matches_an_independent_model_over_random_operations() {
         let live = d.live_counts();
         assert_eq!(live.physical_bytes, st.ledger.owned_bytes + st.pool.retained * g, "device bytes after step {step}");
         assert_eq!(live.va_reservations, (m.seqs.len() + m.prefixes.len()) as u64, "VA ranges after step {step}");
-        let slots: usize = m.seqs.values().map(|s| s.slots.len()).sum::<usize>() + m.prefixes.values().map(|p| p.ids.len()).sum::<usize>();
+        let slots: usize = m.seqs.values().map(|s| s.slots.len()).sum::<usize>()
+            + m.prefixes.values().map(|p| p.ids.len()).sum::<usize>();
         assert_eq!(live.mappings, slots as u64, "mappings after step {step}");
     }
     eprintln!("ops run: {done:?}");

@@ -110,15 +110,18 @@ fn batch_slots_share_only_within_their_namespace() {
     let b = a.create_batch(&l, 64, 4).unwrap();
     let prompt: Vec<u32> = (0..48).collect();
     let (ta, tb) = (ns("a"), ns("b"));
-    let (o, shared) = a.take_slot_for_tokens_in(&ta, b, SlotChoice::Any, &prompt, AdmitMode::OnDemand, s.raw()).unwrap();
+    let (o, shared) =
+        a.take_slot_for_tokens_in(&ta, b, SlotChoice::Any, &prompt, AdmitMode::OnDemand, s.raw()).unwrap();
     assert_eq!(shared, 0);
     a.prepare_append(o, 48, s.raw()).unwrap();
     let p = a.pin_prefix(o, 48, s.raw()).unwrap();
     let owned0 = a.stats().ledger.owned_bytes;
-    let (qb, shared) = a.take_slot_for_tokens_in(&tb, b, SlotChoice::Any, &prompt, AdmitMode::OnDemand, s.raw()).unwrap();
+    let (qb, shared) =
+        a.take_slot_for_tokens_in(&tb, b, SlotChoice::Any, &prompt, AdmitMode::OnDemand, s.raw()).unwrap();
     assert_eq!(shared, 0, "another namespace's slot shares nothing");
     assert_eq!(a.sequence_info(qb).unwrap().shared_granules, 0);
-    let (qa, shared) = a.take_slot_for_tokens_in(&ta, b, SlotChoice::Any, &prompt, AdmitMode::OnDemand, s.raw()).unwrap();
+    let (qa, shared) =
+        a.take_slot_for_tokens_in(&ta, b, SlotChoice::Any, &prompt, AdmitMode::OnDemand, s.raw()).unwrap();
     assert_eq!(shared, 48);
     assert_eq!(a.stats().ledger.owned_bytes, owned0);
     assert_eq!(a.stats().counters.hash_hits, 1);

@@ -6,7 +6,7 @@ mod kv_util;
 
 use epmem::EpmStatus;
 use epmem::device::Stream;
-use epmem::kv::{AdmitMode, KvPool, KvConfig, PrefixId, SeqId};
+use epmem::kv::{AdmitMode, KvConfig, KvPool, PrefixId, SeqId};
 use kv_util::*;
 
 const GIB: u64 = 1 << 30;
@@ -279,7 +279,9 @@ fn declared_tokens_find_an_existing_prefix_by_content() {
     let mut diff = prompt.clone();
     diff[0] = 1;
     assert_eq!(a.find_prefix(&l, &diff), None);
-    let small = epmem::kv::KvLayout::token_major(epmem::kv::KvShape { layers: 24, kv_heads: 2, head_dim: 64, elem_bytes: 2 }).unwrap();
+    let small =
+        epmem::kv::KvLayout::token_major(epmem::kv::KvShape { layers: 24, kv_heads: 2, head_dim: 64, elem_bytes: 2 })
+            .unwrap();
     assert_eq!(a.find_prefix(&small, &prompt), None);
     // Gone with its last sharer and pin: nothing is found any more.
     a.destroy_sequence(q).unwrap();

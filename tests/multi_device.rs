@@ -12,10 +12,10 @@ use std::io::Write as _;
 use std::sync::Arc;
 
 use epmem::EpmStatus;
-use epmem::transfer::pinning::{HostRegistration, SharedHostRegistration};
 use epmem::device::{self, Device, DeviceBuffer, DeviceKind, DeviceSelect, HostRange, Stream, checksum_host};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape};
+use epmem::kv::{AdmitMode, KvConfig, KvLayout, KvPool, KvShape};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
+use epmem::transfer::pinning::{HostRegistration, SharedHostRegistration};
 
 /// Devices 0 and 1 of the kind EPM_DEVICE names, or None (after saying
 /// "skipped: 1 device") when there is no second one.
@@ -248,7 +248,11 @@ fn device_1_allocations_page_ins_and_kv_never_touch_device_0() {
     if host {
         // Each host device checks every copy against its own address space:
         // device 1's addresses are not device 0's memory, and back.
-        for (d, s, p, what) in [(&d0, &s0, a1, "device 1's buffer"), (&d0, &s0, kv_base, "device 1's KV"), (&d1, &s1, a0, "device 0's buffer")] {
+        for (d, s, p, what) in [
+            (&d0, &s0, a1, "device 1's buffer"),
+            (&d0, &s0, kv_base, "device 1's KV"),
+            (&d1, &s1, a0, "device 0's buffer"),
+        ] {
             let e = d.memset_d8_async(p, 0, 4096, s.raw()).unwrap_err();
             assert!(
                 matches!(e.status(), EpmStatus::InvalidArgument | EpmStatus::AccessDenied),

@@ -31,10 +31,7 @@ struct Slots {
 
 impl Slots {
     fn new(d: &Arc<dyn Device>, n: usize) -> Self {
-        Self {
-            buf: DeviceBuffer::new(d, 8 * n).unwrap(),
-            n,
-        }
+        Self { buf: DeviceBuffer::new(d, 8 * n).unwrap(), n }
     }
     fn at(&self, i: usize) -> u64 {
         self.buf.ptr() + 8 * i as u64
@@ -43,10 +40,7 @@ impl Slots {
         let mut out = vec![0u64; self.n];
         // SAFETY: `out` is an exclusively owned buffer of 8*n bytes, read only
         // after the stream synchronizes.
-        unsafe {
-            d.memcpy_dtoh_async(out.as_mut_ptr().cast(), self.buf.ptr(), 8 * self.n, s.raw())
-                .unwrap()
-        };
+        unsafe { d.memcpy_dtoh_async(out.as_mut_ptr().cast(), self.buf.ptr(), 8 * self.n, s.raw()).unwrap() };
         s.synchronize().unwrap();
         out
     }
@@ -84,11 +78,7 @@ fn decode(d: &Arc<dyn Device>, m: &ResidencyManager, w: &Weights, ids: &[WeightI
         }
         let got = slots.read(d, &s);
         for (i, &g) in got.iter().enumerate() {
-            assert_eq!(
-                g,
-                w.checksum(i),
-                "step {step}: weight {i} is not bit-exact on the device"
-            );
+            assert_eq!(g, w.checksum(i), "step {step}: weight {i} is not bit-exact on the device");
         }
     }
 }
@@ -114,26 +104,13 @@ fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
     m.synchronize().unwrap();
     let s = m.stats();
     assert_eq!(s.acquires, 8 * ids.len() as u64);
-    assert!(
-        s.resident_bytes <= budget as u64 && s.peak_resident_bytes <= budget as u64,
-        "{s:?}"
-    );
-    assert_eq!(
-        s.pinned_alloc_calls, warm.pinned_alloc_calls,
-        "pinned allocations in steady state"
-    );
-    assert_eq!(
-        s.arena.driver_alloc_calls, warm.arena.driver_alloc_calls,
-        "arena growth in steady state"
-    );
+    assert!(s.resident_bytes <= budget as u64 && s.peak_resident_bytes <= budget as u64, "{s:?}");
+    assert_eq!(s.pinned_alloc_calls, warm.pinned_alloc_calls, "pinned allocations in steady state");
+    assert_eq!(s.arena.driver_alloc_calls, warm.arena.driver_alloc_calls, "arena growth in steady state");
     let now = d.driver_counts();
     assert_eq!(
         (now.pinned_alloc_calls, now.vmm_create_calls, now.device_alloc_calls),
-        (
-            warm_driver.pinned_alloc_calls,
-            warm_driver.vmm_create_calls,
-            warm_driver.device_alloc_calls + 1
-        ),
+        (warm_driver.pinned_alloc_calls, warm_driver.vmm_create_calls, warm_driver.device_alloc_calls + 1),
         "only the decode's own checksum slots may allocate"
     );
     // Hit rate against Belady on the same trace. Overlapping a page-in with
@@ -143,10 +120,7 @@ fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
     let trace: Vec<WeightId> = (0..8).flat_map(|_| ids.iter().copied()).collect();
     let sz: Vec<u64> = sizes.iter().map(|&x| x as u64).collect();
     let depth = m.config().prefetch_depth;
-    let window = (0..sz.len())
-        .map(|i| (1..=depth).map(|k| sz[(i + k) % sz.len()]).sum::<u64>())
-        .max()
-        .unwrap();
+    let window = (0..sz.len()).map(|i| (1..=depth).map(|k| sz[(i + k) % sz.len()]).sum::<u64>()).max().unwrap();
     let opt = belady(&trace, &sz, budget as u64 - window);
     eprintln!(
         "hits {} Belady(budget) {} Belady(budget - window) {}",
@@ -154,12 +128,7 @@ fn decode_is_bit_exact_matches_belady_and_allocates_nothing_in_steady_state() {
         belady(&trace, &sz, budget as u64).hits,
         opt.hits
     );
-    assert!(
-        s.hits as f64 >= 0.99 * opt.hits as f64,
-        "hits {} vs Belady {}",
-        s.hits,
-        opt.hits
-    );
+    assert!(s.hits as f64 >= 0.99 * opt.hits as f64, "hits {} vs Belady {}", s.hits, opt.hits);
     assert_eq!(
         s.page_ins,
         s.acquires - s.hits + s.pending_prefetches + s.wasted_prefetches,
@@ -185,10 +154,7 @@ fn lru_on_a_cycle_hits_nothing_and_cyclic_matches_the_simulator() {
         let mut p = new_policy(kind);
         p.set_cycle(&ids).unwrap();
         let sim = simulate(&trace, &[32 << 10; 10], budget as u64, p.as_mut());
-        assert_eq!(
-            s.hits, sim.hits,
-            "{kind:?}: the manager must decide exactly as its policy replays"
-        );
+        assert_eq!(s.hits, sim.hits, "{kind:?}: the manager must decide exactly as its policy replays");
         if kind == PolicyKind::Lru {
             assert_eq!(s.hits, 0);
         } else {
@@ -223,11 +189,7 @@ fn eviction_waits_for_the_read_fence() {
     m.release(ids[1], s2.raw()).unwrap();
     assert!(!wd.fired(), "the host waited for A's held reader");
     gate.open();
-    assert_eq!(
-        slots.read(&d, &s1)[0],
-        w.checksum(0),
-        "A was overwritten under its reader"
-    );
+    assert_eq!(slots.read(&d, &s1)[0], w.checksum(0), "A was overwritten under its reader");
     let s = m.stats();
     // Same size: A's block goes straight to B's page-in, ordered on the
     // device behind A's reader; the host never waited.
@@ -260,11 +222,7 @@ fn eviction_of_a_block_that_cannot_be_reused_waits_on_the_host() {
     m.acquire(ids[1], s2.raw()).unwrap();
     assert!(wd.fired(), "B was paged in over A while A's reader had not run");
     m.release(ids[1], s2.raw()).unwrap();
-    assert_eq!(
-        slots.read(&d, &s1)[0],
-        w.checksum(0),
-        "A was overwritten under its reader"
-    );
+    assert_eq!(slots.read(&d, &s1)[0], w.checksum(0), "A was overwritten under its reader");
     let s = m.stats();
     assert_eq!((s.evictions, s.ordered_reuses, s.eviction_waits), (1, 0, 1), "{s:?}");
     assert!(s.host_stall_ms > 0.0, "the host's wait for the reader was not counted as a stall: {s:?}");
@@ -306,10 +264,7 @@ fn all_in_use_and_out_of_budget_are_clear_errors() {
     m.acquire(ids[2], s.raw()).unwrap();
     m.release(ids[2], s.raw()).unwrap();
     m.release(ids[0], s.raw()).unwrap();
-    assert_eq!(
-        m.release(ids[0], s.raw()).unwrap_err().status(),
-        EpmStatus::InvalidState
-    );
+    assert_eq!(m.release(ids[0], s.raw()).unwrap_err().status(), EpmStatus::InvalidState);
 }
 
 #[test]
@@ -319,27 +274,15 @@ fn bad_input_is_an_error_not_a_panic() {
     let m = ResidencyManager::new(&d, small_cfg(1 << 20)).unwrap();
     let ids = w.register_all(&m);
     let s = Stream::new(&d).unwrap();
-    assert_eq!(
-        m.acquire(WeightId(77), s.raw()).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
-    assert_eq!(
-        m.declare_cycle(&[ids[0], WeightId(9)]).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
-    assert_eq!(
-        m.declare_cycle(&[ids[0], ids[0]]).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    assert_eq!(m.acquire(WeightId(77), s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(m.declare_cycle(&[ids[0], WeightId(9)]).unwrap_err().status(), EpmStatus::InvalidArgument);
+    assert_eq!(m.declare_cycle(&[ids[0], ids[0]]).unwrap_err().status(), EpmStatus::InvalidArgument);
     m.acquire(ids[1], s.raw()).unwrap();
     assert_eq!(m.unregister(ids[1]).unwrap_err().status(), EpmStatus::InvalidState);
     m.release(ids[1], s.raw()).unwrap();
     m.unregister(ids[1]).unwrap();
     assert_eq!(m.unregister(ids[1]).unwrap_err().status(), EpmStatus::InvalidArgument);
-    assert_eq!(
-        m.acquire(ids[1], s.raw()).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    assert_eq!(m.acquire(ids[1], s.raw()).unwrap_err().status(), EpmStatus::InvalidArgument);
     assert!(ResidencyManager::new(&d, small_cfg(0)).is_err());
     // SAFETY: a zero-length range is never read.
     let empty = unsafe { HostRange::new(w.buf.as_ptr(), 0) };
@@ -364,11 +307,7 @@ fn sources_are_registered_on_first_page_in_or_staged_when_told() {
                 assert_eq!((s.source_registrations, s.bypassed_page_ins), (0, 0), "{s:?}");
             }
             _ => {
-                assert_eq!(
-                    s.source_registrations + s.register_refusals,
-                    6,
-                    "each source tried once: {s:?}"
-                );
+                assert_eq!(s.source_registrations + s.register_refusals, 6, "each source tried once: {s:?}");
                 // A source is registered before the copy that needed it, so
                 // every page-in of a registered weight bypasses staging; a
                 // refused one (locked-memory limit) stages every time.
@@ -401,10 +340,7 @@ fn a_registered_host_range_bypasses_staging_from_the_first_page_in() {
     assert_eq!((s.bypassed_page_ins, s.staged_page_ins), (s.page_ins, 0), "{s:?}");
     assert_eq!(s.registered_bytes, whole.len() as u64);
     m.unregister_host_range(r).unwrap();
-    assert_eq!(
-        m.unregister_host_range(r).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    assert_eq!(m.unregister_host_range(r).unwrap_err().status(), EpmStatus::InvalidArgument);
 }
 
 #[test]
@@ -424,10 +360,7 @@ fn prefetch_hides_page_ins_behind_compute() {
     }
     m.synchronize().unwrap();
     let st = m.stats();
-    assert!(
-        st.prefetch_page_ins > 0 && st.prefetch_page_ins <= st.page_ins,
-        "{st:?}"
-    );
+    assert!(st.prefetch_page_ins > 0 && st.prefetch_page_ins <= st.page_ins, "{st:?}");
     // Every page-in was used, except a prefetch the last release issued.
     assert_eq!(st.wasted_prefetches, 0, "{st:?}");
     assert!(st.pending_prefetches <= 1, "{st:?}");
@@ -519,11 +452,7 @@ fn packed_decode(
         let got = slots.read(d, &s);
         for (i, &g) in got.iter().enumerate() {
             let (o, n) = spans[i];
-            assert_eq!(
-                g,
-                checksum_host(&buf[o..o + (n & !3)]),
-                "weight {i} at the wrong offset in its unit"
-            );
+            assert_eq!(g, checksum_host(&buf[o..o + (n & !3)]), "weight {i} at the wrong offset in its unit");
         }
     }
     let st = m.stats();
@@ -550,35 +479,19 @@ fn small_adjacent_weights_are_coalesced_into_one_page_in() {
     let (merged, coalesced) = packed_decode(&d, &buf, &sizes, true);
     assert_eq!(none, 0);
     // Units are capped at budget / 8 (~1/11 of the model here): pairs and triples.
-    assert!(
-        coalesced >= 12,
-        "most of 24 adjacent small weights coalesce: {coalesced}"
-    );
-    assert!(
-        merged.page_ins < plain.page_ins,
-        "coalescing must save copies: {} vs {}",
-        merged.page_ins,
-        plain.page_ins
-    );
+    assert!(coalesced >= 12, "most of 24 adjacent small weights coalesce: {coalesced}");
+    assert!(merged.page_ins < plain.page_ins, "coalescing must save copies: {} vs {}", merged.page_ins, plain.page_ins);
 }
 
 #[test]
 fn host_ranges_join_only_when_adjacent() {
     static BYTES: [u8; 64] = [1; 64];
     let all = HostRange::from_static(&BYTES);
-    let (a, b, c) = (
-        all.slice(0, 16).unwrap(),
-        all.slice(16, 16).unwrap(),
-        all.slice(40, 8).unwrap(),
-    );
+    let (a, b, c) = (all.slice(0, 16).unwrap(), all.slice(16, 16).unwrap(), all.slice(40, 8).unwrap());
     let ab = a.join(&b).unwrap();
     assert_eq!((ab.ptr(), ab.len()), (a.ptr(), 32));
     assert_eq!(b.join(&c).unwrap_err().status(), EpmStatus::InvalidArgument, "a gap");
-    assert_eq!(
-        b.join(&a).unwrap_err().status(),
-        EpmStatus::InvalidArgument,
-        "wrong order"
-    );
+    assert_eq!(b.join(&a).unwrap_err().status(), EpmStatus::InvalidArgument, "wrong order");
 }
 
 /// Staged prefetches go to the background filler (the default) or stay on
@@ -624,7 +537,10 @@ fn staged_prefetches_are_filled_in_the_background_unless_the_caller_fills() {
         }
         let ((bg_pf, bg_all, bg_bytes), (c_pf, c_all, c_bytes)) = (seen[0], seen[1]);
         eprintln!("sizes {sizes:?}: background {bg_pf}/{bg_all} prefetched, caller {c_pf}/{c_all}");
-        assert!(bg_pf * c_all >= c_pf * bg_all, "the filler issues no smaller share of page-ins ahead of use: {seen:?}");
+        assert!(
+            bg_pf * c_all >= c_pf * bg_all,
+            "the filler issues no smaller share of page-ins ahead of use: {seen:?}"
+        );
         assert!(bg_pf == bg_all, "with the filler every steady-state page-in is a prefetch: {seen:?}");
         let bound = (epmem::residency::placement::whole_weight_floor(&sizes, budget) + 256 * sizes.len()) as u64;
         assert!(bg_bytes <= bound && c_bytes <= bound, "bytes per step over {bound}: {seen:?}");
@@ -718,7 +634,10 @@ fn the_filler_fills_the_next_staged_unit_ahead_and_unregister_forgets_it() {
     // (decode checked every byte; the third weight's may be filled ahead and
     // used as before, but not the second's old bytes.)
     let s = m.stats();
-    assert!(s.fill_ahead_used_bytes + ahead <= s.fill_ahead_bytes, "chunks filled before the unregister were used: {s:?}");
+    assert!(
+        s.fill_ahead_used_bytes + ahead <= s.fill_ahead_bytes,
+        "chunks filled before the unregister were used: {s:?}"
+    );
     drop(m);
     // Decode under eviction, uniform and mixed sizes (a plan with a ring):
     // bit-exact, within the budget, and no more staging buffers than slots.

@@ -154,11 +154,7 @@ fn device_memory_of_a_residency_manager_stays_within_the_documented_bound() {
             "{}: budget {} B, device memory peak {} B, bound {} B, committed {} B, resident peak {} B, evictions {}",
             c.name, c.budget, peak, bound, s.arena.committed_bytes, s.peak_resident_bytes, s.evictions
         );
-        assert!(
-            s.evictions > 0,
-            "{}: the workload must overflow the budget to test it",
-            c.name
-        );
+        assert!(s.evictions > 0, "{}: the workload must overflow the budget to test it", c.name);
         assert!(
             s.peak_resident_bytes <= c.budget as u64,
             "{}: resident peak {} over the budget {}",
@@ -166,33 +162,18 @@ fn device_memory_of_a_residency_manager_stays_within_the_documented_bound() {
             s.peak_resident_bytes,
             c.budget
         );
-        assert_eq!(
-            s.arena.reserved_bytes, bound,
-            "{}: the arena's reservation is not the documented formula",
-            c.name
-        );
+        assert_eq!(s.arena.reserved_bytes, bound, "{}: the arena's reservation is not the documented formula", c.name);
         assert!(
             peak <= bound,
             "{}: the manager held {peak} device bytes, over the documented bound {bound} (budget {})",
             c.name,
             c.budget
         );
-        assert!(
-            s.arena.committed_bytes <= bound,
-            "{}: committed {} over {bound}",
-            c.name,
-            s.arena.committed_bytes
-        );
+        assert!(s.arena.committed_bytes <= bound, "{}: committed {} over {bound}", c.name, s.arena.committed_bytes);
     }
     // The excess the documentation warns about is real: a small budget still
     // holds one whole chunk of device memory.
     let small = &cases[0];
     let (peak, _) = run(&d, small, 1);
-    assert_eq!(
-        peak,
-        16 * g as u64,
-        "a {} B budget should hold exactly one chunk of {} B",
-        small.budget,
-        16 * g
-    );
+    assert_eq!(peak, 16 * g as u64, "a {} B budget should hold exactly one chunk of {} B", small.budget, 16 * g);
 }

@@ -158,11 +158,7 @@ fn weights_the_codec_keeps_raw_are_registered_raw_and_say_why() {
     fastrand::Rng::with_seed(5).fill(&mut random);
     let small = weight(Dtype::Bf16, 100, 6);
     let fp32 = weight(Dtype::Bf16, 60_000, 7);
-    let cases = [
-        (&random, Dtype::Bf16, "no gain"),
-        (&small, Dtype::Bf16, "too small"),
-        (&fp32, Dtype::Other, "dtype"),
-    ];
+    let cases = [(&random, Dtype::Bf16, "no gain"), (&small, Dtype::Bf16, "too small"), (&fp32, Dtype::Other, "dtype")];
     let s = Stream::new(&d).unwrap();
     for (data, dtype, what) in cases {
         let r = m.register_encoded(range(data), dtype, &opts()).unwrap();

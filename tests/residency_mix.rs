@@ -45,7 +45,6 @@ fn shapes() -> Vec<(&'static str, [usize; 7])> {
     ]
 }
 
-
 fn cfg(budget: usize, depth: usize) -> ResidencyConfig {
     let mut c = ResidencyConfig::with_budget(budget);
     c.pool.max_bytes = 64 << 20;
@@ -78,8 +77,7 @@ fn decode(
                 if spin_us > 0 {
                     d.spin_async(spin_us, s.raw()).unwrap();
                 }
-                d.checksum_async(p, w.spans[i].1, slots.ptr() + 8 * i as u64, s.raw())
-                    .unwrap();
+                d.checksum_async(p, w.spans[i].1, slots.ptr() + 8 * i as u64, s.raw()).unwrap();
             }
             for &i in group {
                 m.release(ids[i], s.raw()).unwrap();
@@ -87,17 +85,10 @@ fn decode(
         }
         let mut out = vec![0u64; ids.len()];
         // SAFETY: `out` is exclusively owned, 8 × ids.len() bytes, read after the synchronize.
-        unsafe {
-            d.memcpy_dtoh_async(out.as_mut_ptr().cast(), slots.ptr(), 8 * ids.len(), s.raw())
-                .unwrap()
-        };
+        unsafe { d.memcpy_dtoh_async(out.as_mut_ptr().cast(), slots.ptr(), 8 * ids.len(), s.raw()).unwrap() };
         s.synchronize().unwrap();
         for (i, &g) in out.iter().enumerate() {
-            assert_eq!(
-                g,
-                w.checksum(i),
-                "step {step}: weight {i} is not bit-exact on the device"
-            );
+            assert_eq!(g, w.checksum(i), "step {step}: weight {i} is not bit-exact on the device");
         }
     }
 }
@@ -132,9 +123,7 @@ fn measure(sizes: &[usize], budget: usize, depth: usize, hold: usize, spin_us: u
     let d = dev();
     let w = Weights::new(sizes, sizes.len() as u64 * 31 + budget as u64);
     let m = ResidencyManager::new(&d, cfg(budget, depth)).unwrap();
-    let ids: Vec<WeightId> = (0..sizes.len())
-        .map(|i| m.register(w.range(i)).unwrap())
-        .collect();
+    let ids: Vec<WeightId> = (0..sizes.len()).map(|i| m.register(w.range(i)).unwrap()).collect();
     m.declare_cycle(&ids).unwrap();
     // Warm-up: the plan (re-planned once a caller holds a whole block) and
     // the first fill of the resident set.
@@ -147,16 +136,8 @@ fn measure(sizes: &[usize], budget: usize, depth: usize, hold: usize, spin_us: u
     let end = m.stats();
     let now = d.driver_counts();
     assert_eq!(
-        (
-            now.pinned_alloc_calls,
-            now.vmm_create_calls,
-            now.device_alloc_calls
-        ),
-        (
-            warm_driver.pinned_alloc_calls,
-            warm_driver.vmm_create_calls,
-            warm_driver.device_alloc_calls + 1
-        ),
+        (now.pinned_alloc_calls, now.vmm_create_calls, now.device_alloc_calls),
+        (warm_driver.pinned_alloc_calls, warm_driver.vmm_create_calls, warm_driver.device_alloc_calls + 1),
         "only the decode's own checksum slots may allocate in steady state"
     );
     assert!(end.peak_resident_bytes <= budget as u64, "{end:?}");
@@ -171,11 +152,7 @@ fn measure(sizes: &[usize], budget: usize, depth: usize, hold: usize, spin_us: u
         host_stall_ms: end.host_stall_ms - warm.host_stall_ms,
         ..end
     };
-    Measured {
-        bytes_per_step: window.htod_bytes as f64 / steps as f64,
-        window,
-        end,
-    }
+    Measured { bytes_per_step: window.htod_bytes as f64 / steps as f64, window, end }
 }
 
 #[test]
@@ -198,14 +175,8 @@ fn llama_mixes_stream_within_the_bound_at_every_budget() {
             // for streaming (sizes are multiples of 1 KiB).
             let opt2 = best_static_fill(&sizes, budget.saturating_sub(2 * largest), 1024);
             let opt1 = best_static_fill(&sizes, budget.saturating_sub(largest), 1024);
-            let trace: Vec<WeightId> = (0..7)
-                .flat_map(|_| (0..sizes.len() as u32).map(WeightId))
-                .collect();
-            let bel = belady(
-                &trace,
-                &sizes.iter().map(|&s| s as u64).collect::<Vec<_>>(),
-                budget as u64,
-            );
+            let trace: Vec<WeightId> = (0..7).flat_map(|_| (0..sizes.len() as u32).map(WeightId)).collect();
+            let bel = belady(&trace, &sizes.iter().map(|&s| s as u64).collect::<Vec<_>>(), budget as u64);
             let hit = r.window.hits as f64 / r.window.acquires as f64;
             table.push_str(&format!(
                 "| {name} | {pct} | {:.0} | {floor:.0} | {wwf} | {bound:.0} | {:.3} | {} | {opt2} .. {opt1} | {hit:.3} | {:.3} |\n",
@@ -241,11 +212,7 @@ fn llama_mixes_stream_within_the_bound_at_every_budget() {
                 (0, 0),
                 "{name} {pct}%: the host waited on an eviction (or re-planned) in steady state\n{table}"
             );
-            assert!(
-                r.window.host_stall_ms == 0.0,
-                "{name} {pct}%: {:?}",
-                r.window
-            );
+            assert!(r.window.host_stall_ms == 0.0, "{name} {pct}%: {:?}", r.window);
         }
     }
     eprintln!("{table}");
@@ -267,10 +234,7 @@ fn a_torch_like_block_hook_streams_within_the_bound_without_host_waits() {
     let mut table = String::from(
         "| shape | budget % | depth | bytes/step | floor (total−budget) | block floor | bound | ÷ floor | eviction waits |\n",
     );
-    for (name, b) in [
-        ("llama7b/32", block(128, 344, 128)),
-        ("llama70b/64", block(128, 448, 16)),
-    ] {
+    for (name, b) in [("llama7b/32", block(128, 344, 128)), ("llama70b/64", block(128, 448, 16))] {
         let sizes: Vec<usize> = (0..nb).flat_map(|_| b).collect();
         let total: usize = sizes.iter().sum();
         let largest = *sizes.iter().max().unwrap();
@@ -425,10 +389,7 @@ fn split_matrices_stream_close_to_total_minus_budget() {
     );
     for (name, sizes) in [
         ("8192/28672 x8, 32 MiB", vec![a; 8 * (4 * 4 + 3 * 14)]),
-        (
-            "4096/11008 x16, 32 + 21.5 MiB",
-            (0..16).flat_map(|_| [vec![a; 4], vec![m; 12]].concat()).collect(),
-        ),
+        ("4096/11008 x16, 32 + 21.5 MiB", (0..16).flat_map(|_| [vec![a; 4], vec![m; 12]].concat()).collect()),
     ] {
         let total: usize = sizes.iter().sum();
         let largest = *sizes.iter().max().unwrap();
@@ -445,8 +406,7 @@ fn split_matrices_stream_close_to_total_minus_budget() {
                 prefetched_share(&r.window)
             ));
             assert!(
-                r.bytes_per_step <= ideal + 2.0 * largest as f64
-                    && r.bytes_per_step <= (wwf + largest) as f64,
+                r.bytes_per_step <= ideal + 2.0 * largest as f64 && r.bytes_per_step <= (wwf + largest) as f64,
                 "{name} {pct}%: {:.0} > (total − budget) + 2 blocks or the floor + 1\n{table}",
                 r.bytes_per_step
             );
@@ -465,7 +425,8 @@ fn split_matrices_stream_close_to_total_minus_budget() {
 /// whole-weight floor at depths 1 to 8.
 #[test]
 fn per_weight_acquisition_streams_the_whole_weight_floor_at_any_prefetch_depth() {
-    let mut table = String::from("| shape | budget % | depth | bytes/step | whole-weight floor | ÷ floor | eviction waits |\n");
+    let mut table =
+        String::from("| shape | budget % | depth | bytes/step | whole-weight floor | ÷ floor | eviction waits |\n");
     let uniform = vec![128 * 344 * 2; 24];
     let mut cases: Vec<(&str, Vec<usize>)> = shapes()
         .into_iter()
@@ -571,9 +532,8 @@ fn without_a_declared_cycle_a_step_copies_each_weight_at_most_once() {
 /// up d×ffn, down ffn×d; then the lm_head d×vocab), float16: 141 weights at
 /// d 4096, kv 1024, ffn 14336, vocab 32000, 20 layers.
 fn ort_bench_decoder(d: usize, kv: usize, ffn: usize, vocab: usize, layers: usize) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..layers)
-        .flat_map(|_| [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, ffn * d])
-        .collect();
+    let mut v: Vec<usize> =
+        (0..layers).flat_map(|_| [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, ffn * d]).collect();
     v.push(d * vocab);
     v.into_iter().map(|e| 2 * e).collect()
 }
@@ -649,7 +609,6 @@ fn the_ort_benchmark_decoder_streams_the_whole_weight_floor_after_its_first_run(
     }
     eprintln!("{table}");
 }
-
 
 /// From the H200 run of `scripts/bench_ort_stream.py --size big`
 /// (docs/bench/h200-2026-12-02-bench_ort_stream-big.json): pinned

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use epmem::EpmStatus;
-use epmem::device::{Device, DeviceBuffer, Gate, Stream};
 use epmem::device::HostRange;
+use epmem::device::{Device, DeviceBuffer, Gate, Stream};
 use epmem::staging::background::Hint;
 use epmem::staging::{BackgroundFill, CopyEngine, EngineConfig, HostRegistration, PinnedStagingPool, PoolConfig};
 use staging_util::{dev, first_diff, leak_range, random_bytes, read_back};
@@ -112,10 +112,12 @@ fn whole_tail_cuts_full_chunks_to_the_end_and_stays_bit_exact() {
     assert_eq!(e.next_chunk_len(16 * MIB, 6 * MIB + 5), 6 * MIB + 5, "the rest, when less than a chunk");
     assert_eq!(e.next_chunk_len(16 * MIB, 700), 700, "never past the end");
     assert_eq!(chunk_count(&engine(&d, EngineConfig::default()), 32 * MIB), 7, "the default still halves");
-    let e = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, split_tail: false, ..EngineConfig::default() });
+    let e =
+        engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, split_tail: false, ..EngineConfig::default() });
     let s = Stream::new(&d).unwrap();
     // Plain stores only (stream_below 0): the same bytes.
-    let plain = engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, stream_below: 0, ..EngineConfig::default() });
+    let plain =
+        engine(&d, EngineConfig { chunk_bytes: MIB, fill_threads: 4, stream_below: 0, ..EngineConfig::default() });
     for (i, n) in [4095, 5 * MIB + 7].into_iter().enumerate() {
         let src = random_bytes(n, i as u64 + 60);
         let dst = DeviceBuffer::new(&d, n).unwrap();

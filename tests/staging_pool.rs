@@ -7,9 +7,9 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use epmem::transfer::witness::{self, CopyCompleted, TryComplete};
 use epmem::device::{DeviceBuffer, Gate, Stream};
 use epmem::staging::{PinnedStagingPool, PoolConfig, PooledStaging};
+use epmem::transfer::witness::{self, CopyCompleted, TryComplete};
 use staging_util::{dev, read_back};
 
 const MIB: usize = 1 << 20;

@@ -20,12 +20,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use epmem::EpmStatus;
 use epmem::device::{self, Device, DeviceBuffer, HostRange, LiveCounts, Stream};
-use epmem::transfer::witness;
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape, PrefixId, SeqId};
+use epmem::kv::{AdmitMode, KvConfig, KvLayout, KvPool, KvShape, PrefixId, SeqId};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
-use epmem::EpmStatus;
+use epmem::transfer::witness;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -300,9 +300,16 @@ fn eight_threads_share_pool_engine_residency_and_kv() {
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         eprintln!(
             "stress {secs} s: pool {} engine {} residency {} (all-in-use {}) kv {} (shares {})",
-            n(&counts.pool), n(&counts.engine), n(&counts.residency), n(&counts.all_in_use), n(&counts.kv), n(&counts.shares)
+            n(&counts.pool),
+            n(&counts.engine),
+            n(&counts.residency),
+            n(&counts.all_in_use),
+            n(&counts.kv),
+            n(&counts.shares)
         );
-        for (what, c) in [("pool", &counts.pool), ("engine", &counts.engine), ("residency", &counts.residency), ("kv", &counts.kv)] {
+        for (what, c) in
+            [("pool", &counts.pool), ("engine", &counts.engine), ("residency", &counts.residency), ("kv", &counts.kv)]
+        {
             assert!(n(c) > 0, "no {what} work ran");
         }
 

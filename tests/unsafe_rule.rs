@@ -32,7 +32,8 @@ fn has_unsafe_word(s: &str) -> bool {
     s.match_indices("unsafe").any(|(i, _)| {
         let before = s[..i].chars().next_back();
         let after = s[i + 6..].chars().next();
-        !before.is_some_and(|c| c.is_alphanumeric() || c == '_') && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+        !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
     })
 }
 

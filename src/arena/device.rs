@@ -44,25 +44,21 @@ impl DeviceArena {
         super::check_capacity(cfg.capacity)?;
         // MAX_CAPACITY is a multiple of 256 and granularities are powers of
         // two: only a granularity above 256 can push the rounding past it.
-        let capacity = cfg
-            .capacity
-            .checked_next_multiple_of(granularity)
-            .filter(|&c| c <= super::MAX_CAPACITY)
-            .ok_or_else(|| {
-                crate::error::Error::invalid_argument(format!(
-                    "device arena capacity_bytes {} rounded up to the granularity of {granularity} bytes \
+        let capacity =
+            cfg.capacity.checked_next_multiple_of(granularity).filter(|&c| c <= super::MAX_CAPACITY).ok_or_else(
+                || {
+                    crate::error::Error::invalid_argument(format!(
+                        "device arena capacity_bytes {} rounded up to the granularity of {granularity} bytes \
                      exceeds the limit of {} bytes",
-                    cfg.capacity,
-                    super::MAX_CAPACITY
-                ))
-            })?;
+                        cfg.capacity,
+                        super::MAX_CAPACITY
+                    ))
+                },
+            )?;
         let sub = SubAlloc::new(capacity, DEFAULT_UNIT, cfg.max_allocs)?;
         let va = VaRange::reserve(dev, capacity)?;
         let n = capacity.div_ceil(chunk);
-        let stats = ArenaStats {
-            reserved_bytes: capacity as u64,
-            ..Default::default()
-        };
+        let stats = ArenaStats { reserved_bytes: capacity as u64, ..Default::default() };
         Ok(Self {
             dev: dev.clone(),
             chunk,
@@ -170,7 +166,14 @@ impl DeviceArena {
 
     /// From the untagged pool (`tag` 0: an error when nothing fits) or only
     /// from ranges of `tag` (`None` when nothing fits).
-    fn alloc_from(&self, bytes: usize, align: usize, owned: bool, tag: u64, fresh: bool) -> Result<Option<(u64, bool)>> {
+    fn alloc_from(
+        &self,
+        bytes: usize,
+        align: usize,
+        owned: bool,
+        tag: u64,
+        fresh: bool,
+    ) -> Result<Option<(u64, bool)>> {
         crate::ensure!(
             align <= self.chunk,
             InvalidArgument,
@@ -240,11 +243,7 @@ impl Arena for DeviceArena {
     fn tagged_stats(&self) -> TaggedStats {
         let g = self.lock();
         let (ranges, bytes) = g.sub.tagged();
-        TaggedStats {
-            ranges: ranges as u64,
-            bytes: bytes as u64,
-            peak_held_bytes: g.sub.peak_held() as u64,
-        }
+        TaggedStats { ranges: ranges as u64, bytes: bytes as u64, peak_held_bytes: g.sub.peak_held() as u64 }
     }
 
     fn free_tagged(&self, addr: u64, tag: u64) -> Result<()> {

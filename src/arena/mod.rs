@@ -55,11 +55,7 @@ pub struct ArenaConfig {
 
 impl ArenaConfig {
     pub fn with_capacity(capacity: usize) -> Self {
-        Self {
-            capacity,
-            chunk_bytes: 0,
-            max_allocs: 64 * 1024,
-        }
+        Self { capacity, chunk_bytes: 0, max_allocs: 64 * 1024 }
     }
 }
 
@@ -150,8 +146,9 @@ fn check_capacity(capacity: usize) -> Result<()> {
 /// (found by ffi-tests/test_misuse_mem.c: chunk_bytes = UINT64_MAX).
 pub(crate) fn chunk_size(chunk: usize, granularity: usize) -> Result<usize> {
     let c = if chunk == 0 { 16 * granularity } else { chunk };
-    c.checked_next_multiple_of(granularity)
-        .ok_or_else(|| crate::error::Error::invalid_argument(format!(
+    c.checked_next_multiple_of(granularity).ok_or_else(|| {
+        crate::error::Error::invalid_argument(format!(
             "arena chunk_bytes {chunk} is too large (rounded up to the granularity of {granularity} bytes it overflows)"
-        )))
+        ))
+    })
 }

@@ -53,7 +53,9 @@ impl Inner {
             .next_back()
             .map(|(_, s)| s)
             .filter(|s| addr < s.base() + s.sub.capacity() as u64)
-            .ok_or_else(|| crate::error::Error::invalid_argument(format!("address {addr:#x} is not inside this pinned arena")))
+            .ok_or_else(|| {
+                crate::error::Error::invalid_argument(format!("address {addr:#x} is not inside this pinned arena"))
+            })
     }
 
     fn free_as(&mut self, addr: u64, tag: u64) -> Result<()> {
@@ -164,10 +166,7 @@ impl Arena for PinnedArena {
                 let buf = PinnedBuffer::new(&self.dev, size)
                     .map_err(|e| e.context(format!("growing the pinned arena by {size} bytes")))?;
                 g.stats.driver_alloc_calls += 1;
-                let mut seg = Segment {
-                    buf,
-                    sub: SubAlloc::new(size, DEFAULT_UNIT, self.max_allocs)?,
-                };
+                let mut seg = Segment { buf, sub: SubAlloc::new(size, DEFAULT_UNIT, self.max_allocs)? };
                 let a = Self::try_segment(&mut seg, bytes, align).ok_or_else(|| {
                     crate::error::Error::internal("a fresh pinned segment refused its first allocation")
                 })?;
@@ -232,16 +231,8 @@ impl Arena for PinnedArena {
 
     fn tagged_stats(&self) -> TaggedStats {
         let g = self.lock();
-        let (ranges, bytes) = g
-            .segs
-            .values()
-            .map(|s| s.sub.tagged())
-            .fold((0, 0), |(r, b), (sr, sb)| (r + sr, b + sb));
-        TaggedStats {
-            ranges: ranges as u64,
-            bytes: bytes as u64,
-            peak_held_bytes: g.peak_held as u64,
-        }
+        let (ranges, bytes) = g.segs.values().map(|s| s.sub.tagged()).fold((0, 0), |(r, b), (sr, sb)| (r + sr, b + sb));
+        TaggedStats { ranges: ranges as u64, bytes: bytes as u64, peak_held_bytes: g.peak_held as u64 }
     }
 
     fn size_of(&self, addr: u64) -> Option<usize> {
@@ -276,22 +267,15 @@ impl Arena for PinnedArena {
 
     fn stats(&self) -> ArenaStats {
         let g = self.lock();
-        let (free, largest) = g
-            .segs
-            .values()
-            .map(|s| s.sub.free_report())
-            .fold((0, 0), |(f, l), (sf, sl)| (f + sf, l.max(sl)));
+        let (free, largest) =
+            g.segs.values().map(|s| s.sub.free_report()).fold((0, 0), |(f, l), (sf, sl)| (f + sf, l.max(sl)));
         ArenaStats {
             reserved_bytes: g.committed as u64,
             committed_bytes: g.committed as u64,
             in_use_bytes: g.in_use as u64,
             peak_in_use_bytes: g.peak_in_use as u64,
             live_allocations: g.segs.values().map(|s| s.sub.live_count() as u64).sum(),
-            fragmentation: if free == 0 {
-                0.0
-            } else {
-                1.0 - largest as f64 / free as f64
-            },
+            fragmentation: if free == 0 { 0.0 } else { 1.0 - largest as f64 / free as f64 },
             ..g.stats
         }
     }

@@ -77,29 +77,17 @@ pub(crate) fn open(dev: &Arc<dyn Device>, kind: MemKind, capacity: u64) -> Resul
         // touched stays committed. The extra driver calls are paid in warm-up
         // only (steady state makes none either way).
         MemKind::Device => Box::new(ArenaSource {
-            arena: DeviceArena::new(
-                dev,
-                ArenaConfig {
-                    chunk_bytes: dev.vmm_granularity(),
-                    ..cfg
-                },
-            )?,
+            arena: DeviceArena::new(dev, ArenaConfig { chunk_bytes: dev.vmm_granularity(), ..cfg })?,
             name: "device_arena",
         }),
-        MemKind::Pinned => Box::new(ArenaSource {
-            arena: PinnedArena::new(dev, cfg)?,
-            name: "pinned_arena",
-        }),
+        MemKind::Pinned => Box::new(ArenaSource { arena: PinnedArena::new(dev, cfg)?, name: "pinned_arena" }),
     })
 }
 
 /// Device memory from a [`DeviceArena`] shaped exactly by `cfg` (its chunk
 /// of 0 meaning the arena's default, 16 granules).
 pub(crate) fn device_source(dev: &Arc<dyn Device>, cfg: ArenaConfig) -> Result<Box<dyn MemorySource>> {
-    Ok(Box::new(ArenaSource {
-        arena: DeviceArena::new(dev, cfg)?,
-        name: "device_arena",
-    }))
+    Ok(Box::new(ArenaSource { arena: DeviceArena::new(dev, cfg)?, name: "device_arena" }))
 }
 
 struct ArenaSource<A: Arena> {

@@ -130,11 +130,7 @@ pub(crate) struct StreamOrdered {
 
 impl StreamOrdered {
     pub fn new(dev: Arc<dyn Device>, src: Box<dyn MemorySource>) -> Self {
-        Self {
-            dev,
-            src,
-            st: Mutex::new(State::default()),
-        }
+        Self { dev, src, st: Mutex::new(State::default()) }
     }
 
     /// Frees on the only stream that has allocated are immediate, with no
@@ -341,12 +337,7 @@ impl StreamOrdered {
     pub fn order_stats(&self) -> OrderStats {
         let g = self.lock();
         let t = self.src.tagged_stats();
-        OrderStats {
-            pending_blocks: t.ranges,
-            pending_bytes: t.bytes,
-            peak_held_bytes: t.peak_held_bytes,
-            ..g.stats
-        }
+        OrderStats { pending_blocks: t.ranges, pending_bytes: t.bytes, peak_held_bytes: t.peak_held_bytes, ..g.stats }
     }
 
     pub fn source_name(&self) -> &'static str {

@@ -248,10 +248,7 @@ impl SubAlloc {
             .ok_or_else(|| {
                 crate::error::Error::new(
                     crate::error::EpmStatus::OutOfBudget,
-                    format!(
-                        "allocation of {bytes} bytes (align {align}) exceeds the arena capacity {}",
-                        self.capacity
-                    ),
+                    format!("allocation of {bytes} bytes (align {align}) exceeds the arena capacity {}", self.capacity),
                 )
             })?;
         if self.live.len() >= self.max_allocs as usize {
@@ -285,14 +282,7 @@ impl SubAlloc {
             self.insert_free(start + span, len - span, tag);
         }
         let offset = start.next_multiple_of(align);
-        self.live.insert(
-            offset,
-            Live {
-                start,
-                span,
-                requested: bytes,
-            },
-        );
+        self.live.insert(offset, Live { start, span, requested: bytes });
         self.in_use += span;
         self.peak_in_use = self.peak_in_use.max(self.in_use);
         self.note_held();
@@ -382,11 +372,7 @@ impl SubAlloc {
     /// range, towards 1 when it is scattered in small holes.
     pub fn fragmentation(&self) -> f64 {
         let (free, largest) = self.free_report();
-        if free == 0 {
-            0.0
-        } else {
-            1.0 - largest as f64 / free as f64
-        }
+        if free == 0 { 0.0 } else { 1.0 - largest as f64 / free as f64 }
     }
 }
 
@@ -403,10 +389,7 @@ mod tests {
         assert!(x + 256 <= y || y + 300 <= x);
         assert_eq!(a.in_use(), 256 + (300usize + 4096 - 256).next_multiple_of(256));
         assert_eq!(a.free(x).unwrap().requested, 100);
-        assert_eq!(
-            a.free(x).unwrap_err().status(),
-            crate::error::EpmStatus::InvalidArgument
-        );
+        assert_eq!(a.free(x).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
         a.free(y).unwrap();
         assert_eq!(a.in_use(), 0);
         assert_eq!(a.fragmentation(), 0.0);
@@ -415,10 +398,7 @@ mod tests {
     #[test]
     fn exhaustion_is_out_of_budget() {
         let mut a = SubAlloc::new(4096, 256, 64).unwrap();
-        assert_eq!(
-            a.alloc(8192, 0).unwrap_err().status(),
-            crate::error::EpmStatus::OutOfBudget
-        );
+        assert_eq!(a.alloc(8192, 0).unwrap_err().status(), crate::error::EpmStatus::OutOfBudget);
         let x = a.alloc(4096, 0).unwrap();
         let e = a.alloc(1, 0).unwrap_err();
         assert_eq!(e.status(), crate::error::EpmStatus::OutOfBudget);
@@ -432,14 +412,8 @@ mod tests {
         assert!(SubAlloc::new(1000, 256, 64).is_err());
         assert!(SubAlloc::new(4096, 100, 64).is_err());
         let mut a = SubAlloc::new(4096, 256, 64).unwrap();
-        assert_eq!(
-            a.alloc(0, 0).unwrap_err().status(),
-            crate::error::EpmStatus::InvalidArgument
-        );
-        assert_eq!(
-            a.alloc(8, 3).unwrap_err().status(),
-            crate::error::EpmStatus::InvalidArgument
-        );
+        assert_eq!(a.alloc(0, 0).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
+        assert_eq!(a.alloc(8, 3).unwrap_err().status(), crate::error::EpmStatus::InvalidArgument);
     }
 
     #[test]

@@ -35,7 +35,10 @@ pub fn decode_with(desc: &DecodeDesc, src: &[u8], out: &mut [u8], threads: usize
     let run = |first_block: usize, out: &mut [u8]| -> Result<()> {
         for (i, o) in out.chunks_mut(BLOCK_VALUES * 2).enumerate() {
             let j = first_block + i;
-            let off = |j: usize| u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]]) as usize;
+            let off = |j: usize| {
+                u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]])
+                    as usize
+            };
             let esc = escapes.get(off(j)..off(j + 1)).ok_or_else(|| bad_index(j))?;
             let c = &codes[j * block_code_bytes..((j + 1) * block_code_bytes).min(codes.len())];
             let w = &lows[j * BLOCK_VALUES..][..o.len() / 2];
@@ -69,7 +72,13 @@ fn bad_index(block: usize) -> Error {
 
 /// Decode one block; `Err` if its codes use more or fewer escapes than the
 /// index gives it.
-fn decode_block(desc: &DecodeDesc, codes: &[u8], lows: &[u8], escapes: &[u8], out: &mut [u8]) -> std::result::Result<(), ()> {
+fn decode_block(
+    desc: &DecodeDesc,
+    codes: &[u8],
+    lows: &[u8],
+    escapes: &[u8],
+    out: &mut [u8],
+) -> std::result::Result<(), ()> {
     macro_rules! go {
         ($($fp:literal $k:literal),*) => {
             match (desc.dtype == Dtype::Fp16, desc.k) {

@@ -94,8 +94,12 @@ impl Plan {
         let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
         let lut = lookup(desc);
         // Carve each stream into the chunks' disjoint slices.
-        let (mut offsets, mut codes, mut lows, mut escapes) =
-            (&mut offsets[..l.blocks * 4], &mut codes[..l.codes_len], &mut lows[..desc.n], &mut escapes[..desc.escapes]);
+        let (mut offsets, mut codes, mut lows, mut escapes) = (
+            &mut offsets[..l.blocks * 4],
+            &mut codes[..l.codes_len],
+            &mut lows[..desc.n],
+            &mut escapes[..desc.escapes],
+        );
         let mut jobs = Vec::with_capacity(chunks.len());
         for c in chunks {
             let nblocks = c.blocks.len();

@@ -244,7 +244,9 @@ pub fn parse(buf: &[u8], threads: usize) -> Result<DecodeDesc> {
     let stored = u32_at(buf, CRC_AT);
     let actual = checksum(buf, threads);
     if stored != actual {
-        return Err(corrupt(format!("checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): the buffer is corrupt")));
+        return Err(corrupt(format!(
+            "checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): the buffer is corrupt"
+        )));
     }
     // The escape index: starts at 0, never decreases, ends at the escape count.
     let offs = &buf[l.offsets_off..l.offsets_off + (l.blocks + 1) * 4];
@@ -253,7 +255,10 @@ pub fn parse(buf: &[u8], threads: usize) -> Result<DecodeDesc> {
         let o = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
         let bad = (j == 0 && o != 0) || o < prev || (o as usize) > desc.escapes;
         if bad {
-            return Err(corrupt(format!("escape offset of block {j} is {o} after {prev} (of {} escapes)", desc.escapes)));
+            return Err(corrupt(format!(
+                "escape offset of block {j} is {o} after {prev} (of {} escapes)",
+                desc.escapes
+            )));
         }
         prev = o;
     }
@@ -294,12 +299,15 @@ pub fn parse_header(buf: &[u8]) -> Result<DecodeDesc> {
     let n = u64_at(buf, 16);
     let escapes = u64_at(buf, 24);
     if n == 0 || n > u32::MAX as u64 || escapes > n {
-        return Err(corrupt(format!("{n} values with {escapes} escapes (values must be 1..=2^32-1, escapes at most values)")));
+        return Err(corrupt(format!(
+            "{n} values with {escapes} escapes (values must be 1..=2^32-1, escapes at most values)"
+        )));
     }
     let (n, escapes) = (n as usize, escapes as usize);
     let layout = Layout::new(dtype, k, n, escapes)?;
     let stored = [u64_at(buf, 32), u64_at(buf, 40), u64_at(buf, 48), u64_at(buf, 56), u64_at(buf, 64)];
-    let want = [layout.offsets_off, layout.codes_off, layout.lows_off, layout.escapes_off, layout.total_len].map(|v| v as u64);
+    let want =
+        [layout.offsets_off, layout.codes_off, layout.lows_off, layout.escapes_off, layout.total_len].map(|v| v as u64);
     if stored != want {
         return Err(corrupt(format!("stream offsets {stored:?} do not match the layout of version 1 {want:?}")));
     }
@@ -310,7 +318,11 @@ pub fn parse_header(buf: &[u8]) -> Result<DecodeDesc> {
         return Err(corrupt("reserved header bytes are not zero"));
     }
     if let Some(&e) = table[..used].iter().find(|&&e| e as u32 >= 1 << dtype.exponent_bits()) {
-        return Err(corrupt(format!("table exponent {e} does not fit {}'s {} exponent bits", dtype.name(), dtype.exponent_bits())));
+        return Err(corrupt(format!(
+            "table exponent {e} does not fit {}'s {} exponent bits",
+            dtype.name(),
+            dtype.exponent_bits()
+        )));
     }
     Ok(DecodeDesc { dtype, k, n, escapes, table, layout })
 }

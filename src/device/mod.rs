@@ -386,7 +386,9 @@ pub fn open(select: DeviceSelect, ordinal: u32) -> Result<Arc<dyn Device>> {
         if std::env::var_os("EPM_FAULT").is_some() {
             static ONCE: std::sync::Once = std::sync::Once::new();
             ONCE.call_once(|| {
-                log::warn!("epmem: EPM_FAULT is ignored: fault injection exists only in builds with the `testing` feature")
+                log::warn!(
+                    "epmem: EPM_FAULT is ignored: fault injection exists only in builds with the `testing` feature"
+                )
             });
         }
         open_plain(select, ordinal)

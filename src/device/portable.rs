@@ -68,11 +68,7 @@ pub fn remove(kind: DeviceKind, owner: u64, p: usize) -> bool {
 /// Whether one portable registration of `kind` holds all of `[p, p+len)`.
 pub fn contains(kind: DeviceKind, p: usize, len: usize) -> bool {
     let Some(end) = p.checked_add(len.max(1)) else { return false };
-    p != 0
-        && table()
-            .range(..=p)
-            .next_back()
-            .is_some_and(|(s, e)| e.kind == kind && end <= s + e.len)
+    p != 0 && table().range(..=p).next_back().is_some_and(|(s, e)| e.kind == kind && end <= s + e.len)
 }
 
 /// Whether `[p, p+len)` overlaps any portable registration of `kind`.

@@ -85,7 +85,6 @@ impl From<ArenaStats> for EpmArenaStats {
     }
 }
 
-
 /// `sizeof(EpmArenaConfig)` in its first published version (epmem 0.1):
 /// the smallest `size` ever accepted. Frozen; see docs/ABI.md.
 pub const EPM_ARENA_CONFIG_SIZE_V1: usize = 32;
@@ -118,16 +117,8 @@ pub(crate) fn config_of(cfg: *const EpmArenaConfig) -> Result<ArenaConfig> {
     let chunk = usize::try_from(c.chunk_bytes).ok().filter(|&n| n <= max).ok_or_else(|| {
         Error::invalid_argument(format!("cfg->chunk_bytes {} exceeds the limit of {max} bytes", c.chunk_bytes))
     })?;
-    let max_allocs = if c.max_allocations == 0 {
-        DEFAULT_MAX_ALLOCATIONS
-    } else {
-        c.max_allocations
-    };
-    Ok(ArenaConfig {
-        capacity,
-        chunk_bytes: chunk,
-        max_allocs,
-    })
+    let max_allocs = if c.max_allocations == 0 { DEFAULT_MAX_ALLOCATIONS } else { c.max_allocations };
+    Ok(ArenaConfig { capacity, chunk_bytes: chunk, max_allocs })
 }
 
 /// Fill `*out` with the defaults (capacity 0: the caller must set it).

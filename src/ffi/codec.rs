@@ -181,11 +181,7 @@ fn host_bytes<'a>(p: *const c_void, len: usize, what: &str) -> Result<&'a [u8]> 
 fn host_bytes_mut<'a>(p: *mut c_void, len: usize, src: &[u8], what: &str) -> Result<&'a mut [u8]> {
     let (q, len) = crate::ffi::args::host_range(p.cast_const(), len, what)?;
     let (a, b) = (q as usize, src.as_ptr() as usize);
-    ensure!(
-        a + len <= b || b + src.len() <= a,
-        InvalidArgument,
-        "`{what}` overlaps the source buffer"
-    );
+    ensure!(a + len <= b || b + src.len() <= a, InvalidArgument, "`{what}` overlaps the source buffer");
     // SAFETY: the C caller guarantees `len` writable bytes at `p`, not
     // otherwise accessed during the call; checked non-NULL, not wrapping,
     // and disjoint from `src`, so the two slices do not alias.

@@ -183,10 +183,7 @@ fn decode<H: Handle>(ptr: *const H) -> Result<(u32, u32)> {
 }
 
 fn stale<H: Handle>(ptr: *const H) -> Error {
-    Error::new(
-        EpmStatus::InvalidHandle,
-        format!("{} handle {:#x} is stale: it was destroyed", H::NAME, ptr.addr()),
-    )
+    Error::new(EpmStatus::InvalidHandle, format!("{} handle {:#x} is stale: it was destroyed", H::NAME, ptr.addr()))
 }
 
 /// Insert an object into its table; the returned handle is what C holds.
@@ -219,7 +216,9 @@ pub fn get<H: Handle>(ptr: *const H) -> Result<Arc<H::Object>> {
             Ok(value.clone())
         }
         Lookup::Stale => Err(stale(ptr)),
-        Lookup::Unknown => Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME))),
+        Lookup::Unknown => {
+            Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME)))
+        }
     }
 }
 
@@ -234,10 +233,9 @@ pub fn remove<H: Handle>(ptr: *const H) -> Result<Option<Arc<H::Object>>> {
     match slab.remove(slot, generation) {
         Lookup::Live(s) => Ok(Some(s.value)),
         Lookup::Stale => Err(stale(ptr)),
-        Lookup::Unknown => Err(Error::new(
-            EpmStatus::InvalidHandle,
-            format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME),
-        )),
+        Lookup::Unknown => {
+            Err(Error::new(EpmStatus::InvalidHandle, format!("{:#x} is not a live {} handle", ptr.addr(), H::NAME)))
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use crate::ffi::device::EpmDevice;
 use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::kv::{self, AdmitMode, KvPool, KvConfig, KvLayout, KvShape, KvStats, Namespace, PrefixId, SeqId};
+use crate::kv::{self, AdmitMode, KvConfig, KvLayout, KvPool, KvShape, KvStats, Namespace, PrefixId, SeqId};
 
 /// A KV pool: granule pool, ledger (budget) and dummy granule.
 pub struct EpmKvPool {
@@ -104,7 +104,9 @@ fn admit_mode(v: u32) -> Result<AdmitMode> {
     match v {
         EPM_KV_ADMIT_PROMISE => Ok(AdmitMode::Promise),
         EPM_KV_ADMIT_ON_DEMAND => Ok(AdmitMode::OnDemand),
-        other => bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_PROMISE (0) or EPM_KV_ADMIT_ON_DEMAND (1)"),
+        other => {
+            bail!(InvalidArgument, "admit mode {other} is not EPM_KV_ADMIT_PROMISE (0) or EPM_KV_ADMIT_ON_DEMAND (1)")
+        }
     }
 }
 
@@ -439,7 +441,18 @@ pub extern "C" fn epm_kv_seq_create_for_tokens(
     shared_tokens: *mut u64,
 ) -> EpmStatus {
     // The default namespace: the same checks, in the same order.
-    epm_kv_seq_create_for_tokens_ns(pool, layout, max_tokens, std::ptr::null(), 0, tokens, n_tokens, admit, out, shared_tokens)
+    epm_kv_seq_create_for_tokens_ns(
+        pool,
+        layout,
+        max_tokens,
+        std::ptr::null(),
+        0,
+        tokens,
+        n_tokens,
+        admit,
+        out,
+        shared_tokens,
+    )
 }
 
 /// As `epm_kv_seq_create_for_tokens`, in the sharing namespace `ns[0..ns_len)`
@@ -808,7 +821,12 @@ pub struct EpmKvAdmission {
 ///
 /// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_kv_admissible(budget_bytes: u64, prefix_bytes: u64, private_bytes: u64, out: *mut EpmKvAdmission) -> EpmStatus {
+pub extern "C" fn epm_kv_admissible(
+    budget_bytes: u64,
+    prefix_bytes: u64,
+    private_bytes: u64,
+    out: *mut EpmKvAdmission,
+) -> EpmStatus {
     ffi_boundary! {
         let out = try_out!(out);
         let a = kv::admissible(budget_bytes, prefix_bytes, private_bytes);

@@ -17,8 +17,10 @@
 //! Threading: every function is safe from any thread; the calls on one pool
 //! are serialized by its lock.
 
-use crate::ffi::kv::for_batch::{admit, kv_namespace, layout, lock, prefix_of, raw_stream, insert_seq, seq_of, token_ids};
-use crate::ffi::kv::{PoolObj, EpmKvPool, EpmKvLayout, EpmKvPrefix, EpmKvSeq};
+use crate::ffi::kv::for_batch::{
+    admit, insert_seq, kv_namespace, layout, lock, prefix_of, raw_stream, seq_of, token_ids,
+};
+use crate::ffi::kv::{EpmKvLayout, EpmKvPool, EpmKvPrefix, EpmKvSeq, PoolObj};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::EpmStream;
 use crate::kv::{BatchId, SlotChoice};
@@ -224,7 +226,12 @@ pub extern "C" fn epm_kv_batch_get_desc(batch: *mut EpmKvBatch, out: *mut EpmKvB
 ///
 /// Threading: safe from any thread; calls on one pool are serialized.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_kv_batch_take_slot(batch: *mut EpmKvBatch, slot: u32, admit: u32, out: *mut *mut EpmKvSeq) -> EpmStatus {
+pub extern "C" fn epm_kv_batch_take_slot(
+    batch: *mut EpmKvBatch,
+    slot: u32,
+    admit: u32,
+    out: *mut *mut EpmKvSeq,
+) -> EpmStatus {
     ffi_boundary! {
         let b = try_handle!(batch);
         let out = try_out!(out);
@@ -299,7 +306,18 @@ pub extern "C" fn epm_kv_batch_take_slot_for_tokens(
     shared_tokens: *mut u64,
 ) -> EpmStatus {
     // The default namespace: the same checks, in the same order.
-    epm_kv_batch_take_slot_for_tokens_ns(batch, slot, std::ptr::null(), 0, tokens, n_tokens, admit, stream, out, shared_tokens)
+    epm_kv_batch_take_slot_for_tokens_ns(
+        batch,
+        slot,
+        std::ptr::null(),
+        0,
+        tokens,
+        n_tokens,
+        admit,
+        stream,
+        out,
+        shared_tokens,
+    )
 }
 
 /// As `epm_kv_batch_take_slot_for_tokens`, in the sharing namespace

@@ -60,7 +60,12 @@ pub extern "C" fn epm_device_free(dev: *mut EpmDevice, ptr: EpmDevicePtr) -> Epm
 /// or a range that overflows; device errors for a bad `dst`. Threading: safe
 /// from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_memcpy_htod(dev: *mut EpmDevice, dst: EpmDevicePtr, src: *const c_void, bytes: usize) -> EpmStatus {
+pub extern "C" fn epm_memcpy_htod(
+    dev: *mut EpmDevice,
+    dst: EpmDevicePtr,
+    src: *const c_void,
+    bytes: usize,
+) -> EpmStatus {
     ffi_boundary! {
         let dev = try_handle!(dev);
         let (src, n) = try_host_range!(src, bytes);

@@ -45,8 +45,8 @@
 // them `unsafe fn` would change nothing for C and only add noise.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-pub mod args;
 pub mod arena;
+pub mod args;
 pub mod device;
 pub mod event;
 pub mod handle;

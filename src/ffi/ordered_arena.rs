@@ -10,9 +10,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::arena::ArenaConfig;
 use crate::arena::source::{self, MemKind};
 use crate::arena::stream_order::StreamOrdered;
-use crate::arena::ArenaConfig;
 use crate::device::{Device, RawStream};
 use crate::ffi::arena::{EpmArenaConfig, config_of};
 use crate::ffi::device::EpmDevice;
@@ -324,7 +324,10 @@ pub extern "C" fn epm_ordered_arena_trim(arena: *mut EpmOrderedArena, out_bytes:
 /// NULL: `arena` is INVALID_HANDLE, `out` NULL_POINTER. Errors:
 /// INVALID_ARGUMENT for a too-small `size`. Threading: safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_ordered_arena_get_stats(arena: *mut EpmOrderedArena, out: *mut EpmOrderedArenaStats) -> EpmStatus {
+pub extern "C" fn epm_ordered_arena_get_stats(
+    arena: *mut EpmOrderedArena,
+    out: *mut EpmOrderedArenaStats,
+) -> EpmStatus {
     ffi_boundary! {
         let arena = try_handle!(arena);
         let out = try_out!(out);

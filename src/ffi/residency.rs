@@ -11,9 +11,9 @@
 use crate::device::{HostRange, Stream};
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
+use crate::ffi::mirror::{config_in, mirror};
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::ffi::mirror::{config_in, mirror};
 use crate::residency::{
     HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId,
 };
@@ -648,11 +648,7 @@ fn weight_list(p: *const EpmWeightId, n: usize) -> Result<Vec<WeightId>> {
         return Ok(Vec::new());
     }
     ensure!(!p.is_null(), NullPointer, "a list of {n} weights is NULL");
-    ensure!(
-        n <= u32::MAX as usize,
-        InvalidArgument,
-        "a list of {n} weights is too long"
-    );
+    ensure!(n <= u32::MAX as usize, InvalidArgument, "a list of {n} weights is too long");
     // SAFETY: non-NULL; the C caller promises `n` readable ids for the call.
     let ids = unsafe { std::slice::from_raw_parts(p, n) };
     Ok(ids.iter().map(|&w| WeightId(w)).collect())

@@ -10,10 +10,10 @@
 //! ```
 
 use crate::device::HostRange;
-use crate::transfer::pinning::SharedHostRegistration;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::prelude::*;
 use crate::ffi::residency::{EpmHostRangeId, EpmResidency};
+use crate::transfer::pinning::SharedHostRegistration;
 
 /// A host range page-locked once for every device of one kind (CUDA:
 /// `cuMemHostRegister` with PORTABLE | READ_ONLY). Refcounted: this handle

@@ -67,9 +67,25 @@ pub fn status_name(s: EpmStatus) -> &'static std::ffi::CStr {
 pub const ALL_STATUSES: [EpmStatus; 19] = {
     use EpmStatus::*;
     [
-        Ok, InvalidArgument, NullPointer, InvalidHandle, InvalidState, Unsupported, NotReady, InvalidConfig,
-        OutOfHostMemory, OutOfDeviceMemory, OutOfBudget, AllInUse, DeviceUnavailable, CudaError, AccessDenied,
-        ContextLost, OsError, Internal, Panic,
+        Ok,
+        InvalidArgument,
+        NullPointer,
+        InvalidHandle,
+        InvalidState,
+        Unsupported,
+        NotReady,
+        InvalidConfig,
+        OutOfHostMemory,
+        OutOfDeviceMemory,
+        OutOfBudget,
+        AllInUse,
+        DeviceUnavailable,
+        CudaError,
+        AccessDenied,
+        ContextLost,
+        OsError,
+        Internal,
+        Panic,
     ]
 };
 

@@ -12,7 +12,11 @@ pub struct EpmStream {
 impl_handle!(EpmStream => Stream, tag = 0x02);
 
 /// Check that an object made on `a` may be used with one made on `b`.
-pub(crate) fn same_device(a: &Arc<dyn crate::device::Device>, b: &Arc<dyn crate::device::Device>, what: &str) -> Result<()> {
+pub(crate) fn same_device(
+    a: &Arc<dyn crate::device::Device>,
+    b: &Arc<dyn crate::device::Device>,
+    what: &str,
+) -> Result<()> {
     ensure!(Arc::ptr_eq(a, b), InvalidArgument, "{what} belong to different devices");
     Ok(())
 }
@@ -42,7 +46,11 @@ pub extern "C" fn epm_stream_create(dev: *mut EpmDevice, out: *mut *mut EpmStrea
 /// UNSUPPORTED on the host device (it has no native streams). Threading:
 /// safe from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_stream_wrap_native(dev: *mut EpmDevice, native: *mut c_void, out: *mut *mut EpmStream) -> EpmStatus {
+pub extern "C" fn epm_stream_wrap_native(
+    dev: *mut EpmDevice,
+    native: *mut c_void,
+    out: *mut *mut EpmStream,
+) -> EpmStatus {
     ffi_boundary! {
         let dev = try_handle!(dev);
         check_not_null!(native);

@@ -11,12 +11,12 @@
 use crate::device::checksum_host;
 use crate::ffi::args::device_range;
 use crate::ffi::device::EpmDevice;
+use crate::ffi::handle;
 use crate::ffi::kv::EpmKvPool;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::prelude::*;
 use crate::ffi::residency::EpmResidency;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::ffi::handle;
 
 /// Queue a kernel that writes the 64-bit checksum of device bytes
 /// `[ptr, ptr+bytes)` to the 8 device bytes at `out_dev_ptr`; the same value
@@ -137,7 +137,11 @@ impl_handle!(EpmGate => crate::device::Gate, tag = 0x04);
 /// UNSUPPORTED where the CUDA driver or GPU has no stream memory waits.
 /// Threading: safe from any thread; the gate may be opened from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn epm_device_hold_async(dev: *mut EpmDevice, stream: *mut EpmStream, out: *mut *mut EpmGate) -> EpmStatus {
+pub extern "C" fn epm_device_hold_async(
+    dev: *mut EpmDevice,
+    stream: *mut EpmStream,
+    out: *mut *mut EpmGate,
+) -> EpmStatus {
     ffi_boundary! {
         let dev = try_handle!(dev);
         let stream = try_handle!(stream);

@@ -42,10 +42,9 @@ static DEVICES: [OnceLock<TorchDevice>; MAX_DEVICES] = [const { OnceLock::new() 
 static CAPACITY: Mutex<u64> = Mutex::new(0);
 
 fn ordinal(device: c_int) -> Result<usize> {
-    usize::try_from(device)
-        .ok()
-        .filter(|&d| d < MAX_DEVICES)
-        .ok_or_else(|| Error::invalid_argument(format!("device {device} is not a device ordinal (0 to {})", MAX_DEVICES - 1)))
+    usize::try_from(device).ok().filter(|&d| d < MAX_DEVICES).ok_or_else(|| {
+        Error::invalid_argument(format!("device {device} is not a device ordinal (0 to {})", MAX_DEVICES - 1))
+    })
 }
 
 /// `EPM_TORCH_CAPACITY`: bytes, or a number with a K/M/G/T suffix (powers of 1024).
@@ -61,10 +60,9 @@ fn capacity_from_env() -> Result<Option<u64>> {
         "T" | "TB" | "TIB" => 40,
         _ => bail!(InvalidConfig, "EPM_TORCH_CAPACITY={v:?}: a byte count, optionally with K, M, G or T"),
     };
-    let n: u64 = digits
-        .trim()
-        .parse()
-        .map_err(|_| Error::new(EpmStatus::InvalidConfig, format!("EPM_TORCH_CAPACITY={v:?} is not a number of bytes")))?;
+    let n: u64 = digits.trim().parse().map_err(|_| {
+        Error::new(EpmStatus::InvalidConfig, format!("EPM_TORCH_CAPACITY={v:?} is not a number of bytes"))
+    })?;
     let bytes = n
         .checked_mul(1u64 << shift)
         .filter(|&b| b > 0)
@@ -204,9 +202,7 @@ pub extern "C" fn epm_torch_free(ptr: *mut c_void, size: isize, device: c_int, s
 fn last_message() -> String {
     // SAFETY: epm_last_error_message never returns NULL; the string is
     // valid until the next epm call on this thread, and is copied at once.
-    unsafe { std::ffi::CStr::from_ptr(crate::ffi::status::epm_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
+    unsafe { std::ffi::CStr::from_ptr(crate::ffi::status::epm_last_error_message()) }.to_string_lossy().into_owned()
 }
 
 /// Set the capacity (bytes of virtual address space, the most the arena

@@ -22,9 +22,9 @@
 use std::sync::{Arc, Mutex};
 
 use super::id::{BatchId, PrefixId, SeqId};
-use super::pool::{AdmitMode, KvPool};
 use super::layout::KvLayout;
 use super::namespace::Namespace;
+use super::pool::{AdmitMode, KvPool};
 use super::reservation::{VaTable, Window};
 use super::sequence::{SeqInfo, Slot, reservation_bytes};
 use crate::device::{Access, DevicePtr, RawStream};
@@ -45,7 +45,12 @@ pub(crate) struct Batch {
 impl Batch {
     /// Slot `idx`'s window; `granules` must be the batch's slot stride.
     pub fn window(&self, idx: u32, granules: usize) -> Result<Window> {
-        crate::ensure!(granules == self.slot_granules, Internal, "KV batch slot of {granules} granules, not {}", self.slot_granules);
+        crate::ensure!(
+            granules == self.slot_granules,
+            Internal,
+            "KV batch slot of {granules} granules, not {}",
+            self.slot_granules
+        );
         Window::part(&self.table, idx as usize * granules, granules)
     }
 }
@@ -173,7 +178,11 @@ impl KvPool {
         let idx = self.free_slot(bid, choice)?;
         let (layout, max) = self.batch_shape(bid)?;
         let p = self.prefixes.get(pid)?;
-        crate::ensure!(p.layout == layout, InvalidArgument, "KV prefix {pid:#x} has a different layout than batch {bid:#x}");
+        crate::ensure!(
+            p.layout == layout,
+            InvalidArgument,
+            "KV prefix {pid:#x} has a different layout than batch {bid:#x}"
+        );
         let tokens = p.tokens.get(..n_tokens as usize).map(<[u32]>::to_vec);
         self.wait_for_stream(stream)?;
         let seq = self.build_in(&layout, max, Some((pid, n_tokens)), mode, Some((bid, idx)))?;

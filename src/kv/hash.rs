@@ -25,9 +25,18 @@ fn mix(mut h: u64, v: u64) -> u64 {
 
 fn seed(l: &KvLayout, ns: &Namespace) -> u64 {
     let s = l.shape;
-    let layout = [s.layers as u64, s.kv_heads as u64, s.head_dim as u64, s.elem_bytes as u64, l.token_stride, l.layer_stride, l.kv_stride, l.head_stride]
-        .into_iter()
-        .fold(0x6570_6d65_6d6b_7631, mix);
+    let layout = [
+        s.layers as u64,
+        s.kv_heads as u64,
+        s.head_dim as u64,
+        s.elem_bytes as u64,
+        l.token_stride,
+        l.layer_stride,
+        l.kv_stride,
+        l.head_stride,
+    ]
+    .into_iter()
+    .fold(0x6570_6d65_6d6b_7631, mix);
     // Length first, then the bytes: no two namespaces feed the same sequence.
     let b = ns.as_bytes();
     b.iter().fold(mix(layout, b.len() as u64), |acc, &x| mix(acc, x as u64))

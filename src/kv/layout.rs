@@ -63,9 +63,9 @@ impl KvLayout {
     }
 
     fn dense(shape: KvShape) -> Result<Self> {
-        let bpt = shape.bytes_per_token().ok_or_else(|| {
-            crate::Error::invalid_argument(format!("KV shape {shape:?}: bytes per token overflow"))
-        })?;
+        let bpt = shape
+            .bytes_per_token()
+            .ok_or_else(|| crate::Error::invalid_argument(format!("KV shape {shape:?}: bytes per token overflow")))?;
         let head_stride = shape.head_dim as u64 * shape.elem_bytes as u64;
         let kv_stride = shape.kv_heads as u64 * head_stride;
         Ok(Self { shape, token_stride: bpt, layer_stride: 2 * kv_stride, kv_stride, head_stride })

@@ -55,16 +55,7 @@ pub struct Ledger {
 
 impl Ledger {
     pub fn new(budget: u64) -> Self {
-        Self {
-            budget,
-            owned: 0,
-            promised: 0,
-            peak: 0,
-            charges: 0,
-            credits: 0,
-            refusals: 0,
-            charged: HashMap::new(),
-        }
+        Self { budget, owned: 0, promised: 0, peak: 0, charges: 0, credits: 0, refusals: 0, charged: HashMap::new() }
     }
 
     pub fn budget(&self) -> u64 {
@@ -119,11 +110,7 @@ impl Ledger {
     /// Charge granule `key` (its 0→1 transition). `from_promise` says whether
     /// the bytes come out of an admitted sequence's promise.
     pub fn charge(&mut self, key: GranuleKey, bytes: u64, from_promise: bool) -> Result<()> {
-        crate::ensure!(
-            !self.charged.contains_key(&key),
-            Internal,
-            "ledger: granule {key} charged twice"
-        );
+        crate::ensure!(!self.charged.contains_key(&key), Internal, "ledger: granule {key} charged twice");
         if from_promise {
             crate::ensure!(
                 bytes <= self.promised,
@@ -147,12 +134,7 @@ impl Ledger {
         let Some(bytes) = self.charged.remove(&key) else {
             crate::bail!(Internal, "ledger: crediting granule {key}, which is not charged");
         };
-        crate::ensure!(
-            bytes <= self.owned,
-            Internal,
-            "ledger: crediting {bytes} bytes with only {} owned",
-            self.owned
-        );
+        crate::ensure!(bytes <= self.owned, Internal, "ledger: crediting {bytes} bytes with only {} owned", self.owned);
         self.owned -= bytes;
         self.credits += 1;
         Ok(bytes)

@@ -161,12 +161,7 @@ impl KvPool {
                 mapped += s.committed_slots() as u64 * g;
             }
         }
-        let pinned = self
-            .prefixes
-            .ids()
-            .into_iter()
-            .filter(|&p| self.prefixes.get(p).is_ok_and(|p| p.pinned))
-            .count();
+        let pinned = self.prefixes.ids().into_iter().filter(|&p| self.prefixes.get(p).is_ok_and(|p| p.pinned)).count();
         KvStats {
             ledger: self.pool.ledger_stats(),
             pool: self.pool.stats(),

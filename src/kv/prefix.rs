@@ -16,12 +16,12 @@
 //! it goes with its last sharer. Each granule goes back to the pool when its
 //! last mapping (view or sequence) is gone.
 
-use super::pool::{AdmitMode, KvPool};
 use super::granule::GranuleId;
 use super::hash::block_chain;
 use super::id::{PrefixId, SeqId};
 use super::layout::KvLayout;
 use super::namespace::Namespace;
+use super::pool::{AdmitMode, KvPool};
 use super::sequence::Slot;
 use crate::device::{Access, DevicePtr, RawStream, VaRange};
 use crate::error::Result;
@@ -128,7 +128,8 @@ impl KvPool {
             return Err(e);
         }
         seq.promise += cow_promise;
-        let tokens = if seq.tokens.len() as u64 >= n_tokens { seq.tokens[..n_tokens as usize].to_vec() } else { Vec::new() };
+        let tokens =
+            if seq.tokens.len() as u64 >= n_tokens { seq.tokens[..n_tokens as usize].to_vec() } else { Vec::new() };
         let namespace = seq.namespace.clone();
         let chain = block_chain(&seq.layout, &namespace, &tokens, block);
         let layout = seq.layout;
@@ -173,7 +174,13 @@ impl KvPool {
 
     /// A new sequence of up to `max_tokens` tokens whose first `n_tokens`
     /// tokens map the prefix read-only at offset 0 (no copy, no charge).
-    pub fn commit_shared_prefix(&mut self, pid: PrefixId, n_tokens: u64, max_tokens: u64, mode: AdmitMode) -> Result<SeqId> {
+    pub fn commit_shared_prefix(
+        &mut self,
+        pid: PrefixId,
+        n_tokens: u64,
+        max_tokens: u64,
+        mode: AdmitMode,
+    ) -> Result<SeqId> {
         let p = self.prefixes.get(pid)?;
         let (layout, tokens) = (p.layout, p.tokens.get(..n_tokens as usize).map(<[u32]>::to_vec));
         let seq = self.build_sequence(&layout, max_tokens, Some((pid, n_tokens)), mode)?;

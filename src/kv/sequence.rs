@@ -11,11 +11,11 @@
 //! read-only mapping is error 700 and poisons the whole CUDA context
 //! (measured on the H200). A shared boundary granule is copied on write.
 
-use super::pool::{AdmitMode, KvPool};
 use super::granule::{GranuleId, GranulePool};
 use super::id::{BatchId, PrefixId, SeqId};
 use super::layout::{KvLayout, round_up};
 use super::namespace::Namespace;
+use super::pool::{AdmitMode, KvPool};
 use super::reservation::Window;
 use crate::device::{Access, DevicePtr, Event, RawStream};
 use crate::error::Result;
@@ -97,7 +97,14 @@ impl Sequence {
     }
 
     /// Map `gid` at slot `i` with `access`, counting the mapping as a reference.
-    pub fn map_slot(&mut self, pool: &mut GranulePool, i: usize, gid: GranuleId, access: Access, own_ref: bool) -> Result<()> {
+    pub fn map_slot(
+        &mut self,
+        pool: &mut GranulePool,
+        i: usize,
+        gid: GranuleId,
+        access: Access,
+        own_ref: bool,
+    ) -> Result<()> {
         self.va.map(i, pool.phys(gid)?, access)?;
         if own_ref {
             pool.add_ref(gid)?;

@@ -272,7 +272,8 @@ pub struct OrtEp {
     // OnSessionInitializationEnd, GetDefaultMemoryDevice, ReleaseCapturedGraph.
     // Never read by ORT while `ort_version_supported` is 23; kept so the
     // struct has the size it has at 1.28.
-    /* 17–24 */ pub _v26_v27: [Slot; 8],
+    /* 17–24 */
+    pub _v26_v27: [Slot; 8],
 }
 const _: () = {
     assert!(size_of::<OrtEp>() == 200);
@@ -439,7 +440,8 @@ pub struct OrtEpApi {
     /* 0 */ pub CreateEpDevice: Option<ep_fns::CreateEpDevice>,
     /* 1 */ pub ReleaseEpDevice: Option<ep_fns::ReleaseEpDevice>,
     // ---- 1.23
-    /* 2 */ pub EpGraphSupportInfo_AddNodesToFuse: Option<ep_fns::EpGraphSupportInfo_AddNodesToFuse>,
+    /* 2 */
+    pub EpGraphSupportInfo_AddNodesToFuse: Option<ep_fns::EpGraphSupportInfo_AddNodesToFuse>,
     /* 3 */ pub EpGraphSupportInfo_AddSingleNode: Option<ep_fns::EpGraphSupportInfo_AddSingleNode>,
     /* 4 */ pub NodeComputeContext_NodeName: Option<ep_fns::NodeComputeContext_NodeName>,
     /* 5 */ pub EpDevice_AddAllocatorInfo: Option<ep_fns::EpDevice_AddAllocatorInfo>,
@@ -454,7 +456,8 @@ pub struct OrtEpApi {
     /* 14 */ pub SyncStream_GetSyncId: Slot,
     /* 15 */ pub GetSyncIdForLastWaitOnSyncStream: Slot,
     // ---- 1.24 (read only when the running ORT is 1.24 or newer)
-    /* 16 */ pub CreateHardwareDevice: Option<ep_fns::CreateHardwareDevice>,
+    /* 16 */
+    pub CreateHardwareDevice: Option<ep_fns::CreateHardwareDevice>,
     /* 17 */ pub ReleaseHardwareDevice: Option<ep_fns::ReleaseHardwareDevice>,
 }
 /// Bytes of `OrtEpApi` at 1.23 (`GetApi(23)`'s table is at least this long).
@@ -484,58 +487,119 @@ pub mod fns {
     pub type GetErrorCode = unsafe extern "C" fn(status: *const OrtStatus) -> OrtErrorCode;
     pub type GetErrorMessage = unsafe extern "C" fn(status: *const OrtStatus) -> *const c_char;
     pub type GetTensorMutableData = unsafe extern "C" fn(value: *mut OrtValue, out: *mut *mut c_void) -> *mut OrtStatus;
-    pub type CastTypeInfoToTensorInfo = unsafe extern "C" fn(type_info: *const OrtTypeInfo, out: *mut *const OrtTensorTypeAndShapeInfo) -> *mut OrtStatus;
-    pub type GetTensorElementType = unsafe extern "C" fn(info: *const OrtTensorTypeAndShapeInfo, out: *mut ONNXTensorElementDataType) -> *mut OrtStatus;
-    pub type GetDimensionsCount = unsafe extern "C" fn(info: *const OrtTensorTypeAndShapeInfo, out: *mut usize) -> *mut OrtStatus;
-    pub type GetDimensions = unsafe extern "C" fn(info: *const OrtTensorTypeAndShapeInfo, dims: *mut i64, n: usize) -> *mut OrtStatus;
-    pub type GetTensorTypeAndShape = unsafe extern "C" fn(value: *const OrtValue, out: *mut *mut OrtTensorTypeAndShapeInfo) -> *mut OrtStatus;
-    pub type KernelContext_GetInputCount = unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut usize) -> *mut OrtStatus;
-    pub type KernelContext_GetOutputCount = unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut usize) -> *mut OrtStatus;
-    pub type KernelContext_GetInput = unsafe extern "C" fn(ctx: *const OrtKernelContext, index: usize, out: *mut *const OrtValue) -> *mut OrtStatus;
-    pub type KernelContext_GetOutput = unsafe extern "C" fn(ctx: *mut OrtKernelContext, index: usize, dims: *const i64, n: usize, out: *mut *mut OrtValue) -> *mut OrtStatus;
+    pub type CastTypeInfoToTensorInfo = unsafe extern "C" fn(
+        type_info: *const OrtTypeInfo,
+        out: *mut *const OrtTensorTypeAndShapeInfo,
+    ) -> *mut OrtStatus;
+    pub type GetTensorElementType = unsafe extern "C" fn(
+        info: *const OrtTensorTypeAndShapeInfo,
+        out: *mut ONNXTensorElementDataType,
+    ) -> *mut OrtStatus;
+    pub type GetDimensionsCount =
+        unsafe extern "C" fn(info: *const OrtTensorTypeAndShapeInfo, out: *mut usize) -> *mut OrtStatus;
+    pub type GetDimensions =
+        unsafe extern "C" fn(info: *const OrtTensorTypeAndShapeInfo, dims: *mut i64, n: usize) -> *mut OrtStatus;
+    pub type GetTensorTypeAndShape =
+        unsafe extern "C" fn(value: *const OrtValue, out: *mut *mut OrtTensorTypeAndShapeInfo) -> *mut OrtStatus;
+    pub type KernelContext_GetInputCount =
+        unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut usize) -> *mut OrtStatus;
+    pub type KernelContext_GetOutputCount =
+        unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut usize) -> *mut OrtStatus;
+    pub type KernelContext_GetInput =
+        unsafe extern "C" fn(ctx: *const OrtKernelContext, index: usize, out: *mut *const OrtValue) -> *mut OrtStatus;
+    pub type KernelContext_GetOutput = unsafe extern "C" fn(
+        ctx: *mut OrtKernelContext,
+        index: usize,
+        dims: *const i64,
+        n: usize,
+        out: *mut *mut OrtValue,
+    ) -> *mut OrtStatus;
     pub type ReleaseStatus = unsafe extern "C" fn(status: *mut OrtStatus);
     pub type ReleaseMemoryInfo = unsafe extern "C" fn(info: *mut OrtMemoryInfo);
     pub type ReleaseTensorTypeAndShapeInfo = unsafe extern "C" fn(info: *mut OrtTensorTypeAndShapeInfo);
-    pub type KernelContext_GetGPUComputeStream = unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut *mut c_void) -> *mut OrtStatus;
-    pub type Logger_LogMessage = unsafe extern "C" fn(logger: *const OrtLogger, severity: OrtLoggingLevel, message: *const c_char, file: *const c_char, line: c_int, func: *const c_char) -> *mut OrtStatus;
-    pub type Logger_GetLoggingSeverityLevel = unsafe extern "C" fn(logger: *const OrtLogger, out: *mut OrtLoggingLevel) -> *mut OrtStatus;
-    pub type ReadOpAttr = unsafe extern "C" fn(attr: *const OrtOpAttr, ty: OrtOpAttrType, data: *mut c_void, len: usize, out: *mut usize) -> *mut OrtStatus;
-    pub type GetValueInfoName = unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut *const c_char) -> *mut OrtStatus;
-    pub type GetValueInfoTypeInfo = unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut *const OrtTypeInfo) -> *mut OrtStatus;
+    pub type KernelContext_GetGPUComputeStream =
+        unsafe extern "C" fn(ctx: *const OrtKernelContext, out: *mut *mut c_void) -> *mut OrtStatus;
+    pub type Logger_LogMessage = unsafe extern "C" fn(
+        logger: *const OrtLogger,
+        severity: OrtLoggingLevel,
+        message: *const c_char,
+        file: *const c_char,
+        line: c_int,
+        func: *const c_char,
+    ) -> *mut OrtStatus;
+    pub type Logger_GetLoggingSeverityLevel =
+        unsafe extern "C" fn(logger: *const OrtLogger, out: *mut OrtLoggingLevel) -> *mut OrtStatus;
+    pub type ReadOpAttr = unsafe extern "C" fn(
+        attr: *const OrtOpAttr,
+        ty: OrtOpAttrType,
+        data: *mut c_void,
+        len: usize,
+        out: *mut usize,
+    ) -> *mut OrtStatus;
+    pub type GetValueInfoName =
+        unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut *const c_char) -> *mut OrtStatus;
+    pub type GetValueInfoTypeInfo =
+        unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut *const OrtTypeInfo) -> *mut OrtStatus;
     pub type CreateKeyValuePairs = unsafe extern "C" fn(out: *mut *mut OrtKeyValuePairs);
-    pub type AddKeyValuePair = unsafe extern "C" fn(kvps: *mut OrtKeyValuePairs, key: *const c_char, value: *const c_char);
+    pub type AddKeyValuePair =
+        unsafe extern "C" fn(kvps: *mut OrtKeyValuePairs, key: *const c_char, value: *const c_char);
     pub type GetKeyValue = unsafe extern "C" fn(kvps: *const OrtKeyValuePairs, key: *const c_char) -> *const c_char;
-    pub type GetKeyValuePairs = unsafe extern "C" fn(kvps: *const OrtKeyValuePairs, keys: *mut *const *const c_char, values: *mut *const *const c_char, n: *mut usize);
+    pub type GetKeyValuePairs = unsafe extern "C" fn(
+        kvps: *const OrtKeyValuePairs,
+        keys: *mut *const *const c_char,
+        values: *mut *const *const c_char,
+        n: *mut usize,
+    );
     pub type ReleaseKeyValuePairs = unsafe extern "C" fn(kvps: *mut OrtKeyValuePairs);
     pub type HardwareDevice_Type = unsafe extern "C" fn(device: *const OrtHardwareDevice) -> OrtHardwareDeviceType;
     pub type HardwareDevice_VendorId = unsafe extern "C" fn(device: *const OrtHardwareDevice) -> u32;
-    pub type HardwareDevice_Metadata = unsafe extern "C" fn(device: *const OrtHardwareDevice) -> *const OrtKeyValuePairs;
+    pub type HardwareDevice_Metadata =
+        unsafe extern "C" fn(device: *const OrtHardwareDevice) -> *const OrtKeyValuePairs;
     pub type GetEpApi = unsafe extern "C" fn() -> *const OrtEpApi;
     pub type GetTensorSizeInBytes = unsafe extern "C" fn(value: *const OrtValue, out: *mut usize) -> *mut OrtStatus;
-    pub type CreateMemoryInfo_V2 = unsafe extern "C" fn(name: *const c_char, device_type: OrtMemoryInfoDeviceType, vendor_id: u32, device_id: i32, mem_type: OrtDeviceMemoryType, alignment: usize, allocator_type: OrtAllocatorType, out: *mut *mut OrtMemoryInfo) -> *mut OrtStatus;
-    pub type ValueInfo_GetInitializerValue = unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut *const OrtValue) -> *mut OrtStatus;
-    pub type ValueInfo_IsConstantInitializer = unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut bool) -> *mut OrtStatus;
+    pub type CreateMemoryInfo_V2 = unsafe extern "C" fn(
+        name: *const c_char,
+        device_type: OrtMemoryInfoDeviceType,
+        vendor_id: u32,
+        device_id: i32,
+        mem_type: OrtDeviceMemoryType,
+        alignment: usize,
+        allocator_type: OrtAllocatorType,
+        out: *mut *mut OrtMemoryInfo,
+    ) -> *mut OrtStatus;
+    pub type ValueInfo_GetInitializerValue =
+        unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut *const OrtValue) -> *mut OrtStatus;
+    pub type ValueInfo_IsConstantInitializer =
+        unsafe extern "C" fn(info: *const OrtValueInfo, out: *mut bool) -> *mut OrtStatus;
     pub type Graph_GetNumInitializers = unsafe extern "C" fn(graph: *const OrtGraph, out: *mut usize) -> *mut OrtStatus;
-    pub type Graph_GetInitializers = unsafe extern "C" fn(graph: *const OrtGraph, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
+    pub type Graph_GetInitializers =
+        unsafe extern "C" fn(graph: *const OrtGraph, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
     pub type Graph_GetNumNodes = unsafe extern "C" fn(graph: *const OrtGraph, out: *mut usize) -> *mut OrtStatus;
-    pub type Graph_GetNodes = unsafe extern "C" fn(graph: *const OrtGraph, out: *mut *const OrtNode, n: usize) -> *mut OrtStatus;
+    pub type Graph_GetNodes =
+        unsafe extern "C" fn(graph: *const OrtGraph, out: *mut *const OrtNode, n: usize) -> *mut OrtStatus;
     pub type Node_GetName = unsafe extern "C" fn(node: *const OrtNode, out: *mut *const c_char) -> *mut OrtStatus;
-    pub type Node_GetOperatorType = unsafe extern "C" fn(node: *const OrtNode, out: *mut *const c_char) -> *mut OrtStatus;
+    pub type Node_GetOperatorType =
+        unsafe extern "C" fn(node: *const OrtNode, out: *mut *const c_char) -> *mut OrtStatus;
     pub type Node_GetDomain = unsafe extern "C" fn(node: *const OrtNode, out: *mut *const c_char) -> *mut OrtStatus;
     pub type Node_GetNumInputs = unsafe extern "C" fn(node: *const OrtNode, out: *mut usize) -> *mut OrtStatus;
-    pub type Node_GetInputs = unsafe extern "C" fn(node: *const OrtNode, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
+    pub type Node_GetInputs =
+        unsafe extern "C" fn(node: *const OrtNode, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
     pub type Node_GetNumOutputs = unsafe extern "C" fn(node: *const OrtNode, out: *mut usize) -> *mut OrtStatus;
-    pub type Node_GetOutputs = unsafe extern "C" fn(node: *const OrtNode, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
-    pub type Node_GetAttributeByName = unsafe extern "C" fn(node: *const OrtNode, name: *const c_char, out: *mut *const OrtOpAttr) -> *mut OrtStatus;
+    pub type Node_GetOutputs =
+        unsafe extern "C" fn(node: *const OrtNode, out: *mut *const OrtValueInfo, n: usize) -> *mut OrtStatus;
+    pub type Node_GetAttributeByName =
+        unsafe extern "C" fn(node: *const OrtNode, name: *const c_char, out: *mut *const OrtOpAttr) -> *mut OrtStatus;
     pub type GetTensorData = unsafe extern "C" fn(value: *const OrtValue, out: *mut *const c_void) -> *mut OrtStatus;
-    pub type GetSessionOptionsConfigEntries = unsafe extern "C" fn(options: *const OrtSessionOptions, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus;
+    pub type GetSessionOptionsConfigEntries =
+        unsafe extern "C" fn(options: *const OrtSessionOptions, out: *mut *mut OrtKeyValuePairs) -> *mut OrtStatus;
     pub type SyncStream_GetHandle = unsafe extern "C" fn(stream: *mut OrtSyncStream) -> *mut c_void;
 }
 
 #[repr(C)]
 pub struct OrtApi {
     // ---- 1.1 (the first API) ------------------------------
-    /* 0 */ pub CreateStatus: Option<fns::CreateStatus>,
+    /* 0 */
+    pub CreateStatus: Option<fns::CreateStatus>,
     /* 1 */ pub GetErrorCode: Option<fns::GetErrorCode>,
     /* 2 */ pub GetErrorMessage: Option<fns::GetErrorMessage>,
     /* 3 */ pub CreateEnv: Slot,
@@ -638,7 +702,8 @@ pub struct OrtApi {
     /* 100 */ pub ReleaseSessionOptions: Slot,
     /* 101 */ pub ReleaseCustomOpDomain: Slot,
     // ---- added in 1.2 ----------------------------------------
-    /* 102 */ pub GetDenotationFromTypeInfo: Slot,
+    /* 102 */
+    pub GetDenotationFromTypeInfo: Slot,
     /* 103 */ pub CastTypeInfoToMapTypeInfo: Slot,
     /* 104 */ pub CastTypeInfoToSequenceTypeInfo: Slot,
     /* 105 */ pub GetMapKeyType: Slot,
@@ -656,7 +721,8 @@ pub struct OrtApi {
     /* 117 */ pub ModelMetadataGetVersion: Slot,
     /* 118 */ pub ReleaseModelMetadata: Slot,
     // ---- added in 1.3 ----------------------------------------
-    /* 119 */ pub CreateEnvWithGlobalThreadPools: Slot,
+    /* 119 */
+    pub CreateEnvWithGlobalThreadPools: Slot,
     /* 120 */ pub DisablePerSessionThreads: Slot,
     /* 121 */ pub CreateThreadingOptions: Slot,
     /* 122 */ pub ReleaseThreadingOptions: Slot,
@@ -666,7 +732,8 @@ pub struct OrtApi {
     /* 125 */ pub GetAvailableProviders: Slot,
     /* 126 */ pub ReleaseAvailableProviders: Slot,
     // ---- added in 1.5 ----------------------------------------
-    /* 127 */ pub GetStringTensorElementLength: Slot,
+    /* 127 */
+    pub GetStringTensorElementLength: Slot,
     /* 128 */ pub GetStringTensorElement: Slot,
     /* 129 */ pub FillStringTensorElement: Slot,
     /* 130 */ pub AddSessionConfigEntry: Slot,
@@ -699,12 +766,14 @@ pub struct OrtApi {
     /* 156 */ pub CreateArenaCfg: Slot,
     /* 157 */ pub ReleaseArenaCfg: Slot,
     // ---- added in 1.7 ----------------------------------------
-    /* 158 */ pub ModelMetadataGetGraphDescription: Slot,
+    /* 158 */
+    pub ModelMetadataGetGraphDescription: Slot,
     /* 159 */ pub SessionOptionsAppendExecutionProvider_TensorRT: Slot,
     /* 160 */ pub SetCurrentGpuDeviceId: Slot,
     /* 161 */ pub GetCurrentGpuDeviceId: Slot,
     // ---- added in 1.8 ----------------------------------------
-    /* 162 */ pub KernelInfoGetAttributeArray_float: Slot,
+    /* 162 */
+    pub KernelInfoGetAttributeArray_float: Slot,
     /* 163 */ pub KernelInfoGetAttributeArray_int64: Slot,
     /* 164 */ pub CreateArenaCfgV2: Slot,
     /* 165 */ pub AddRunConfigEntry: Slot,
@@ -713,7 +782,8 @@ pub struct OrtApi {
     /* 168 */ pub CreateSessionWithPrepackedWeightsContainer: Slot,
     /* 169 */ pub CreateSessionFromArrayWithPrepackedWeightsContainer: Slot,
     // ---- added in 1.9 ----------------------------------------
-    /* 170 */ pub SessionOptionsAppendExecutionProvider_TensorRT_V2: Slot,
+    /* 170 */
+    pub SessionOptionsAppendExecutionProvider_TensorRT_V2: Slot,
     /* 171 */ pub CreateTensorRTProviderOptions: Slot,
     /* 172 */ pub UpdateTensorRTProviderOptions: Slot,
     /* 173 */ pub GetTensorRTProviderOptionsAsString: Slot,
@@ -749,14 +819,16 @@ pub struct OrtApi {
     /* 202 */ pub SynchronizeBoundInputs: Slot,
     /* 203 */ pub SynchronizeBoundOutputs: Slot,
     // ---- added in 1.11 ----------------------------------------
-    /* 204 */ pub SessionOptionsAppendExecutionProvider_CUDA_V2: Slot,
+    /* 204 */
+    pub SessionOptionsAppendExecutionProvider_CUDA_V2: Slot,
     /* 205 */ pub CreateCUDAProviderOptions: Slot,
     /* 206 */ pub UpdateCUDAProviderOptions: Slot,
     /* 207 */ pub GetCUDAProviderOptionsAsString: Slot,
     /* 208 */ pub ReleaseCUDAProviderOptions: Slot,
     /* 209 */ pub SessionOptionsAppendExecutionProvider_MIGraphX: Slot,
     // ---- added in 1.12 ----------------------------------------
-    /* 210 */ pub AddExternalInitializers: Slot,
+    /* 210 */
+    pub AddExternalInitializers: Slot,
     /* 211 */ pub CreateOpAttr: Slot,
     /* 212 */ pub ReleaseOpAttr: Slot,
     /* 213 */ pub CreateOp: Slot,
@@ -773,7 +845,8 @@ pub struct OrtApi {
     /* 223 */ pub GetCANNProviderOptionsAsString: Slot,
     /* 224 */ pub ReleaseCANNProviderOptions: Slot,
     // ---- added in 1.14 ----------------------------------------
-    /* 225 */ pub MemoryInfoGetDeviceType: Slot,
+    /* 225 */
+    pub MemoryInfoGetDeviceType: Slot,
     /* 226 */ pub UpdateEnvWithCustomLogLevel: Slot,
     /* 227 */ pub SetGlobalIntraOpThreadAffinity: Slot,
     /* 228 */ pub RegisterCustomOpsLibrary_V2: Slot,
@@ -788,7 +861,8 @@ pub struct OrtApi {
     /* 237 */ pub HasSessionConfigEntry: Slot,
     /* 238 */ pub GetSessionConfigEntry: Slot,
     // ---- added in 1.15 ----------------------------------------
-    /* 239 */ pub SessionOptionsAppendExecutionProvider_Dnnl: Slot,
+    /* 239 */
+    pub SessionOptionsAppendExecutionProvider_Dnnl: Slot,
     /* 240 */ pub CreateDnnlProviderOptions: Slot,
     /* 241 */ pub UpdateDnnlProviderOptions: Slot,
     /* 242 */ pub GetDnnlProviderOptionsAsString: Slot,
@@ -805,7 +879,8 @@ pub struct OrtApi {
     /* 253 */ pub KernelContext_GetAllocator: Slot,
     /* 254 */ pub GetBuildInfoString: Slot,
     // ---- added in 1.16 ----------------------------------------
-    /* 255 */ pub CreateROCMProviderOptions: Slot,
+    /* 255 */
+    pub CreateROCMProviderOptions: Slot,
     /* 256 */ pub UpdateROCMProviderOptions: Slot,
     /* 257 */ pub GetROCMProviderOptionsAsString: Slot,
     /* 258 */ pub ReleaseROCMProviderOptions: Slot,
@@ -817,7 +892,8 @@ pub struct OrtApi {
     /* 264 */ pub GetCUDAProviderOptionsByName: Slot,
     /* 265 */ pub KernelContext_GetResource: Slot,
     // ---- added in 1.17 ----------------------------------------
-    /* 266 */ pub SetUserLoggingFunction: Slot,
+    /* 266 */
+    pub SetUserLoggingFunction: Slot,
     /* 267 */ pub ShapeInferContext_GetInputCount: Slot,
     /* 268 */ pub ShapeInferContext_GetInputTypeShape: Slot,
     /* 269 */ pub ShapeInferContext_GetAttribute: Slot,
@@ -828,7 +904,8 @@ pub struct OrtApi {
     /* 274 */ pub KernelContext_ParallelFor: Slot,
     /* 275 */ pub SessionOptionsAppendExecutionProvider_OpenVINO_V2: Slot,
     // ---- added in 1.18 ----------------------------------------
-    /* 276 */ pub SessionOptionsAppendExecutionProvider_VitisAI: Slot,
+    /* 276 */
+    pub SessionOptionsAppendExecutionProvider_VitisAI: Slot,
     /* 277 */ pub KernelContext_GetScratchBuffer: Slot,
     /* 278 */ pub KernelInfoGetAllocator: Slot,
     /* 279 */ pub AddExternalInitializersFromFilesInMemory: Slot,
@@ -873,7 +950,8 @@ pub struct OrtApi {
     /* 316 */ pub EpDevice_Device: Slot,
     /* 317 */ pub GetEpApi: Option<fns::GetEpApi>,
     // ---- added in 1.23 ----------------------------------------
-    /* 318 */ pub GetTensorSizeInBytes: Option<fns::GetTensorSizeInBytes>,
+    /* 318 */
+    pub GetTensorSizeInBytes: Option<fns::GetTensorSizeInBytes>,
     /* 319 */ pub AllocatorGetStats: Slot,
     /* 320 */ pub CreateMemoryInfo_V2: Option<fns::CreateMemoryInfo_V2>,
     /* 321 */ pub MemoryInfoGetDeviceMemType: Slot,

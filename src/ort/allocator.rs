@@ -38,10 +38,7 @@ pub(crate) struct Book {
 
 impl Book {
     pub fn new(limit: u64) -> Self {
-        Self {
-            limit,
-            ..Self::default()
-        }
+        Self { limit, ..Self::default() }
     }
     /// Would `bytes` more stay within the limit?
     pub fn admits(&self, bytes: usize) -> bool {
@@ -209,11 +206,7 @@ impl Allocator {
             }
             Err(e) => {
                 book.failed_allocs += 1;
-                log::warn!(
-                    "epmem: {} {:?} allocation of {bytes} bytes failed: {e}",
-                    self.device_label,
-                    self.kind
-                );
+                log::warn!("epmem: {} {:?} allocation of {bytes} bytes failed: {e}", self.device_label, self.kind);
                 std::ptr::null_mut()
             }
         }
@@ -318,11 +311,7 @@ impl Drop for Allocator {
         // not, the arena's memory goes with the arena all the same.
         let live = self.book().live();
         if live > 0 {
-            log::warn!(
-                "epmem: {} {:?} allocator released with {live} allocations live",
-                self.device_label,
-                self.kind
-            );
+            log::warn!("epmem: {} {:?} allocator released with {live} allocations live", self.device_label, self.kind);
         }
         let used = {
             let b = self.book();
@@ -348,11 +337,7 @@ impl Drop for Allocator {
 fn physical_ram() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
-    if pages > 0 && page > 0 {
-        pages as u64 * page as u64
-    } else {
-        u64::MAX
-    }
+    if pages > 0 && page > 0 { pages as u64 * page as u64 } else { u64::MAX }
 }
 
 /// # Safety
@@ -363,13 +348,17 @@ unsafe fn me<'a>(this: *const OrtAllocator) -> &'a Allocator {
 }
 
 unsafe extern "C" fn alloc(this: *mut OrtAllocator, size: usize) -> *mut c_void {
-    // SAFETY: ORT passes the allocator it got from us.
-    super::value_boundary("OrtAllocator::Alloc", std::ptr::null_mut(), || unsafe { me(this) }.allocate(size, false, None))
+    super::value_boundary("OrtAllocator::Alloc", std::ptr::null_mut(), || {
+        // SAFETY: ORT passes the allocator it got from us.
+        unsafe { me(this) }.allocate(size, false, None)
+    })
 }
 
 unsafe extern "C" fn reserve(this: *mut OrtAllocator, size: usize) -> *mut c_void {
-    // SAFETY: as in `alloc`.
-    super::value_boundary("OrtAllocator::Reserve", std::ptr::null_mut(), || unsafe { me(this) }.allocate(size, true, None))
+    super::value_boundary("OrtAllocator::Reserve", std::ptr::null_mut(), || {
+        // SAFETY: as in `alloc`.
+        unsafe { me(this) }.allocate(size, true, None)
+    })
 }
 
 /// ORT (1.23+) calls this for any allocator that has it, with the stream of
@@ -415,11 +404,7 @@ unsafe extern "C" fn shrink(this: *mut OrtAllocator) -> *mut OrtStatus {
     super::status_boundary(&a.factory.api, "OrtAllocator::Shrink", || {
         a.log_footprint("Shrink");
         let given = a.mem.trim()?;
-        log::debug!(
-            "epmem: {} {:?} allocator gave back {given} bytes",
-            a.device_label,
-            a.kind
-        );
+        log::debug!("epmem: {} {:?} allocator gave back {given} bytes", a.device_label, a.kind);
         Ok(())
     })
 }
@@ -437,16 +422,10 @@ mod tests {
         b.record(300, true);
         assert!(!b.admits(101));
         assert!(b.admits(100));
-        assert_eq!(
-            (b.in_use, b.num_allocs, b.num_reserves, b.max_alloc_size),
-            (900, 1, 1, 600)
-        );
+        assert_eq!((b.in_use, b.num_allocs, b.num_reserves, b.max_alloc_size), (900, 1, 1, 600));
         b.release(600);
         b.record(50, false);
-        assert_eq!(
-            (b.in_use, b.max_in_use, b.total_allocated, b.frees, b.live()),
-            (350, 900, 950, 1, 2)
-        );
+        assert_eq!((b.in_use, b.max_in_use, b.total_allocated, b.frees, b.live()), (350, 900, 950, 1, 2));
     }
 
     #[test]

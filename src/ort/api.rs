@@ -232,10 +232,7 @@ impl Api {
             (self.o.ReleaseStatus)(st);
             s
         };
-        Err(Error::new(
-            EpmStatus::Internal,
-            format!("ONNX Runtime {call} failed: {msg}"),
-        ))
+        Err(Error::new(EpmStatus::Internal, format!("ONNX Runtime {call} failed: {msg}")))
     }
 
     // ---- key-value pairs -------------------------------------------------
@@ -359,10 +356,7 @@ impl Api {
             self.check((self.o.GetTensorSizeInBytes)(v, &mut bytes), "GetTensorSizeInBytes")?;
             let ptr = if mutable {
                 let mut p: *mut c_void = std::ptr::null_mut();
-                self.check(
-                    (self.o.GetTensorMutableData)(v as *mut OrtValue, &mut p),
-                    "GetTensorMutableData",
-                )?;
+                self.check((self.o.GetTensorMutableData)(v as *mut OrtValue, &mut p), "GetTensorMutableData")?;
                 p as u64
             } else {
                 let mut p: *const c_void = std::ptr::null();

@@ -105,11 +105,7 @@ impl EpOptions {
                         Some(super::options::parse_bytes(v).map_err(|w| bad(w, "a byte count such as 2GiB"))?)
                 }
                 OPT_PREFETCH_DEPTH => {
-                    o.prefetch_depth = Some(
-                        v.trim()
-                            .parse()
-                            .map_err(|_| bad("not a whole number", "0, 1, 2, ..."))?,
-                    )
+                    o.prefetch_depth = Some(v.trim().parse().map_err(|_| bad("not a whole number", "0, 1, 2, ..."))?)
                 }
                 OPT_REGISTER_SOURCES => {
                     use crate::residency::RegisterSources as R;
@@ -128,10 +124,7 @@ impl EpOptions {
                             .map_err(|w| bad(w, "0 (whole weights) or a byte count such as 32MiB"))?
                     }
                 }
-                _ => log::warn!(
-                    "epmem: ignoring unknown EP option {k:?}; epmem's EP reads {}",
-                    KNOWN.join(", ")
-                ),
+                _ => log::warn!("epmem: ignoring unknown EP option {k:?}; epmem's EP reads {}", KNOWN.join(", ")),
             }
         }
         Ok(o)
@@ -157,12 +150,7 @@ pub(crate) struct GemmAttrs {
 
 impl Default for GemmAttrs {
     fn default() -> Self {
-        Self {
-            trans_a: 0,
-            trans_b: 0,
-            alpha: 1.0,
-            beta: 1.0,
-        }
+        Self { trans_a: 0, trans_b: 0, alpha: 1.0, beta: 1.0 }
     }
 }
 
@@ -226,11 +214,7 @@ fn decide_gemm(
     min_bytes: u64,
 ) -> std::result::Result<Claim, Refusal> {
     let gemm = op == "Gemm";
-    let arity_ok = if gemm {
-        (2..=3).contains(&inputs.len())
-    } else {
-        inputs.len() == 2
-    };
+    let arity_ok = if gemm { (2..=3).contains(&inputs.len()) } else { inputs.len() == 2 };
     let (Some(a), Some(Some(w))) = (inputs.first().cloned().flatten(), inputs.get(1)) else {
         return Err(refuse(format!("{op} with {} inputs", inputs.len()), false));
     };
@@ -247,10 +231,7 @@ fn decide_gemm(
                 && elem_bytes(t.elem).is_some_and(|eb| (t.dims[0] * t.dims[1]) as u64 * eb as u64 >= min_bytes)
         });
         return Err(refuse(
-            format!(
-                "its weight input '{}' is not a constant initializer (it can change per run)",
-                w.name
-            ),
+            format!("its weight input '{}' is not a constant initializer (it can change per run)", w.name),
             weight_like,
         ));
     }
@@ -259,28 +240,18 @@ fn decide_gemm(
     };
     let Some(eb) = elem_bytes(wt.elem) else {
         return Err(refuse(
-            format!(
-                "weight '{}' is {}; the EP computes float32, float16 and bfloat16",
-                w.name,
-                elem_name(wt.elem)
-            ),
+            format!("weight '{}' is {}; the EP computes float32, float16 and bfloat16", w.name, elem_name(wt.elem)),
             true,
         ));
     };
     if wt.dims.len() != 2 || wt.dims.iter().any(|&d| d <= 0) {
-        return Err(refuse(
-            format!("weight '{}' has shape {:?}; the EP takes a 2-D weight", w.name, wt.dims),
-            true,
-        ));
+        return Err(refuse(format!("weight '{}' has shape {:?}; the EP takes a 2-D weight", w.name, wt.dims), true));
     }
     let (r, c) = (wt.dims[0] as usize, wt.dims[1] as usize);
     let bytes = r.saturating_mul(c).saturating_mul(eb);
     if (bytes as u64) < min_bytes {
         return Err(refuse(
-            format!(
-                "weight '{}' has {bytes} bytes, below weight_min_bytes={min_bytes}",
-                w.name
-            ),
+            format!("weight '{}' has {bytes} bytes, below weight_min_bytes={min_bytes}", w.name),
             false,
         ));
     }
@@ -290,22 +261,14 @@ fn decide_gemm(
     let trans_b = gemm && attrs.trans_b != 0;
     let (k, n) = if trans_b { (c, r) } else { (r, c) };
     if a.constant {
-        return Err(refuse(
-            format!("its input '{}' is a constant initializer too", a.name),
-            true,
-        ));
+        return Err(refuse(format!("its input '{}' is a constant initializer too", a.name), true));
     }
     let Some(at) = a.ty.as_ref() else {
         return Err(refuse(format!("input '{}' has no tensor type", a.name), true));
     };
     if at.elem != wt.elem {
         return Err(refuse(
-            format!(
-                "input '{}' is {} but the weight is {}",
-                a.name,
-                elem_name(at.elem),
-                elem_name(wt.elem)
-            ),
+            format!("input '{}' is {} but the weight is {}", a.name, elem_name(at.elem), elem_name(wt.elem)),
             true,
         ));
     }
@@ -317,25 +280,17 @@ fn decide_gemm(
         && last > 0
         && last as usize != k
     {
-        return Err(refuse(
-            format!("input '{}' has {last} columns but the weight has {k} rows", a.name),
-            true,
-        ));
+        return Err(refuse(format!("input '{}' has {last} columns but the weight has {k} rows", a.name), true));
     }
     let mut bias = None;
     if let Some(Some(cf)) = inputs.get(2)
         && attrs.beta != 0.0
     {
-        let shape_ok = cf
-            .ty
-            .as_ref()
-            .is_some_and(|t| t.elem == wt.elem && (t.dims == [n as i64] || t.dims == [1, n as i64]));
+        let shape_ok =
+            cf.ty.as_ref().is_some_and(|t| t.elem == wt.elem && (t.dims == [n as i64] || t.dims == [1, n as i64]));
         if !cf.constant || !shape_ok {
             return Err(refuse(
-                format!(
-                    "its bias '{}' is not a constant [{n}] or [1, {n}] initializer of the weight's type",
-                    cf.name
-                ),
+                format!("its bias '{}' is not a constant [{n}] or [1, {n}] initializer of the weight's type", cf.name),
                 true,
             ));
         }
@@ -361,33 +316,18 @@ mod tests {
     use super::*;
 
     fn t(elem: ONNXTensorElementDataType, dims: &[i64]) -> Option<TensorType> {
-        Some(TensorType {
-            elem,
-            dims: dims.to_vec(),
-        })
+        Some(TensorType { elem, dims: dims.to_vec() })
     }
     fn input(name: &str, ty: Option<TensorType>, constant: bool) -> Option<InputFacts> {
-        Some(InputFacts {
-            name: name.into(),
-            ty,
-            constant,
-        })
+        Some(InputFacts { name: name.into(), ty, constant })
     }
     const F: ONNXTensorElementDataType = TENSOR_ELEMENT_FLOAT;
 
     #[test]
     fn claims_a_batched_matmul_with_a_large_constant_weight() {
-        let ins = [
-            input("x", t(F, &[-1, -1, 512]), false),
-            input("w", t(F, &[512, 1024]), true),
-        ];
-        let c = decide("MatMul", "", &ins, GemmAttrs::default(), 1 << 20)
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            (c.k, c.n, c.weight_bytes, c.trans_b, c.a_rank),
-            (512, 1024, 2 << 20, false, 3)
-        );
+        let ins = [input("x", t(F, &[-1, -1, 512]), false), input("w", t(F, &[512, 1024]), true)];
+        let c = decide("MatMul", "", &ins, GemmAttrs::default(), 1 << 20).unwrap().unwrap();
+        assert_eq!((c.k, c.n, c.weight_bytes, c.trans_b, c.a_rank), (512, 1024, 2 << 20, false, 3));
         assert_eq!(c.weight, "w");
     }
 
@@ -398,12 +338,7 @@ mod tests {
             input("w", t(TENSOR_ELEMENT_FLOAT16, &[2048, 1024]), true),
             input("b", t(TENSOR_ELEMENT_FLOAT16, &[2048]), true),
         ];
-        let attrs = GemmAttrs {
-            trans_b: 1,
-            alpha: 0.5,
-            beta: 2.0,
-            ..Default::default()
-        };
+        let attrs = GemmAttrs { trans_b: 1, alpha: 0.5, beta: 2.0, ..Default::default() };
         let c = decide("Gemm", "ai.onnx", &ins, attrs, 1 << 20).unwrap().unwrap();
         assert_eq!((c.k, c.n, c.trans_b), (1024, 2048, true));
         assert_eq!((c.alpha, c.beta, c.bias.as_deref()), (0.5, 2.0, Some("b")));
@@ -417,77 +352,37 @@ mod tests {
         let why = |op: &str, ins: &[Option<InputFacts>], attrs: GemmAttrs| {
             decide(op, "", ins, attrs, min).unwrap().unwrap_err()
         };
-        let r = why(
-            "MatMul",
-            &[x.clone(), input("w", big.clone(), false)],
-            GemmAttrs::default(),
-        );
+        let r = why("MatMul", &[x.clone(), input("w", big.clone(), false)], GemmAttrs::default());
         assert!(r.notable && r.reason.contains("not a constant initializer"), "{r:?}");
-        let r = why(
-            "MatMul",
-            &[x.clone(), input("kt", t(F, &[-1, 1024, -1]), false)],
-            GemmAttrs::default(),
-        );
-        assert!(
-            !r.notable && r.reason.contains("not a constant initializer"),
-            "an activation: {r:?}"
-        );
-        let r = why(
-            "MatMul",
-            &[x.clone(), input("w", t(7, &[1024, 1024]), true)],
-            GemmAttrs::default(),
-        );
+        let r = why("MatMul", &[x.clone(), input("kt", t(F, &[-1, 1024, -1]), false)], GemmAttrs::default());
+        assert!(!r.notable && r.reason.contains("not a constant initializer"), "an activation: {r:?}");
+        let r = why("MatMul", &[x.clone(), input("w", t(7, &[1024, 1024]), true)], GemmAttrs::default());
         assert!(r.notable && r.reason.contains("int64"), "{r:?}");
-        let r = why(
-            "MatMul",
-            &[x.clone(), input("w", t(F, &[16, 16]), true)],
-            GemmAttrs::default(),
-        );
+        let r = why("MatMul", &[x.clone(), input("w", t(F, &[16, 16]), true)], GemmAttrs::default());
         assert!(!r.notable && r.reason.contains("below weight_min_bytes"), "{r:?}");
-        let r = why(
-            "MatMul",
-            &[x.clone(), input("w", t(F, &[8, 1024, 1024]), true)],
-            GemmAttrs::default(),
-        );
+        let r = why("MatMul", &[x.clone(), input("w", t(F, &[8, 1024, 1024]), true)], GemmAttrs::default());
         assert!(r.reason.contains("2-D"), "{r:?}");
-        let r = why(
-            "MatMul",
-            &[input("x", t(F, &[4, 512]), false), input("w", big.clone(), true)],
-            GemmAttrs::default(),
-        );
+        let r =
+            why("MatMul", &[input("x", t(F, &[4, 512]), false), input("w", big.clone(), true)], GemmAttrs::default());
         assert!(r.reason.contains("512 columns"), "{r:?}");
-        let attrs = GemmAttrs {
-            trans_a: 1,
-            ..Default::default()
-        };
+        let attrs = GemmAttrs { trans_a: 1, ..Default::default() };
         let r = why("Gemm", &[x.clone(), input("w", big.clone(), true)], attrs);
         assert!(r.reason.contains("transA"), "{r:?}");
         let r = why(
             "Gemm",
-            &[
-                x.clone(),
-                input("w", big.clone(), true),
-                input("c", t(F, &[4, 1024]), true),
-            ],
+            &[x.clone(), input("w", big.clone(), true), input("c", t(F, &[4, 1024]), true)],
             GemmAttrs::default(),
         );
         assert!(r.reason.contains("bias"), "{r:?}");
         let r = why(
             "Gemm",
-            &[
-                x.clone(),
-                input("w", big.clone(), true),
-                input("c", t(F, &[1024]), false),
-            ],
+            &[x.clone(), input("w", big.clone(), true), input("c", t(F, &[1024]), false)],
             GemmAttrs::default(),
         );
         assert!(r.reason.contains("bias"), "{r:?}");
         let r = why(
             "MatMul",
-            &[
-                input("x", t(TENSOR_ELEMENT_FLOAT16, &[4, 1024]), false),
-                input("w", big, true),
-            ],
+            &[input("x", t(TENSOR_ELEMENT_FLOAT16, &[4, 1024]), false), input("w", big, true)],
             GemmAttrs::default(),
         );
         assert!(r.reason.contains("float16"), "{r:?}");
@@ -512,10 +407,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(o.budget_bytes, Some(64 << 20));
-        assert_eq!(
-            (o.weight_min_bytes, o.prefetch_depth, o.stream_weights),
-            (4096, Some(2), true)
-        );
+        assert_eq!((o.weight_min_bytes, o.prefetch_depth, o.stream_weights), (4096, Some(2), true));
         assert_eq!(o.split_bytes, 32 << 20);
         assert_eq!(EpOptions::parse("epmem", &[e("split_bytes", "0")]).unwrap().split_bytes, 0);
         assert!(EpOptions::parse("epmem", &[e("split_bytes", "x")]).is_err());
@@ -523,11 +415,7 @@ mod tests {
         let err = EpOptions::parse("epmem", &[e("budget_bytes", "lots")]).unwrap_err();
         assert!(err.message().contains("budget_bytes"), "{err}");
         assert!(EpOptions::parse("epmem", &[e("stream_weights", "maybe")]).is_err());
-        assert!(
-            !EpOptions::parse("epmem", &[e("stream_weights", "0")])
-                .unwrap()
-                .stream_weights
-        );
+        assert!(!EpOptions::parse("epmem", &[e("stream_weights", "0")]).unwrap().stream_weights);
         let r = EpOptions::parse("epmem", &[e("register_sources", "always")]).unwrap();
         assert_eq!(r.register_sources, Some(crate::residency::RegisterSources::Always));
         assert!(EpOptions::parse("epmem", &[e("register_sources", "sometimes")]).is_err());

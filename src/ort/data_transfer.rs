@@ -122,11 +122,7 @@ impl Engines {
     /// Staging counters summed over the devices, for allocator stats.
     pub fn snapshot(&self) -> [(&'static str, u64); 4] {
         let (mut staged, mut direct, mut allocs, mut reuses) = (0, 0, 0, 0);
-        for e in self
-            .0
-            .iter()
-            .filter_map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
-        {
+        for e in self.0.iter().filter_map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone()) {
             let s = e.stats();
             staged += s.copies - s.bypassed;
             direct += s.bypassed;
@@ -159,7 +155,12 @@ pub(crate) struct DataTransfer {
 
 /// Make `ours` wait (on the device) for the work queued on `theirs` so far.
 /// The event is kept in `keep` until `ours` is synchronized.
-pub(crate) fn order_after(dev: &Arc<dyn Device>, ours: RawStream, theirs: RawStream, keep: &mut Vec<Event>) -> Result<()> {
+pub(crate) fn order_after(
+    dev: &Arc<dyn Device>,
+    ours: RawStream,
+    theirs: RawStream,
+    keep: &mut Vec<Event>,
+) -> Result<()> {
     let e = Event::new(dev, false)?;
     e.record_raw(theirs)?;
     dev.stream_wait_event(ours, e.raw())?;
@@ -364,11 +365,7 @@ unsafe extern "C" fn copy_tensors(
     let t = unsafe { me(this) };
     let api = t.factory.api;
     status_boundary(&api, "CopyTensors", || {
-        crate::ensure!(
-            n == 0 || (!src.is_null() && !dst.is_null()),
-            NullPointer,
-            "tensor arrays are NULL"
-        );
+        crate::ensure!(n == 0 || (!src.is_null() && !dst.is_null()), NullPointer, "tensor arrays are NULL");
         let mut streams = t.streams.lock().unwrap_or_else(|e| e.into_inner());
         // Kept until the streams are synchronized (their events order the copies).
         let mut fences = Vec::new();
@@ -417,9 +414,10 @@ unsafe extern "C" fn copy_tensors(
                 if ort.is_null() {
                     for &k in &devices {
                         if !synced[k] {
-                            t.factory.devices[k].dev.synchronize().map_err(|e| {
-                                e.context("waiting for the device's queued work before a copy")
-                            })?;
+                            t.factory.devices[k]
+                                .dev
+                                .synchronize()
+                                .map_err(|e| e.context("waiting for the device's queued work before a copy"))?;
                             synced[k] = true;
                         }
                     }
@@ -463,12 +461,7 @@ mod tests {
 
     #[test]
     fn copies_need_an_epmem_side_and_an_addressable_other_side() {
-        let (c, p, d0, d1) = (
-            Some(Side::Cpu),
-            Some(Side::Pinned(0)),
-            Some(Side::Device(0)),
-            Some(Side::Device(1)),
-        );
+        let (c, p, d0, d1) = (Some(Side::Cpu), Some(Side::Pinned(0)), Some(Side::Device(0)), Some(Side::Device(1)));
         for (a, b) in [(c, d0), (d0, c), (d0, d0), (d0, d1), (p, d0), (d0, p), (c, p), (p, c)] {
             assert!(can_copy(a, b), "{a:?} -> {b:?}");
         }

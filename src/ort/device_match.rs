@@ -132,12 +132,7 @@ mod tests {
         }
     }
     fn hw(cpu: bool, vendor: u32, pci: Option<&str>) -> HwInfo {
-        HwInfo {
-            is_cpu: cpu,
-            is_gpu: !cpu,
-            vendor_id: vendor,
-            pci_bus_id: pci.map(str::to_string),
-        }
+        HwInfo { is_cpu: cpu, is_gpu: !cpu, vendor_id: vendor, pci_bus_id: pci.map(str::to_string) }
     }
 
     #[test]
@@ -151,17 +146,11 @@ mod tests {
 
     #[test]
     fn gpus_match_by_pci_bus_id_not_by_order() {
-        let hws = [
-            hw(true, 0x8086, None),
-            hw(false, 0x10DE, Some("0000:c5:00.0")),
-            hw(false, 0x10DE, Some("0000:65:00.0")),
-        ];
+        let hws =
+            [hw(true, 0x8086, None), hw(false, 0x10DE, Some("0000:c5:00.0")), hw(false, 0x10DE, Some("0000:65:00.0"))];
         let a = info(DeviceKind::Cuda, 0, Some("00000000:65:00.0"));
         let b = info(DeviceKind::Cuda, 1, Some("00000000:C5:00.0"));
-        assert_eq!(
-            plan(&hws, &[&a, &b], true).unwrap(),
-            vec![Binding::Existing(2), Binding::Existing(1)]
-        );
+        assert_eq!(plan(&hws, &[&a, &b], true).unwrap(), vec![Binding::Existing(2), Binding::Existing(1)]);
     }
 
     /// Two GPUs of one host: ORT lists the GPU of ordinal 1
@@ -204,10 +193,7 @@ mod tests {
         assert_eq!(k.device_type, MEMORY_INFO_DEVICE_CPU);
         assert_ne!(k.vendor_id, 0, "must not alias ORT's own CPU memory");
         assert!(k.vendor_id > 0xFFFF, "must not be a PCI vendor id");
-        assert_eq!(
-            memory_kind(&info(DeviceKind::Cuda, 3, None)).device_type,
-            MEMORY_INFO_DEVICE_GPU
-        );
+        assert_eq!(memory_kind(&info(DeviceKind::Cuda, 3, None)).device_type, MEMORY_INFO_DEVICE_GPU);
         assert_eq!(memory_kind(&info(DeviceKind::Cuda, 3, None)).device_id, 3);
     }
 

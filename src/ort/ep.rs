@@ -150,13 +150,10 @@ unsafe extern "C" fn compile(
                 let out = *outs.first().ok_or_else(|| crate::error::Error::internal("a fused node without outputs"))?;
                 // SAFETY: `out` is a value info of that live node.
                 let key = unsafe { api.value_name(out) }?;
-                let claimed = ep
-                    .claims
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&key)
-                    .cloned()
-                    .ok_or_else(|| crate::error::Error::internal(format!("asked to compile '{key}', which was not claimed")))?;
+                let claimed =
+                    ep.claims.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned().ok_or_else(|| {
+                        crate::error::Error::internal(format!("asked to compile '{key}', which was not claimed"))
+                    })?;
                 // SAFETY: the graph ORT passed for this node.
                 let k = unsafe { streamer.compile_node(g, &claimed) }?;
                 made.push(ComputeInfo::create(streamer.clone(), k));

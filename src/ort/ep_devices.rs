@@ -27,16 +27,8 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
     let f = unsafe { me(this) };
     let api = f.api;
     status_boundary(&api, "GetSupportedDevices", || {
-        crate::ensure!(
-            !num_ep_devices.is_null() && !ep_devices.is_null(),
-            NullPointer,
-            "an out-param is NULL"
-        );
-        crate::ensure!(
-            num_devices == 0 || !devices.is_null(),
-            NullPointer,
-            "the device list is NULL"
-        );
+        crate::ensure!(!num_ep_devices.is_null() && !ep_devices.is_null(), NullPointer, "an out-param is NULL");
+        crate::ensure!(num_devices == 0 || !devices.is_null(), NullPointer, "the device list is NULL");
         // SAFETY: ORT passes `num_devices` live hardware devices.
         let hw: Vec<*const OrtHardwareDevice> = (0..num_devices).map(|i| unsafe { *devices.add(i) }).collect();
         let described: Vec<HwInfo> = hw
@@ -121,9 +113,8 @@ pub(crate) unsafe extern "C" fn get_supported_devices(
 /// A hardware device for a GPU ORT's discovery did not find (ORT 1.24+).
 fn create_hw(f: &Factory, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
     let api = f.api;
-    let create = api
-        .e.CreateHardwareDevice
-        .ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
+    let create =
+        api.e.CreateHardwareDevice.ok_or_else(|| crate::error::Error::internal("CreateHardwareDevice is missing"))?;
     let info = d.dev.info();
     let bus = info.pci_bus_id.clone().unwrap_or_default();
     let meta = api.kvp_new(&[
@@ -145,10 +136,7 @@ fn create_hw(f: &Factory, d: &EpmDevice) -> Result<*const OrtHardwareDevice> {
         )
     };
     api.check(st, "CreateHardwareDevice")?;
-    f.created_hw
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(HwHandle(out));
+    f.created_hw.lock().unwrap_or_else(|e| e.into_inner()).push(HwHandle(out));
     Ok(out)
 }
 

@@ -28,20 +28,16 @@ fn arena() -> Result<Arc<DeviceArena>> {
         return Ok(a.clone());
     }
     let ordinal: u32 = match std::env::var("EPM_EXTERNAL_ORDINAL") {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .map_err(|_| crate::error::Error::invalid_argument(format!("EPM_EXTERNAL_ORDINAL={v:?} is not a number")))?,
+        Ok(v) => v.trim().parse().map_err(|_| {
+            crate::error::Error::invalid_argument(format!("EPM_EXTERNAL_ORDINAL={v:?} is not a number"))
+        })?,
         Err(_) => 0,
     };
     let select = DeviceSelect::from_env()?;
     let dev = device::open(select, if select == DeviceSelect::Host { 0 } else { ordinal })?;
     let total = dev.info().total_mem as usize;
     let a = Arc::new(DeviceArena::new(&dev, ArenaConfig::with_capacity(total))?);
-    log::info!(
-        "epmem: external allocator for ORT's CUDA EP on {} (capacity {total} bytes)",
-        dev.info().name
-    );
+    log::info!("epmem: external allocator for ORT's CUDA EP on {} (capacity {total} bytes)", dev.info().name);
     *g = Some(a.clone());
     Ok(a)
 }

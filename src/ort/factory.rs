@@ -13,15 +13,15 @@ use std::sync::{Arc, Mutex};
 use super::abi::*;
 use super::allocator::Allocator;
 use super::api::{Api, MemoryKind, OwnedMemoryInfo, cstring_lossy};
+use super::claim::EpOptions;
 use super::data_transfer::DataTransfer;
 use super::data_transfer::{CopyCounters, Engines};
 use super::device_match;
-use super::claim::EpOptions;
 use super::ep::Ep;
 use super::ep_devices::{HwHandle, get_supported_devices};
 use super::options::AllocatorOptions;
-use crate::arena::source::MemKind;
 use super::status_boundary;
+use crate::arena::source::MemKind;
 use crate::device::{self, Device, DeviceSelect};
 use crate::error::Result;
 
@@ -92,11 +92,7 @@ impl Drop for Factory {
 impl Factory {
     /// Open the devices `EPM_DEVICE` selects and build a factory for them.
     pub fn create(api: Api, registered_name: &str, logs_to_ort: bool) -> Result<*mut OrtEpFactory> {
-        crate::ensure!(
-            !registered_name.is_empty(),
-            InvalidArgument,
-            "the registration name is empty"
-        );
+        crate::ensure!(!registered_name.is_empty(), InvalidArgument, "the registration name is empty");
         let devs = open_devices()?;
         log::info!(
             "epmem: ONNX Runtime API 1.{}: registering {registered_name:?} with {} device(s)",
@@ -296,11 +292,7 @@ unsafe extern "C" fn create_ep(
     let api = f.api;
     status_boundary(&api, "CreateEp", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
-        crate::ensure!(
-            num_devices > 0 && !ep_metadata.is_null(),
-            InvalidArgument,
-            "CreateEp was given no devices"
-        );
+        crate::ensure!(num_devices > 0 && !ep_metadata.is_null(), InvalidArgument, "CreateEp was given no devices");
         let mut first = None;
         for i in 0..num_devices {
             // SAFETY: ORT passes one metadata set per device (our own, from CreateEpDevice).
@@ -340,11 +332,7 @@ unsafe extern "C" fn create_allocator(
     let api = f.api;
     status_boundary(&api, "CreateAllocator", || {
         crate::ensure!(!out.is_null(), NullPointer, "out is NULL");
-        crate::ensure!(
-            !memory_info.is_null(),
-            InvalidArgument,
-            "CreateAllocator needs a memory info"
-        );
+        crate::ensure!(!memory_info.is_null(), InvalidArgument, "CreateAllocator needs a memory info");
         // SAFETY: ORT passes live objects.
         let (desc, entries) = unsafe { (api.memory_info_desc(memory_info), api.kvp_entries(options)) };
         let idx = f.device_for(&desc.kind).ok_or_else(|| {
@@ -353,10 +341,7 @@ unsafe extern "C" fn create_allocator(
         let kind = match desc.mem_type {
             DEVICE_MEMORY_DEFAULT => MemKind::Device,
             DEVICE_MEMORY_HOST_ACCESSIBLE => MemKind::Pinned,
-            m => crate::bail!(
-                InvalidArgument,
-                "memory type {m} is neither DEFAULT nor HOST_ACCESSIBLE"
-            ),
+            m => crate::bail!(InvalidArgument, "memory type {m} is neither DEFAULT nor HOST_ACCESSIBLE"),
         };
         let opts = AllocatorOptions::parse(&entries)?;
         let a = Allocator::create(f.arc(), &f.devices[idx], kind, opts)?;

@@ -105,10 +105,7 @@ fn check(call: &str, status: u32) -> Result<()> {
         15 => "CUBLAS_STATUS_NOT_SUPPORTED",
         _ => "CUBLAS_STATUS_?",
     };
-    Err(Error::new(
-        EpmStatus::CudaError,
-        format!("{call} failed: {name} ({status})"),
-    ))
+    Err(Error::new(EpmStatus::CudaError, format!("{call} failed: {name} ({status})")))
 }
 
 fn cu_check(call: &str, r: cu::CUresult) -> Result<()> {
@@ -226,20 +223,14 @@ impl Blas {
         let ldc = dim(ldy, "ldy")?;
         // Row-major Y = X · op(W) is column-major Yᵀ = op(W)ᵀ · Xᵀ: cuBLAS's
         // "A" is W (n×k after its op), its "B" is X (k×m, ld k), C is Y (ld n).
-        let (op_w, ld_w) = if s.trans_b {
-            (cublasOperation_t::CUBLAS_OP_T, k)
-        } else {
-            (cublasOperation_t::CUBLAS_OP_N, n)
-        };
+        let (op_w, ld_w) =
+            if s.trans_b { (cublasOperation_t::CUBLAS_OP_T, k) } else { (cublasOperation_t::CUBLAS_OP_N, n) };
         let _c = Current::enter(self.ctx)?;
         // SAFETY: the handle is ours; the stream is ORT's live CUstream (or
         // ours); pointers per the caller; alpha/beta are f32 as
         // CUBLAS_COMPUTE_32F requires.
         unsafe {
-            check(
-                "cublasSetStream",
-                (self.lib.set_stream)(self.handle, stream as cudaStream_t),
-            )?;
+            check("cublasSetStream", (self.lib.set_stream)(self.handle, stream as cudaStream_t))?;
             check(
                 "cublasGemmEx",
                 (self.lib.gemm_ex)(

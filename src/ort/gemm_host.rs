@@ -10,32 +10,21 @@ use super::abi::*;
 /// Element bytes → f32.
 pub(crate) fn to_f32(elem: ONNXTensorElementDataType, bytes: &[u8]) -> Vec<f32> {
     match elem {
-        TENSOR_ELEMENT_FLOAT16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        TENSOR_ELEMENT_BFLOAT16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
+        TENSOR_ELEMENT_FLOAT16 => {
+            bytes.chunks_exact(2).map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+        }
+        TENSOR_ELEMENT_BFLOAT16 => {
+            bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+        }
+        _ => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
     }
 }
 
 /// f32 → element bytes (round to nearest even for the 16-bit types).
 pub(crate) fn from_f32(elem: ONNXTensorElementDataType, v: &[f32]) -> Vec<u8> {
     match elem {
-        TENSOR_ELEMENT_FLOAT16 => v
-            .iter()
-            .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
-        TENSOR_ELEMENT_BFLOAT16 => v
-            .iter()
-            .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
+        TENSOR_ELEMENT_FLOAT16 => v.iter().flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+        TENSOR_ELEMENT_BFLOAT16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes()).collect(),
         _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
@@ -70,11 +59,7 @@ pub(crate) fn gemm(elem: ONNXTensorElementDataType, s: GemmShape, x: &[u8], w: &
         _ => 0.0,
     };
     // Strides of W as a [k, n] operand.
-    let (rsb, csb) = if s.trans_b {
-        (1, s.k as isize)
-    } else {
-        (s.n as isize, 1)
-    };
+    let (rsb, csb) = if s.trans_b { (1, s.k as isize) } else { (s.n as isize, 1) };
     // SAFETY: every pointer covers the extent its dimensions and strides
     // address (asserted above in debug builds, by construction otherwise):
     // x is m×k row-major, w is k×n with the strides above, y is m×n.
@@ -124,14 +109,7 @@ mod tests {
         for &(m, k, n) in &[(1, 3, 5), (7, 64, 33), (4, 128, 1)] {
             for trans_b in [false, true] {
                 for elem in [TENSOR_ELEMENT_FLOAT, TENSOR_ELEMENT_FLOAT16, TENSOR_ELEMENT_BFLOAT16] {
-                    let s = GemmShape {
-                        m,
-                        k,
-                        n,
-                        trans_b,
-                        alpha: 0.75,
-                        beta: 1.5,
-                    };
+                    let s = GemmShape { m, k, n, trans_b, alpha: 0.75, beta: 1.5 };
                     // Values exactly representable in every type: small multiples of 1/8.
                     let x: Vec<f32> = (0..m * k).map(|_| rng.i32(-8..8) as f32 / 8.0).collect();
                     let w: Vec<f32> = (0..k * n).map(|_| rng.i32(-8..8) as f32 / 8.0).collect();
@@ -148,21 +126,10 @@ mod tests {
                     }
                     let plain = to_f32(
                         elem,
-                        &gemm(
-                            elem,
-                            GemmShape { beta: 0.0, ..s },
-                            &from_f32(elem, &x),
-                            &from_f32(elem, &w),
-                            Some(&b),
-                        ),
+                        &gemm(elem, GemmShape { beta: 0.0, ..s }, &from_f32(elem, &x), &from_f32(elem, &w), Some(&b)),
                     );
                     let want0 = naive(GemmShape { beta: 0.0, ..s }, &x, &w, None);
-                    assert!(
-                        plain
-                            .iter()
-                            .zip(&want0)
-                            .all(|(g, e)| (g - e).abs() <= tol * e.abs().max(1.0))
-                    );
+                    assert!(plain.iter().zip(&want0).all(|(g, e)| (g - e).abs() <= tol * e.abs().max(1.0)));
                 }
             }
         }

@@ -166,10 +166,7 @@ impl Api {
                 return Ok(None);
             }
             let mut info: *const OrtTensorTypeAndShapeInfo = std::ptr::null();
-            self.check(
-                (self.o.CastTypeInfoToTensorInfo)(ti, &mut info),
-                "CastTypeInfoToTensorInfo",
-            )?;
+            self.check((self.o.CastTypeInfoToTensorInfo)(ti, &mut info), "CastTypeInfoToTensorInfo")?;
             if info.is_null() {
                 return Ok(None);
             }
@@ -228,11 +225,7 @@ impl Api {
         // SAFETY: per the caller.
         let st = unsafe { (self.o.ValueInfo_GetInitializerValue)(vi, &mut v) };
         self.check(st, "ValueInfo_GetInitializerValue")?;
-        crate::ensure!(
-            !v.is_null(),
-            Internal,
-            "ValueInfo_GetInitializerValue returned no value"
-        );
+        crate::ensure!(!v.is_null(), Internal, "ValueInfo_GetInitializerValue returned no value");
         Ok(v)
     }
 
@@ -247,10 +240,7 @@ impl Api {
         let mut kv: *mut OrtKeyValuePairs = std::ptr::null_mut();
         // SAFETY: per the caller; we own and release `kv`.
         unsafe {
-            self.check(
-                (self.o.GetSessionOptionsConfigEntries)(so, &mut kv),
-                "GetSessionOptionsConfigEntries",
-            )?;
+            self.check((self.o.GetSessionOptionsConfigEntries)(so, &mut kv), "GetSessionOptionsConfigEntries")?;
             let entries = self.kvp_entries(kv);
             (self.o.ReleaseKeyValuePairs)(kv);
             Ok(entries)

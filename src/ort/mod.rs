@@ -142,17 +142,11 @@ pub unsafe extern "C" fn CreateEpFactories(
         Err(e) => return unsafe { status_without_api(api_base, &e.context("CreateEpFactories")) },
     };
     status_boundary(&api, "CreateEpFactories", || {
-        crate::ensure!(
-            !factories.is_null() && !num_factories.is_null(),
-            NullPointer,
-            "an out-param is NULL"
-        );
+        crate::ensure!(!factories.is_null() && !num_factories.is_null(), NullPointer, "an out-param is NULL");
         crate::ensure!(max_factories >= 1, InvalidArgument, "ONNX Runtime allows no factories");
         crate::ensure!(!registered_name.is_null(), NullPointer, "registered_name is NULL");
         // SAFETY: ORT passes a NUL-terminated name.
-        let name = unsafe { CStr::from_ptr(registered_name) }
-            .to_string_lossy()
-            .into_owned();
+        let name = unsafe { CStr::from_ptr(registered_name) }.to_string_lossy().into_owned();
         pin_library();
         let logs_to_ort = logging::attach(&api, default_logger);
         let f = match Factory::create(api, &name, logs_to_ort) {

@@ -45,10 +45,7 @@ impl AllocatorOptions {
                     "allocator option {k:?} is an ONNX Runtime arena setting; epmem brings its own arena, size it with {OPT_ARENA_BYTES}"
                 ),
                 k if k.starts_with(EPMEM_PREFIX) => {
-                    crate::bail!(
-                        InvalidArgument,
-                        "unknown allocator option {k:?}; epmem accepts {OPT_ARENA_BYTES}"
-                    )
+                    crate::bail!(InvalidArgument, "unknown allocator option {k:?}; epmem accepts {OPT_ARENA_BYTES}")
                 }
                 _ => {}
             }
@@ -93,38 +90,14 @@ mod tests {
     #[test]
     fn accepts_byte_counts_with_units() {
         assert_eq!(AllocatorOptions::parse(&[]).unwrap().arena_bytes, None);
-        assert_eq!(
-            AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, "4096"))
-                .unwrap()
-                .arena_bytes,
-            Some(4096)
-        );
-        assert_eq!(
-            AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, "256MiB"))
-                .unwrap()
-                .arena_bytes,
-            Some(256 << 20)
-        );
-        assert_eq!(
-            AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, " 2g "))
-                .unwrap()
-                .arena_bytes,
-            Some(2 << 30)
-        );
+        assert_eq!(AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, "4096")).unwrap().arena_bytes, Some(4096));
+        assert_eq!(AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, "256MiB")).unwrap().arena_bytes, Some(256 << 20));
+        assert_eq!(AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, " 2g ")).unwrap().arena_bytes, Some(2 << 30));
     }
 
     #[test]
     fn rejects_bad_values_with_the_key_in_the_message() {
-        for bad in [
-            "",
-            "lots",
-            "0",
-            "-5",
-            "12XB",
-            "99999999999999999999",
-            "1.5GiB",
-            "16777216TiB",
-        ] {
+        for bad in ["", "lots", "0", "-5", "12XB", "99999999999999999999", "1.5GiB", "16777216TiB"] {
             let e = AllocatorOptions::parse(&kv(OPT_ARENA_BYTES, bad)).unwrap_err();
             assert_eq!(e.status(), EpmStatus::InvalidArgument, "{bad}");
             assert!(e.message().contains(OPT_ARENA_BYTES), "{bad}: {e}");
@@ -134,21 +107,16 @@ mod tests {
     #[test]
     fn rejects_unknown_and_ort_arena_keys() {
         let e = AllocatorOptions::parse(&kv("epmem.arena_size", "1")).unwrap_err();
-        assert!(
-            e.message().contains("unknown allocator option \"epmem.arena_size\""),
-            "{e}"
-        );
+        assert!(e.message().contains("unknown allocator option \"epmem.arena_size\""), "{e}");
         let e = AllocatorOptions::parse(&kv("arena.max_mem", "1")).unwrap_err();
         assert!(e.message().contains("brings its own arena"), "{e}");
     }
 
     #[test]
     fn leaves_ort_bookkeeping_keys_alone() {
-        let o = AllocatorOptions::parse(&[
-            ("ep_instance_id".into(), "3".into()),
-            (OPT_ARENA_BYTES.into(), "1KiB".into()),
-        ])
-        .unwrap();
+        let o =
+            AllocatorOptions::parse(&[("ep_instance_id".into(), "3".into()), (OPT_ARENA_BYTES.into(), "1KiB".into())])
+                .unwrap();
         assert_eq!(o.arena_bytes, Some(1024));
     }
 }

@@ -101,10 +101,7 @@ pub(crate) unsafe fn get_capability(
         };
         match verdict {
             Err(r) => {
-                let line = format!(
-                    "epmem ({ep_name}): leaving {op} '{name}' to the other EPs: {}",
-                    r.reason
-                );
+                let line = format!("epmem ({ep_name}): leaving {op} '{name}' to the other EPs: {}", r.reason);
                 if r.notable {
                     log::warn!("{line}");
                 } else {
@@ -133,14 +130,7 @@ pub(crate) unsafe fn get_capability(
                     c.weight_bytes,
                     if c.trans_b { ", transB" } else { "" }
                 );
-                out.push((
-                    key,
-                    Claimed {
-                        order: first_order + i,
-                        node_name: name,
-                        claim: c,
-                    },
-                ));
+                out.push((key, Claimed { order: first_order + i, node_name: name, claim: c }));
             }
         }
     }
@@ -320,9 +310,7 @@ impl Streamer {
 
     fn mgr(&self) -> &ResidencyManager {
         // Some from `new` until Drop.
-        self.mgr
-            .as_ref()
-            .expect("the residency manager lives until the streamer is dropped")
+        self.mgr.as_ref().expect("the residency manager lives until the streamer is dropped")
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, Owned> {
@@ -355,16 +343,10 @@ impl Streamer {
                     return Ok(vi);
                 }
             }
-            Err(Error::internal(format!(
-                "node '{}' has no input '{name}' at Compile",
-                c.node_name
-            )))
+            Err(Error::internal(format!("node '{}' has no input '{name}' at Compile", c.node_name)))
         };
-        let label = if c.node_name.is_empty() {
-            format!("{} of '{}'", claim.op, claim.weight)
-        } else {
-            c.node_name.clone()
-        };
+        let label =
+            if c.node_name.is_empty() { format!("{} of '{}'", claim.op, claim.weight) } else { c.node_name.clone() };
         // Parts are laid out for the node's transB: a weight split for a
         // MatMul and for a transB Gemm is registered once for each.
         let key = if claim.trans_b && splits(claim, self.split_bytes) {
@@ -446,11 +428,7 @@ impl Streamer {
                     }
                     DeviceKind::Host => None,
                 };
-                Some(Bias {
-                    host: to_f32(claim.elem, &bytes),
-                    dev,
-                    bytes: bytes.len(),
-                })
+                Some(Bias { host: to_f32(claim.elem, &bytes), dev, bytes: bytes.len() })
             }
         };
         // Parts in column order, all at the node's position (the sort is stable).
@@ -458,12 +436,7 @@ impl Streamer {
         st.uses.extend(parts.iter().map(|p| (c.order, p.weight)));
         st.nodes += 1;
         drop(st);
-        Ok(Arc::new(Kernel {
-            label,
-            claim: claim.clone(),
-            parts,
-            bias,
-        }))
+        Ok(Arc::new(Kernel { label, claim: claim.clone(), parts, bias }))
     }
 
     /// Declare the execution order of every weight compiled so far as the
@@ -520,9 +493,7 @@ impl Streamer {
             return Ok(*s);
         }
         let s = self.dev.stream_wrap_native(native).map_err(|e| {
-            e.context(&format!(
-                "the stream ORT runs this node on ({native:#x}) cannot be used by epmem"
-            ))
+            e.context(&format!("the stream ORT runs this node on ({native:#x}) cannot be used by epmem"))
         })?;
         m.insert(native, s);
         Ok(s)
@@ -575,18 +546,8 @@ impl Streamer {
             elem_name(at.elem),
             elem_name(c.elem)
         );
-        let rank_ok = if c.op == "Gemm" {
-            at.dims.len() == 2
-        } else {
-            !at.dims.is_empty()
-        };
-        crate::ensure!(
-            rank_ok,
-            InvalidArgument,
-            "node '{}': input of shape {:?}",
-            k.label,
-            at.dims
-        );
+        let rank_ok = if c.op == "Gemm" { at.dims.len() == 2 } else { !at.dims.is_empty() };
+        crate::ensure!(rank_ok, InvalidArgument, "node '{}': input of shape {:?}", k.label, at.dims);
         let last = *at.dims.last().unwrap_or(&0);
         crate::ensure!(
             last == c.k as i64,
@@ -597,9 +558,7 @@ impl Streamer {
             c.k
         );
         let lead = &at.dims[..at.dims.len() - 1];
-        let m = lead.iter().try_fold(1usize, |acc, &d| {
-            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
-        });
+        let m = lead.iter().try_fold(1usize, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)));
         let m = m.ok_or_else(|| Error::invalid_argument(format!("node '{}': input shape {:?}", k.label, at.dims)))?;
         let mut out_dims = lead.to_vec();
         out_dims.push(c.n as i64);
@@ -610,8 +569,7 @@ impl Streamer {
         if n == per_run && n > 0 {
             // The second run begins: what was copied so far is the first run's.
             self.first_run_htod.store(self.mgr().stats().htod_bytes, Ordering::Relaxed);
-            self.first_run_host_ns
-                .store(self.host_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+            self.first_run_host_ns.store(self.host_ns.load(Ordering::Relaxed), Ordering::Relaxed);
         }
         if m == 0 {
             return Ok(());
@@ -620,14 +578,7 @@ impl Streamer {
         let av = unsafe { api.tensor(a, false) }?;
         // SAFETY: live values of this Compute.
         let yv = unsafe { api.tensor(y, true) }?;
-        let shape = GemmShape {
-            m,
-            k: c.k,
-            n: c.n,
-            trans_b: c.trans_b,
-            alpha: c.alpha,
-            beta: c.beta,
-        };
+        let shape = GemmShape { m, k: c.k, n: c.n, trans_b: c.trans_b, alpha: c.alpha, beta: c.beta };
         // Asked on every device, so CI's host-device runs exercise the call;
         // only a GPU node uses the answer.
         // SAFETY: ctx is the live kernel context.
@@ -652,7 +603,14 @@ impl Streamer {
     /// `gemm`: gets the time of what the host device does where a GPU runs
     /// a kernel on device tensors: the input's and the weight's read-back,
     /// the host GEMM and the output's copy.
-    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, gemm: &mut Duration) -> Result<()> {
+    fn compute_host(
+        &self,
+        k: &Kernel,
+        s: GemmShape,
+        av: &TensorView,
+        yv: &TensorView,
+        gemm: &mut Duration,
+    ) -> Result<()> {
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
         let stream = self.own_stream()?;
@@ -686,13 +644,7 @@ impl Streamer {
             spent += t2.elapsed();
         }
         let t = Instant::now();
-        crate::ensure!(
-            out.len() == yv.bytes,
-            Internal,
-            "output of {} bytes for {} computed",
-            yv.bytes,
-            out.len()
-        );
+        crate::ensure!(out.len() == yv.bytes, Internal, "output of {} bytes for {} computed", yv.bytes, out.len());
         if self.on_device(yv) {
             // SAFETY: the output has yv.bytes bytes; `out` lives until the sync.
             unsafe { self.dev.memcpy_htod_async(yv.ptr, out.as_ptr(), out.len(), stream) }?;
@@ -744,10 +696,7 @@ impl Streamer {
         };
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
-        let blas = self
-            .blas
-            .as_ref()
-            .ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
+        let blas = self.blas.as_ref().ok_or_else(|| Error::internal("no cuBLAS handle on a CUDA device"))?;
         let mut shape = s;
         match &k.bias {
             Some(b) if s.beta != 0.0 => {
@@ -758,8 +707,7 @@ impl Streamer {
                 let mut done = 1usize;
                 while done < s.m {
                     let rows = done.min(s.m - done);
-                    self.dev
-                        .memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
+                    self.dev.memcpy_dtod_async(yv.ptr + (done * row) as u64, yv.ptr, rows * row, stream)?;
                     done += rows;
                 }
             }
@@ -775,15 +723,7 @@ impl Streamer {
                 // recorded after this GEMM on the same stream completes; the
                 // part writes columns n0..n0 + p.n of each row of Y (ldc n).
                 let r = unsafe {
-                    h.gemm(
-                        native,
-                        c.elem,
-                        GemmShape { n: p.n, ..shape },
-                        av.ptr,
-                        w,
-                        yv.ptr + (p.n0 * eb) as u64,
-                        s.n,
-                    )
+                    h.gemm(native, c.elem, GemmShape { n: p.n, ..shape }, av.ptr, w, yv.ptr + (p.n0 * eb) as u64, s.n)
                 };
                 *gemm += t.elapsed();
                 r
@@ -800,10 +740,7 @@ impl Drop for Streamer {
     fn drop(&mut self) {
         let Some(mgr) = self.mgr.take() else { return };
         if let Err(e) = mgr.synchronize() {
-            log::warn!(
-                "epmem ({}): synchronizing the weight streams at release: {e}",
-                self.ep_name
-            );
+            log::warn!("epmem ({}): synchronizing the weight streams at release: {e}", self.ep_name);
         }
         let s = mgr.stats();
         let arena = mgr.arena().clone();
@@ -834,10 +771,7 @@ impl Drop for Streamer {
         // Per compute after the first run (its page-ins are the resident
         // set's fill), or over every compute when there was one run.
         let (ns, n) = if computes > per_run && per_run > 0 {
-            (
-                self.host_ns.load(Ordering::Relaxed) - self.first_run_host_ns.load(Ordering::Relaxed),
-                computes - per_run,
-            )
+            (self.host_ns.load(Ordering::Relaxed) - self.first_run_host_ns.load(Ordering::Relaxed), computes - per_run)
         } else {
             (self.host_ns.load(Ordering::Relaxed), computes)
         };

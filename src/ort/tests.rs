@@ -34,11 +34,7 @@ unsafe extern "C" fn get_ep_api() -> *const OrtEpApi {
     EP_TABLE.load(Ordering::SeqCst) as *const OrtEpApi
 }
 unsafe extern "C" fn get_api(v: u32) -> *const OrtApi {
-    if v <= NEWEST.load(Ordering::SeqCst) {
-        TABLE.load(Ordering::SeqCst) as *const OrtApi
-    } else {
-        std::ptr::null()
-    }
+    if v <= NEWEST.load(Ordering::SeqCst) { TABLE.load(Ordering::SeqCst) as *const OrtApi } else { std::ptr::null() }
 }
 unsafe extern "C" fn version_string() -> *const c_char {
     c"1.22.1".as_ptr()
@@ -53,25 +49,12 @@ fn slot_of(off: usize) -> usize {
 fn install(newest: u32, with_ep_api: bool) -> OrtApiBase {
     let mut t = vec![never_called as *const () as usize; 400];
     t[slot_of(std::mem::offset_of!(OrtApi, CreateStatus))] = create_status as *const () as usize;
-    t[slot_of(std::mem::offset_of!(OrtApi, GetEpApi))] = if with_ep_api {
-        get_ep_api as *const () as usize
-    } else {
-        0
-    };
+    t[slot_of(std::mem::offset_of!(OrtApi, GetEpApi))] = if with_ep_api { get_ep_api as *const () as usize } else { 0 };
     let ep = vec![never_called as *const () as usize; 40];
-    TABLE.store(
-        Box::leak(t.into_boxed_slice()).as_mut_ptr() as *mut c_void,
-        Ordering::SeqCst,
-    );
-    EP_TABLE.store(
-        Box::leak(ep.into_boxed_slice()).as_mut_ptr() as *mut c_void,
-        Ordering::SeqCst,
-    );
+    TABLE.store(Box::leak(t.into_boxed_slice()).as_mut_ptr() as *mut c_void, Ordering::SeqCst);
+    EP_TABLE.store(Box::leak(ep.into_boxed_slice()).as_mut_ptr() as *mut c_void, Ordering::SeqCst);
     NEWEST.store(newest, Ordering::SeqCst);
-    OrtApiBase {
-        GetApi: get_api,
-        GetVersionString: version_string,
-    }
+    OrtApiBase { GetApi: get_api, GetVersionString: version_string }
 }
 
 fn take(st: *mut OrtStatus) -> FakeStatus {
@@ -124,9 +107,7 @@ fn the_boundary_turns_errors_and_panics_into_statuses() {
     // SAFETY: a complete fake table (every slot non-NULL).
     let api = unsafe { Api::load(&base) }.unwrap();
     assert!(status_boundary(&api, "ok", || Ok(())).is_null());
-    let s = take(status_boundary(&api, "Thing", || {
-        crate::bail!(InvalidArgument, "bad size {}", 7)
-    }));
+    let s = take(status_boundary(&api, "Thing", || crate::bail!(InvalidArgument, "bad size {}", 7)));
     assert_eq!(s.code, ORT_INVALID_ARGUMENT);
     assert!(s.msg.contains("Thing: bad size 7"), "{}", s.msg);
     let s = take(status_boundary(&api, "Other", || panic!("boom {}", 3)));
@@ -154,10 +135,7 @@ unsafe extern "C" fn get_no_api(_v: u32) -> *const OrtApi {
 #[test]
 fn an_api_base_offering_no_api_reports_no_factories() {
     let _g = LOCK.lock().unwrap();
-    let base = OrtApiBase {
-        GetApi: get_no_api,
-        GetVersionString: version_string,
-    };
+    let base = OrtApiBase { GetApi: get_no_api, GetVersionString: version_string };
     let (st, n) = create(&base);
     assert!(st.is_null(), "no CreateStatus to make an error with");
     assert_eq!(n, 0);
@@ -237,10 +215,7 @@ fn records_go_to_orts_logger_while_a_factory_holds_it() {
     } else {
         assert_eq!(
             ours(),
-            vec![
-                (LOGGING_INFO, "ort-log-test info".to_string()),
-                (LOGGING_WARNING, "ort-log-test warn".to_string())
-            ]
+            vec![(LOGGING_INFO, "ort-log-test info".to_string()), (LOGGING_WARNING, "ort-log-test warn".to_string())]
         );
     }
 }

@@ -34,10 +34,7 @@ impl ResidencyManager {
     pub(super) fn group(&self, st: &mut State, order: &[WeightId]) -> Result<()> {
         // A unit is evicted whole: keep it a small share of the budget so
         // the policy still chooses at a fine grain.
-        let (below, max) = (
-            self.cfg.coalesce_below_bytes,
-            self.cfg.coalesce_max_bytes.min(self.cfg.budget_bytes / 8),
-        );
+        let (below, max) = (self.cfg.coalesce_below_bytes, self.cfg.coalesce_max_bytes.min(self.cfg.budget_bytes / 8));
         if below == 0 {
             return Ok(());
         }
@@ -46,7 +43,12 @@ impl ResidencyManager {
         for &w in order.iter().chain(std::iter::once(&WeightId(u32::MAX))) {
             // (the sentinel id closes the last run)
             let range = st.reg.get(w).ok().filter(|e| {
-                e.range.len() < below && e.coded.is_none() && !e.resident() && e.users == 0 && e.reg.is_none() && e.members.is_empty()
+                e.range.len() < below
+                    && e.coded.is_none()
+                    && !e.resident()
+                    && e.users == 0
+                    && e.reg.is_none()
+                    && e.members.is_empty()
             });
             let range = range.map(|e| e.range);
             let joined = match (range, unit) {
@@ -91,12 +93,7 @@ impl ResidencyManager {
         if e.members.is_empty() {
             return Ok(());
         }
-        crate::ensure!(
-            e.users == 0,
-            InvalidState,
-            "weight {} (coalesced) is acquired: release it first",
-            u.0
-        );
+        crate::ensure!(e.users == 0, InvalidState, "weight {} (coalesced) is acquired: release it first", u.0);
         if e.resident() {
             self.evict(st, u)?;
         }

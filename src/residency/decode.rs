@@ -84,7 +84,11 @@ impl DecodeStaging {
     fn new(dev: &Arc<dyn Device>, arena: &Arc<DeviceArena>, cap: usize) -> Result<Self> {
         let mut bufs = Vec::with_capacity(DECODE_STAGING_BUFFERS);
         for _ in 0..DECODE_STAGING_BUFFERS {
-            bufs.push(StagingBuf { block: DeviceBlock::alloc(arena, cap)?, free: Event::new(dev, false)?, used: false });
+            bufs.push(StagingBuf {
+                block: DeviceBlock::alloc(arena, cap)?,
+                free: Event::new(dev, false)?,
+                used: false,
+            });
         }
         Ok(Self { bufs, next: 0, stream: Stream::new(dev)?, gate: Stream::new(dev)?, after: Event::new(dev, false)? })
     }
@@ -238,14 +242,12 @@ impl ResidencyManager {
                 match DecodeStaging::new(&self.dev, &self.arena, cap) {
                     Ok(d) => break Ok(d),
                     // The arena has the bytes but not in one range.
-                    Err(e) if e.status() == EpmStatus::OutOfBudget => match self.victim(
-                        st,
-                        WeightId(u32::MAX),
-                        super::manager::Need::Demand,
-                    ) {
-                        Some(v) => self.evict(st, v)?,
-                        None => break Err(e),
-                    },
+                    Err(e) if e.status() == EpmStatus::OutOfBudget => {
+                        match self.victim(st, WeightId(u32::MAX), super::manager::Need::Demand) {
+                            Some(v) => self.evict(st, v)?,
+                            None => break Err(e),
+                        }
+                    }
                     Err(e) => break Err(e),
                 }
             }
@@ -270,7 +272,13 @@ impl ResidencyManager {
     /// bytes into the next staging buffer, then decode them into `dst`, after
     /// `order` (the stream that waits for `dst`'s readers) when given. The
     /// fence completes when the decode has.
-    pub(super) fn compressed_in(&self, st: &mut State, w: WeightId, dst: u64, order: Option<RawStream>) -> Result<Fence> {
+    pub(super) fn compressed_in(
+        &self,
+        st: &mut State,
+        w: WeightId,
+        dst: u64,
+        order: Option<RawStream>,
+    ) -> Result<Fence> {
         let State { reg, dec, c, decode_timer, .. } = st;
         let e = reg.get(w)?;
         let (src, desc) = match e.coded.as_ref() {

@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use super::WeightId;
-use super::read_fence::{DeviceBlock, TryReadsDone};
 use super::manager::{Need, Room, State};
+use super::read_fence::{DeviceBlock, TryReadsDone};
 use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
 
@@ -47,11 +47,7 @@ impl ResidencyManager {
                 if demand && self.drop_ring(st)? {
                     continue;
                 }
-                return if demand {
-                    Err(self.all_in_use(st, w, len))
-                } else {
-                    Ok(Room::No)
-                };
+                return if demand { Err(self.all_in_use(st, w, len)) } else { Ok(Room::No) };
             };
             let e = st.reg.get(v)?;
             let vlen = e.dev_len();
@@ -153,17 +149,17 @@ impl ResidencyManager {
                 held_bytes += e.dev_len();
             }
         }
-        let ring = st
-            .ring
-            .as_ref()
-            .map_or(String::new(), |r| format!(", {} of them the streaming region", r.cap()));
+        let ring = st.ring.as_ref().map_or(String::new(), |r| format!(", {} of them the streaming region", r.cap()));
         Error::new(
             EpmStatus::AllInUse,
             format!(
                 "weight {} ({len} bytes) does not fit: {} of {} budget bytes are resident ({} weights{ring}) \
                  and what could make room is acquired and not released ({held} weights, {held_bytes} bytes); \
                  release weights or raise the budget",
-                w.0, st.resident_bytes, self.budget(st), st.resident_weights
+                w.0,
+                st.resident_bytes,
+                self.budget(st),
+                st.resident_weights
             ),
         )
     }

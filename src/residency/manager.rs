@@ -6,19 +6,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
-use super::read_fence::Reused;
 use super::placement::Plan;
+use super::read_fence::Reused;
 use super::registry::{Entry, HostRangeId, RangeReg, RegState, RegisterSources, Registry};
 use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
-use crate::transfer::pinning::SharedHostRegistration;
 use crate::device::rlimit::memlock_limit;
 use crate::device::{Device, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
 use crate::staging::background::Hint;
-use crate::staging::{BackgroundFill, CopyEngine, Copier, Fence, PinnedStagingPool};
+use crate::staging::{BackgroundFill, Copier, CopyEngine, Fence, PinnedStagingPool};
+use crate::transfer::pinning::SharedHostRegistration;
 
 /// Why a unit is paged in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,11 +156,7 @@ impl ResidencyManager {
             })?;
         let arena = Arc::new(DeviceArena::new(
             dev,
-            ArenaConfig {
-                capacity,
-                chunk_bytes: cfg.arena_chunk_bytes,
-                max_allocs: 64 * 1024,
-            },
+            ArenaConfig { capacity, chunk_bytes: cfg.arena_chunk_bytes, max_allocs: 64 * 1024 },
         )?);
         let pool = PinnedStagingPool::new(dev, cfg.pool)?;
         let engine = Arc::new(CopyEngine::new(&pool, cfg.engine)?);
@@ -349,12 +345,7 @@ impl ResidencyManager {
         let mut seen = std::collections::HashSet::with_capacity(order.len());
         for &w in order {
             st.reg.get(w)?;
-            crate::ensure!(
-                seen.insert(w),
-                InvalidArgument,
-                "weight {} appears twice in the cyclic order",
-                w.0
-            );
+            crate::ensure!(seen.insert(w), InvalidArgument, "weight {} appears twice in the cyclic order", w.0);
         }
         // A caller may declare the same order every step (a framework hook):
         // keep the grouping and the plan rather than redo them (planning an
@@ -362,11 +353,8 @@ impl ResidencyManager {
         if !order.is_empty() && st.declared == order {
             return Ok(());
         }
-        let leaders: Vec<WeightId> = st
-            .reg
-            .ids()
-            .filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty()))
-            .collect();
+        let leaders: Vec<WeightId> =
+            st.reg.ids().filter(|&w| st.reg.get(w).is_ok_and(|e| !e.members.is_empty())).collect();
         // Regrouping evicts every coalesced unit, so none may be acquired
         // (a weight that is not coalesced may be). Check them all before
         // undoing any, so a refusal changes nothing.
@@ -471,11 +459,7 @@ impl ResidencyManager {
             }
             // The plan's ring holds `width` units at once: a caller holding
             // more (a whole block) gets a plan for that at the next idle moment.
-            if st
-                .plan
-                .as_ref()
-                .is_some_and(|p| st.held_units > p.hold.width)
-            {
+            if st.plan.as_ref().is_some_and(|p| st.held_units > p.hold.width) {
                 st.replan = true;
             }
         }
@@ -531,12 +515,7 @@ impl ResidencyManager {
         let st = &mut *st;
         let w = st.reg.leader(w)?;
         let e = st.reg.get(w)?;
-        crate::ensure!(
-            e.users > 0,
-            InvalidState,
-            "weight {} released more often than acquired",
-            w.0
-        );
+        crate::ensure!(e.users > 0, InvalidState, "weight {} released more often than acquired", w.0);
         let ev = match st.spare.pop() {
             Some(ev) => ev,
             None => Event::new(&self.dev, false)?,
@@ -684,11 +663,7 @@ impl ResidencyManager {
         ResidencyStats {
             acquires: c.acquires,
             hits: c.hits,
-            hit_rate: if c.acquires == 0 {
-                0.0
-            } else {
-                c.hits as f64 / c.acquires as f64
-            },
+            hit_rate: if c.acquires == 0 { 0.0 } else { c.hits as f64 / c.acquires as f64 },
             page_ins: c.page_ins,
             prefetch_page_ins: c.prefetch_page_ins,
             pending_prefetches: c.pending_prefetches,
@@ -772,9 +747,7 @@ impl Drop for ResidencyManager {
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {
-                let Entry {
-                    block, slot, reg, ..
-                } = e;
+                let Entry { block, slot, reg, .. } = e;
                 drop(block);
                 drop(slot);
                 drop(reg);

@@ -27,8 +27,8 @@ pub mod stats;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WeightId(pub u32);
 
-pub use decode::{DECODE_STAGING_BUFFERS, Registered};
 pub use config::{FILL_AHEAD_ALL_SLOTS, RESIDENCY_STAGING_SLOTS, RESIDENCY_STREAM_BELOW, ResidencyConfig};
+pub use decode::{DECODE_STAGING_BUFFERS, Registered};
 pub use manager::ResidencyManager;
 pub use placement::Hold;
 pub use policy::{CyclicPolicy, LruPolicy, Policy, PolicyKind, new_policy};

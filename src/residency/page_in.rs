@@ -5,9 +5,9 @@
 use std::time::Instant;
 
 use super::WeightId;
-use super::read_fence::Fenced;
 use super::manager::{Need, Room, State};
 use super::plan::RingPageIn;
+use super::read_fence::Fenced;
 use super::registry::{RegState, RegisterSources};
 use crate::error::Result;
 use crate::residency::ResidencyManager;
@@ -92,11 +92,7 @@ impl ResidencyManager {
             (RegisterSources::WithinMemlock, Some(limit)) => st.c.registered_bytes + range.len() as u64 <= limit,
             _ => true,
         };
-        let result = if within {
-            Some(self.engine.register(range))
-        } else {
-            None
-        };
+        let result = if within { Some(self.engine.register(range)) } else { None };
         let e = st.reg.get_mut(w)?;
         match result {
             Some(Ok(r)) => {

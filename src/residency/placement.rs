@@ -42,10 +42,7 @@ pub struct Hold {
 
 impl Hold {
     /// Acquire and release around each weight.
-    pub const ONE: Hold = Hold {
-        width: 1,
-        starts: None,
-    };
+    pub const ONE: Hold = Hold { width: 1, starts: None };
     /// The runs of positions held together (each in cycle order).
     fn windows(&self, n: usize) -> Vec<Vec<usize>> {
         let w = self.width.clamp(1, n.max(1));
@@ -62,9 +59,7 @@ impl Hold {
                     })
                     .collect()
             }
-            _ => (0..n)
-                .map(|e| (0..w).rev().map(|j| (e + n - j) % n).collect())
-                .collect(),
+            _ => (0..n).map(|e| (0..w).rev().map(|j| (e + n - j) % n).collect()).collect(),
         }
     }
 }
@@ -100,12 +95,7 @@ fn up(n: usize) -> usize {
 /// `keep_last`) and the prefetches before it are pending; otherwise it is
 /// paged in on demand while its own window is acquired, and the earlier
 /// streamed positions of that window are held.
-pub fn live_sets(
-    streamed: &[bool],
-    hold: &Hold,
-    depth: usize,
-    keep_last: bool,
-) -> Vec<(usize, Vec<usize>)> {
+pub fn live_sets(streamed: &[bool], hold: &Hold, depth: usize, keep_last: bool) -> Vec<(usize, Vec<usize>)> {
     let n = streamed.len();
     let order: Vec<usize> = (0..n).filter(|&i| streamed[i]).collect();
     let m = order.len();
@@ -114,12 +104,7 @@ pub fn live_sets(
     let rank = |p: usize| order.partition_point(|&q| q < p);
     for win in hold.windows(n) {
         let Some(&e) = win.last() else { continue };
-        let held: Vec<usize> = win
-            .iter()
-            .skip(skip)
-            .copied()
-            .filter(|&q| streamed[q])
-            .collect();
+        let held: Vec<usize> = win.iter().skip(skip).copied().filter(|&q| streamed[q]).collect();
         // The first `depth` streamed after e (cyclically), in order.
         let first = rank((e + 1) % n) % m.max(1);
         let ahead: Vec<usize> = (0..depth.min(m)).map(|j| order[(first + j) % m]).collect();
@@ -135,11 +120,7 @@ pub fn live_sets(
             live[rank(p)].extend(full[..j].iter().copied());
         }
     }
-    order
-        .iter()
-        .zip(live)
-        .map(|(&p, l)| (p, l.into_iter().collect()))
-        .collect()
+    order.iter().zip(live).map(|(&p, l)| (p, l.into_iter().collect())).collect()
 }
 
 /// The largest live set with the weight being placed (positions).
@@ -171,11 +152,7 @@ pub fn assign(sizes: &[usize], live: &[(usize, Vec<usize>)]) -> (Vec<(usize, usi
 /// handed on behind its read fence), but a copy that lands on it waits on the
 /// device for that read: placed beside it instead, the copy runs while it is
 /// read. Free ring space buys copy/compute overlap, never bytes.
-fn assign_within(
-    sizes: &[usize],
-    live: &[(usize, Vec<usize>)],
-    soft: Option<usize>,
-) -> (Vec<(usize, usize)>, usize) {
+fn assign_within(sizes: &[usize], live: &[(usize, Vec<usize>)], soft: Option<usize>) -> (Vec<(usize, usize)>, usize) {
     let mut conflicts: std::collections::HashMap<usize, Vec<usize>> = Default::default();
     for (p, l) in live {
         for &q in l {
@@ -189,16 +166,11 @@ fn assign_within(
     let mut top = 0;
     for (k, (p, _)) in live.iter().enumerate() {
         let s = up(sizes[*p]);
-        let taken: Vec<(usize, usize)> = conflicts
-            .get(p)
-            .map(|c| c.iter().filter_map(|q| at.get(q).copied()).collect())
-            .unwrap_or_default();
-        let fits =
-            |o: usize, t: &[(usize, usize)]| t.iter().all(|&(to, tn)| o + s <= to || to + tn <= o);
+        let taken: Vec<(usize, usize)> =
+            conflicts.get(p).map(|c| c.iter().filter_map(|q| at.get(q).copied()).collect()).unwrap_or_default();
+        let fits = |o: usize, t: &[(usize, usize)]| t.iter().all(|&(to, tn)| o + s <= to || to + tn <= o);
         let first_fit = |t: &[(usize, usize)], cap: usize| {
-            let mut cands: Vec<usize> = std::iter::once(0)
-                .chain(t.iter().map(|&(o, n)| o + n))
-                .collect();
+            let mut cands: Vec<usize> = std::iter::once(0).chain(t.iter().map(|&(o, n)| o + n)).collect();
             cands.sort_unstable();
             cands.into_iter().find(|&o| o + s <= cap && fits(o, t))
         };
@@ -206,17 +178,11 @@ fn assign_within(
             let mut t = taken.clone();
             if m > 1 {
                 let nb = [live[(k + m - 1) % m].0, live[(k + 1) % m].0];
-                t.extend(
-                    nb.iter()
-                        .filter(|&&q| q != *p)
-                        .filter_map(|q| at.get(q).copied()),
-                );
+                t.extend(nb.iter().filter(|&&q| q != *p).filter_map(|q| at.get(q).copied()));
             }
             first_fit(&t, cap)
         });
-        let off = soft_off
-            .or_else(|| first_fit(&taken, usize::MAX))
-            .unwrap_or(0);
+        let off = soft_off.or_else(|| first_fit(&taken, usize::MAX)).unwrap_or(0);
         at.insert(*p, (off, s));
         out.push((*p, off));
         top = top.max(off + s);
@@ -287,13 +253,7 @@ pub fn plan(sizes: &[usize], budget: usize, hold: &Hold, depth: usize) -> Option
     }
 }
 
-fn best_plan(
-    sizes: &[usize],
-    budget: usize,
-    hold: &Hold,
-    depth: usize,
-    keep_last: bool,
-) -> Option<Plan> {
+fn best_plan(sizes: &[usize], budget: usize, hold: &Hold, depth: usize, keep_last: bool) -> Option<Plan> {
     let n = sizes.len();
     let largest = up(sizes.iter().copied().max().unwrap_or(0));
     // For a ring target: make every window's live streamed bytes fit it
@@ -389,10 +349,7 @@ fn best_plan(
     natural.sort_unstable();
     natural.dedup();
     let better = |p: Plan, best: &mut Option<Plan>| {
-        if best
-            .as_ref()
-            .is_none_or(|b| p.streamed_bytes < b.streamed_bytes)
-        {
+        if best.as_ref().is_none_or(|b| p.streamed_bytes < b.streamed_bytes) {
             *best = Some(p);
         }
     };
@@ -446,10 +403,7 @@ fn spread(sizes: &[usize], streamed: &[bool]) -> Vec<bool> {
 /// than 2^18 units. A largest-first fill left up to one weight unused:
 /// 0.5–1.5% more bytes per step on the Llama mixes of issue 12.
 fn fill(sizes: &[usize], cands: &[usize], room: usize) -> Vec<usize> {
-    let g = cands
-        .iter()
-        .fold(0, |a, &i| gcd(a, up(sizes[i])))
-        .max(ALIGN);
+    let g = cands.iter().fold(0, |a, &i| gcd(a, up(sizes[i]))).max(ALIGN);
     let q = g.max((room >> 18).next_multiple_of(g));
     let units: Vec<usize> = cands.iter().map(|&i| up(sizes[i]).div_ceil(q)).collect();
     let cap = room / q;
@@ -506,19 +460,12 @@ mod tests {
     use super::*;
 
     fn llama(d: usize, ffn: usize, kv: usize, blocks: usize) -> Vec<usize> {
-        (0..blocks)
-            .flat_map(|_| [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, d * ffn])
-            .map(|e| e * 2)
-            .collect()
+        (0..blocks).flat_map(|_| [d * d, d * kv, d * kv, d * d, d * ffn, d * ffn, d * ffn]).map(|e| e * 2).collect()
     }
 
     #[test]
     fn plans_stay_within_the_bound_and_fill_the_budget() {
-        for sizes in [
-            llama(256, 688, 256, 6),
-            llama(256, 896, 32, 4),
-            llama(320, 864, 320, 3),
-        ] {
+        for sizes in [llama(256, 688, 256, 6), llama(256, 896, 32, 4), llama(320, 864, 320, 3)] {
             let total: usize = sizes.iter().sum();
             let largest = *sizes.iter().max().unwrap();
             for pct in (10..100).step_by(10) {
@@ -530,10 +477,7 @@ mod tests {
                         assert!(depth > 1, "{pct}% d{depth}: no plan");
                         continue;
                     };
-                    assert!(
-                        p.resident_bytes + p.ring_bytes <= budget,
-                        "{pct}% d{depth}: {p:?}"
-                    );
+                    assert!(p.resident_bytes + p.ring_bytes <= budget, "{pct}% d{depth}: {p:?}");
                     if depth == 1 {
                         assert!(
                             p.streamed_bytes <= total - budget + 2 * largest,
@@ -548,10 +492,7 @@ mod tests {
                     for (q, l) in &live {
                         for r in l {
                             let (a, b) = (p.offsets[*q], p.offsets[*r]);
-                            assert!(
-                                a + sizes[*q] <= b || b + sizes[*r] <= a,
-                                "{pct}% d{depth}: {q} overlaps live {r}"
-                            );
+                            assert!(a + sizes[*q] <= b || b + sizes[*r] <= a, "{pct}% d{depth}: {q} overlaps live {r}");
                         }
                         assert!(p.offsets[*q] + sizes[*q] <= p.ring_bytes);
                     }
@@ -595,24 +536,9 @@ mod tests {
         let total: usize = sizes.iter().sum();
         let budget = total / 2;
         let starts = (0..56).map(|i| i % 7 == 0).collect();
-        let p = plan(
-            &sizes,
-            budget,
-            &Hold {
-                width: 7,
-                starts: Some(starts),
-            },
-            1,
-        )
-        .unwrap();
-        let per_block: Vec<usize> = (0..8)
-            .map(|b| {
-                (0..7)
-                    .filter(|&j| !p.resident[b * 7 + j])
-                    .map(|j| sizes[b * 7 + j])
-                    .sum()
-            })
-            .collect();
+        let p = plan(&sizes, budget, &Hold { width: 7, starts: Some(starts) }, 1).unwrap();
+        let per_block: Vec<usize> =
+            (0..8).map(|b| (0..7).filter(|&j| !p.resident[b * 7 + j]).map(|j| sizes[b * 7 + j]).sum()).collect();
         let nb = 8.0;
         let floor = (total - budget) as f64 * nb / (nb - 1.0);
         assert!(
@@ -640,15 +566,8 @@ mod tests {
             let budget = (total * (10 + (x % 80) as usize) / 100).max(7 * 1024);
             let mut best = total;
             for mask in 0u32..1 << n {
-                let kept: usize = (0..n)
-                    .filter(|&i| mask >> i & 1 == 1)
-                    .map(|i| sizes[i])
-                    .sum();
-                let m = (0..n)
-                    .filter(|&i| mask >> i & 1 == 0)
-                    .map(|i| sizes[i])
-                    .max()
-                    .unwrap_or(0);
+                let kept: usize = (0..n).filter(|&i| mask >> i & 1 == 1).map(|i| sizes[i]).sum();
+                let m = (0..n).filter(|&i| mask >> i & 1 == 0).map(|i| sizes[i]).max().unwrap_or(0);
                 if kept + m <= budget {
                     best = best.min(total - kept);
                 }
@@ -656,11 +575,7 @@ mod tests {
             if total <= budget {
                 continue;
             }
-            assert_eq!(
-                whole_weight_floor(&sizes, budget),
-                best,
-                "{sizes:?} under {budget}"
-            );
+            assert_eq!(whole_weight_floor(&sizes, budget), best, "{sizes:?} under {budget}");
             if let Some(p) = plan(&sizes, budget, &Hold::ONE, 1) {
                 assert_eq!(p.streamed_bytes, best, "{sizes:?} under {budget}: {p:?}");
             }

@@ -26,15 +26,8 @@ impl ResidencyManager {
         if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || st.cycle.is_empty() || st.ring_off {
             return Ok(None);
         }
-        let sizes: Vec<usize> = st
-            .cycle
-            .iter()
-            .map(|&u| st.reg.get(u).map(|e| e.dev_len()))
-            .collect::<Result<_>>()?;
-        let (lo, hi) = (
-            sizes.iter().min().copied().unwrap_or(0),
-            sizes.iter().max().copied().unwrap_or(0),
-        );
+        let sizes: Vec<usize> = st.cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).collect::<Result<_>>()?;
+        let (lo, hi) = (sizes.iter().min().copied().unwrap_or(0), sizes.iter().max().copied().unwrap_or(0));
         // Equal sizes (within the 25% an ordered reuse tolerates), acquired
         // around each weight: every victim's block takes the next weight,
         // nothing fragments, and farthest-next-use is Belady's optimum — keep
@@ -85,22 +78,13 @@ impl ResidencyManager {
         let ring = match Ring::new(&self.arena, p.ring_bytes) {
             Ok(r) => r,
             Err(e) => {
-                log::warn!(
-                    "epmem: no streaming region of {} bytes ({e}); farthest-next-use alone",
-                    p.ring_bytes
-                );
+                log::warn!("epmem: no streaming region of {} bytes ({e}); farthest-next-use alone", p.ring_bytes);
                 return Ok(());
             }
         };
         st.resident_bytes += ring.cap();
         st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
-        st.streamed = st
-            .cycle
-            .iter()
-            .zip(&p.resident)
-            .filter(|(_, r)| !**r)
-            .map(|(&u, _)| u)
-            .collect();
+        st.streamed = st.cycle.iter().zip(&p.resident).filter(|(_, r)| !**r).map(|(&u, _)| u).collect();
         st.ring = Some(ring);
         st.plan = Some(p);
         st.c.plans += 1;
@@ -110,24 +94,11 @@ impl ResidencyManager {
     /// Page streamed unit `w` into the ring. Whatever it overwrites was
     /// released (or is idle): its bytes are handed on behind its readers by
     /// the order stream, so the host never waits.
-    pub(super) fn ring_page_in(
-        &self,
-        st: &mut State,
-        w: WeightId,
-        demand: bool,
-    ) -> Result<RingPageIn> {
+    pub(super) fn ring_page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<RingPageIn> {
         let len = st.reg.get(w)?.dev_len();
-        let off = st
-            .cycle_pos
-            .get(&w)
-            .and_then(|&p| st.plan.as_ref()?.offsets.get(p).copied());
-        let Some((off, victims)) = off.and_then(|o| Some((o, st.ring.as_ref()?.spot(o, len)?)))
-        else {
-            return Ok(if demand {
-                RingPageIn::Blocked
-            } else {
-                RingPageIn::GaveUp
-            });
+        let off = st.cycle_pos.get(&w).and_then(|&p| st.plan.as_ref()?.offsets.get(p).copied());
+        let Some((off, victims)) = off.and_then(|o| Some((o, st.ring.as_ref()?.spot(o, len)?))) else {
+            return Ok(if demand { RingPageIn::Blocked } else { RingPageIn::GaveUp });
         };
         for &v in &victims {
             let e = st.reg.get(v)?;
@@ -137,11 +108,7 @@ impl ResidencyManager {
             // page-in of the next unit orders the same copy behind the same
             // read anyway.
             if e.users > 0 || (!demand && (e.prefetched || self.shielded(st, v, w))) {
-                return Ok(if demand {
-                    RingPageIn::Blocked
-                } else {
-                    RingPageIn::GaveUp
-                });
+                return Ok(if demand { RingPageIn::Blocked } else { RingPageIn::GaveUp });
             }
         }
         for &v in &victims {

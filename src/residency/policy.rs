@@ -147,18 +147,9 @@ impl Policy for CyclicPolicy {
         }
         // Re-file the resident set under the new order; the cursor starts
         // before position 0 (as if the last weight had just been used).
-        let resident: Vec<WeightId> = self
-            .resident
-            .values()
-            .copied()
-            .chain(self.others.candidates())
-            .collect();
+        let resident: Vec<WeightId> = self.resident.values().copied().chain(self.others.candidates()).collect();
         let cursor = order.len().saturating_sub(1);
-        *self = CyclicPolicy {
-            pos,
-            cursor,
-            ..Default::default()
-        };
+        *self = CyclicPolicy { pos, cursor, ..Default::default() };
         for w in resident {
             self.inserted(w);
         }

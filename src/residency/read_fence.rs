@@ -117,11 +117,7 @@ impl fmt::Debug for DeviceBlock {
 impl DeviceBlock {
     /// Allocate `len` bytes from `arena`.
     pub fn alloc(arena: &Arc<DeviceArena>, len: usize) -> Result<Self> {
-        Ok(Self {
-            addr: arena.alloc_owned(len, 0)?,
-            arena: Some(arena.clone()),
-            len,
-        })
+        Ok(Self { addr: arena.alloc_owned(len, 0)?, arena: Some(arena.clone()), len })
     }
     pub fn addr(&self) -> u64 {
         self.addr
@@ -203,11 +199,7 @@ pub enum TryReadsDone {
 impl Fenced {
     /// `block` with the fence of the page-in copy just queued into it.
     pub fn new(block: DeviceBlock, page_in: Fence) -> Self {
-        Self {
-            block: Some(block),
-            page_in: Some(page_in),
-            events: Vec::new(),
-        }
+        Self { block: Some(block), page_in: Some(page_in), events: Vec::new() }
     }
     /// The page-in's fence, until it is observed complete.
     pub fn page_in(&self) -> Option<&Fence> {
@@ -300,11 +292,7 @@ impl Fenced {
             order.wait_event(e)?;
         }
         let (page_in, events) = (self.page_in.take(), std::mem::take(&mut self.events));
-        Ok(Reused {
-            block: Some(self.take()),
-            page_in,
-            events,
-        })
+        Ok(Reused { block: Some(self.take()), page_in, events })
     }
 }
 
@@ -369,11 +357,7 @@ impl Drop for Reused {
     /// Unfilled: wait for the readers before the memory goes back, as Fenced does.
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            drop(Fenced {
-                block: Some(block),
-                page_in: self.page_in.take(),
-                events: std::mem::take(&mut self.events),
-            });
+            drop(Fenced { block: Some(block), page_in: self.page_in.take(), events: std::mem::take(&mut self.events) });
         }
     }
 }

@@ -12,8 +12,8 @@ use super::read_fence::Fenced;
 use super::ring::RingSlot;
 use crate::device::HostRange;
 use crate::error::Result;
-use crate::transfer::pinning::Attachment;
 use crate::staging::HostRegistration;
+use crate::transfer::pinning::Attachment;
 
 /// A whole host range registered once, so the weights inside it bypass staging.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -132,11 +132,7 @@ impl Registry {
             range.ptr(),
             range.len()
         );
-        crate::ensure!(
-            self.weights.len() < u32::MAX as usize,
-            OutOfBudget,
-            "too many weights registered"
-        );
+        crate::ensure!(self.weights.len() < u32::MAX as usize, OutOfBudget, "too many weights registered");
         let id = WeightId(self.weights.len() as u32);
         self.weights.push(Some(Entry {
             range,
@@ -166,27 +162,17 @@ impl Registry {
         Ok(id)
     }
     pub fn get(&self, w: WeightId) -> Result<&Entry> {
-        self.weights
-            .get(w.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| unknown(w))
+        self.weights.get(w.0 as usize).and_then(Option::as_ref).ok_or_else(|| unknown(w))
     }
     pub fn get_mut(&mut self, w: WeightId) -> Result<&mut Entry> {
-        self.weights
-            .get_mut(w.0 as usize)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| unknown(w))
+        self.weights.get_mut(w.0 as usize).and_then(Option::as_mut).ok_or_else(|| unknown(w))
     }
     /// The leader of `w`'s unit (`w` itself when not coalesced).
     pub fn leader(&self, w: WeightId) -> Result<WeightId> {
         Ok(self.get(w)?.leader)
     }
     pub fn remove(&mut self, w: WeightId) -> Result<Entry> {
-        let e = self
-            .weights
-            .get_mut(w.0 as usize)
-            .and_then(Option::take)
-            .ok_or_else(|| unknown(w))?;
+        let e = self.weights.get_mut(w.0 as usize).and_then(Option::take).ok_or_else(|| unknown(w))?;
         self.live -= 1;
         Ok(e)
     }
@@ -195,11 +181,7 @@ impl Registry {
         self.live
     }
     pub fn ids(&self) -> impl Iterator<Item = WeightId> + '_ {
-        self.weights
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.is_some())
-            .map(|(i, _)| WeightId(i as u32))
+        self.weights.iter().enumerate().filter(|(_, e)| e.is_some()).map(|(i, _)| WeightId(i as u32))
     }
     pub fn add_range(&mut self, reg: RangeReg) -> HostRangeId {
         self.ranges.push(Some(reg));

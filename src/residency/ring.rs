@@ -14,8 +14,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::WeightId;
-use super::read_fence::DeviceBlock;
 use super::placement::ALIGN;
+use super::read_fence::DeviceBlock;
 use crate::arena::DeviceArena;
 use crate::device::{Device, Event, Stream};
 use crate::error::Result;
@@ -50,13 +50,7 @@ impl Ring {
         if off.checked_add(len)? > self.cap {
             return None;
         }
-        Some(
-            self.occ
-                .iter()
-                .filter(|&&(_, o, l)| o < off + len && off < o + l)
-                .map(|&(w, _, _)| w)
-                .collect(),
-        )
+        Some(self.occ.iter().filter(|&&(_, o, l)| o < off + len && off < o + l).map(|&(w, _, _)| w).collect())
     }
     /// `w` now occupies `len` bytes at `off` (the caller vacated what [`Self::spot`] named).
     pub fn occupy(&mut self, w: WeightId, off: usize, len: usize) -> u64 {
@@ -78,9 +72,7 @@ impl Drop for Ring {
             return;
         };
         if let Err(e) = self.dev.synchronize() {
-            log::error!(
-                "epmem: leaking the streaming region {block:?}: the device could not be synchronized ({e})"
-            );
+            log::error!("epmem: leaking the streaming region {block:?}: the device could not be synchronized ({e})");
             std::mem::forget(block);
             return;
         }
@@ -99,11 +91,7 @@ pub(crate) struct RingSlot {
 
 impl RingSlot {
     pub fn new(addr: u64, page_in: Fence) -> Self {
-        Self {
-            addr,
-            page_in: Some(page_in),
-            events: Vec::new(),
-        }
+        Self { addr, page_in: Some(page_in), events: Vec::new() }
     }
     pub fn addr(&self) -> u64 {
         self.addr

@@ -19,11 +19,7 @@ pub struct SimResult {
 
 impl SimResult {
     pub fn hit_rate(&self) -> f64 {
-        if self.accesses == 0 {
-            0.0
-        } else {
-            self.hits as f64 / self.accesses as f64
-        }
+        if self.accesses == 0 { 0.0 } else { self.hits as f64 / self.accesses as f64 }
     }
 }
 
@@ -147,13 +143,7 @@ mod tests {
 
     #[test]
     fn cyclic_policy_is_within_one_percent_of_belady_across_budgets_and_sizes() {
-        for (n, uneven, seed) in [
-            (48u32, false, 1u64),
-            (48, true, 2),
-            (7, true, 3),
-            (96, true, 4),
-            (200, true, 5),
-        ] {
+        for (n, uneven, seed) in [(48u32, false, 1u64), (48, true, 2), (7, true, 3), (96, true, 4), (200, true, 5)] {
             let s = sizes(n as usize, seed, uneven);
             let total: u64 = s.iter().sum();
             let trace = cyclic_trace(n, 30);
@@ -180,12 +170,7 @@ mod tests {
     fn cyclic_policy_without_a_declared_order_degrades_to_lru() {
         let s = sizes(16, 9, false);
         let budget = s.iter().sum::<u64>() / 2;
-        let r = simulate(
-            &cyclic_trace(16, 10),
-            &s,
-            budget,
-            new_policy(PolicyKind::Cyclic).as_mut(),
-        );
+        let r = simulate(&cyclic_trace(16, 10), &s, budget, new_policy(PolicyKind::Cyclic).as_mut());
         assert_eq!(r.hits, 0);
     }
 

@@ -41,8 +41,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use super::engine::{AheadTicket, CopyEngine, Deferred, Fence, Order};
 use crate::device::{DevicePtr, Event, HostRange, RawStream};
@@ -121,7 +121,13 @@ impl BackgroundFill {
     /// here, as `htod` would. `src` must stay readable and unmodified until
     /// the fence completes — as for `htod`, but here that includes the fill.
     /// `next`, if given, is the source the caller expects to queue next.
-    pub fn htod_after(&self, dst: DevicePtr, src: HostRange, order: Option<RawStream>, next: Option<Hint>) -> Result<Fence> {
+    pub fn htod_after(
+        &self,
+        dst: DevicePtr,
+        src: HostRange,
+        order: Option<RawStream>,
+        next: Option<Hint>,
+    ) -> Result<Fence> {
         if !self.engine.stages(src) {
             return self.engine.htod(dst, src, order);
         }
@@ -209,9 +215,7 @@ fn run(engine: &CopyEngine, rx: &Receiver<Job>, ahead_chunks: usize, busy_ns: &A
         let t0 = Instant::now();
         let guard = SetOnExit(job.done.clone());
         let order = job.after.as_ref().map_or(Order::None, Order::After);
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            engine.htod_ordered(job.dst, job.src, order)
-        }));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.htod_ordered(job.dst, job.src, order)));
         match r {
             Ok(Ok(fence)) => match fence.into_event() {
                 Some(e) => job.done.set(Ok(e)),

@@ -50,10 +50,10 @@ use std::time::Instant;
 
 use super::pool::{PinnedStagingPool, PooledStaging};
 use super::stats::{self, EngineCounters, StagingStats};
-use crate::transfer::witness::{self, CopyTiming, InFlight, TryComplete};
-use crate::transfer::fill::{self, FillThreads, MAX_FILL_THREADS};
 use crate::device::{Device, DevicePtr, Event, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
+use crate::transfer::fill::{self, FillThreads, MAX_FILL_THREADS};
+use crate::transfer::witness::{self, CopyTiming, InFlight, TryComplete};
 
 pub use crate::transfer::pinning::HostRegistration;
 
@@ -521,10 +521,11 @@ impl CopyEngine {
             };
             let prev = filled.take();
             let t0 = Instant::now();
-            let enqueued = self.fill.copy_with_stores(&mut buf[..n], &bytes[off..off + n], streaming, || match prev {
-                Some(c) => self.enqueue(st, dst, c, timing),
-                None => Ok(()),
-            })?;
+            let enqueued =
+                self.fill.copy_with_stores(&mut buf[..n], &bytes[off..off + n], streaming, || match prev {
+                    Some(c) => self.enqueue(st, dst, c, timing),
+                    None => Ok(()),
+                })?;
             stats::add_time(&self.counters.fill_ns, t0.elapsed());
             enqueued?;
             filled = Some(Chunk { buf, off, len: n });

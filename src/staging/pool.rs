@@ -43,9 +43,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::transfer::witness::{CopyCompleted, PinnedOwner, sealed};
 use crate::device::{Device, PinnedBuffer};
 use crate::error::Result;
+use crate::transfer::witness::{CopyCompleted, PinnedOwner, sealed};
 
 /// Bounds on what the pool keeps between uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

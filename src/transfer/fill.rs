@@ -98,9 +98,7 @@ impl Job {
         let (len, threads) = (self.len, self.threads);
         let at = self
             .next
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |at| {
-                (at < len).then(|| at + piece_at(at, len, threads))
-            })
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |at| (at < len).then(|| at + piece_at(at, len, threads)))
             .ok()?;
         Some((at, piece_at(at, len, threads)))
     }
@@ -338,7 +336,6 @@ mod tests {
     use super::*;
     use crate::device::conformance::random_bytes;
 
-
     #[test]
     fn parallel_copy_is_exact_for_awkward_lengths() {
         let fill = FillThreads::new(5).unwrap();
@@ -408,17 +405,19 @@ mod tests {
             })
         };
         let by_workers = fill
-            .copy_observed(&mut dst, &src, n < STREAM_BELOW, |done| loop {
-                if done.load(Ordering::Acquire) == n {
-                    break n;
+            .copy_observed(&mut dst, &src, n < STREAM_BELOW, |done| {
+                loop {
+                    if done.load(Ordering::Acquire) == n {
+                        break n;
+                    }
+                    // A worker goes to sleep (under its inbox lock) only after
+                    // its last piece is counted, so the count read after seeing
+                    // every worker idle is final.
+                    if idle() {
+                        break done.load(Ordering::Acquire);
+                    }
+                    std::thread::yield_now();
                 }
-                // A worker goes to sleep (under its inbox lock) only after
-                // its last piece is counted, so the count read after seeing
-                // every worker idle is final.
-                if idle() {
-                    break done.load(Ordering::Acquire);
-                }
-                std::thread::yield_now();
             })
             .unwrap();
         assert_eq!(by_workers, n, "the workers went idle leaving pieces to the caller");

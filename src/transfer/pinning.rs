@@ -104,9 +104,7 @@ impl SharedHostRegistration {
         // vouched it stays readable while used; the registration ends in
         // `SharedInner::drop`. Read-only: no device writes through it.
         unsafe { dev.host_register_portable(range.ptr() as *mut u8, range.len(), true)? };
-        Ok(Self {
-            inner: Arc::new(SharedInner { owner: dev.clone(), range, attaches: 0.into() }),
-        })
+        Ok(Self { inner: Arc::new(SharedInner { owner: dev.clone(), range, attaches: 0.into() }) })
     }
 
     pub fn range(&self) -> HostRange {
@@ -153,7 +151,10 @@ impl Drop for SharedInner {
     /// device on the way out, so only the owner's queue can still read it.
     fn drop(&mut self) {
         if let Err(e) = self.owner.synchronize() {
-            log::error!("epmem: not unregistering shared host range {:p} (device synchronize failed: {e})", self.range.ptr());
+            log::error!(
+                "epmem: not unregistering shared host range {:p} (device synchronize failed: {e})",
+                self.range.ptr()
+            );
             return;
         }
         // SAFETY: the start of the range registered in `new`; no device that

@@ -20,9 +20,9 @@ use std::time::Instant;
 
 use epmem::arena::{Arena, ArenaConfig, DeviceArena, PinnedArena};
 use epmem::device::{self, Device, DeviceBuffer, Stream};
-use epmem::transfer::witness;
 use epmem::kv::ledger::Ledger;
 use epmem::staging::{PinnedStagingPool, PoolConfig};
+use epmem::transfer::witness;
 use epmem_tools::bench::median;
 
 /// ns per operation: median over `batches` batches of `per_batch` calls, after one warm-up batch.
@@ -67,7 +67,12 @@ fn main() -> epmem::Result<()> {
             samples.push(ns as f64 / (n / 10) as f64);
         }
     }
-    println!("{:48} {:>10.1} ns/op  (median of {batches} batches x {})", "staging pool acquire+retire (4 KiB)", median(&samples), n / 10);
+    println!(
+        "{:48} {:>10.1} ns/op  (median of {batches} batches x {})",
+        "staging pool acquire+retire (4 KiB)",
+        median(&samples),
+        n / 10
+    );
 
     // Arenas: alloc+free pairs once the chunk is committed (steady state: no driver call).
     let arena = DeviceArena::new(&dev, ArenaConfig::with_capacity(64 << 20))?;

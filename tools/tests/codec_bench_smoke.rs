@@ -22,7 +22,13 @@ fn quick_bench_runs_checks_and_reports_every_tensor() {
     assert!(out.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("bit patterns, k=1..4: bit-exact"), "{stdout}");
     assert!(stdout.contains("(a partial last block): bit-exact"), "{stdout}");
-    for row in ["| normal | bf16 |", "| kaiming | bf16 |", "| student_t3 | bf16 |", "| normal | fp16 |", "| student_t3 | fp16 |"] {
+    for row in [
+        "| normal | bf16 |",
+        "| kaiming | bf16 |",
+        "| student_t3 | bf16 |",
+        "| normal | fp16 |",
+        "| student_t3 | fp16 |",
+    ] {
         assert!(stdout.contains(row), "no row {row}:\n{stdout}");
     }
     assert!(stdout.contains("all checks passed"), "{stdout}");

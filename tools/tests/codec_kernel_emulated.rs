@@ -14,7 +14,8 @@ use epmem::codec::{self, Dtype, EncodeOptions, Encoded};
 
 fn weight_like(n: usize, seed: u64, dtype: Dtype) -> Vec<u8> {
     let mut rng = fastrand::Rng::with_seed(seed);
-    let odd: [u16; 4] = if dtype == Dtype::Fp16 { [0x7E01, 0x7C00, 0x8000, 0x0001] } else { [0x7FC1, 0x7F80, 0x8000, 0x0001] };
+    let odd: [u16; 4] =
+        if dtype == Dtype::Fp16 { [0x7E01, 0x7C00, 0x8000, 0x0001] } else { [0x7FC1, 0x7F80, 0x8000, 0x0001] };
     (0..n)
         .flat_map(|_| {
             let v = if rng.u32(..300) == 0 {
@@ -26,7 +27,11 @@ fn weight_like(n: usize, seed: u64, dtype: Dtype) -> Vec<u8> {
                     // Normal fp16 range (|x| < 0.14 keeps the exponent above 0 mostly; 0 flushes).
                     Dtype::Fp16 => {
                         let e = ((b >> 23) & 0xFF) as i32 - 127 + 15;
-                        if e <= 0 { (b >> 16) as u16 & 0x8000 } else { ((b >> 16) & 0x8000 | (e as u32) << 10 | (b >> 13) & 0x3FF) as u16 }
+                        if e <= 0 {
+                            (b >> 16) as u16 & 0x8000
+                        } else {
+                            ((b >> 16) & 0x8000 | (e as u32) << 10 | (b >> 13) & 0x3FF) as u16
+                        }
                     }
                     _ => (b >> 16) as u16,
                 }
@@ -47,7 +52,17 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
         .map(|(name, define)| {
             let exe = dir.join(format!("emulate{}", &define[define.len() - 1..]));
             let built = Command::new(&cxx)
-                .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror", define, "-o"])
+                .args([
+                    "-std=c++20",
+                    "-O1",
+                    "-pthread",
+                    "-Wall",
+                    "-Wextra",
+                    "-Wno-unknown-pragmas",
+                    "-Werror",
+                    define,
+                    "-o",
+                ])
                 .arg(&exe)
                 .arg(root.join("tools/codec-emu/emulate.cpp"))
                 .status()
@@ -79,10 +94,19 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
             let got = if out.status.success() { std::fs::read(&dst).unwrap() } else { Vec::new() };
             if got != *raw {
                 let first = got.chunks(2).zip(raw.chunks(2)).position(|(a, b)| a != b);
-                failures.push(format!("{what} ({kernel}): {} first differing value {first:?}", String::from_utf8_lossy(&out.stderr).trim()));
+                failures.push(format!(
+                    "{what} ({kernel}): {} first differing value {first:?}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "{} of {} runs differ:\n{}", failures.len(), cases.len() * exes.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} runs differ:\n{}",
+        failures.len(),
+        cases.len() * exes.len(),
+        failures.join("\n")
+    );
 }

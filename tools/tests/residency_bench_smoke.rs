@@ -12,17 +12,9 @@ fn quick_bench_runs_and_reports_every_case() {
     // machine runs the benches themselves.)
     assert!(std::path::Path::new(bin).is_file(), "{bin} is missing: the smoke test cannot run its bench");
     let json = std::env::temp_dir().join(format!("bench_residency_{}.json", std::process::id()));
-    let out = Command::new(bin)
-        .args(["--quick", "--json"])
-        .arg(&json)
-        .output()
-        .expect("run bench_residency");
+    let out = Command::new(bin).args(["--quick", "--json"]).arg(&json).output().expect("run bench_residency");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "bench failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     let text = std::fs::read_to_string(&json).expect("JSON written");
     let _ = std::fs::remove_file(&json);
     for name in [
@@ -43,22 +35,10 @@ fn quick_bench_runs_and_reports_every_case() {
         assert!(text.contains(&format!("\"name\":\"{name}\"")), "JSON lacks {name}");
     }
     assert!(!text.contains("\"value\":null"), "a scenario has no value:\n{text}");
-    assert!(
-        stdout.contains("| (a) naive pageable memcpy |") && stdout.contains("### Targets"),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("in steady state (ours) | 0 | PASS"),
-        "steady-state driver allocations: {stdout}"
-    );
+    assert!(stdout.contains("| (a) naive pageable memcpy |") && stdout.contains("### Targets"), "{stdout}");
+    assert!(stdout.contains("in steady state (ours) | 0 | PASS"), "steady-state driver allocations: {stdout}");
     // The plan's mixed-size rows: within the bound, no host waits.
-    assert!(
-        stdout.contains("| no host waits on eviction in steady state | 0 | PASS"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("| no host waits on eviction in steady state | 0 | PASS"), "{stdout}");
     // LRU on a cyclic scan above the budget hits nothing, exactly.
-    assert!(
-        stdout.contains("| b_seed_sync_lru |") && stdout.contains("LRU baseline hit rate: 0.000"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("| b_seed_sync_lru |") && stdout.contains("LRU baseline hit rate: 0.000"), "{stdout}");
 }

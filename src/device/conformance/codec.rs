@@ -37,7 +37,11 @@ pub fn weight_like(dtype: Dtype, n: usize, seed: u64) -> Vec<u8> {
                         // Normal fp16 range only (|x| < 0.14): exponent from f32's.
                         let b = x.to_bits();
                         let e = ((b >> 23) & 0xFF) as i32 - 127 + 15;
-                        if e <= 0 { (b >> 16) as u16 & 0x8000 } else { ((b >> 16) & 0x8000 | (e as u32) << 10 | (b >> 13) & 0x3FF) as u16 }
+                        if e <= 0 {
+                            (b >> 16) as u16 & 0x8000
+                        } else {
+                            ((b >> 16) & 0x8000 | (e as u32) << 10 | (b >> 13) & 0x3FF) as u16
+                        }
                     }
                     _ => (x.to_bits() >> 16) as u16,
                 }

@@ -300,10 +300,7 @@ mod tests {
     #[test]
     fn pci_bus_ids_are_normalized() {
         assert_eq!(normalize_pci_bus_id("0000:19:00.0").as_deref(), Some("0000:19:00.0"));
-        assert_eq!(
-            normalize_pci_bus_id("00000000:9A:00.0\n").as_deref(),
-            Some("0000:9a:00.0")
-        );
+        assert_eq!(normalize_pci_bus_id("00000000:9A:00.0\n").as_deref(), Some("0000:9a:00.0"));
         assert_eq!(normalize_pci_bus_id("0001:0B:1F.7").as_deref(), Some("0001:0b:1f.7"));
         assert_eq!(normalize_pci_bus_id("garbage"), None);
         assert_eq!(normalize_pci_bus_id("0000:zz:00.0"), None);

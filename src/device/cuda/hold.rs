@@ -89,7 +89,10 @@ impl CudaDevice {
         let r = if waited == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED {
             Err(Error::new(
                 EpmStatus::Unsupported,
-                format!("cuda:{} does not support stream memory waits (cuStreamWaitValue32): cannot hold a stream", self.info.ordinal),
+                format!(
+                    "cuda:{} does not support stream memory waits (cuStreamWaitValue32): cannot hold a stream",
+                    self.info.ordinal
+                ),
             ))
         } else {
             // SAFETY: our event and stream; recorded behind the wait.

@@ -44,10 +44,7 @@ pub(super) fn load_module(ptx: &str, what: &str) -> Result<sys::CUmodule> {
     crate::ensure!(ptx.ends_with('\0'), Internal, "{what} is not NUL-terminated");
     let mut module: sys::CUmodule = std::ptr::null_mut();
     let mut log = vec![0u8; JIT_LOG_BYTES];
-    let mut opts = [
-        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
-        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-    ];
+    let mut opts = [sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER, sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
     // The size option's value is the integer itself, cast to a pointer.
     let mut vals: [*mut c_void; 2] = [log.as_mut_ptr().cast(), JIT_LOG_BYTES as *mut c_void];
     // SAFETY: `ptx` is NUL-terminated (checked); the option arrays have two
@@ -83,11 +80,7 @@ impl CudaDevice {
             Ok(Handle(f))
         };
         let k = match (function(CHECKSUM), function(SPIN)) {
-            (Ok(checksum), Ok(spin)) => Kernels {
-                module: Handle(module),
-                checksum,
-                spin,
-            },
+            (Ok(checksum), Ok(spin)) => Kernels { module: Handle(module), checksum, spin },
             (Err(e), _) | (_, Err(e)) => {
                 // SAFETY: the module loaded above; nothing else holds it.
                 if let Err(u) = unsafe { cu!(cuModuleUnload(module)) } {
@@ -101,21 +94,9 @@ impl CudaDevice {
     }
 
     pub(super) fn cu_checksum(&self, p: DevicePtr, n: usize, out: DevicePtr, s: RawStream) -> Result<()> {
-        crate::ensure!(
-            n.is_multiple_of(4),
-            InvalidArgument,
-            "checksum length {n} is not a multiple of 4"
-        );
-        crate::ensure!(
-            p.is_multiple_of(4),
-            InvalidArgument,
-            "checksum input {p:#x} is not 4-byte aligned"
-        );
-        crate::ensure!(
-            out.is_multiple_of(8),
-            InvalidArgument,
-            "checksum output {out:#x} is not 8-byte aligned"
-        );
+        crate::ensure!(n.is_multiple_of(4), InvalidArgument, "checksum length {n} is not a multiple of 4");
+        crate::ensure!(p.is_multiple_of(4), InvalidArgument, "checksum input {p:#x} is not 4-byte aligned");
+        crate::ensure!(out.is_multiple_of(8), InvalidArgument, "checksum output {out:#x} is not 8-byte aligned");
         let stream = self.stream(s)?;
         let _g = self.enter()?;
         self.check_device_range("checksum output", out, 8, true)?;
@@ -156,19 +137,7 @@ impl CudaDevice {
         let mut params: [*mut c_void; 1] = [(&raw mut nanos).cast()];
         // SAFETY: one parameter matching epm_spin(.u64), read during the call.
         unsafe {
-            cu!(cuLaunchKernel(
-                k.spin.0,
-                1,
-                1,
-                1,
-                1,
-                1,
-                1,
-                0,
-                stream.0,
-                params.as_mut_ptr(),
-                std::ptr::null_mut()
-            ))
+            cu!(cuLaunchKernel(k.spin.0, 1, 1, 1, 1, 1, 1, 0, stream.0, params.as_mut_ptr(), std::ptr::null_mut()))
         }
     }
 }
@@ -193,18 +162,11 @@ mod tests {
         let params = |entry: &str| -> Vec<String> {
             let start = PTX.find(&format!(".entry {entry}(")).unwrap();
             let body = &PTX[start..start + PTX[start..].find(')').unwrap()];
-            body.lines()
-                .filter(|l| l.contains(".param"))
-                .map(|l| l.trim().trim_end_matches(',').to_string())
-                .collect()
+            body.lines().filter(|l| l.contains(".param")).map(|l| l.trim().trim_end_matches(',').to_string()).collect()
         };
         assert_eq!(
             params("epm_checksum"),
-            [
-                ".param .u64 epm_checksum_p",
-                ".param .u64 epm_checksum_words",
-                ".param .u64 epm_checksum_out"
-            ]
+            [".param .u64 epm_checksum_p", ".param .u64 epm_checksum_words", ".param .u64 epm_checksum_out"]
         );
         assert_eq!(params("epm_spin"), [".param .u64 epm_spin_nanos"]);
         assert_eq!(CHECKSUM_BLOCK % 32, 0);

@@ -30,9 +30,7 @@ fn containing<V>(map: &BTreeMap<usize, V>, p: usize, len: usize, size: impl Fn(&
 /// Whether `[p, p+len)` overlaps any range in `map`.
 fn overlaps<V>(map: &BTreeMap<usize, V>, p: usize, len: usize, size: impl Fn(&V) -> usize) -> bool {
     let end = p.saturating_add(len);
-    map.range(..end)
-        .next_back()
-        .is_some_and(|(&s, v)| s.saturating_add(size(v)) > p)
+    map.range(..end).next_back().is_some_and(|(&s, v)| s.saturating_add(size(v)) > p)
 }
 
 impl HostTables {
@@ -49,11 +47,7 @@ impl HostTables {
         let end = p.saturating_add(len);
         // Registrations never overlap, so walking back from `end` can stop at
         // the first one that ends at or before `p`.
-        self.registered
-            .range(..end)
-            .rev()
-            .take_while(|(s, v)| **s + v.0 > p)
-            .any(|(_, v)| v.1)
+        self.registered.range(..end).rev().take_while(|(s, v)| **s + v.0 > p).any(|(_, v)| v.1)
     }
 }
 
@@ -101,7 +95,13 @@ impl CudaDevice {
     /// # Safety
     /// See [`crate::device::Device::host_register`].
     /// `portable`: [`crate::device::Device::host_register_portable`].
-    pub(super) unsafe fn cu_host_register(&self, p: *mut u8, len: usize, read_only: bool, portable: bool) -> Result<()> {
+    pub(super) unsafe fn cu_host_register(
+        &self,
+        p: *mut u8,
+        len: usize,
+        read_only: bool,
+        portable: bool,
+    ) -> Result<()> {
         crate::ensure!(!p.is_null(), NullPointer, "host_register of a NULL pointer");
         crate::ensure!(len > 0, InvalidArgument, "host_register of 0 bytes");
         crate::ensure!(
@@ -122,21 +122,12 @@ impl CudaDevice {
         let _g = self.enter()?;
         let want_ro = read_only && self.read_only_register;
         let base = if portable { sys::CU_MEMHOSTREGISTER_PORTABLE as c_uint } else { 0 };
-        let flags = if want_ro {
-            base | sys::CU_MEMHOSTREGISTER_READ_ONLY as c_uint
-        } else {
-            base
-        };
+        let flags = if want_ro { base | sys::CU_MEMHOSTREGISTER_READ_ONLY as c_uint } else { base };
         bump(&self.counts.host_register);
         // SAFETY: the caller guarantees `[p, p+len)` is mapped host memory for
         // as long as it stays registered.
         let mut r = unsafe { sys::cuMemHostRegister_v2(p.cast(), len, flags) };
-        if want_ro
-            && matches!(
-                r,
-                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE
-            )
-        {
+        if want_ro && matches!(r, sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE) {
             log::info!(
                 "epmem: cuMemHostRegister refused READ_ONLY for [{p:?}, +{len}) ({r:?}); registering read-write"
             );
@@ -145,7 +136,9 @@ impl CudaDevice {
             r = unsafe { sys::cuMemHostRegister_v2(p.cast(), len, base) };
         }
         super::driver::check("cuMemHostRegister_v2", r).map_err(host_oom)?;
-        if portable && let Err(e) = portable::insert(DeviceKind::Cuda, self.info.ordinal.into(), p as usize, len, read_only) {
+        if portable
+            && let Err(e) = portable::insert(DeviceKind::Cuda, self.info.ordinal.into(), p as usize, len, read_only)
+        {
             // Lost a race with another device's portable registration of the
             // same bytes (the driver allowed it from another context).
             // SAFETY: just registered by us; nothing has queued a copy yet.
@@ -208,15 +201,13 @@ impl CudaDevice {
     /// them look alike) is checked like the device range it is.
     fn check_host_side(&self, what: &str, p: usize, n: usize, write: bool) -> Result<()> {
         crate::ensure!(
-            !(write && (lock(&self.host).overlaps_read_only(p, n) || portable::overlaps_read_only(DeviceKind::Cuda, p, n))),
+            !(write
+                && (lock(&self.host).overlaps_read_only(p, n) || portable::overlaps_read_only(DeviceKind::Cuda, p, n))),
             AccessDenied,
             "{what} [{p:#x}, +{n}) is host memory registered read-only"
         );
         let end = p.saturating_add(n) as u64;
-        let in_alloc = lock(&self.device_mem)
-            .range(..end)
-            .next_back()
-            .is_some_and(|(&s, &l)| s + l as u64 > p as u64);
+        let in_alloc = lock(&self.device_mem).range(..end).next_back().is_some_and(|(&s, &l)| s + l as u64 > p as u64);
         if in_alloc || self.vmm_touches(p as u64, n) {
             self.check_device_range(what, p as u64, n, write)?;
         }
@@ -236,16 +227,9 @@ impl CudaDevice {
         let Some(end) = p.checked_add(n as u64) else {
             return Err(bad_range(what, p, n));
         };
-        let ours = lock(&self.device_mem)
-            .range(..=p)
-            .next_back()
-            .map(|(&s, &l)| (s, s + l as u64));
+        let ours = lock(&self.device_mem).range(..=p).next_back().map(|(&s, &l)| (s, s + l as u64));
         if let Some((_, alloc_end)) = ours.filter(|&(_, e)| p < e) {
-            return if end <= alloc_end {
-                Ok(())
-            } else {
-                Err(bad_range(what, p, n))
-            };
+            return if end <= alloc_end { Ok(()) } else { Err(bad_range(what, p, n)) };
         }
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: valid out-pointers; the driver only looks the address up.
@@ -264,11 +248,7 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        crate::ensure!(
-            !src.is_null(),
-            NullPointer,
-            "host → device copy from a NULL host pointer"
-        );
+        crate::ensure!(!src.is_null(), NullPointer, "host → device copy from a NULL host pointer");
         let _g = self.enter()?;
         self.check_host_side("copy source", src as usize, n, false)?;
         self.check_device_range("copy destination", dst, n, true)?;
@@ -284,11 +264,7 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        crate::ensure!(
-            !dst.is_null(),
-            NullPointer,
-            "device → host copy into a NULL host pointer"
-        );
+        crate::ensure!(!dst.is_null(), NullPointer, "device → host copy into a NULL host pointer");
         let _g = self.enter()?;
         self.check_host_side("copy destination", dst as usize, n, true)?;
         self.check_device_range("copy source", src, n, false)?;
@@ -323,10 +299,7 @@ impl CudaDevice {
 
 /// Status for a device range we know is not usable (kept here so messages agree).
 pub(super) fn bad_range(what: &str, p: DevicePtr, n: usize) -> Error {
-    Error::new(
-        EpmStatus::InvalidArgument,
-        format!("{what} [{p:#x}, +{n}) is not device memory this device can use"),
-    )
+    Error::new(EpmStatus::InvalidArgument, format!("{what} [{p:#x}, +{n}) is not device memory this device can use"))
 }
 
 #[cfg(test)]

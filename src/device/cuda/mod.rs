@@ -82,9 +82,7 @@ pub struct CudaDevice {
 
 impl fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaDevice")
-            .field("info", &self.info)
-            .finish_non_exhaustive()
+        f.debug_struct("CudaDevice").field("info", &self.info).finish_non_exhaustive()
     }
 }
 

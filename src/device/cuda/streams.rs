@@ -27,31 +27,19 @@ pub(super) struct EventEntry {
 impl CudaDevice {
     pub(super) fn stream(&self, s: RawStream) -> Result<Handle<sys::CUstream>> {
         lock(&self.streams).get(&s.0).map(|e| e.raw).ok_or_else(|| {
-            Error::new(
-                EpmStatus::InvalidHandle,
-                format!("stream {} is not a live stream of this device", s.0),
-            )
+            Error::new(EpmStatus::InvalidHandle, format!("stream {} is not a live stream of this device", s.0))
         })
     }
 
     fn event(&self, e: RawEvent) -> Result<EventEntry> {
         lock(&self.events).get(&e.0).copied().ok_or_else(|| {
-            Error::new(
-                EpmStatus::InvalidHandle,
-                format!("event {} is not a live event of this device", e.0),
-            )
+            Error::new(EpmStatus::InvalidHandle, format!("event {} is not a live event of this device", e.0))
         })
     }
 
     fn insert_stream(&self, raw: sys::CUstream, owned: bool) -> RawStream {
         let id = self.new_id();
-        lock(&self.streams).insert(
-            id,
-            StreamEntry {
-                raw: Handle(raw),
-                owned,
-            },
-        );
+        lock(&self.streams).insert(id, StreamEntry { raw: Handle(raw), owned });
         RawStream(id)
     }
 
@@ -83,10 +71,7 @@ impl CudaDevice {
 
     pub(super) fn cu_stream_destroy(&self, s: RawStream) -> Result<()> {
         let entry = lock(&self.streams).remove(&s.0).ok_or_else(|| {
-            Error::new(
-                EpmStatus::InvalidHandle,
-                format!("stream {} is not a live stream of this device", s.0),
-            )
+            Error::new(EpmStatus::InvalidHandle, format!("stream {} is not a live stream of this device", s.0))
         })?;
         if !entry.owned {
             return Ok(());
@@ -114,32 +99,19 @@ impl CudaDevice {
     pub(super) fn cu_event_create(&self, timing: bool) -> Result<RawEvent> {
         let _g = self.enter()?;
         // Timing costs a timestamp per record; fences (most events) skip it.
-        let flags = if timing {
-            sys::CUevent_flags::CU_EVENT_DEFAULT
-        } else {
-            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
-        };
+        let flags =
+            if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: valid out-pointer; our context is current.
         unsafe { cu!(cuEventCreate(&mut ev, flags as c_uint)) }?;
         let id = self.new_id();
-        lock(&self.events).insert(
-            id,
-            EventEntry {
-                raw: Handle(ev),
-                timing,
-                recorded: false,
-            },
-        );
+        lock(&self.events).insert(id, EventEntry { raw: Handle(ev), timing, recorded: false });
         Ok(RawEvent(id))
     }
 
     pub(super) fn cu_event_destroy(&self, e: RawEvent) -> Result<()> {
         let entry = lock(&self.events).remove(&e.0).ok_or_else(|| {
-            Error::new(
-                EpmStatus::InvalidHandle,
-                format!("event {} is not a live event of this device", e.0),
-            )
+            Error::new(EpmStatus::InvalidHandle, format!("event {} is not a live event of this device", e.0))
         })?;
         let _g = self.enter()?;
         // SAFETY: our event, removed from the table so no epmem call can reach it.
@@ -188,11 +160,7 @@ impl CudaDevice {
             InvalidArgument,
             "elapsed time needs two timing events (created with timing = true)"
         );
-        crate::ensure!(
-            a.recorded && b.recorded,
-            InvalidState,
-            "elapsed time needs two recorded events"
-        );
+        crate::ensure!(a.recorded && b.recorded, InvalidState, "elapsed time needs two recorded events");
         let _g = self.enter()?;
         // cuEventElapsedTime on a pending event would fail, and callers on the
         // hot path must never wait: ask first, answer NotReady.

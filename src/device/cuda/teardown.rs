@@ -66,22 +66,14 @@ impl Drop for CudaDevice {
     fn drop(&mut self) {
         let live = self.live_counts();
         if live != LiveCounts::default() {
-            log::warn!(
-                "epmem: cuda:{} dropped with live resources, freeing them: {live:?}",
-                self.info.ordinal
-            );
+            log::warn!("epmem: cuda:{} dropped with live resources, freeing them: {live:?}", self.info.ordinal);
         }
         match self.enter() {
             Ok(_guard) => self.free_leftovers(&live),
-            Err(e) => log::warn!(
-                "epmem: cuda:{} teardown cannot make its context current: {e}",
-                self.info.ordinal
-            ),
+            Err(e) => log::warn!("epmem: cuda:{} teardown cannot make its context current: {e}", self.info.ordinal),
         }
         // SAFETY: balances the cuDevicePrimaryCtxRetain in `new`; the guard
         // above has restored the caller's context.
-        log_err("cuDevicePrimaryCtxRelease", unsafe {
-            cu!(cuDevicePrimaryCtxRelease_v2(self.dev))
-        });
+        log_err("cuDevicePrimaryCtxRelease", unsafe { cu!(cuDevicePrimaryCtxRelease_v2(self.dev)) });
     }
 }

@@ -44,10 +44,7 @@ fn auto_without_a_driver_falls_back_to_the_host_device() {
     match crate::device::open(DeviceSelect::Auto, 0) {
         Ok(d) => assert_eq!(d.info().kind, DeviceKind::Host),
         // Until the host device lands, its own error is what auto reports.
-        Err(e) => assert!(
-            !e.message().contains("libcuda"),
-            "auto must not fail on CUDA's absence: {e}"
-        ),
+        Err(e) => assert!(!e.message().contains("libcuda"), "auto must not fail on CUDA's absence: {e}"),
     }
 }
 
@@ -76,15 +73,8 @@ fn fake_driver_runs_the_gpu_tests() {
         .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ran = stdout
-        .lines()
-        .filter(|l| l.starts_with("test device::cuda::tests::gpu_") && l.ends_with(" ok"))
-        .count();
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let ran = stdout.lines().filter(|l| l.starts_with("test device::cuda::tests::gpu_") && l.ends_with(" ok")).count();
     assert!(ran >= 9, "only {ran} GPU tests ran on the fake driver:\n{stdout}");
 }
 
@@ -208,11 +198,7 @@ fn gpu_device_teardown_opens_a_closed_gate_before_freeing_its_flag() {
 
 fn gpu() -> Arc<dyn Device> {
     let d = crate::device::open_from_env(0).expect("open the device EPM_DEVICE names");
-    assert_eq!(
-        d.info().kind,
-        DeviceKind::Cuda,
-        "run these tests with EPM_DEVICE=cuda on a GPU machine"
-    );
+    assert_eq!(d.info().kind, DeviceKind::Cuda, "run these tests with EPM_DEVICE=cuda on a GPU machine");
     d
 }
 
@@ -235,10 +221,7 @@ fn gpu_info_is_plausible() {
     assert!(i.compute_capability.0 >= 7, "{i:?}");
     assert!(i.driver_version >= 11000, "{i:?}");
     let pci = i.pci_bus_id.as_deref().expect("a PCI bus id");
-    assert_eq!(
-        crate::device::cuda::driver::normalize_pci_bus_id(pci).as_deref(),
-        Some(pci)
-    );
+    assert_eq!(crate::device::cuda::driver::normalize_pci_bus_id(pci).as_deref(), Some(pci));
     assert_eq!(pci, pci.to_ascii_lowercase());
     let (free, total) = d.mem_get_info().unwrap();
     assert!(free <= total && total > 0);
@@ -308,10 +291,7 @@ fn gpu_elapsed_time_never_blocks() {
     let fence = Event::new(&d, false).unwrap();
     fence.record(&s).unwrap();
     fence.synchronize().unwrap();
-    assert_eq!(
-        end.elapsed_since(&fence).unwrap_err().status(),
-        EpmStatus::InvalidArgument
-    );
+    assert_eq!(end.elapsed_since(&fence).unwrap_err().status(), EpmStatus::InvalidArgument);
 }
 
 #[test]
@@ -336,26 +316,16 @@ fn gpu_vmm_alias_read_only_and_exact_counts() {
     // SAFETY: as above; the call is refused before any copy is queued.
     let e = unsafe { d.memcpy_htod_async(ro, data.as_ptr(), 64, s.raw()) }.unwrap_err();
     assert_eq!(e.status(), EpmStatus::AccessDenied, "{e}");
-    assert_eq!(
-        d.memset_d8_async(ro, 0, 64, s.raw()).unwrap_err().status(),
-        EpmStatus::AccessDenied
-    );
-    assert_eq!(
-        d.memcpy_dtod_async(ro, rw, 64, s.raw()).unwrap_err().status(),
-        EpmStatus::AccessDenied
-    );
-    assert_eq!(
-        d.checksum_async(rw, 64, ro, s.raw()).unwrap_err().status(),
-        EpmStatus::AccessDenied
-    );
+    assert_eq!(d.memset_d8_async(ro, 0, 64, s.raw()).unwrap_err().status(), EpmStatus::AccessDenied);
+    assert_eq!(d.memcpy_dtod_async(ro, rw, 64, s.raw()).unwrap_err().status(), EpmStatus::AccessDenied);
+    assert_eq!(d.checksum_async(rw, 64, ro, s.raw()).unwrap_err().status(), EpmStatus::AccessDenied);
     // A "host" pointer that is one of our device addresses is checked as one.
     // SAFETY: refused before any copy is queued.
     let e = unsafe { d.memcpy_dtoh_async(ro as usize as *mut u8, rw, 64, s.raw()) }.unwrap_err();
     assert_eq!(e.status(), EpmStatus::AccessDenied, "D2H into a read-only VA: {e}");
     d.synchronize().expect("refused writes must not lose the context");
     assert_eq!(read_back(&d, rw, g, &s), data, "data intact");
-    d.checksum_async(ro, g, rw, s.raw())
-        .expect("kernels may read a read-only alias");
+    d.checksum_async(ro, g, rw, s.raw()).expect("kernels may read a read-only alias");
     s.synchronize().unwrap();
 
     assert_eq!(d.vmm_free_va(va, 2 * g).unwrap_err().status(), EpmStatus::InvalidState);
@@ -382,18 +352,9 @@ fn gpu_vmm_alias_read_only_and_exact_counts() {
 #[ignore = "needs a CUDA GPU (EPM_DEVICE=cuda)"]
 fn gpu_unknown_handles_and_pointers_are_errors() {
     let d = gpu();
-    assert_eq!(
-        d.stream_synchronize(RawStream(u64::MAX)).unwrap_err().status(),
-        EpmStatus::InvalidHandle
-    );
-    assert_eq!(
-        d.event_query(RawEvent(u64::MAX)).unwrap_err().status(),
-        EpmStatus::InvalidHandle
-    );
-    assert_eq!(
-        d.vmm_release(RawPhys(u64::MAX)).unwrap_err().status(),
-        EpmStatus::InvalidHandle
-    );
+    assert_eq!(d.stream_synchronize(RawStream(u64::MAX)).unwrap_err().status(), EpmStatus::InvalidHandle);
+    assert_eq!(d.event_query(RawEvent(u64::MAX)).unwrap_err().status(), EpmStatus::InvalidHandle);
+    assert_eq!(d.vmm_release(RawPhys(u64::MAX)).unwrap_err().status(), EpmStatus::InvalidHandle);
     assert_eq!(d.mem_free(0x1000).unwrap_err().status(), EpmStatus::InvalidArgument);
     let mut x = 0u8;
     // SAFETY: `x` was never pinned; the call must refuse it without touching it.
@@ -404,25 +365,14 @@ fn gpu_unknown_handles_and_pointers_are_errors() {
     assert_eq!(unregistered.unwrap_err().status(), EpmStatus::InvalidArgument);
     let s = d.stream_create().unwrap();
     d.stream_destroy(s).unwrap();
-    assert_eq!(
-        d.stream_destroy(s).unwrap_err().status(),
-        EpmStatus::InvalidHandle,
-        "stale handle"
-    );
+    assert_eq!(d.stream_destroy(s).unwrap_err().status(), EpmStatus::InvalidHandle, "stale handle");
 
     // A second device on the same GPU shares the context, not the handles.
     let other = CudaDevice::new(0).unwrap();
     let (s, e) = (d.stream_create().unwrap(), d.event_create(false).unwrap());
-    assert_eq!(
-        other.stream_synchronize(s).unwrap_err().status(),
-        EpmStatus::InvalidHandle
-    );
+    assert_eq!(other.stream_synchronize(s).unwrap_err().status(), EpmStatus::InvalidHandle);
     assert_eq!(other.event_query(e).unwrap_err().status(), EpmStatus::InvalidHandle);
-    assert_eq!(
-        d.stream_synchronize(RawStream(e.0)).unwrap_err().status(),
-        EpmStatus::InvalidHandle,
-        "event as stream"
-    );
+    assert_eq!(d.stream_synchronize(RawStream(e.0)).unwrap_err().status(), EpmStatus::InvalidHandle, "event as stream");
     d.stream_destroy(s).unwrap();
     d.event_destroy(e).unwrap();
 }
@@ -450,11 +400,7 @@ fn gpu_registered_range_is_page_locked_and_copies() {
     assert_eq!(read_back(&d, dst.ptr(), n, &s), src);
     // SAFETY: refused before any copy is queued (declared read-only).
     let e = unsafe { d.memcpy_dtoh_async(src.as_mut_ptr().add(64), dst.ptr(), 64, s.raw()) }.unwrap_err();
-    assert_eq!(
-        e.status(),
-        EpmStatus::AccessDenied,
-        "D2H into a read-only registration: {e}"
-    );
+    assert_eq!(e.status(), EpmStatus::AccessDenied, "D2H into a read-only registration: {e}");
     // SAFETY: registered above; the copy completed.
     unsafe { d.host_unregister(src.as_mut_ptr()) }.unwrap();
     assert!(!d.host_is_page_locked(src.as_ptr(), n));
@@ -471,12 +417,9 @@ fn gpu_adopted_native_streams_are_forgotten_not_destroyed() {
     let buf = DeviceBuffer::new(&d, 64).unwrap();
     d.memset_d8_async(buf.ptr(), 5, 64, adopted).unwrap();
     d.stream_destroy(adopted).unwrap();
-    d.memset_d8_async(buf.ptr(), 6, 64, s.raw())
-        .expect("the owner's stream still works");
+    d.memset_d8_async(buf.ptr(), 6, 64, s.raw()).expect("the owner's stream still works");
     assert_eq!(read_back(&d, buf.ptr(), 64, &s), [6; 64]);
-    let legacy = d
-        .stream_wrap_native(0)
-        .expect("the legacy default stream can be adopted");
+    let legacy = d.stream_wrap_native(0).expect("the legacy default stream can be adopted");
     d.stream_synchronize(legacy).unwrap();
     d.stream_destroy(legacy).unwrap();
 }
@@ -514,10 +457,7 @@ fn gpu_drop_frees_what_callers_leaked() {
         assert!(d.live_counts().device_bytes >= 1 << 30);
     }
     let (free1, _) = keep.mem_get_info().unwrap();
-    assert!(
-        free1 + (512 << 20) >= free0,
-        "1 GiB leaked past drop: free {free0} -> {free1}"
-    );
+    assert!(free1 + (512 << 20) >= free0, "1 GiB leaked past drop: free {free0} -> {free1}");
 }
 
 #[test]

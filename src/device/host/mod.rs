@@ -414,13 +414,7 @@ impl Device for HostDevice {
         s: RawStream,
     ) -> Result<()> {
         check_decode(src, src_len, dst, dst_len, desc)?;
-        let op = MemOp::Decode {
-            src: src as usize,
-            src_len,
-            dst: dst as usize,
-            dst_len,
-            desc: Box::new(*desc),
-        };
+        let op = MemOp::Decode { src: src as usize, src_len, dst: dst as usize, dst_len, desc: Box::new(*desc) };
         self.enqueue_mem(s, op, vec![(src, src_len, Need::Read), (dst, dst_len, Need::Write)], None)
     }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {

@@ -28,11 +28,29 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// addresses and host pointers alike, the latter with exposed provenance).
 #[derive(Debug)]
 pub(super) enum MemOp {
-    Copy { dst: usize, src: usize, n: usize },
-    Fill { dst: usize, value: u8, n: usize },
-    Checksum { p: usize, n: usize, out: usize },
+    Copy {
+        dst: usize,
+        src: usize,
+        n: usize,
+    },
+    Fill {
+        dst: usize,
+        value: u8,
+        n: usize,
+    },
+    Checksum {
+        p: usize,
+        n: usize,
+        out: usize,
+    },
     /// A compressed weight decoded on the CPU (ranges checked disjoint).
-    Decode { src: usize, src_len: usize, dst: usize, dst_len: usize, desc: Box<crate::codec::DecodeDesc> },
+    Decode {
+        src: usize,
+        src_len: usize,
+        dst: usize,
+        dst_len: usize,
+        desc: Box<crate::codec::DecodeDesc>,
+    },
 }
 
 #[derive(Debug)]
@@ -231,7 +249,8 @@ unsafe fn run_mem(op: MemOp) -> Result<()> {
             // (checked at enqueue), so the two slices do not alias.
             let from = unsafe { std::slice::from_raw_parts(std::ptr::with_exposed_provenance::<u8>(src), src_len) };
             // SAFETY: a writable device range (caller), disjoint from `src`.
-            let to = unsafe { std::slice::from_raw_parts_mut(std::ptr::with_exposed_provenance_mut::<u8>(dst), dst_len) };
+            let to =
+                unsafe { std::slice::from_raw_parts_mut(std::ptr::with_exposed_provenance_mut::<u8>(dst), dst_len) };
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(DECODE_THREADS);
             return crate::codec::decode_with(&desc, from, to, threads);
         }

@@ -54,7 +54,9 @@ fn parse_args() -> Args {
             "--json" => a.json = Some(it.next().unwrap_or_else(|| fail("--json needs a path".into()))),
             "--dump" => a.dump = Some(it.next().unwrap_or_else(|| fail("--dump needs a directory".into()))),
             other => {
-                eprintln!("bench_codec: unknown argument {other}; usage: bench_codec [--quick] [--mib N] [--runs N] [--threads N] [--json PATH] [--dump DIR]");
+                eprintln!(
+                    "bench_codec: unknown argument {other}; usage: bench_codec [--quick] [--mib N] [--runs N] [--threads N] [--json PATH] [--dump DIR]"
+                );
                 std::process::exit(2)
             }
         }
@@ -155,7 +157,11 @@ fn device_decode(dev: &Arc<dyn Device>, s: &Stream, raw: &[u8], buf: &[u8], runs
         s.synchronize()?;
         if out != raw {
             let i = out.chunks(2).zip(raw.chunks(2)).position(|(a, b)| a != b).unwrap_or(0);
-            fail(format!("{what}: device decode differs at value {i}: got {:02x?}, want {:02x?}", &out[2 * i..2 * i + 2], &raw[2 * i..2 * i + 2]));
+            fail(format!(
+                "{what}: device decode differs at value {i}: got {:02x?}, want {:02x?}",
+                &out[2 * i..2 * i + 2],
+                &raw[2 * i..2 * i + 2]
+            ));
         }
         let (a, b) = (Event::new(dev, true)?, Event::new(dev, true)?);
         let time = |f: &dyn Fn() -> epmem::Result<()>| -> epmem::Result<f64> {
@@ -201,14 +207,22 @@ fn main() {
     let s = Stream::new(&dev).unwrap_or_else(|e| fail(format!("a stream: {e}")));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if args.threads == 0 { cores } else { args.threads };
-    println!("bench_codec on {} ({} host cores, encoder threads {threads}), {} MiB per tensor, {} runs", dev.info().name, cores, args.mib, args.runs);
+    println!(
+        "bench_codec on {} ({} host cores, encoder threads {threads}), {} MiB per tensor, {} runs",
+        dev.info().name,
+        cores,
+        args.mib,
+        args.runs
+    );
 
     // Every bit pattern, every code width: bit-exact through the device.
     let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
     for dtype in [Dtype::Bf16, Dtype::Fp16] {
         for k in 1..=4 {
             let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: Some(k) };
-            let Ok(Encoded::Coded(buf)) = codec::encode(&all, dtype, &opts) else { fail(format!("encoding all {} patterns", dtype.name())) };
+            let Ok(Encoded::Coded(buf)) = codec::encode(&all, dtype, &opts) else {
+                fail(format!("encoding all {} patterns", dtype.name()))
+            };
             device_decode(&dev, &s, &all, &buf, 1, &format!("all {} patterns, k={k}", dtype.name()));
             dump(args.dump.as_deref(), &format!("all-{}-k{k}", dtype.name()), &all, &buf);
         }
@@ -219,14 +233,18 @@ fn main() {
     for dtype in [Dtype::Bf16, Dtype::Fp16] {
         let raw = tensor("normal", dtype, 2 * ODD, 5);
         let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: None };
-        let Ok(Encoded::Coded(buf)) = codec::encode(&raw, dtype, &opts) else { fail(format!("encoding {ODD} {} values", dtype.name())) };
+        let Ok(Encoded::Coded(buf)) = codec::encode(&raw, dtype, &opts) else {
+            fail(format!("encoding {ODD} {} values", dtype.name()))
+        };
         device_decode(&dev, &s, &raw, &buf, 1, &format!("{ODD} normal {} values", dtype.name()));
         dump(args.dump.as_deref(), &format!("odd-normal-{}", dtype.name()), &raw, &buf);
     }
     println!("{ODD} normal bf16 and fp16 values (a partial last block): bit-exact through decode_async");
 
     println!();
-    println!("| tensor | dtype | ratio | k | escapes | encode GB/s (per CPU-second) | CPU decode GB/s (per CPU-second) | device decode GB/s | device D2D GB/s |");
+    println!(
+        "| tensor | dtype | ratio | k | escapes | encode GB/s (per CPU-second) | CPU decode GB/s (per CPU-second) | device decode GB/s | device D2D GB/s |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|");
     let bytes = args.mib * MIB;
     let mut rows = Vec::new();

@@ -19,9 +19,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use epmem_tools::bench::{BenchArgs, Report, Scenario, median, repeat};
 use epmem::device::{self, Access, Device, DeviceBuffer, Stream};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape, SlotChoice, admissible, request_cost};
+use epmem::kv::{AdmitMode, KvConfig, KvLayout, KvPool, KvShape, SlotChoice, admissible, request_cost};
+use epmem_tools::bench::{BenchArgs, Report, Scenario, median, repeat};
 
 const MIB: f64 = 1024.0 * 1024.0;
 const GIB: u64 = 1 << 30;
@@ -163,7 +163,16 @@ fn part1(dev: &Arc<dyn Device>, r: &mut Report, quick: bool, warmup: usize, runs
             (oc / fc - 1.0) * 100.0, (oa / fa - 1.0) * 100.0
         ));
         let x = k as f64;
-        for (name, v) in [("floor_create", f.create), ("floor_map", f.map), ("floor_set_rw", f.set_rw), ("floor_set_ro", f.set_ro), ("floor_unmap", f.unmap), ("floor_release", f.release), ("floor_copy", f.copy), ("floor_reserve", f.reserve)] {
+        for (name, v) in [
+            ("floor_create", f.create),
+            ("floor_map", f.map),
+            ("floor_set_rw", f.set_rw),
+            ("floor_set_ro", f.set_ro),
+            ("floor_unmap", f.unmap),
+            ("floor_release", f.release),
+            ("floor_copy", f.copy),
+            ("floor_reserve", f.reserve),
+        ] {
             r.scenarios.push(Scenario::new("floor", &format!("{name}/{k}"), "us/granule", false, vec![v]).at(x));
         }
         r.scenarios.push(Scenario::new("commit", &format!("ours_commit/{k}"), "us/granule", false, c).at(x));
@@ -218,7 +227,11 @@ fn admit_count(dev: &Arc<dyn Device>, l: &KvLayout, budget: u64, prefix: u64, to
     let p = a.pin_prefix(o, prefix, s.raw()).unwrap();
     let mut n = 1;
     loop {
-        let r = if share { a.commit_shared_prefix(p, prefix, total, AdmitMode::Promise) } else { a.create_sequence(l, total, AdmitMode::Promise) };
+        let r = if share {
+            a.commit_shared_prefix(p, prefix, total, AdmitMode::Promise)
+        } else {
+            a.create_sequence(l, total, AdmitMode::Promise)
+        };
         match r {
             Ok(_) => n += 1,
             Err(_) => return n,
@@ -241,10 +254,15 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
                 let (own_u, drv_u) = footprint(dev, l, pt, n, false);
                 let (own_s, drv_s) = footprint(dev, l, pt, n, true);
                 let (led, drv) = ((own_u - own_s) as f64 / MIB, (drv_u - drv_s) as f64 / MIB);
-                r.markdown.push_str(&format!("| {name} | {pt} | {n} | {:.0} | {led:.0} | {drv:.0} |\n", arith as f64 / MIB));
-                let sc = Scenario::new("saved", &format!("saved_mib/{name}/{pt}/{n}"), "MiB", true, vec![led]).at(n as f64);
+                r.markdown
+                    .push_str(&format!("| {name} | {pt} | {n} | {:.0} | {led:.0} | {drv:.0} |\n", arith as f64 / MIB));
+                let sc =
+                    Scenario::new("saved", &format!("saved_mib/{name}/{pt}/{n}"), "MiB", true, vec![led]).at(n as f64);
                 r.scenarios.push(sc);
-                r.scenarios.push(Scenario::new("saved", &format!("saved_driver_mib/{name}/{pt}/{n}"), "MiB", true, vec![drv]).at(n as f64));
+                r.scenarios.push(
+                    Scenario::new("saved", &format!("saved_driver_mib/{name}/{pt}/{n}"), "MiB", true, vec![drv])
+                        .at(n as f64),
+                );
             }
         }
     }
@@ -255,19 +273,36 @@ fn part2(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
             let c = request_cost(l, g, pt, 2 * pt);
             let budget = 4 * c.unshared_bytes;
             let ar = admissible(budget, c.prefix_bytes, c.private_bytes);
-            let (mu, ms) = (admit_count(dev, l, budget, pt, 2 * pt, false), admit_count(dev, l, budget, pt, 2 * pt, true));
+            let (mu, ms) =
+                (admit_count(dev, l, budget, pt, 2 * pt, false), admit_count(dev, l, budget, pt, 2 * pt, true));
             r.markdown.push_str(&format!(
                 "| {name} | {pt} | {:.0} | {} / {mu} | {} / {ms} | {} |\n",
-                budget as f64 / MIB, ar.without_sharing, ar.with_sharing, ar.over_admitting_formula
+                budget as f64 / MIB,
+                ar.without_sharing,
+                ar.with_sharing,
+                ar.over_admitting_formula
             ));
-            r.scenarios.push(Scenario::new("admission", &format!("admitted_shared/{name}/{pt}"), "requests", true, vec![ms as f64]).at(pt as f64));
-            r.scenarios.push(Scenario::new("admission", &format!("admitted_unshared/{name}/{pt}"), "requests", true, vec![mu as f64]).at(pt as f64));
+            r.scenarios.push(
+                Scenario::new("admission", &format!("admitted_shared/{name}/{pt}"), "requests", true, vec![ms as f64])
+                    .at(pt as f64),
+            );
+            r.scenarios.push(
+                Scenario::new(
+                    "admission",
+                    &format!("admitted_unshared/{name}/{pt}"),
+                    "requests",
+                    true,
+                    vec![mu as f64],
+                )
+                .at(pt as f64),
+            );
         }
     }
     if !quick {
         // The reference cell: qwen14b, 3.0 GiB budget, 2,048 shared + 2,048 private tokens.
         let l = layouts()[0].1;
-        let (mu, ms) = (admit_count(dev, &l, 3 * GIB, 2048, 4096, false), admit_count(dev, &l, 3 * GIB, 2048, 4096, true));
+        let (mu, ms) =
+            (admit_count(dev, &l, 3 * GIB, 2048, 4096, false), admit_count(dev, &l, 3 * GIB, 2048, 4096, true));
         r.markdown.push_str(&format!(
             "\nExpected by the shorthand: 3.0 GiB budget, 50/50 split: 4 → 8 requests. Measured on the ledger (qwen14b, 2,048 + 2,048 tokens): {mu} → {ms}. \
              The 8 comes from 1 + ⌊(B − P)/Q⌋, which counts one request more than fits (P + 8Q = 3.375 GiB).\n"
@@ -327,9 +362,21 @@ fn part3(dev: &Arc<dyn Device>, r: &mut Report, quick: bool) {
             own_s as f64 / MIB,
             (n as u64 - 1) as f64 * p as f64 / MIB
         ));
-        r.scenarios.push(Scenario::new("batch_saved", &format!("batch_saved_mib/{name}/{prefix}/{n}"), "MiB", true, vec![led]).at(n as f64));
+        r.scenarios.push(
+            Scenario::new("batch_saved", &format!("batch_saved_mib/{name}/{prefix}/{n}"), "MiB", true, vec![led])
+                .at(n as f64),
+        );
         if driver {
-            r.scenarios.push(Scenario::new("batch_saved", &format!("batch_saved_driver_mib/{name}/{prefix}/{n}"), "MiB", true, vec![(drv_u - drv_s) as f64 / MIB]).at(n as f64));
+            r.scenarios.push(
+                Scenario::new(
+                    "batch_saved",
+                    &format!("batch_saved_driver_mib/{name}/{prefix}/{n}"),
+                    "MiB",
+                    true,
+                    vec![(drv_u - drv_s) as f64 / MIB],
+                )
+                .at(n as f64),
+            );
         }
     }
     r.markdown.push('\n');

@@ -37,9 +37,9 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use epmem::EpmStatus;
-use epmem::transfer::pinning::SharedHostRegistration;
 use epmem::device::{self, Device, DeviceKind, DeviceSelect, HostRange, Stream};
 use epmem::residency::{ResidencyConfig, ResidencyManager, WeightId};
+use epmem::transfer::pinning::SharedHostRegistration;
 use epmem_tools::bench::{self, BenchArgs, Report, Scenario};
 
 const MIB: usize = 1 << 20;
@@ -200,8 +200,7 @@ fn main() {
         md,
         "\ndevice 1: host_register_calls +0, staged page-ins 0 (page-ins {} / {}); \
          target: both/vs_2x_single near 1.0 unless host/memcpy_read caps it",
-        st0.page_ins,
-        st1.page_ins
+        st0.page_ins, st1.page_ins
     );
     print!("{md}");
     r.markdown = md;

@@ -23,12 +23,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::Result;
-use epmem_tools::bench::{Report, Scenario, gbps, median};
-use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream};
-use epmem::transfer::witness;
 use epmem::device::rlimit::memlock_limit;
+use epmem::device::{self, Device, DeviceBuffer, DriverCounts, HostRange, PinnedBuffer, Stream};
 use epmem::residency::sim::belady;
 use epmem::residency::{RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId};
+use epmem::transfer::witness;
+use epmem_tools::bench::{Report, Scenario, gbps, median};
 
 struct Args {
     json: Option<String>,
@@ -41,15 +41,8 @@ struct Args {
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
-    let mut a = Args {
-        json: None,
-        quick: false,
-        layers: 48,
-        layer_bytes: 64 << 20,
-        budget_pct: 50,
-        steps: 8,
-        warmup: 2,
-    };
+    let mut a =
+        Args { json: None, quick: false, layers: 48, layer_bytes: 64 << 20, budget_pct: 50, steps: 8, warmup: 2 };
     // --quick sets the defaults the other flags then override, wherever it stands.
     if std::env::args().any(|x| x == "--quick") {
         (a.quick, a.layers, a.layer_bytes, a.steps, a.warmup) = (true, 12, 2 << 20, 4, 1);
@@ -93,13 +86,8 @@ impl Model {
         let all: &'static [u8] = Box::leak(v.into_boxed_slice());
         let start = all.as_ptr().align_offset(page);
         let base = HostRange::from_static(all);
-        let layers = (0..layers)
-            .map(|i| base.slice(start + i * stride, layer_bytes).expect("in bounds"))
-            .collect();
-        Self {
-            layers,
-            bytes: layer_bytes,
-        }
+        let layers = (0..layers).map(|i| base.slice(start + i * stride, layer_bytes).expect("in bounds")).collect();
+        Self { layers, bytes: layer_bytes }
     }
     fn total(&self) -> usize {
         self.layers.len() * self.bytes
@@ -206,12 +194,7 @@ fn run(dev: &Arc<dyn Device>, m: &Model, a: &Args, cfg: ResidencyConfig, spin_us
     }
     mgr.synchronize()?;
     let allocs = driver_allocs(before, dev.driver_counts());
-    Ok(Run {
-        step_ms,
-        warm,
-        end: mgr.stats(),
-        allocs,
-    })
+    Ok(Run { step_ms, warm, end: mgr.stats(), allocs })
 }
 
 /// A per-layer compute kernel alone, `steps` times: the compute time of a step.
@@ -260,13 +243,7 @@ fn bench(a: &Args) -> Result<()> {
         dev.info().kind.name()
     );
 
-    let pk = rep.push(Scenario::new(
-        "bandwidth",
-        "peak_pinned_h2d",
-        "GB/s",
-        true,
-        peak(&dev, &m, a)?,
-    ));
+    let pk = rep.push(Scenario::new("bandwidth", "peak_pinned_h2d", "GB/s", true, peak(&dev, &m, a)?));
     let (naive_ms, naive_allocs) = naive(&dev, &m, a)?;
     let naive_gbps: Vec<f64> = naive_ms.iter().map(|&t| gbps(m.total() as u64, t)).collect();
     let na = rep.push(Scenario::new("bandwidth", "a_naive_pageable", "GB/s", true, naive_gbps));
@@ -277,52 +254,28 @@ fn bench(a: &Args) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     ours.engine.fill_threads = ours.engine.fill_threads.min(cores);
     let mut cases = vec![
-        (
-            "b_seed_sync_lru",
-            {
-                // The baseline fills one buffer on one thread; same chunking as ours.
-                let mut seed = ResidencyConfig::sync_lru_baseline(budget);
-                seed.engine.chunk_bytes = ours.engine.chunk_bytes;
-                seed
-            },
-        ),
+        ("b_seed_sync_lru", {
+            // The baseline fills one buffer on one thread; same chunking as ours.
+            let mut seed = ResidencyConfig::sync_lru_baseline(budget);
+            seed.engine.chunk_bytes = ours.engine.chunk_bytes;
+            seed
+        }),
         ("c_ours_registered", ours),
-        (
-            "c_ours_unregistered",
-            ResidencyConfig {
-                register_sources: RegisterSources::Never,
-                ..ours
-            },
-        ),
+        ("c_ours_unregistered", ResidencyConfig { register_sources: RegisterSources::Never, ..ours }),
     ];
     // The default registers sources only within RLIMIT_MEMLOCK; when that is
     // below the model, also show registration regardless of the limit (a
     // device that enforces it refuses, and those page-ins stage).
     let memlock = memlock_limit();
     if memlock.is_some_and(|l| l < m.total() as u64) {
-        cases.push((
-            "c_ours_register_always",
-            ResidencyConfig {
-                register_sources: RegisterSources::Always,
-                ..ours
-            },
-        ));
+        cases.push(("c_ours_register_always", ResidencyConfig { register_sources: RegisterSources::Always, ..ours }));
     }
-    eprintln!(
-        "RLIMIT_MEMLOCK: {}",
-        memlock.map_or("unlimited".to_string(), |l| format!("{} MiB", l >> 20))
-    );
+    eprintln!("RLIMIT_MEMLOCK: {}", memlock.map_or("unlimited".to_string(), |l| format!("{} MiB", l >> 20)));
     let mut runs = Vec::new();
     for &(name, cfg) in &cases {
         let r = run(&dev, &m, a, cfg, 0)?;
         rep.push(Scenario::new("bandwidth", name, "GB/s", true, per_step_gbps(&r)));
-        rep.push(Scenario::new(
-            "step",
-            &format!("{name}/step"),
-            "ms",
-            false,
-            r.step_ms.clone(),
-        ));
+        rep.push(Scenario::new("step", &format!("{name}/step"), "ms", false, r.step_ms.clone()));
         runs.push((name, r));
     }
 
@@ -332,25 +285,12 @@ fn bench(a: &Args) -> Result<()> {
     // the hits before it, at the price of about one weight of budget each.
     let copy_ms = median(&runs[1].1.step_ms);
     let spin_us = ((copy_ms * 1e3 / a.layers as f64) as u32).max(10);
-    let compute = rep.push(Scenario::new(
-        "step",
-        "compute_only/step",
-        "ms",
-        false,
-        compute_only(&dev, a.layers, spin_us, a)?,
-    ));
+    let compute =
+        rep.push(Scenario::new("step", "compute_only/step", "ms", false, compute_only(&dev, a.layers, spin_us, a)?));
     let seed_ov = run(&dev, &m, a, cases[0].1, spin_us)?;
-    let seed_ov_ms = rep.push(Scenario::new(
-        "step",
-        "b_seed_with_compute/step",
-        "ms",
-        false,
-        seed_ov.step_ms.clone(),
-    ));
+    let seed_ov_ms = rep.push(Scenario::new("step", "b_seed_with_compute/step", "ms", false, seed_ov.step_ms.clone()));
     let sizes = vec![a.layer_bytes as u64; a.layers];
-    let trace: Vec<WeightId> = (0..a.warmup + a.steps)
-        .flat_map(|_| (0..a.layers as u32).map(WeightId))
-        .collect();
+    let trace: Vec<WeightId> = (0..a.warmup + a.steps).flat_map(|_| (0..a.layers as u32).map(WeightId)).collect();
     let opt = belady(&trace, &sizes, budget as u64);
     // Depth 0 is the policy alone (demand paging): its hit rate is what the
     // issue's "within 1% of Belady" compares; each deeper window buys overlap
@@ -364,15 +304,8 @@ fn bench(a: &Args) -> Result<()> {
     // (depth, hits ÷ Belady(budget), hits ÷ Belady(budget − depth)) per depth.
     let mut hit_ratios = Vec::new();
     for &d in depths {
-        let cfg = ResidencyConfig {
-            prefetch_depth: d,
-            ..ours
-        };
-        let copy = if d == ours.prefetch_depth {
-            runs[1].1.step_ms.clone()
-        } else {
-            run(&dev, &m, a, cfg, 0)?.step_ms
-        };
+        let cfg = ResidencyConfig { prefetch_depth: d, ..ours };
+        let copy = if d == ours.prefetch_depth { runs[1].1.step_ms.clone() } else { run(&dev, &m, a, cfg, 0)?.step_ms };
         let ov = run(&dev, &m, a, cfg, spin_us)?;
         let (c, o) = (median(&copy), median(&ov.step_ms));
         let ratio = o / c.max(compute);
@@ -383,24 +316,11 @@ fn bench(a: &Args) -> Result<()> {
         let window = (d as u64 * a.layer_bytes as u64).min(budget as u64);
         let opt_w = belady(&trace, &sizes, budget as u64 - window);
         rep.push(
-            Scenario::new(
-                "overlap",
-                &format!("depth{d}/step_over_max"),
-                "ratio",
-                false,
-                vec![ratio],
-            )
-            .at(d as f64),
+            Scenario::new("overlap", &format!("depth{d}/step_over_max"), "ratio", false, vec![ratio]).at(d as f64),
         );
         rep.push(
-            Scenario::new(
-                "hits",
-                &format!("depth{d}/hit_over_belady"),
-                "ratio",
-                true,
-                vec![hits / opt.hit_rate()],
-            )
-            .at(d as f64),
+            Scenario::new("hits", &format!("depth{d}/hit_over_belady"), "ratio", true, vec![hits / opt.hit_rate()])
+                .at(d as f64),
         );
         hit_ratios.push((d, hits / opt.hit_rate(), hits / opt_w.hit_rate().max(f64::MIN_POSITIVE)));
         sweep.push_str(&format!(
@@ -411,25 +331,22 @@ fn bench(a: &Args) -> Result<()> {
             ov.end.host_stall_ms - ov.warm.host_stall_ms
         ));
     }
-    rep.push(Scenario::new(
-        "overlap",
-        "best_step_over_max",
-        "ratio",
-        false,
-        vec![best_ratio],
-    ));
+    rep.push(Scenario::new("overlap", "best_step_over_max", "ratio", false, vec![best_ratio]));
 
     // Step time against the budget, as a fraction of the model: ours (the
     // default) next to the synchronous LRU baseline, copy only.
     let fractions: &[u64] = if a.quick { &[50, 100] } else { &[25, 50, 75, 100] };
-    let mut budget_md =
-        String::from("| budget (% of model) | ours step ms | ours hit rate | sync LRU baseline step ms | baseline hit rate |\n|---|---|---|---|---|\n");
+    let mut budget_md = String::from(
+        "| budget (% of model) | ours step ms | ours hit rate | sync LRU baseline step ms | baseline hit rate |\n|---|---|---|---|---|\n",
+    );
     for &f in fractions {
         let b = (m.total() as u64 * f / 100) as usize;
         let ours_b = run(&dev, &m, a, ResidencyConfig { budget_bytes: b, ..ours }, 0)?;
         let seed_b = run(&dev, &m, a, ResidencyConfig { budget_bytes: b, ..cases[0].1 }, 0)?;
-        let o = rep.push(Scenario::new("budget", &format!("c_ours/{f}"), "ms", false, ours_b.step_ms.clone()).at(f as f64));
-        let sd = rep.push(Scenario::new("budget", &format!("b_seed/{f}"), "ms", false, seed_b.step_ms.clone()).at(f as f64));
+        let o =
+            rep.push(Scenario::new("budget", &format!("c_ours/{f}"), "ms", false, ours_b.step_ms.clone()).at(f as f64));
+        let sd =
+            rep.push(Scenario::new("budget", &format!("b_seed/{f}"), "ms", false, seed_b.step_ms.clone()).at(f as f64));
         budget_md.push_str(&format!(
             "| {f} | {o:.1} | {:.3} | {sd:.1} | {:.3} |\n",
             ours_b.hit_rate(),
@@ -479,7 +396,10 @@ fn bench(a: &Args) -> Result<()> {
         seed_ov_ms / copy_ms.max(compute),
         runs[0].1.end.hits as f64 / runs[0].1.end.acquires as f64
     ));
-    md.push_str(&format!("\nDecode step time against the budget (copy only, prefetch depth {}):\n\n{budget_md}", ours.prefetch_depth));
+    md.push_str(&format!(
+        "\nDecode step time against the budget (copy only, prefetch depth {}):\n\n{budget_md}",
+        ours.prefetch_depth
+    ));
     for (name, r) in &runs {
         rep.push(Scenario::new(
             "allocs",
@@ -490,25 +410,15 @@ fn bench(a: &Args) -> Result<()> {
         ));
     }
     // The issue's targets, measured in this run.
-    let pct = |name: &str| {
-        runs.iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, r)| 100.0 * r.gbps() / pk)
-    };
+    let pct = |name: &str| runs.iter().find(|(n, _)| *n == name).map(|(_, r)| 100.0 * r.gbps() / pk);
     let pass = |ok: bool| if ok { "PASS" } else { "FAIL" };
-    let reg = pct("c_ours_register_always")
-        .into_iter()
-        .chain(pct("c_ours_registered"))
-        .fold(0.0f64, f64::max);
+    let reg = pct("c_ours_register_always").into_iter().chain(pct("c_ours_registered")).fold(0.0f64, f64::max);
     let unreg = pct("c_ours_unregistered").unwrap_or(0.0);
     let allocs: u64 = runs.iter().skip(1).map(|(_, r)| r.allocs).sum();
     let (d0, vs_opt, _) = hit_ratios[0];
     let (d1, vs_opt1, vs_window1) = hit_ratios[1];
     md.push_str("\n### Targets (residency)\n\n| target | measured | |\n|---|---|---|\n");
-    md.push_str(&format!(
-        "| registered sources ≥ 95% of the pinned peak | {reg:.0}% | {} |\n",
-        pass(reg >= 95.0)
-    ));
+    md.push_str(&format!("| registered sources ≥ 95% of the pinned peak | {reg:.0}% | {} |\n", pass(reg >= 95.0)));
     md.push_str(&format!(
         "| unregistered (staged) sources ≥ 70% of the peak | {unreg:.0}% | {} |\n",
         pass(unreg >= 70.0)
@@ -526,19 +436,12 @@ fn bench(a: &Args) -> Result<()> {
         pass(allocs == 0)
     ));
     rep.push(Scenario::new("targets", "registered_pct_of_peak", "%", true, vec![reg]));
-    rep.push(Scenario::new(
-        "targets",
-        "unregistered_pct_of_peak",
-        "%",
-        true,
-        vec![unreg],
-    ));
+    rep.push(Scenario::new("targets", "unregistered_pct_of_peak", "%", true, vec![unreg]));
     md.push_str(&mixed_md);
     println!("{md}");
     rep.markdown = md;
     if let Some(p) = &a.json {
-        rep.write_json(p)
-            .map_err(|e| epmem::Error::new(epmem::EpmStatus::OsError, format!("writing {p}: {e}")))?;
+        rep.write_json(p).map_err(|e| epmem::Error::new(epmem::EpmStatus::OsError, format!("writing {p}: {e}")))?;
     }
     Ok(())
 }
@@ -562,22 +465,10 @@ fn llama_block(d: usize, ffn: usize, kv: usize) -> [usize; 7] {
 /// streamed bytes per step against the floor (total − budget) and the
 /// bound (floor + 2 × largest). `--quick` scales the hidden sizes by 1/32.
 fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
-    let (scale, steps, warm) = if a.quick {
-        (32, 3, 2)
-    } else {
-        (1, a.steps.min(6), 2)
-    };
+    let (scale, steps, warm) = if a.quick { (32, 3, 2) } else { (1, a.steps.min(6), 2) };
     let shapes = [
-        (
-            "llama7b",
-            16,
-            llama_block(4096 / scale, 11008 / scale, 4096 / scale),
-        ),
-        (
-            "llama70b",
-            4,
-            llama_block(8192 / scale, 28672 / scale, 1024 / scale),
-        ),
+        ("llama7b", 16, llama_block(4096 / scale, 11008 / scale, 4096 / scale)),
+        ("llama70b", 4, llama_block(8192 / scale, 28672 / scale, 1024 / scale)),
     ];
     let mut md = String::from(
         "\n### Mixed sizes\n\nStreamed bytes per decode step against the floor (total − budget) and the bound \
@@ -592,14 +483,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
         let total: usize = sizes.iter().sum();
         let largest = *sizes.iter().max().unwrap_or(&0);
         let page = 4096;
-        let mut v = vec![
-            0u8;
-            sizes
-                .iter()
-                .map(|s| s.next_multiple_of(page))
-                .sum::<usize>()
-                + page
-        ];
+        let mut v = vec![0u8; sizes.iter().map(|s| s.next_multiple_of(page)).sum::<usize>() + page];
         for (i, x) in v.iter_mut().enumerate().step_by(512) {
             *x = (i / 512) as u8;
         }
@@ -631,10 +515,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
                     // budget) is a row of the table, not the end of the bench.
                     let run_one = || -> Result<(Vec<f64>, ResidencyStats, ResidencyStats)> {
                         let mgr = ResidencyManager::new(dev, cfg)?;
-                        let ids: Vec<WeightId> = ranges
-                            .iter()
-                            .map(|&r| mgr.register(r))
-                            .collect::<Result<_>>()?;
+                        let ids: Vec<WeightId> = ranges.iter().map(|&r| mgr.register(r)).collect::<Result<_>>()?;
                         mgr.declare_cycle(&ids)?;
                         let s = Stream::new(dev)?;
                         let mut step_ms = Vec::new();
@@ -659,12 +540,14 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
                             }
                         }
                         mgr.synchronize()?;
-                            Ok((step_ms, w0, mgr.stats()))
+                        Ok((step_ms, w0, mgr.stats()))
                     };
                     let (step_ms, w0, e) = match run_one() {
                         Ok(r) => r,
                         Err(err) => {
-                            md.push_str(&format!("| {name} ({blocks} blocks) | {pct} | {policy} | {hold} | error: {err} |\n"));
+                            md.push_str(&format!(
+                                "| {name} ({blocks} blocks) | {pct} | {policy} | {hold} | error: {err} |\n"
+                            ));
                             if plan && hold == 1 {
                                 worst_over_bound = f64::INFINITY;
                             }
@@ -687,13 +570,7 @@ fn mixed(dev: &Arc<dyn Device>, a: &Args, rep: &mut Report) -> Result<String> {
                         )
                         .at(pct as f64),
                     );
-                    let ms = rep.push(Scenario::new(
-                        "mixed",
-                        &format!("{tag}/step"),
-                        "ms",
-                        false,
-                        step_ms,
-                    ));
+                    let ms = rep.push(Scenario::new("mixed", &format!("{tag}/step"), "ms", false, step_ms));
                     md.push_str(&format!(
                         "| {name} ({blocks} blocks) | {pct} | {policy} | {hold} | {:.1} | {:.3} | {:.3} | {ms:.1} | {} | {:.1} | {} | {:.1} | {:.1} |\n",
                         per_step / (1 << 20) as f64,

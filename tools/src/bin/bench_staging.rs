@@ -31,11 +31,11 @@
 use std::fmt::Write as _;
 use std::time::Instant;
 
-use epmem_tools::bench::{BenchArgs, Report, Scenario, gbps, median, repeat};
-use epmem::transfer::witness::{self, CopyTiming};
-use epmem::transfer::fill::FillThreads;
 use epmem::device::{self, DeviceBuffer, Event, HostRange, PinnedBuffer, Stream};
 use epmem::staging::{CopyEngine, EngineConfig, PinnedStagingPool, PoolConfig};
+use epmem::transfer::fill::FillThreads;
+use epmem::transfer::witness::{self, CopyTiming};
+use epmem_tools::bench::{BenchArgs, Report, Scenario, gbps, median, repeat};
 
 const MIB: usize = 1 << 20;
 
@@ -202,8 +202,7 @@ fn run(args: &BenchArgs) -> Res<()> {
     let max_size = plan.sizes_mib.iter().max().copied().unwrap_or(1) * MIB;
     let ceiling_src = pageable(plan.ceiling_fill, 7);
     let mut ceiling_dst = [PinnedBuffer::new(&dev, plan.ceiling_fill)?];
-    let mut slot_dsts =
-        (0..cfg.slots).map(|_| PinnedBuffer::new(&dev, cfg.chunk_bytes)).collect::<Res<Vec<_>>>()?;
+    let mut slot_dsts = (0..cfg.slots).map(|_| PinnedBuffer::new(&dev, cfg.chunk_bytes)).collect::<Res<Vec<_>>>()?;
     let mut dma_src = Some(PinnedBuffer::new(&dev, plan.ceiling_dma)?);
     let dma_dst = DeviceBuffer::new(&dev, plan.ceiling_dma)?;
     let mut best = (0usize, 0.0f64, Vec::new());

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use epmem::device::{self, Device, DeviceBuffer, DriverCounts, Stream, checksum_host};
-use epmem::kv::{AdmitMode, KvPool, KvConfig, KvLayout, KvShape, PrefixId, SeqId};
+use epmem::kv::{AdmitMode, KvConfig, KvLayout, KvPool, KvShape, PrefixId, SeqId};
 
 /// `n` deterministic bytes per seed, so a checksum failure reproduces.
 fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
@@ -50,7 +50,8 @@ struct Args {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { iters: 20_000, window: 16, rotate: 500, prefix_tokens: 500, append_tokens: 200, checkpoints: 10 };
+    let mut a =
+        Args { iters: 20_000, window: 16, rotate: 500, prefix_tokens: 500, append_tokens: 200, checkpoints: 10 };
     use lexopt::prelude::*;
     let mut p = lexopt::Parser::from_env();
     let e = |e: lexopt::Error| e.to_string();
@@ -71,7 +72,6 @@ fn parse() -> Result<Args, String> {
     }
     Ok(a)
 }
-
 
 /// Physical allocations only: mappings and VA reservations are expected per request.
 fn allocs(c: &DriverCounts) -> (u64, u64, u64) {
@@ -216,7 +216,11 @@ fn run(args: Args) -> Result<String, String> {
     let every = (iters / c.args.checkpoints).max(1);
     println!(
         "kv_churn on {}: {iters} requests, window {window}, new prefix every {rotate}, {} + {} tokens of {} B, granule {} KiB, warm-up {warmup}",
-        dev.info().name, c.args.prefix_tokens, c.args.append_tokens, layout.bytes_per_token(), g >> 10
+        dev.info().name,
+        c.args.prefix_tokens,
+        c.args.append_tokens,
+        layout.bytes_per_token(),
+        g >> 10
     );
     let mut baseline: Option<(u64, u64, u64)> = None;
     let mut problems = Vec::new();
@@ -236,11 +240,18 @@ fn run(args: Args) -> Result<String, String> {
             let st = c.a.stats();
             println!(
                 "  {done:>6} requests {:>7.1} s: ledger {owned} granules, live {live}, retained {}; driver: vmm_create {} pinned_alloc {} device_alloc {} map {} unmap {}",
-                t0.elapsed().as_secs_f64(), st.pool.retained, d.vmm_create_calls, d.pinned_alloc_calls, d.device_alloc_calls,
-                d.vmm_map_calls, d.vmm_unmap_calls
+                t0.elapsed().as_secs_f64(),
+                st.pool.retained,
+                d.vmm_create_calls,
+                d.pinned_alloc_calls,
+                d.device_alloc_calls,
+                d.vmm_map_calls,
+                d.vmm_unmap_calls
             );
             if owned != live || !device_ok {
-                problems.push(format!("ledger drift at {done}: ledger {owned} granules, live {live}, device agrees: {device_ok}"));
+                problems.push(format!(
+                    "ledger drift at {done}: ledger {owned} granules, live {live}, device agrees: {device_ok}"
+                ));
             }
             if let Some(b) = baseline
                 && allocs(&d) != b
@@ -259,7 +270,10 @@ fn run(args: Args) -> Result<String, String> {
     }
     let st = c.a.stats();
     if st.ledger.owned_bytes != g || st.sequences != 0 || st.prefixes != 0 {
-        problems.push(format!("after teardown the ledger owns {} bytes (want one granule, the dummy): {st:?}", st.ledger.owned_bytes));
+        problems.push(format!(
+            "after teardown the ledger owns {} bytes (want one granule, the dummy): {st:?}",
+            st.ledger.owned_bytes
+        ));
     }
     if c.mismatches > 0 {
         problems.push(format!("{} checksum mismatches", c.mismatches));
@@ -269,7 +283,11 @@ fn run(args: Args) -> Result<String, String> {
     if problems.is_empty() {
         Ok(format!(
             "kv_churn: PASS: {iters} requests in {secs:.1} s ({:.0}/s), driver allocations flat after warm-up (vmm_create {}, pinned {}, device {}), ledger = live granules at every checkpoint, {} COW granules, 0 checksum mismatches",
-            iters as f64 / secs, b.0, b.1, b.2, st.counters.cow_granules
+            iters as f64 / secs,
+            b.0,
+            b.1,
+            b.2,
+            st.counters.cow_granules
         ))
     } else {
         Err(problems.join("; "))

@@ -31,10 +31,7 @@ const _: () = assert!(offset_of!(sys::CUmemAllocationProp_st, win32HandleMetaDat
 const _: () = assert!(offset_of!(sys::CUmemAllocationProp_st, allocFlags) == 24);
 
 fn location(dev: sys::CUdevice) -> sys::CUmemLocation {
-    sys::CUmemLocation_st {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: dev,
-    }
+    sys::CUmemLocation_st { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev }
 }
 
 /// Pinned device memory on `dev`, no exportable handle.
@@ -58,10 +55,7 @@ fn access_desc(dev: sys::CUdevice, access: Access) -> sys::CUmemAccessDesc {
         Access::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         Access::ReadOnly => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
     };
-    sys::CUmemAccessDesc_st {
-        location: location(dev),
-        flags,
-    }
+    sys::CUmemAccessDesc_st { location: location(dev), flags }
 }
 
 /// The recommended granularity for pinned device memory on `dev`.
@@ -71,11 +65,7 @@ pub(super) fn granularity(dev: sys::CUdevice) -> Result<usize> {
     let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
     // SAFETY: valid out-pointer and a fully initialized prop.
     unsafe { cu!(cuMemGetAllocationGranularity(&mut g, &prop, flag)) }?;
-    crate::ensure!(
-        g.is_power_of_two(),
-        Internal,
-        "the driver reports a VMM granularity of {g} bytes"
-    );
+    crate::ensure!(g.is_power_of_two(), Internal, "the driver reports a VMM granularity of {g} bytes");
     Ok(g)
 }
 
@@ -116,10 +106,7 @@ impl CudaDevice {
     pub(super) fn cu_vmm_release(&self, h: RawPhys) -> Result<()> {
         let _g = self.enter()?;
         let phys = lock(&self.vmm).phys.remove(&h.0).ok_or_else(|| {
-            Error::new(
-                EpmStatus::InvalidHandle,
-                format!("physical handle {} is not live on this device", h.0),
-            )
+            Error::new(EpmStatus::InvalidHandle, format!("physical handle {} is not live on this device", h.0))
         })?;
         bump(&self.counts.vmm_release);
         // SAFETY: a handle from cuMemCreate, removed from the table so it is
@@ -143,13 +130,7 @@ impl CudaDevice {
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; no fixed address requested; flags must be 0.
         unsafe { cu!(cuMemAddressReserve(&mut va, bytes, align.max(g), 0, 0)) }?;
-        lock(&self.vmm).res.insert(
-            va,
-            Reservation {
-                len: bytes,
-                maps: BTreeMap::new(),
-            },
-        );
+        lock(&self.vmm).res.insert(va, Reservation { len: bytes, maps: BTreeMap::new() });
         Ok(va)
     }
 
@@ -157,16 +138,9 @@ impl CudaDevice {
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
         match t.res.get(&va) {
-            None => crate::bail!(
-                InvalidArgument,
-                "{va:#x} is not the start of a VA reservation of this device"
-            ),
+            None => crate::bail!(InvalidArgument, "{va:#x} is not the start of a VA reservation of this device"),
             Some(r) if r.len != bytes => {
-                crate::bail!(
-                    InvalidArgument,
-                    "VA reservation {va:#x} is {} bytes, not {bytes}",
-                    r.len
-                )
+                crate::bail!(InvalidArgument, "VA reservation {va:#x} is {} bytes, not {bytes}", r.len)
             }
             Some(r) if !r.maps.is_empty() => crate::bail!(
                 InvalidState,
@@ -192,10 +166,7 @@ impl CudaDevice {
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
         let phys = t.phys.get(&h.0).ok_or_else(|| {
-            Error::new(
-                EpmStatus::InvalidHandle,
-                format!("physical handle {} is not live on this device", h.0),
-            )
+            Error::new(EpmStatus::InvalidHandle, format!("physical handle {} is not live on this device", h.0))
         })?;
         crate::ensure!(
             offset.checked_add(bytes).is_some_and(|e| e <= phys.bytes),
@@ -205,28 +176,16 @@ impl CudaDevice {
         );
         let handle = phys.handle;
         let r = t.reservation_mut(va, bytes).ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "[{va:#x}, +{bytes}) is not inside a VA reservation of this device"
-            ))
+            Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not inside a VA reservation of this device"))
         })?;
         let e = va + bytes as u64;
-        let clash = r
-            .maps
-            .range(..e)
-            .next_back()
-            .is_some_and(|(&s, m)| s + m.len as u64 > va);
+        let clash = r.maps.range(..e).next_back().is_some_and(|(&s, m)| s + m.len as u64 > va);
         crate::ensure!(!clash, InvalidState, "[{va:#x}, +{bytes}) overlaps an existing mapping");
         bump(&self.counts.vmm_map);
         // SAFETY: an unmapped, granule-aligned range inside our reservation,
         // and a live handle with `offset + bytes` inside it; flags must be 0.
         unsafe { cu!(cuMemMap(va, bytes, offset, handle, 0)) }?;
-        r.maps.insert(
-            va,
-            Mapping {
-                len: bytes,
-                access: vec![None; bytes / g],
-            },
-        );
+        r.maps.insert(va, Mapping { len: bytes, access: vec![None; bytes / g] });
         Ok(())
     }
 
@@ -235,9 +194,7 @@ impl CudaDevice {
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
         let r = t.reservation_mut(va, bytes).ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "[{va:#x}, +{bytes}) is not inside a VA reservation of this device"
-            ))
+            Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not inside a VA reservation of this device"))
         })?;
         let tiles = VmmTables::tiling(r, va, bytes).ok_or_else(|| {
             Error::invalid_argument(format!(
@@ -261,18 +218,13 @@ impl CudaDevice {
         let _g = self.enter()?;
         let mut t = lock(&self.vmm);
         let r = t.reservation_mut(va, bytes).ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "[{va:#x}, +{bytes}) is not inside a VA reservation of this device"
-            ))
+            Error::invalid_argument(format!("[{va:#x}, +{bytes}) is not inside a VA reservation of this device"))
         })?;
         let e = va + bytes as u64;
         let mut a = va;
         while a < e {
             crate::ensure!(
-                r.maps
-                    .range(..=a)
-                    .next_back()
-                    .is_some_and(|(&s, m)| a < s + m.len as u64),
+                r.maps.range(..=a).next_back().is_some_and(|(&s, m)| a < s + m.len as u64),
                 InvalidArgument,
                 "set_access [{va:#x}, +{bytes}): {a:#x} is not mapped"
             );
@@ -300,10 +252,7 @@ impl CudaDevice {
                 // SAFETY: a live mapping of ours; the device is being dropped, so
                 // nothing of epmem's can still use it.
                 if let Err(e) = unsafe { cu!(cuMemUnmap(s, m.len)) } {
-                    log::warn!(
-                        "epmem: unmapping [{s:#x}, +{}) in reservation {base:#x} at teardown: {e}",
-                        m.len
-                    );
+                    log::warn!("epmem: unmapping [{s:#x}, +{}) in reservation {base:#x} at teardown: {e}", m.len);
                 }
             }
         }

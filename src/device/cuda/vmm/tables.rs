@@ -61,10 +61,7 @@ impl VmmTables {
     /// Whether `[va, va+n)` overlaps any reservation.
     pub(super) fn touches(&self, va: u64, n: usize) -> bool {
         let e = end(va, n).unwrap_or(u64::MAX);
-        self.res
-            .range(..e)
-            .next_back()
-            .is_some_and(|(&b, r)| b + r.len as u64 > va)
+        self.res.range(..e).next_back().is_some_and(|(&b, r)| b + r.len as u64 > va)
     }
 
     /// Access of the granule at `a`, `None` when unmapped or no access set.
@@ -85,10 +82,7 @@ impl VmmTables {
         }
         let what = if write { "write" } else { "read" };
         let Some((_, r)) = self.reservation(va, n) else {
-            crate::bail!(
-                InvalidArgument,
-                "device {what} [{va:#x}, +{n}) crosses the edge of a VA reservation"
-            );
+            crate::bail!(InvalidArgument, "device {what} [{va:#x}, +{n}) crosses the edge of a VA reservation");
         };
         let g64 = g as u64;
         let mut a = va - va % g64;
@@ -99,10 +93,9 @@ impl VmmTables {
                     AccessDenied,
                     "device {what} [{va:#x}, +{n}) refused: the granule at {a:#x} is unmapped or has no access"
                 ),
-                Some(Access::ReadOnly) if write => crate::bail!(
-                    AccessDenied,
-                    "device write [{va:#x}, +{n}) refused: {a:#x} is mapped read-only"
-                ),
+                Some(Access::ReadOnly) if write => {
+                    crate::bail!(AccessDenied, "device write [{va:#x}, +{n}) refused: {a:#x} is mapped read-only")
+                }
                 Some(_) => {}
             }
             a += g64;
@@ -138,31 +131,10 @@ mod tests {
         // 2 mapped RO, 3 mapped with no access, 4-7 unmapped.
         let mut t = VmmTables::default();
         let base = 0x1000_0000u64;
-        let mut r = Reservation {
-            len: 8 * G,
-            maps: BTreeMap::new(),
-        };
-        r.maps.insert(
-            base,
-            Mapping {
-                len: 2 * G,
-                access: vec![Some(Access::ReadWrite); 2],
-            },
-        );
-        r.maps.insert(
-            base + 2 * G as u64,
-            Mapping {
-                len: G,
-                access: vec![Some(Access::ReadOnly)],
-            },
-        );
-        r.maps.insert(
-            base + 3 * G as u64,
-            Mapping {
-                len: G,
-                access: vec![None],
-            },
-        );
+        let mut r = Reservation { len: 8 * G, maps: BTreeMap::new() };
+        r.maps.insert(base, Mapping { len: 2 * G, access: vec![Some(Access::ReadWrite); 2] });
+        r.maps.insert(base + 2 * G as u64, Mapping { len: G, access: vec![Some(Access::ReadOnly)] });
+        r.maps.insert(base + 3 * G as u64, Mapping { len: G, access: vec![None] });
         t.res.insert(base, r);
         t
     }
@@ -175,14 +147,8 @@ mod tests {
         assert!(t.check_access(b + 2 * G as u64, G, false, G).unwrap());
         let e = t.check_access(b + G as u64 + 8, G, true, G).unwrap_err();
         assert_eq!(e.status(), EpmStatus::AccessDenied, "{e}");
-        assert_eq!(
-            t.check_access(b + 3 * G as u64, 4, false, G).unwrap_err().status(),
-            EpmStatus::AccessDenied
-        );
-        assert_eq!(
-            t.check_access(b + 5 * G as u64, 4, false, G).unwrap_err().status(),
-            EpmStatus::AccessDenied
-        );
+        assert_eq!(t.check_access(b + 3 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::AccessDenied);
+        assert_eq!(t.check_access(b + 5 * G as u64, 4, false, G).unwrap_err().status(), EpmStatus::AccessDenied);
     }
 
     #[test]
@@ -199,34 +165,18 @@ mod tests {
         let t = tables();
         let b = 0x1000_0000u64;
         let r = &t.res[&b];
-        assert_eq!(
-            VmmTables::tiling(r, b, 3 * G),
-            Some(vec![(b, 2 * G), (b + 2 * G as u64, G)])
-        );
+        assert_eq!(VmmTables::tiling(r, b, 3 * G), Some(vec![(b, 2 * G), (b + 2 * G as u64, G)]));
         assert_eq!(VmmTables::tiling(r, b, G), None, "cuts a mapping");
-        assert_eq!(
-            VmmTables::tiling(r, b + 2 * G as u64, 3 * G),
-            None,
-            "runs into unmapped VA"
-        );
+        assert_eq!(VmmTables::tiling(r, b + 2 * G as u64, 3 * G), None, "runs into unmapped VA");
         assert_eq!(VmmTables::tiling(r, b + 4 * G as u64, G), None, "nothing mapped");
     }
 
     #[test]
     fn live_counts_follow_the_tables() {
         let mut t = tables();
-        t.phys.insert(
-            7,
-            Phys {
-                handle: 1,
-                bytes: 4 * G,
-            },
-        );
+        t.phys.insert(7, Phys { handle: 1, bytes: 4 * G });
         let mut c = LiveCounts::default();
         t.live_counts(&mut c);
-        assert_eq!(
-            (c.physical_handles, c.physical_bytes, c.va_reservations, c.mappings),
-            (1, 4 * G as u64, 1, 3)
-        );
+        assert_eq!((c.physical_handles, c.physical_bytes, c.va_reservations, c.mappings), (1, 4 * G as u64, 1, 3));
     }
 }
