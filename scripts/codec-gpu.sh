@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29's GPU checks and figures for the weight codec, on the GPU machine.
+# The GPU checks and figures for the weight codec, on the GPU machine.
 #
 #   here:   scripts/gpu-pack.sh            (builds .carry/: the test binaries and bench_codec)
 #   there:  scripts/codec-gpu.sh [bench_codec args, e.g. --mib 512]
