@@ -44,6 +44,13 @@ def blocks(path):
     return out
 
 
+def _has_cuda_ep():
+    """onnxruntime imports here and has the CUDA EP (torch first: it loads CUDA 13's libraries)."""
+    code = ("try:\n import torch\nexcept ImportError:\n pass\nimport onnxruntime as o, sys\n"
+            "sys.exit(0 if 'CUDAExecutionProvider' in o.get_available_providers() else 1)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
 def _skip_reason(need):
     only = os.environ.get("EPMEM_DOC_TEST_ONLY")
     if only and need != only:
@@ -54,6 +61,8 @@ def _skip_reason(need):
     elif need == "cuda":
         if os.environ.get("EPM_DEVICE") != "cuda":
             return "needs CUDA (onnxruntime-gpu on a GPU): EPM_DEVICE is not cuda here"
+        if not _has_cuda_ep():
+            return "needs onnxruntime-gpu's CUDA EP: this onnxruntime has none (put the unpacked wheel first on PYTHONPATH)"
     elif need is not None:
         raise AssertionError(f"unknown doc-test requirement {need!r}")
     return None
