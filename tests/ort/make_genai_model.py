@@ -55,8 +55,9 @@ def weights(out_dir):
     for n in m.graph.node:
         if n.domain in ("", "ai.onnx") and n.op_type in ("MatMul", "Gemm") and len(n.input) > 1:
             t = inits.get(n.input[1])
-            if t is not None and len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT:
-                found[t.name] = int(t.dims[0] * t.dims[1] * 4)
+            size = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
+            if t is not None and len(t.dims) == 2 and t.data_type in size:
+                found[t.name] = int(t.dims[0] * t.dims[1] * size[t.data_type])
     return found
 
 
@@ -73,7 +74,11 @@ def main():
     builder = os.path.join(os.path.dirname(spec.origin), "models", "builder.py")
     with tempfile.TemporaryDirectory() as hf, tempfile.TemporaryDirectory() as cache:
         hf_model(hf)
-        subprocess.run([sys.executable, builder, "-i", hf, "-o", a.out, "-p", "fp32", "-e", a.ep, "-c", cache],
+        # float16 for cuda: the builder's float32 CUDA graph uses the packed
+        # Attention op without its present key/value outputs, a model ORT
+        # refuses to load (genai 0.18); float16 takes its GroupQueryAttention path.
+        precision = "fp16" if a.ep == "cuda" else "fp32"
+        subprocess.run([sys.executable, builder, "-i", hf, "-o", a.out, "-p", precision, "-e", a.ep, "-c", cache],
                        check=True)
     w = weights(a.out)
     with open(os.path.join(a.out, "weights.json"), "w") as f:

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import unittest
 
+from _child import release_stats, run_child as _run_child
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB = os.environ.get("EPMEM_LIB", "")
 FAKE_CUDA = os.environ.get("EPMEM_FAKE_CUDA") == "1"
@@ -183,23 +185,7 @@ def rel_err(y, e):
 
 
 def run_child(mode, opts):
-    env = dict(os.environ)
-    env.pop("EPM_LOG", None)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, json.dumps(opts)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    log = r.stdout + r.stderr
-    if r.returncode != 0:
-        raise AssertionError(f"child {mode} exited {r.returncode}:\n{log[-4000:]}")
-    m = re.search(r"^RESULT (.*)$", r.stdout, re.M)
-    assert m, log[-4000:]
-    return json.loads(m.group(1)), log
-
-
-def release_stats(log):
-    """The EP's release line: key=value pairs."""
-    m = re.search(r"weight streaming released: (.*)", log)
-    assert m, "no release line in:\n" + log[-4000:]
-    return {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", m.group(1))}
+    return _run_child(__file__, [mode, json.dumps(opts)])
 
 
 def opts(**kw):
