@@ -53,6 +53,8 @@ import sys
 import tempfile
 import time
 
+from _floor import whole_weight_floor  # noqa: F401  (tests/ort/test_ort_streaming.py reads it here)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 REG = "epmem"
@@ -101,35 +103,6 @@ def claimed_sizes(c, split_bytes=0):
         cols = min(n, -(-cols // 64) * 64)
         out += [k * min(cols, n - n0) * eb for n0 in range(0, n, cols)]
     return out
-
-
-def whole_weight_floor(sizes, budget):
-    """The fewest bytes per step any schedule copying whole weights can copy
-    under `budget` (docs/RESIDENCY.md): while a streamed weight of m bytes is
-    read, it and every weight never copied are resident, so a step copies at
-    least total - kept with kept <= budget - m. Exact: for each candidate m,
-    every weight above m kept, the rest chosen by subset sum."""
-    from functools import reduce
-    from math import gcd
-
-    total = sum(sizes)
-    if total <= budget:
-        return 0
-    g = reduce(gcd, sizes)
-    best = total
-    for m in sorted(set(sizes)):
-        kept = sum(x for x in sizes if x > m)
-        room = budget - m - kept
-        if room < 0:
-            continue
-        cap = room // g
-        mask = (1 << (cap + 1)) - 1
-        reach = 1
-        for x in sizes:
-            if x <= m:
-                reach |= (reach << (x // g)) & mask
-        best = min(best, total - kept - (reach.bit_length() - 1) * g)
-    return best
 
 
 def build(c, path, seed=0):

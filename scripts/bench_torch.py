@@ -48,11 +48,10 @@ matplotlib for the PNG. Markdown table on stdout and next to --json.
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
-from functools import reduce
+from _floor import whole_weight_floor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("EPMEM_USE_INSTALLED") != "1":
@@ -175,29 +174,6 @@ def h2d_peak(dev, nbytes):
         b.synchronize()
         best = max(best, 4 * nbytes / (a.elapsed_time(b) / 1e3))
     del src, dst
-    return best
-
-
-def whole_weight_floor(sizes, budget):
-    """The fewest bytes per token any schedule copying each streamed weight whole
-    can copy (src/residency/placement.rs whole_weight_floor)."""
-    total = sum(sizes)
-    if total <= budget:
-        return 0
-    g = reduce(math.gcd, sizes)
-    best = total
-    for m in sorted(set(sizes)):
-        kept = sum(x for x in sizes if x > m)
-        room = budget - m - kept
-        if room < 0:
-            continue
-        cap = room // g
-        mask = (1 << (cap + 1)) - 1
-        reach = 1
-        for x in sizes:
-            if x <= m:
-                reach = (reach | (reach << (x // g))) & mask
-        best = min(best, total - kept - (reach.bit_length() - 1) * g)
     return best
 
 
