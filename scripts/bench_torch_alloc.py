@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """epmem as PyTorch's CUDA allocator against PyTorch's caching allocator, with
-and without expandable segments, on a transformers decode (issue 32, item 4).
+and without expandable segments, on a transformers decode (docs/ALLOCATOR.md).
 
     EPMEM_LIB=target/release/libepmem.so python3 scripts/bench_torch_alloc.py \\
         --out-json docs/bench/torch_alloc.json --out-md docs/bench/torch_alloc.md

@@ -1048,7 +1048,7 @@ const _: () = {
     assert!(offset_of!(OrtApi, SetEpDynamicOptions) == 284 * 8);
     assert!(offset_of!(OrtApi, GetEpApi) == 317 * 8);
     assert!(offset_of!(OrtApi, CreateExternalInitializerInfo) == 389 * 8);
-    // Slots observed with the shipped wheels (shared/ORT_PLUGIN_ABI.md).
+    // Slots also read off the shipped wheels (docs/ORT_ABI.md).
     assert!(offset_of!(OrtApi, GetTensorMutableData) == 51 * 8);
     assert!(offset_of!(OrtApi, ReleaseStatus) == 93 * 8);
     assert!(offset_of!(OrtApi, Logger_LogMessage) == 247 * 8);
