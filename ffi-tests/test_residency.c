@@ -86,6 +86,10 @@ static void test_decode_is_bit_exact_and_stats_add_up(void) {
   CHECK(st.registered_weights == LAYERS);
   CHECK(st.arena_driver_alloc_calls >= 1);
   CHECK(st.hit_rate > 0.0 && st.hit_rate < 1.0);
+  /* The stream plan's counters: the ring is part of what is resident. */
+  CHECK(st.ring_weights <= st.resident_weights && st.ring_bytes <= st.resident_bytes);
+  CHECK(st.ring_page_ins <= st.page_ins && st.dropped_rings == 0);
+  CHECK(st.planned_resident_bytes + st.ring_bytes <= st.budget_bytes);
 
 cleanup:
   epm_device_free(dev, slots);

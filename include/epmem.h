@@ -1021,29 +1021,36 @@ typedef struct EpmResidencyStats {
   size_t size;
   uint64_t acquires;
   /**
-   * Acquires whose data was resident from an earlier use (a weight paged
-   * in for this use, even by prefetch, is a miss), so `hit_rate` compares
-   * with Belady's optimum.
+   * Acquires whose data was resident from an earlier use (a weight
+   * paged in for this use, even by prefetch, is a miss), so `hit_rate`
+   * compares with Belady's optimum.
    */
   uint64_t hits;
+  /**
+   * hits / acquires (0 before the first acquire).
+   */
   double hit_rate;
   /**
    * Copies of a weight to the device (demand and prefetch).
    */
   uint64_t page_ins;
+  /**
+   * Of `page_ins`, issued ahead of use by prefetch.
+   */
   uint64_t prefetch_page_ins;
   /**
    * Prefetched weights not acquired yet.
    */
   uint64_t pending_prefetches;
   /**
-   * Prefetched weights evicted before use.
+   * Prefetched weights evicted before any use (wasted copies).
    */
   uint64_t wasted_prefetches;
   uint64_t evictions;
   /**
-   * Evictions whose victim was still being read and whose block could not
-   * be handed on (see `ordered_reuses`), so the host waited for its read fence.
+   * Evictions whose victim was still being read and whose block could
+   * not be handed on (see `ordered_reuses`), so the host waited for its
+   * read fence.
    */
   uint64_t eviction_waits;
   /**
@@ -1054,8 +1061,14 @@ typedef struct EpmResidencyStats {
    * Page-ins staged through pinned buffers.
    */
   uint64_t staged_page_ins;
+  /**
+   * Weight sources registered on first page-in, and refusals (limit or device).
+   */
   uint64_t source_registrations;
   uint64_t register_refusals;
+  /**
+   * Bytes registered by the manager (per-weight and whole ranges).
+   */
   uint64_t registered_bytes;
   uint64_t htod_bytes;
   /**
@@ -1068,15 +1081,15 @@ typedef struct EpmResidencyStats {
    */
   double fill_ms;
   /**
-   * Device time of page-in copies.
+   * Device time of page-in copies (read from events after completion).
    */
   double htod_ms;
   /**
-   * Time work waited on page-ins: device_stall_ms + host_stall_ms.
+   * Time work waited on page-ins: `device_stall_ms + host_stall_ms`.
    */
   double stall_ms;
   /**
-   * Time compute streams sat waiting for a page-in.
+   * Time compute streams sat waiting for a page-in (timing events around the wait).
    */
   double device_stall_ms;
   /**
@@ -1098,8 +1111,9 @@ typedef struct EpmResidencyStats {
   uint64_t arena_in_use_bytes;
   double arena_fragmentation;
   /**
-   * Weights coalesced into multi-weight units. A member acquired after its
-   * unit was paged in for another member counts as a hit.
+   * Weights coalesced into multi-weight units (one page-in each unit).
+   * A member acquired after its unit was paged in for another member
+   * counts as a hit.
    */
   uint64_t coalesced_weights;
   /**
@@ -1115,30 +1129,32 @@ typedef struct EpmResidencyStats {
   uint64_t attached_bytes;
   /**
    * Prefetches from staged sources filled by the manager's background
-   * thread (see `EpmResidencyConfig.caller_fills`).
+   * thread (see the config's `caller_fills`).
    */
   uint64_t background_page_ins;
   /**
-   * Acquires that found their weight's background fill not yet enqueued
-   * and waited for it on the host, and the time they waited (the fill
-   * falling behind the caller; not counted in `host_stall_ms`).
+   * Acquires that found their weight's background fill not yet
+   * enqueued and waited for it on the host, and the time they waited
+   * (the fill falling behind the caller; not counted in
+   * `host_stall_ms`, which counts the waits a plan or policy causes).
    */
   uint64_t background_waits;
   double background_wait_ms;
   /**
    * Bytes the background thread filled into staging buffers ahead of
-   * their prefetch (`EpmResidencyConfig.fill_ahead_chunks`), and how many
-   * of them that prefetch then used without filling them again (the rest
-   * were filled for a unit that was not prefetched next).
+   * their prefetch (the config's `fill_ahead_chunks`), and how many of
+   * them that prefetch then used without filling them again (the rest
+   * were filled for a unit that was not prefetched next, or forgotten
+   * by an unregister).
    */
   uint64_t fill_ahead_bytes;
   uint64_t fill_ahead_used_bytes;
   /**
-   * Host time waiting for a staging slot's previous copy to complete (the
-   * DMA behind the fill), over every staged page-in; and the time the
-   * background thread spent issuing its page-ins and filling ahead. With
-   * `fill_ms`, they split that thread's time: the rest of the wall time it
-   * waited for the next `epm_residency_release` to queue work.
+   * Host time waiting for a staging slot's previous copy to complete
+   * (the DMA behind the fill), over every staged page-in; and the time
+   * the background thread spent issuing its page-ins and filling
+   * ahead. With `fill_ms`, they split that thread's time: the rest of
+   * the wall time it waited for the next release to queue work.
    */
   double slot_wait_ms;
   double background_busy_ms;
@@ -1158,13 +1174,46 @@ typedef struct EpmResidencyStats {
    */
   uint64_t decode_staging_bytes;
   /**
-   * Compressed bytes copied to the device (also counted in `htod_bytes`),
-   * the bytes their decodes wrote, the decodes, and their device time.
+   * Compressed bytes copied to the device (also counted in
+   * `htod_bytes`), the bytes their decodes wrote, the decodes, and
+   * their device time (timing events around each decode, read once
+   * complete).
    */
   uint64_t compressed_htod_bytes;
   uint64_t decoded_bytes;
   uint64_t decodes;
   double decode_ms;
+  /**
+   * Bytes of the streaming region of the active plan (0: no plan);
+   * they count in `resident_bytes`.
+   */
+  uint64_t ring_bytes;
+  /**
+   * Bytes the active plan keeps resident for good.
+   */
+  uint64_t planned_resident_bytes;
+  /**
+   * Page-ins into the streaming region (each ordered on the device
+   * behind the readers of what it overwrites; also counted in
+   * `ordered_reuses` per occupant overwritten).
+   */
+  uint64_t ring_page_ins;
+  /**
+   * Of `resident_weights`, those in the streaming region (all in one
+   * arena block: the others are one arena block each).
+   */
+  uint64_t ring_weights;
+  /**
+   * Plans installed (a cycle declared, or a caller found holding more
+   * weights at once than the plan assumed).
+   */
+  uint64_t plans;
+  /**
+   * Rings dropped because callers walk the cycle concurrently: from
+   * then on, until a cycle is declared, no plan; page-ins go through
+   * the arena alone.
+   */
+  uint64_t dropped_rings;
 } EpmResidencyStats;
 
 /**

@@ -841,12 +841,8 @@ mod tests {
         // gets, behind the stream layer, on the host device.
         let (dev, l) = layer(64 << 30);
         let a = dev.stream_create().unwrap();
-        let mut seed = 2026u64;
-        let mut rnd = |m: usize| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            1 + (seed >> 33) as usize % m
-        };
-        let trace: Vec<(usize, usize)> = (0..60).map(|_| (rnd(16), rnd(512))).collect();
+        let mut rng = fastrand::Rng::with_seed(2026);
+        let trace: Vec<(usize, usize)> = (0..60).map(|_| (rng.usize(1..=16), rng.usize(1..=512))).collect();
         let mut r = Replay::new(&l, a, lag_us);
         for &(b, t) in &trace {
             r.pass(b, t);

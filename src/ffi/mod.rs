@@ -57,6 +57,7 @@ pub mod memory;
 pub mod mirror;
 pub mod panic;
 pub mod residency;
+pub mod residency_stats;
 pub mod shared_reg;
 pub mod staging;
 pub mod status;

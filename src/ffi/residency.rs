@@ -11,12 +11,12 @@
 use crate::device::{HostRange, Stream};
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
-use crate::ffi::mirror::{config_in, mirror};
+use crate::ffi::mirror::config_in;
 use crate::ffi::prelude::*;
+pub use crate::ffi::residency_stats::EpmResidencyStats;
+use crate::ffi::residency_stats::stats_to_c;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::residency::{
-    HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, ResidencyStats, WeightId,
-};
+use crate::residency::{HostRangeId, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager, WeightId};
 
 /// A residency manager: a VRAM budget, its device arena, a staging pool and
 /// copy engine, and the registered weights. Keeps its device alive.
@@ -139,114 +139,6 @@ pub struct EpmResidencyConfig {
     /// gets the default. Default `EPM_FILL_AHEAD_ALL_SLOTS` (on since it ran
     /// on the H200: a staged decode 157 → 133 ms/token at prefetch depth 1).
     pub fill_ahead_chunks: u32,
-}
-
-/// Counters of a residency manager, filled by `epm_residency_get_stats`;
-/// versioned by `size`. Times lag until their events complete: call
-/// `epm_residency_synchronize` first for final figures.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct EpmResidencyStats {
-    /// In: `sizeof(EpmResidencyStats)`. Out: bytes filled.
-    pub size: usize,
-    pub acquires: u64,
-    /// Acquires whose data was resident from an earlier use (a weight paged
-    /// in for this use, even by prefetch, is a miss), so `hit_rate` compares
-    /// with Belady's optimum.
-    pub hits: u64,
-    pub hit_rate: f64,
-    /// Copies of a weight to the device (demand and prefetch).
-    pub page_ins: u64,
-    pub prefetch_page_ins: u64,
-    /// Prefetched weights not acquired yet.
-    pub pending_prefetches: u64,
-    /// Prefetched weights evicted before use.
-    pub wasted_prefetches: u64,
-    pub evictions: u64,
-    /// Evictions whose victim was still being read and whose block could not
-    /// be handed on (see `ordered_reuses`), so the host waited for its read fence.
-    pub eviction_waits: u64,
-    /// Page-ins copied straight from page-locked or registered memory.
-    pub bypassed_page_ins: u64,
-    /// Page-ins staged through pinned buffers.
-    pub staged_page_ins: u64,
-    pub source_registrations: u64,
-    pub register_refusals: u64,
-    pub registered_bytes: u64,
-    pub htod_bytes: u64,
-    /// Pinned allocations by the staging pool (flat in steady state), and reuses.
-    pub pinned_alloc_calls: u64,
-    pub pinned_reuses: u64,
-    /// Host time filling staging buffers.
-    pub fill_ms: f64,
-    /// Device time of page-in copies.
-    pub htod_ms: f64,
-    /// Time work waited on page-ins: device_stall_ms + host_stall_ms.
-    pub stall_ms: f64,
-    /// Time compute streams sat waiting for a page-in.
-    pub device_stall_ms: f64,
-    /// Time the host blocked (synchronous page-ins, eviction waits).
-    pub host_stall_ms: f64,
-    pub resident_bytes: u64,
-    pub peak_resident_bytes: u64,
-    pub resident_weights: u64,
-    pub registered_weights: u64,
-    pub budget_bytes: u64,
-    /// The device arena holding resident weights (see `EpmArenaStats`).
-    pub arena_driver_alloc_calls: u64,
-    pub arena_driver_free_calls: u64,
-    pub arena_reserved_bytes: u64,
-    pub arena_committed_bytes: u64,
-    pub arena_in_use_bytes: u64,
-    pub arena_fragmentation: f64,
-    /// Weights coalesced into multi-weight units. A member acquired after its
-    /// unit was paged in for another member counts as a hit.
-    pub coalesced_weights: u64,
-    /// Evictions whose block went straight to the next page-in, the copy
-    /// ordered on the device behind the victim's readers (no host wait).
-    pub ordered_reuses: u64,
-    /// Bytes of shared host registrations this manager attached
-    /// (`epm_residency_attach_host_registration`): page-locked once, by
-    /// another call, and not counted in `registered_bytes`. (epmem 0.2)
-    pub attached_bytes: u64,
-    /// Prefetches from staged sources filled by the manager's background
-    /// thread (see `EpmResidencyConfig.caller_fills`).
-    pub background_page_ins: u64,
-    /// Acquires that found their weight's background fill not yet enqueued
-    /// and waited for it on the host, and the time they waited (the fill
-    /// falling behind the caller; not counted in `host_stall_ms`).
-    pub background_waits: u64,
-    pub background_wait_ms: f64,
-    /// Bytes the background thread filled into staging buffers ahead of
-    /// their prefetch (`EpmResidencyConfig.fill_ahead_chunks`), and how many
-    /// of them that prefetch then used without filling them again (the rest
-    /// were filled for a unit that was not prefetched next).
-    pub fill_ahead_bytes: u64,
-    pub fill_ahead_used_bytes: u64,
-    /// Host time waiting for a staging slot's previous copy to complete (the
-    /// DMA behind the fill), over every staged page-in; and the time the
-    /// background thread spent issuing its page-ins and filling ahead. With
-    /// `fill_ms`, they split that thread's time: the rest of the wall time it
-    /// waited for the next `epm_residency_release` to queue work.
-    pub slot_wait_ms: f64,
-    pub background_busy_ms: f64,
-    /// Weights registered compressed (`epm_residency_register_compressed`),
-    /// their host copies' bytes (the compressed buffers, page-locked and
-    /// owned by the manager) and their decoded bytes: host RAM of the
-    /// compressed weights ÷ raw is `compressed_host_bytes /
-    /// compressed_raw_bytes`.
-    pub compressed_weights: u64,
-    pub compressed_host_bytes: u64,
-    pub compressed_raw_bytes: u64,
-    /// Device staging for compressed bytes, reserved out of `budget_bytes`
-    /// (`EPM_DECODE_STAGING_BUFFERS` buffers of the largest compressed weight).
-    pub decode_staging_bytes: u64,
-    /// Compressed bytes copied to the device (also counted in `htod_bytes`),
-    /// the bytes their decodes wrote, the decodes, and their device time.
-    pub compressed_htod_bytes: u64,
-    pub decoded_bytes: u64,
-    pub decodes: u64,
-    pub decode_ms: f64,
 }
 
 /// `sizeof(EpmResidencyConfig)` in its first published version (epmem
@@ -593,36 +485,6 @@ pub extern "C" fn epm_residency_synchronize(res: *mut EpmResidency) -> EpmStatus
     ffi_boundary! {
         let res = try_handle!(res);
         res.synchronize()
-    }
-}
-
-mirror! {
-    /// The counters as C sees them (`size` is set by `write_versioned`).
-    fn stats_to_c(s: &ResidencyStats) -> EpmResidencyStats {
-        size: 0;
-        same {
-            acquires, hits, hit_rate, page_ins, prefetch_page_ins, pending_prefetches,
-            wasted_prefetches, evictions, eviction_waits, bypassed_page_ins, staged_page_ins,
-            source_registrations, register_refusals, registered_bytes, htod_bytes,
-            pinned_alloc_calls, pinned_reuses, fill_ms, htod_ms, stall_ms, device_stall_ms,
-            host_stall_ms, resident_bytes, peak_resident_bytes, resident_weights,
-            registered_weights, budget_bytes, coalesced_weights, ordered_reuses, attached_bytes,
-            background_page_ins, background_waits, background_wait_ms,
-            fill_ahead_bytes, fill_ahead_used_bytes, slot_wait_ms, background_busy_ms,
-            compressed_weights, compressed_host_bytes, compressed_raw_bytes, decode_staging_bytes,
-            compressed_htod_bytes, decoded_bytes, decodes, decode_ms,
-        }
-        mapped {
-            arena_driver_alloc_calls: arena.driver_alloc_calls,
-            arena_driver_free_calls: arena.driver_free_calls,
-            arena_reserved_bytes: arena.reserved_bytes,
-            arena_committed_bytes: arena.committed_bytes,
-            arena_in_use_bytes: arena.in_use_bytes,
-            arena_fragmentation: arena.fragmentation,
-        }
-        // `arena` is flattened above; the stream plan's counters are not
-        // in the C struct yet: growing it is an ABI decision, not this table's.
-        rust_only { arena, ring_bytes, planned_resident_bytes, ring_page_ins, ring_weights, plans, dropped_rings }
     }
 }
 

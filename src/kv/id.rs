@@ -4,7 +4,7 @@
 //! ≥ 1 in the high 32, so 0 is never an id) in its own type: a prefix id
 //! where a sequence id is expected is a compile error, not a lookup that
 //! might find a live sequence with the same bits
-//! (tests/compile_fail/kv_ids.rs proves it). C sees none of these: its
+//! (tests/compile_fail/kv_ids/ proves it). C sees none of these: its
 //! handles (`EpmKvSeq`, `EpmKvPrefix`, `EpmKvBatch`) are typed by the handle
 //! table and hold the id inside.
 

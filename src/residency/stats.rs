@@ -12,155 +12,228 @@ use crate::arena::ArenaStats;
 use crate::device::{Event, RawStream};
 use crate::error::Result;
 
-/// A snapshot of one residency manager.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct ResidencyStats {
-    pub acquires: u64,
-    /// Acquires whose data was resident from an earlier use.
-    pub hits: u64,
-    /// hits / acquires (0 before the first acquire).
-    pub hit_rate: f64,
-    /// Copies of a weight to the device (demand and prefetch).
-    pub page_ins: u64,
-    /// Of `page_ins`, issued ahead of use by prefetch.
-    pub prefetch_page_ins: u64,
-    /// Prefetched weights not acquired yet.
-    pub pending_prefetches: u64,
-    /// Prefetched weights evicted before any use (wasted copies).
-    pub wasted_prefetches: u64,
-    pub evictions: u64,
-    /// Evictions that had to wait on the host for the victim's read fence.
-    pub eviction_waits: u64,
-    /// Evictions whose block went straight to the next page-in, its copy
-    /// ordered on the device behind the victim's readers (no host wait).
-    pub ordered_reuses: u64,
-    /// Weights coalesced into multi-weight units (one page-in each unit). A
-    /// member acquired after its unit was paged in for another member
-    /// counts as a hit.
-    pub coalesced_weights: u64,
-    /// Page-ins copied straight from page-locked or registered memory.
-    pub bypassed_page_ins: u64,
-    /// Page-ins staged through pinned buffers.
-    pub staged_page_ins: u64,
-    /// Weight sources registered on first page-in, and refusals (limit or device).
-    pub source_registrations: u64,
-    pub register_refusals: u64,
-    /// Bytes registered by the manager (per-weight and whole ranges).
-    pub registered_bytes: u64,
-    /// Bytes of shared registrations attached (registered once, elsewhere).
-    pub attached_bytes: u64,
-    pub htod_bytes: u64,
-    /// Staging pool driver allocations and reuses.
-    pub pinned_alloc_calls: u64,
-    pub pinned_reuses: u64,
-    /// Host time filling staging buffers.
-    pub fill_ms: f64,
-    /// Device time of page-in copies (read from events after completion).
-    pub htod_ms: f64,
-    /// Time work waited on a page-in: `device_stall_ms + host_stall_ms`.
-    pub stall_ms: f64,
-    /// Time a compute stream sat waiting for a page-in (timing events around the wait).
-    pub device_stall_ms: f64,
-    /// Time the host blocked: synchronous page-ins, eviction waits.
-    pub host_stall_ms: f64,
-    pub resident_bytes: u64,
-    pub peak_resident_bytes: u64,
-    pub resident_weights: u64,
-    pub registered_weights: u64,
-    pub budget_bytes: u64,
-    /// Bytes of the streaming region of the active plan (0: no plan); they
-    /// count in `resident_bytes`.
-    pub ring_bytes: u64,
-    /// Bytes the active plan keeps resident for good.
-    pub planned_resident_bytes: u64,
-    /// Page-ins into the streaming region (each ordered on the device behind
-    /// the readers of what it overwrites; also counted in `ordered_reuses`
-    /// per occupant overwritten).
-    pub ring_page_ins: u64,
-    /// Of `resident_weights`, those in the streaming region (all in one
-    /// arena block: the others are one arena block each).
-    pub ring_weights: u64,
-    /// Plans installed (declare_cycle, or a caller found holding more
-    /// weights at once than the plan assumed).
-    pub plans: u64,
-    /// Rings dropped because callers walk the cycle concurrently (see
-    /// `ResidencyManager::acquire`): from then on, until a cycle is
-    /// declared, no plan; page-ins go through the arena alone.
-    pub dropped_rings: u64,
-    /// Prefetches from staged sources issued by the background filler
-    /// (`ResidencyConfig::caller_fills` false), the acquires that found one
-    /// not yet enqueued and waited for it on the host, and that wait's time
-    /// (the fill falling behind; not in `host_stall_ms`, which counts the
-    /// waits a plan or policy causes).
-    pub background_page_ins: u64,
-    pub background_waits: u64,
-    pub background_wait_ms: f64,
-    /// Bytes the background filler filled ahead of their prefetch
-    /// (`ResidencyConfig::fill_ahead_chunks`), and how many of them that
-    /// prefetch used (the rest went to a prefetch of another unit, or were
-    /// forgotten by an unregister).
-    pub fill_ahead_bytes: u64,
-    pub fill_ahead_used_bytes: u64,
-    /// Host time the copy engine waited for a staging slot's previous copy
-    /// (every staged copy, whichever thread issued it), and the time the
-    /// background filler spent issuing its copies and filling ahead: with
-    /// `fill_ms`, what the filler did; the rest of the wall time it idled,
-    /// waiting for the caller to queue the next copy.
-    pub slot_wait_ms: f64,
-    pub background_busy_ms: f64,
-    /// Compressed weights registered, their host copies' bytes (the
-    /// compressed buffers, page-locked, owned by the manager) and their
-    /// decoded bytes (what the same weights take raw).
-    pub compressed_weights: u64,
-    pub compressed_host_bytes: u64,
-    pub compressed_raw_bytes: u64,
-    /// Device staging for compressed bytes, reserved out of the budget
-    /// (`DECODE_STAGING_BUFFERS` × the largest compressed weight).
-    pub decode_staging_bytes: u64,
-    /// Compressed bytes copied to the device (also in `htod_bytes`), the
-    /// bytes their decodes wrote, the decodes, and their device time
-    /// (timing events around each decode, read once complete).
-    pub compressed_htod_bytes: u64,
-    pub decoded_bytes: u64,
-    pub decodes: u64,
-    pub decode_ms: f64,
-    /// The device arena holding resident weights.
-    pub arena: ArenaStats,
+/// One field of a stats struct as C sees it: its name, its Rust type, the
+/// path it is read from in the core's struct, and its doc lines. The
+/// generator of `src/ffi/residency_stats.rs` renders the C struct from these.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CField {
+    pub name: &'static str,
+    pub ty: &'static str,
+    pub from: &'static str,
+    pub doc: &'static [&'static str],
 }
 
-/// Plain counters, updated under the manager's lock.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct Counters {
-    pub acquires: u64,
-    pub hits: u64,
-    pub page_ins: u64,
-    pub prefetch_page_ins: u64,
-    pub pending_prefetches: u64,
-    pub wasted_prefetches: u64,
-    pub evictions: u64,
-    pub eviction_waits: u64,
-    pub ordered_reuses: u64,
-    pub coalesced_weights: u64,
-    pub source_registrations: u64,
-    pub register_refusals: u64,
-    pub registered_bytes: u64,
-    pub attached_bytes: u64,
-    pub host_stall_ns: u64,
-    pub device_stall_ms: f64,
-    pub ring_page_ins: u64,
-    pub plans: u64,
-    pub dropped_rings: u64,
-    pub background_page_ins: u64,
-    pub background_waits: u64,
-    pub background_wait_ns: u64,
-    pub ring_weights: u64,
-    pub compressed_weights: u64,
-    pub compressed_host_bytes: u64,
-    pub compressed_raw_bytes: u64,
-    pub compressed_htod_bytes: u64,
-    pub decoded_bytes: u64,
-    pub decodes: u64,
-    pub decode_ms: f64,
+/// Declares a stats struct once. Each field is one line, with a kind that
+/// says where it lives:
+/// - `counter`: a field of the plain counters (kept under the manager's
+///   lock), of the public snapshot, and of the C struct;
+/// - `derived`: computed when the snapshot is taken (the snapshot and C);
+/// - `raw`: a counter the snapshot converts (nanoseconds to milliseconds):
+///   the plain counters only;
+/// - `rust_only`: the snapshot only (C sees it flattened through `c_only`);
+/// - `c_only ... = path`: a C field read from a path of the snapshot.
+///
+/// The fields C sees appear in the C struct in declaration order, so a new
+/// one goes at the end (docs/ABI.md). Generated: the snapshot struct, the
+/// counters struct and (in tests) the C field list, from which
+/// `src/ffi/residency_stats.rs` is generated and checked.
+macro_rules! declare_stats {
+    (
+        $(#[$smeta:meta])*
+        pub struct $S:ident;
+        $(#[$cmeta:meta])*
+        pub(crate) struct $C:ident;
+        $(#[$fmeta:meta])*
+        const $F:ident;
+        { $($body:tt)* }
+    ) => {
+        declare_stats!(@munch [$(#[$smeta])* $S] [$(#[$cmeta])* $C] [$(#[$fmeta])* $F] [] [] [] $($body)*);
+    };
+    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
+        $(#[doc = $d:literal])* counter $n:ident: $t:ty, $($rest:tt)*) => {
+        declare_stats!(@munch $s $c $f [$($sf)* $(#[doc = $d])* pub $n: $t,] [$($cf)* pub $n: $t,]
+            [$($m)* CField { name: stringify!($n), ty: stringify!($t), from: stringify!($n), doc: &[$($d),*] },]
+            $($rest)*);
+    };
+    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
+        $(#[doc = $d:literal])* derived $n:ident: $t:ty, $($rest:tt)*) => {
+        declare_stats!(@munch $s $c $f [$($sf)* $(#[doc = $d])* pub $n: $t,] [$($cf)*]
+            [$($m)* CField { name: stringify!($n), ty: stringify!($t), from: stringify!($n), doc: &[$($d),*] },]
+            $($rest)*);
+    };
+    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
+        $(#[doc = $d:literal])* raw $n:ident: $t:ty, $($rest:tt)*) => {
+        declare_stats!(@munch $s $c $f [$($sf)*] [$($cf)* $(#[doc = $d])* pub $n: $t,] [$($m)*] $($rest)*);
+    };
+    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
+        $(#[doc = $d:literal])* rust_only $n:ident: $t:ty, $($rest:tt)*) => {
+        declare_stats!(@munch $s $c $f [$($sf)* $(#[doc = $d])* pub $n: $t,] [$($cf)*] [$($m)*] $($rest)*);
+    };
+    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
+        $(#[doc = $d:literal])* c_only $n:ident: $t:ty = $($p:ident).+, $($rest:tt)*) => {
+        declare_stats!(@munch $s $c $f [$($sf)*] [$($cf)*]
+            [$($m)* CField { name: stringify!($n), ty: stringify!($t), from: stringify!($($p).+), doc: &[$($d),*] },]
+            $($rest)*);
+    };
+    (@munch [$(#[$smeta:meta])* $S:ident] [$(#[$cmeta:meta])* $C:ident] [$(#[$fmeta:meta])* $F:ident]
+        [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]) => {
+        $(#[$smeta])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq)]
+        pub struct $S { $($sf)* }
+
+        $(#[$cmeta])*
+        #[derive(Debug, Default, Clone, Copy)]
+        pub(crate) struct $C { $($cf)* }
+
+        $(#[$fmeta])*
+        #[cfg(test)]
+        pub(crate) const $F: &[CField] = &[$($m)*];
+    };
+}
+
+declare_stats! {
+    /// A snapshot of one residency manager.
+    pub struct ResidencyStats;
+    /// Plain counters, updated under the manager's lock.
+    pub(crate) struct Counters;
+    /// The fields of `EpmResidencyStats` after `size`, in C order.
+    const RESIDENCY_C_FIELDS;
+    {
+        counter acquires: u64,
+        /// Acquires whose data was resident from an earlier use (a weight
+        /// paged in for this use, even by prefetch, is a miss), so `hit_rate`
+        /// compares with Belady's optimum.
+        counter hits: u64,
+        /// hits / acquires (0 before the first acquire).
+        derived hit_rate: f64,
+        /// Copies of a weight to the device (demand and prefetch).
+        counter page_ins: u64,
+        /// Of `page_ins`, issued ahead of use by prefetch.
+        counter prefetch_page_ins: u64,
+        /// Prefetched weights not acquired yet.
+        counter pending_prefetches: u64,
+        /// Prefetched weights evicted before any use (wasted copies).
+        counter wasted_prefetches: u64,
+        counter evictions: u64,
+        /// Evictions whose victim was still being read and whose block could
+        /// not be handed on (see `ordered_reuses`), so the host waited for its
+        /// read fence.
+        counter eviction_waits: u64,
+        /// Page-ins copied straight from page-locked or registered memory.
+        derived bypassed_page_ins: u64,
+        /// Page-ins staged through pinned buffers.
+        derived staged_page_ins: u64,
+        /// Weight sources registered on first page-in, and refusals (limit or device).
+        counter source_registrations: u64,
+        counter register_refusals: u64,
+        /// Bytes registered by the manager (per-weight and whole ranges).
+        counter registered_bytes: u64,
+        derived htod_bytes: u64,
+        /// Pinned allocations by the staging pool (flat in steady state), and reuses.
+        derived pinned_alloc_calls: u64,
+        derived pinned_reuses: u64,
+        /// Host time filling staging buffers.
+        derived fill_ms: f64,
+        /// Device time of page-in copies (read from events after completion).
+        derived htod_ms: f64,
+        /// Time work waited on page-ins: `device_stall_ms + host_stall_ms`.
+        derived stall_ms: f64,
+        /// Time compute streams sat waiting for a page-in (timing events around the wait).
+        counter device_stall_ms: f64,
+        /// Time the host blocked (synchronous page-ins, eviction waits).
+        derived host_stall_ms: f64,
+        derived resident_bytes: u64,
+        derived peak_resident_bytes: u64,
+        derived resident_weights: u64,
+        derived registered_weights: u64,
+        derived budget_bytes: u64,
+        /// The device arena holding resident weights.
+        rust_only arena: ArenaStats,
+        /// The device arena holding resident weights (see `EpmArenaStats`).
+        c_only arena_driver_alloc_calls: u64 = arena.driver_alloc_calls,
+        c_only arena_driver_free_calls: u64 = arena.driver_free_calls,
+        c_only arena_reserved_bytes: u64 = arena.reserved_bytes,
+        c_only arena_committed_bytes: u64 = arena.committed_bytes,
+        c_only arena_in_use_bytes: u64 = arena.in_use_bytes,
+        c_only arena_fragmentation: f64 = arena.fragmentation,
+        /// Weights coalesced into multi-weight units (one page-in each unit).
+        /// A member acquired after its unit was paged in for another member
+        /// counts as a hit.
+        counter coalesced_weights: u64,
+        /// Evictions whose block went straight to the next page-in, the copy
+        /// ordered on the device behind the victim's readers (no host wait).
+        counter ordered_reuses: u64,
+        /// Bytes of shared host registrations this manager attached
+        /// (`epm_residency_attach_host_registration`): page-locked once, by
+        /// another call, and not counted in `registered_bytes`. (epmem 0.2)
+        counter attached_bytes: u64,
+        /// Prefetches from staged sources filled by the manager's background
+        /// thread (see the config's `caller_fills`).
+        counter background_page_ins: u64,
+        /// Acquires that found their weight's background fill not yet
+        /// enqueued and waited for it on the host, and the time they waited
+        /// (the fill falling behind the caller; not counted in
+        /// `host_stall_ms`, which counts the waits a plan or policy causes).
+        counter background_waits: u64,
+        derived background_wait_ms: f64,
+        /// Bytes the background thread filled into staging buffers ahead of
+        /// their prefetch (the config's `fill_ahead_chunks`), and how many of
+        /// them that prefetch then used without filling them again (the rest
+        /// were filled for a unit that was not prefetched next, or forgotten
+        /// by an unregister).
+        derived fill_ahead_bytes: u64,
+        derived fill_ahead_used_bytes: u64,
+        /// Host time waiting for a staging slot's previous copy to complete
+        /// (the DMA behind the fill), over every staged page-in; and the time
+        /// the background thread spent issuing its page-ins and filling
+        /// ahead. With `fill_ms`, they split that thread's time: the rest of
+        /// the wall time it waited for the next release to queue work.
+        derived slot_wait_ms: f64,
+        derived background_busy_ms: f64,
+        /// Weights registered compressed (`epm_residency_register_compressed`),
+        /// their host copies' bytes (the compressed buffers, page-locked and
+        /// owned by the manager) and their decoded bytes: host RAM of the
+        /// compressed weights ÷ raw is `compressed_host_bytes /
+        /// compressed_raw_bytes`.
+        counter compressed_weights: u64,
+        counter compressed_host_bytes: u64,
+        counter compressed_raw_bytes: u64,
+        /// Device staging for compressed bytes, reserved out of `budget_bytes`
+        /// (`EPM_DECODE_STAGING_BUFFERS` buffers of the largest compressed weight).
+        derived decode_staging_bytes: u64,
+        /// Compressed bytes copied to the device (also counted in
+        /// `htod_bytes`), the bytes their decodes wrote, the decodes, and
+        /// their device time (timing events around each decode, read once
+        /// complete).
+        counter compressed_htod_bytes: u64,
+        counter decoded_bytes: u64,
+        counter decodes: u64,
+        counter decode_ms: f64,
+        /// Bytes of the streaming region of the active plan (0: no plan);
+        /// they count in `resident_bytes`.
+        derived ring_bytes: u64,
+        /// Bytes the active plan keeps resident for good.
+        derived planned_resident_bytes: u64,
+        /// Page-ins into the streaming region (each ordered on the device
+        /// behind the readers of what it overwrites; also counted in
+        /// `ordered_reuses` per occupant overwritten).
+        counter ring_page_ins: u64,
+        /// Of `resident_weights`, those in the streaming region (all in one
+        /// arena block: the others are one arena block each).
+        counter ring_weights: u64,
+        /// Plans installed (a cycle declared, or a caller found holding more
+        /// weights at once than the plan assumed).
+        counter plans: u64,
+        /// Rings dropped because callers walk the cycle concurrently: from
+        /// then on, until a cycle is declared, no plan; page-ins go through
+        /// the arena alone.
+        counter dropped_rings: u64,
+        /// Host time blocked, in nanoseconds (`host_stall_ms` in the snapshot).
+        raw host_stall_ns: u64,
+        /// Background waits' time, in nanoseconds (`background_wait_ms`).
+        raw background_wait_ns: u64,
+    }
 }
 
 /// Most stall measurements awaiting completion; beyond it, waits go untimed

@@ -1,0 +1,19 @@
+// Nor duplicated, nor spent twice.
+// Fails with E0599: no method named `clone` found for struct `ReadsDone`
+use epmem::residency::read_fence::{DeviceBlock, Fenced, ReadsDone, TryReadsDone};
+
+fn give_back(a: Fenced, b: DeviceBlock) -> epmem::Result<()> {
+    let a_done: ReadsDone = match a.try_complete()? {
+        TryReadsDone::Done(done, _spent) => done,
+        TryReadsDone::Pending(a) => a.wait()?.0,
+    };
+    let note = a_done.clone();
+    let addr = a_done.addr();
+    a_done.free();
+    let _ = (note, addr);
+    Ok(())
+}
+
+fn main() {
+    let _ = give_back;
+}

@@ -1,0 +1,29 @@
+// A's witness cannot be moved onto B: its buffer cannot be swapped or taken out.
+// Fails with E0616: field `proven` of struct `CopyCompleted` is private
+use epmem::transfer::witness::{self, CopyCompleted, TryComplete};
+use epmem::device::{self, DeviceBuffer, PinnedBuffer, Stream};
+use epmem::staging::{PinnedStagingPool, PoolConfig, PooledStaging};
+
+fn main() -> epmem::Result<()> {
+    let dev = device::open_from_env(0)?;
+    let stream = Stream::new(&dev)?;
+    let dst = DeviceBuffer::new(&dev, 4096)?;
+    let pool = PinnedStagingPool::new(&dev, PoolConfig::default())?;
+    let (a, b) = (pool.acquire(4096)?, pool.acquire(4096)?);
+    let mut pinned = PinnedBuffer::new(&dev, 4096)?;
+    pinned.fill(7);
+    let a_done: CopyCompleted<PooledStaging> = witness::enqueue_htod(&stream, dst.ptr(), a, 4096, None)?.wait()?;
+    let b_flight = witness::enqueue_htod(&stream, dst.ptr(), b, 4096, None)?;
+    let p_done: CopyCompleted<PinnedBuffer> = witness::enqueue_htod(&stream, dst.ptr(), pinned, 4096, None)?.wait()?;
+    let mut spare = pool.acquire(4096)?;
+    let note = a_done.proven;
+    pool.release(a_done);
+    let b_done = match b_flight.try_complete()? {
+        TryComplete::Done(done) => done,
+        TryComplete::Pending(flight) => flight.wait()?,
+    };
+    pool.release(b_done);
+    assert_eq!(p_done[0], 7);
+    let _ = note;
+    Ok(())
+}
