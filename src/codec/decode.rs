@@ -50,13 +50,12 @@ pub fn decode_piece(piece: &DecodePiece, src: &[u8], out: &mut [u8], threads: us
         for (i, o) in out.chunks_mut(BLOCK_VALUES * 2).enumerate() {
             let j = first_local + i;
             let off = |j: usize| {
-                let o = u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]]);
+                let o =
+                    u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]]);
                 (o as usize).checked_sub(base)
             };
-            let esc = off(j)
-                .zip(off(j + 1))
-                .and_then(|(a, b)| escapes.get(a..b))
-                .ok_or_else(|| bad_index(first + j))?;
+            let esc =
+                off(j).zip(off(j + 1)).and_then(|(a, b)| escapes.get(a..b)).ok_or_else(|| bad_index(first + j))?;
             let c = &codes[j * block_code_bytes..((j + 1) * block_code_bytes).min(codes.len())];
             let w = &lows[j * BLOCK_VALUES..][..o.len() / 2];
             decode_block(desc, c, w, esc, o).map_err(|()| bad_index(first + j))?;

@@ -52,7 +52,7 @@ pub const DECODE_STAGING_MAX_BYTES: usize = 64 << 20;
 /// compressed weight, if smaller) even when no compressed weight streams:
 /// planned-resident weights page in through it at first fill and after an
 /// eviction, and pieces much smaller than this cost launches.
-pub const DECODE_STAGING_MIN_BYTES: usize = 4 << 20;
+pub const DECODE_STAGING_MIN_BYTES: usize = 2 << 20;
 
 /// Plans tried when choosing a plan and its staging together
 /// ([`ResidencyManager::plan_with_staging`]).
@@ -107,7 +107,14 @@ impl DecodeStaging {
                 used: false,
             });
         }
-        Ok(Self { bufs, cap, next: 0, stream: Stream::new(dev)?, gate: Stream::new(dev)?, after: Event::new(dev, false)? })
+        Ok(Self {
+            bufs,
+            cap,
+            next: 0,
+            stream: Stream::new(dev)?,
+            gate: Stream::new(dev)?,
+            after: Event::new(dev, false)?,
+        })
     }
 }
 
