@@ -4,17 +4,31 @@
 //!
 //! The host copy of a compressed weight is its encoded buffer, page-locked and
 //! owned by the manager, so every page-in is a direct DMA of the compressed
-//! bytes. The weight's share of the budget is its decoded length. The device
-//! staging the compressed bytes land in is [`DECODE_STAGING_BUFFERS`] buffers
-//! of the largest compressed weight registered, reserved out of the budget at
-//! registration: `budget − staging` is what weights may occupy.
+//! bytes. The weight's share of the budget is its decoded length.
+//!
+//! The staging: [`DECODE_STAGING_BUFFERS`] device buffers, reserved out of
+//! the budget (`budget − staging` is what weights, ring included, may
+//! occupy). Each holds the largest compressed weight the plan streams (at
+//! least [`DECODE_STAGING_MIN_BYTES`] or the largest compressed weight, if
+//! smaller), or with no plan the largest compressed weight registered, and
+//! at most [`DECODE_STAGING_MAX_BYTES`]. Plan and staging are chosen together
+//! when a plan is installed (`plan_with_staging`); a
+//! registration grows the staging when the rule wants more.
+//!
+//! A weight whose compressed bytes exceed a buffer pages in in pieces
+//! ([`crate::codec::DecodePiece`]): ranges of whole blocks, each staged by
+//! the copies of its parts of the four streams into the next buffer and
+//! decoded into its offset of the weight's memory, alternating buffers,
+//! ordered exactly like whole page-ins below (per piece); the page-in fence
+//! follows the last piece's decode.
 //!
 //! Ordering, per page-in into buffer `i`:
 //! 1. the manager's gate stream waits for the last decode that read buffer
 //!    `i` (its *free* event) and, for a page-in into memory whose readers
 //!    may still run, for the order stream that waits for them;
-//! 2. the copy engine copies the compressed bytes into buffer `i` after the
-//!    gate stream (copies stay in issue order on the engine's stream);
+//! 2. the copy engine copies the compressed bytes (or a piece's parts) into
+//!    buffer `i` after the gate stream (copies stay in issue order on the
+//!    engine's stream, so the decode waits for the last);
 //! 3. the decode stream waits for the copy, decodes into the weight's memory,
 //!    and records the page-in's fence and buffer `i`'s free event.
 //!
