@@ -489,7 +489,6 @@ fn blocks(m: &ResidencyManager) -> Blocks {
 fn the_staging_holds_the_largest_streamed_weight_and_larger_ones_page_in_in_pieces() {
     let d = dev();
     let raw: Vec<usize> = (0..9).map(|i| 2 * if i % 3 == 0 { LARGE } else { SMALL }).collect();
-    let total: usize = raw.iter().sum();
     let mut c = cfg(0);
     c.coalesce_below_bytes = 0;
     // All large weights, a ring of one small and two small ones resident,
