@@ -276,7 +276,9 @@
 
 /**
  * Device staging buffers a residency manager keeps for compressed page-ins
- * (each the size of the largest compressed weight registered).
+ * (each the size of the largest compressed weight the plan streams, or with
+ * no plan the largest registered, at most 64 MiB; larger weights page in in
+ * pieces; docs/RESIDENCY.md).
  */
 #define EPM_DECODE_STAGING_BUFFERS 2
 
@@ -3124,9 +3126,10 @@ enum EpmStatus epm_codec_decode(const void *buf,
  * "Streaming compressed weights"): its page-ins copy the compressed bytes
  * to device staging and decode them into the weight's device memory, ordered
  * on the device like a copy (the acquiring stream waits; the host does not).
- * The weight takes its decoded size of the budget; the first compressed
- * weight (and any larger one later) reserves device staging, two buffers of
- * the largest compressed weight, out of the budget
+ * The weight takes its decoded size of the budget; device staging for the
+ * compressed bytes, two buffers sized by the largest compressed weight the
+ * plan streams (with no plan: registered; at most 64 MiB, larger weights
+ * page in in pieces), is reserved out of the budget
  * (`EpmResidencyStats.decode_staging_bytes`).
  *
  * `weight->dtype` `EPM_CODEC_DTYPE_ENCODED`: `data` is a compressed buffer,

@@ -49,4 +49,5 @@ checks!(
     pinned_and_registered_host_memory,
     decode_is_bit_exact,
     decode_bad_arguments_are_refused,
+    decode_pieces_are_bit_exact,
 );

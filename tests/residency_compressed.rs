@@ -9,7 +9,10 @@ use std::sync::Arc;
 use epmem::EpmStatus;
 use epmem::codec::{self, Dtype, EncodeOptions, Encoded, RawReason};
 use epmem::device::{self, Device, DeviceBuffer, Gate, HostRange, Stream, checksum_host};
-use epmem::residency::{DECODE_STAGING_BUFFERS, PolicyKind, ResidencyConfig, ResidencyManager, WeightId};
+use epmem::residency::placement::whole_weight_floor;
+use epmem::residency::{
+    DECODE_STAGING_BUFFERS, DECODE_STAGING_MIN_BYTES, PolicyKind, ResidencyConfig, ResidencyManager, WeightId,
+};
 
 fn dev() -> Arc<dyn Device> {
     device::open_from_env(0).expect("open device (EPM_DEVICE)")
@@ -439,4 +442,123 @@ fn failed_copies_and_decodes_are_reported_and_leave_the_weights_exact() {
         }
     }
     assert!(fd.injected() >= 10 && reported > 0, "{} faults injected, {reported} reported", fd.injected());
+}
+
+/// Three Llama-like blocks of one large weight and two small ones, all
+/// compressed; the large ones alike and the small ones alike (same values),
+/// so each kind has one compressed size.
+struct Blocks {
+    data: Vec<Vec<u8>>,
+    ids: Vec<WeightId>,
+    /// Compressed bytes of a large and of a small weight.
+    coded: (usize, usize),
+}
+
+/// Values of a large and of a small weight: compressed (~0.7 × raw), a small
+/// one is above the staging floor, a large one twice that.
+const SMALL: usize = DECODE_STAGING_MIN_BYTES;
+const LARGE: usize = 2 * SMALL;
+
+fn blocks(m: &ResidencyManager) -> Blocks {
+    let (large, small) = (weight(Dtype::Bf16, LARGE, 1), weight(Dtype::Bf16, SMALL, 2));
+    let data: Vec<Vec<u8>> = (0..9).map(|i| if i % 3 == 0 { large.clone() } else { small.clone() }).collect();
+    let mut ids = Vec::new();
+    let mut coded = (0, 0);
+    for (i, v) in data.iter().enumerate() {
+        let r = m.register_encoded(range(v), Dtype::Bf16, &opts()).unwrap();
+        assert_eq!(r.raw, None);
+        if i % 3 == 0 {
+            coded.0 = r.host_bytes
+        } else {
+            coded.1 = r.host_bytes
+        }
+        ids.push(r.id);
+    }
+    Blocks { data, ids, coded }
+}
+
+/// Under a declared cycle whose plan streams only small weights, the decode
+/// staging is two of the largest compressed weight streamed (not of the
+/// largest registered); the plan gets the budget that frees, so fewer bytes
+/// stream per step than any plan could beside the old staging; the ledger
+/// (resident + staging) stays within the budget. The large weights, planned
+/// resident and larger than a staging buffer, page in in pieces, bit-exact,
+/// at first fill and again after a re-plan evicted them; so does a compressed
+/// weight outside the cycle.
+#[test]
+fn the_staging_holds_the_largest_streamed_weight_and_larger_ones_page_in_in_pieces() {
+    let d = dev();
+    let raw: Vec<usize> = (0..9).map(|i| 2 * if i % 3 == 0 { LARGE } else { SMALL }).collect();
+    let mut c = cfg(0);
+    c.coalesce_below_bytes = 0;
+    // All large weights, a ring of one small and two small ones resident,
+    // beside two buffers of a small weight's compressed bytes.
+    c.budget_bytes = 3 * 2 * LARGE + 3 * 2 * SMALL + 2 * (2 * SMALL * 3 / 4);
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let x = blocks(&m);
+    let (cl, cs) = x.coded;
+    let up = |n: usize| n.next_multiple_of(256);
+    assert!(cs > DECODE_STAGING_MIN_BYTES && cl > up(cs), "compressed sizes {cl} and {cs}");
+    // No plan yet: two of the largest compressed weight.
+    assert_eq!(m.stats().decode_staging_bytes as usize, DECODE_STAGING_BUFFERS * up(cl));
+    m.declare_cycle(&x.ids).unwrap();
+    let st = m.stats();
+    let (new, old) = (DECODE_STAGING_BUFFERS * up(cs), DECODE_STAGING_BUFFERS * up(cl));
+    assert_eq!(st.decode_staging_bytes as usize, new, "staging not sized by the small streamed weights: {st:?}");
+    assert!(st.ring_bytes > 0 && st.planned_resident_bytes > 0, "no plan: {st:?}");
+    assert!(st.ring_bytes + st.planned_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "{st:?}");
+    // What the plan streams: the whole-weight floor beside the new staging,
+    // and less than any schedule could beside the old one.
+    let (floor_new, floor_old) =
+        (whole_weight_floor(&raw, c.budget_bytes - new), whole_weight_floor(&raw, c.budget_bytes - old));
+    assert!(
+        floor_new < floor_old,
+        "sizes chosen so the freed staging lets a small weight stay: {floor_new} {floor_old}"
+    );
+    // The large weights (planned resident) page in in pieces: each is
+    // larger than a staging buffer.
+    run(&d, &m, &x.as_mix(), 2, "first fill and warm-up");
+    let warm = m.stats();
+    let steps = 4;
+    run(&d, &m, &x.as_mix(), steps, "steady state");
+    m.synchronize().unwrap();
+    let st = m.stats();
+    let per_step = (st.decoded_bytes - warm.decoded_bytes) as usize / steps;
+    assert!(per_step > 0, "nothing streamed: {st:?}");
+    assert!(
+        per_step <= floor_new + 256 * raw.len(),
+        "{per_step} bytes per step > the whole-weight floor {floor_new} beside the staging of {new}: {st:?}"
+    );
+    assert!(per_step < floor_old, "{per_step} bytes per step, not below the floor {floor_old} beside the old staging");
+    assert!(st.peak_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "ledger over budget: {st:?}");
+    assert_eq!(st.decode_staging_bytes as usize, new);
+    // A re-plan evicts everything: the large weights page in again, in pieces.
+    let before = st.decodes;
+    let mut rev = x.ids.clone();
+    rev.reverse();
+    m.declare_cycle(&rev).unwrap();
+    assert!(x.ids.iter().all(|&w| !m.is_resident(w).unwrap()), "a re-plan kept weights resident");
+    run(&d, &m, &x.as_mix(), 2, "after a re-plan");
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert!(st.decodes >= before + 9, "{st:?}");
+    assert_eq!(st.decode_staging_bytes as usize, new, "{st:?}");
+    assert!(st.peak_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "ledger over budget: {st:?}");
+    // A compressed weight outside the cycle, larger than a buffer, pages in
+    // in pieces too, and registering it leaves the staging as it is.
+    let extra = weight(Dtype::Bf16, LARGE + 77, 3);
+    let r = m.register_encoded(range(&extra), Dtype::Bf16, &opts()).unwrap();
+    assert!(r.host_bytes > up(cs), "{} compressed bytes fit a buffer of {}", r.host_bytes, up(cs));
+    assert_eq!(m.stats().decode_staging_bytes as usize, new);
+    let s = Stream::new(&d).unwrap();
+    let p = m.acquire(r.id, s.raw()).unwrap();
+    let back = read_back(&d, p, extra.len(), &s);
+    m.release(r.id, s.raw()).unwrap();
+    assert!(back == extra, "a weight paged in in pieces is not bit-exact");
+}
+
+impl Blocks {
+    fn as_mix(&self) -> Mix {
+        Mix { data: self.data.clone(), ids: self.ids.clone() }
+    }
 }

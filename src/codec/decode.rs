@@ -2,6 +2,7 @@
 
 use super::Dtype;
 use super::format::{self, BLOCK_VALUES, DecodeDesc};
+use super::piece::DecodePiece;
 use crate::error::{Error, Result};
 
 /// Below this many output bytes one thread decodes alone: a thread costs
@@ -25,31 +26,46 @@ pub fn decode(buf: &[u8], out: &mut [u8], threads: usize) -> Result<DecodeDesc> 
 /// a read outside `src`.
 pub fn decode_with(desc: &DecodeDesc, src: &[u8], out: &mut [u8], threads: usize) -> Result<()> {
     desc.check_lengths(src.len(), out.len())?;
-    let l = desc.layout;
-    let offsets = &src[l.offsets_off..l.offsets_off + (l.blocks + 1) * 4];
-    let codes = &src[l.codes_off..l.codes_off + l.codes_len];
-    let lows = &src[l.lows_off..l.lows_off + desc.n];
-    let escapes = &src[l.escapes_off..l.escapes_off + desc.escapes];
-    let threads = threads.clamp(1, out.len() / MIN_BYTES_PER_THREAD + 1).min(l.blocks);
+    decode_piece(&desc.whole(), src, out, threads)
+}
+
+/// Decode `piece` from its staged bytes `src` (laid out as
+/// [`DecodePiece::copies`] stage them) into `out`, its decoded bytes. The
+/// reads are bounded like [`decode_with`]'s.
+pub fn decode_piece(piece: &DecodePiece, src: &[u8], out: &mut [u8], threads: usize) -> Result<()> {
+    piece.check_lengths(src.len(), out.len())?;
+    let desc = piece.desc();
+    let [o0, o1, o2, o3] = piece.staged_offsets();
+    let (first, blocks, values) = (piece.first_block(), piece.blocks(), piece.values());
     let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
-    let run = |first_block: usize, out: &mut [u8]| -> Result<()> {
+    // The codes and low bytes of these blocks, less the stream's padding.
+    let codes_len = (values * desc.code_bits() as usize).div_ceil(8);
+    let offsets = &src[o0..o0 + (blocks + 1) * 4];
+    let codes = &src[o1..o1 + codes_len];
+    let lows = &src[o2..o2 + values];
+    let base = piece.escape_base();
+    let escapes = &src[o3..o3 + (piece.escape_end() - base)];
+    let threads = threads.clamp(1, out.len() / MIN_BYTES_PER_THREAD + 1).min(blocks);
+    let run = |first_local: usize, out: &mut [u8]| -> Result<()> {
         for (i, o) in out.chunks_mut(BLOCK_VALUES * 2).enumerate() {
-            let j = first_block + i;
+            let j = first_local + i;
             let off = |j: usize| {
-                u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]])
-                    as usize
+                let o =
+                    u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]]);
+                (o as usize).checked_sub(base)
             };
-            let esc = escapes.get(off(j)..off(j + 1)).ok_or_else(|| bad_index(j))?;
+            let esc =
+                off(j).zip(off(j + 1)).and_then(|(a, b)| escapes.get(a..b)).ok_or_else(|| bad_index(first + j))?;
             let c = &codes[j * block_code_bytes..((j + 1) * block_code_bytes).min(codes.len())];
             let w = &lows[j * BLOCK_VALUES..][..o.len() / 2];
-            decode_block(desc, c, w, esc, o).map_err(|()| bad_index(j))?;
+            decode_block(desc, c, w, esc, o).map_err(|()| bad_index(first + j))?;
         }
         Ok(())
     };
     if threads <= 1 {
         return run(0, out);
     }
-    let per = l.blocks.div_ceil(threads);
+    let per = blocks.div_ceil(threads);
     let results: Vec<Result<()>> = std::thread::scope(|s| {
         let handles: Vec<_> = out
             .chunks_mut(per * BLOCK_VALUES * 2)

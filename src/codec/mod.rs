@@ -26,10 +26,12 @@
 mod decode;
 mod encode;
 mod format;
+mod piece;
 
-pub use decode::{decode, decode_with};
+pub use decode::{decode, decode_piece, decode_with};
 pub use encode::{Plan, encode, plan};
 pub use format::{ALIGN, BLOCK_VALUES, DecodeDesc, HEADER_LEN, MAGIC, VERSION, parse, parse_header};
+pub use piece::DecodePiece;
 
 /// `$f(0); $f(1); ... $f(15);`: the 16 values of a group with constant
 /// indexes, so shifts and offsets are immediates (a rolled loop of variable

@@ -279,6 +279,16 @@ impl Device for FaultyDevice {
         self.hit(FaultKind::Copy)?;
         self.inner.decode_async(src, src_len, dst, dst_len, desc, s)
     }
+    fn decode_piece_async(
+        &self,
+        src: DevicePtr,
+        dst: DevicePtr,
+        piece: &crate::codec::DecodePiece,
+        s: RawStream,
+    ) -> Result<()> {
+        self.hit(FaultKind::Copy)?;
+        self.inner.decode_piece_async(src, dst, piece, s)
+    }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.inner.spin_async(micros, s)
     }

@@ -304,6 +304,23 @@ pub trait Device: Send + Sync + fmt::Debug {
         desc: &crate::codec::DecodeDesc,
         s: RawStream,
     ) -> Result<()>;
+    /// Decode blocks of a compressed weight ([`crate::codec::DecodePiece`]:
+    /// the parts of its streams staged at `src`, `piece.staged_len()` bytes)
+    /// into `[dst, dst + piece.raw_len())`, the piece's share of the weight's
+    /// memory; ordered on `s` like [`Device::decode_async`], which is this
+    /// call on [`crate::codec::DecodeDesc::whole`]. Both addresses 16-byte
+    /// aligned, the ranges disjoint ([`check_piece`]). The piece was cut from
+    /// a validated buffer ([`crate::codec::DecodeDesc::piece`]); the CUDA
+    /// kernel bounds its escape reads above by the piece's last escape, the
+    /// host decoder every read (a corrupt staged escape index gives an error
+    /// there).
+    fn decode_piece_async(
+        &self,
+        src: DevicePtr,
+        dst: DevicePtr,
+        piece: &crate::codec::DecodePiece,
+        s: RawStream,
+    ) -> Result<()>;
 
     // ---- VMM -----------------------------------------------------------
     /// Physical allocation granularity in bytes.
@@ -348,6 +365,12 @@ pub fn check_decode(
     desc: &crate::codec::DecodeDesc,
 ) -> Result<()> {
     desc.check_lengths(src_len, dst_len)?;
+    check_piece(src, dst, &desc.whole())
+}
+
+/// The argument rules of [`Device::decode_piece_async`] both devices share.
+pub fn check_piece(src: DevicePtr, dst: DevicePtr, piece: &crate::codec::DecodePiece) -> Result<()> {
+    let (src_len, dst_len) = (piece.staged_len(), piece.raw_len());
     let align = crate::codec::ALIGN as u64;
     crate::ensure!(
         src.is_multiple_of(align) && dst.is_multiple_of(align),

@@ -346,7 +346,9 @@ pub struct EpmCompressedWeight {
 }
 
 /// Device staging buffers a residency manager keeps for compressed page-ins
-/// (each the size of the largest compressed weight registered).
+/// (each the size of the largest compressed weight the plan streams, or with
+/// no plan the largest registered, at most 64 MiB; larger weights page in in
+/// pieces; docs/RESIDENCY.md).
 pub const EPM_DECODE_STAGING_BUFFERS: u32 = 2;
 const _: () = assert!(EPM_DECODE_STAGING_BUFFERS as usize == crate::residency::DECODE_STAGING_BUFFERS);
 
@@ -361,9 +363,10 @@ unsafe impl crate::ffi::args::VersionedInput for EpmCompressedWeight {}
 /// "Streaming compressed weights"): its page-ins copy the compressed bytes
 /// to device staging and decode them into the weight's device memory, ordered
 /// on the device like a copy (the acquiring stream waits; the host does not).
-/// The weight takes its decoded size of the budget; the first compressed
-/// weight (and any larger one later) reserves device staging, two buffers of
-/// the largest compressed weight, out of the budget
+/// The weight takes its decoded size of the budget; device staging for the
+/// compressed bytes, two buffers sized by the largest compressed weight the
+/// plan streams (with no plan: registered; at most 64 MiB, larger weights
+/// page in in pieces), is reserved out of the budget
 /// (`EpmResidencyStats.decode_staging_bytes`).
 ///
 /// `weight->dtype` `EPM_CODEC_DTYPE_ENCODED`: `data` is a compressed buffer,

@@ -4,17 +4,31 @@
 //!
 //! The host copy of a compressed weight is its encoded buffer, page-locked and
 //! owned by the manager, so every page-in is a direct DMA of the compressed
-//! bytes. The weight's share of the budget is its decoded length. The device
-//! staging the compressed bytes land in is [`DECODE_STAGING_BUFFERS`] buffers
-//! of the largest compressed weight registered, reserved out of the budget at
-//! registration: `budget − staging` is what weights may occupy.
+//! bytes. The weight's share of the budget is its decoded length.
+//!
+//! The staging: [`DECODE_STAGING_BUFFERS`] device buffers, reserved out of
+//! the budget (`budget − staging` is what weights, ring included, may
+//! occupy). Each holds the largest compressed weight the plan streams (at
+//! least [`DECODE_STAGING_MIN_BYTES`] or the largest compressed weight, if
+//! smaller), or with no plan the largest compressed weight registered, and
+//! at most [`DECODE_STAGING_MAX_BYTES`]. Plan and staging are chosen together
+//! when a plan is installed (`plan_with_staging`); a
+//! registration grows the staging when the rule wants more.
+//!
+//! A weight whose compressed bytes exceed a buffer pages in in pieces
+//! ([`crate::codec::DecodePiece`]): ranges of whole blocks, each staged by
+//! the copies of its parts of the four streams into the next buffer and
+//! decoded into its offset of the weight's memory, alternating buffers,
+//! ordered exactly like whole page-ins below (per piece); the page-in fence
+//! follows the last piece's decode.
 //!
 //! Ordering, per page-in into buffer `i`:
 //! 1. the manager's gate stream waits for the last decode that read buffer
 //!    `i` (its *free* event) and, for a page-in into memory whose readers
 //!    may still run, for the order stream that waits for them;
-//! 2. the copy engine copies the compressed bytes into buffer `i` after the
-//!    gate stream (copies stay in issue order on the engine's stream);
+//! 2. the copy engine copies the compressed bytes (or a piece's parts) into
+//!    buffer `i` after the gate stream (copies stay in issue order on the
+//!    engine's stream, so the decode waits for the last);
 //! 3. the decode stream waits for the copy, decodes into the weight's memory,
 //!    and records the page-in's fence and buffer `i`'s free event.
 //!
@@ -29,7 +43,7 @@ use std::sync::Arc;
 
 use super::WeightId;
 use super::manager::State;
-use super::placement::ALIGN;
+use super::placement::{ALIGN, Plan};
 use super::read_fence::DeviceBlock;
 use super::registry::Coded;
 use crate::arena::DeviceArena;
@@ -42,6 +56,21 @@ use crate::staging::Fence;
 /// Device staging buffers for compressed bytes: two, so the copy of the next
 /// weight lands in one while the decode of the last reads the other.
 pub const DECODE_STAGING_BUFFERS: usize = 2;
+
+/// The most bytes a staging buffer holds: a weight larger than this pages in
+/// in pieces whatever the plan (a piece of 64 MiB is ~1.2 ms of PCIe at
+/// 55 GB/s; its four copies and one launch cost microseconds).
+pub const DECODE_STAGING_MAX_BYTES: usize = 64 << 20;
+
+/// Under a plan, a buffer holds at least this much (or the largest
+/// compressed weight, if smaller) even when no compressed weight streams:
+/// planned-resident weights page in through it at first fill and after an
+/// eviction, and pieces much smaller than this cost launches.
+pub const DECODE_STAGING_MIN_BYTES: usize = 2 << 20;
+
+/// Plans tried when choosing a plan and its staging together
+/// ([`ResidencyManager::plan_with_staging`]).
+const STAGING_ROUNDS: usize = 3;
 
 /// What [`ResidencyManager::register_encoded`] registered.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,6 +99,8 @@ struct StagingBuf {
 #[derive(Debug)]
 pub(crate) struct DecodeStaging {
     bufs: Vec<StagingBuf>,
+    /// Bytes of each buffer.
+    cap: usize,
     next: usize,
     /// Decodes run here, in page-in order.
     stream: Stream,
@@ -90,7 +121,14 @@ impl DecodeStaging {
                 used: false,
             });
         }
-        Ok(Self { bufs, next: 0, stream: Stream::new(dev)?, gate: Stream::new(dev)?, after: Event::new(dev, false)? })
+        Ok(Self {
+            bufs,
+            cap,
+            next: 0,
+            stream: Stream::new(dev)?,
+            gate: Stream::new(dev)?,
+            after: Event::new(dev, false)?,
+        })
     }
 }
 
@@ -152,12 +190,73 @@ impl ResidencyManager {
         Ok(Registered { id, raw: None, host_bytes: len, desc: Some(desc) })
     }
 
+    /// Bytes per staging buffer the sizing rule (module docs) gives under
+    /// `plan` (`None`: no plan) with the compressed weights registered, and
+    /// one more of `extra` compressed bytes (0: none).
+    pub(super) fn staging_cap_for(st: &State, plan: Option<&Plan>, extra: usize) -> usize {
+        let coded = |w: WeightId| st.reg.get(w).ok().and_then(|e| e.coded.as_ref().map(|k| k.buf.len()));
+        let largest = st.reg.ids().filter_map(coded).max().unwrap_or(0).max(extra);
+        if largest == 0 {
+            return 0;
+        }
+        let cap = match plan {
+            None => largest,
+            Some(p) => {
+                let streamed = st.cycle.iter().zip(&p.resident).filter(|(_, r)| !**r).filter_map(|(&u, _)| coded(u));
+                largest.min(streamed.max().unwrap_or(0).max(DECODE_STAGING_MIN_BYTES))
+            }
+        };
+        cap.min(DECODE_STAGING_MAX_BYTES).next_multiple_of(ALIGN)
+    }
+
+    /// The plan the declared cycle wants and the staging per buffer beside
+    /// it, chosen together: the plan is made for `budget − staging`, and the
+    /// staging follows from what the plan streams. Starting from the staging
+    /// of no plan (the largest), re-plan with the staging the last plan needs
+    /// until it needs no less, at most [`STAGING_ROUNDS`] plans; of the plans
+    /// whose streamed weights each fit one buffer (each decodes whole), keep
+    /// the one that streams the fewest bytes (on a tie, the smaller staging).
+    pub(super) fn plan_with_staging(&self, st: &State) -> Result<(Option<Plan>, usize)> {
+        let top = Self::staging_cap_for(st, None, 0);
+        let mut cap = top;
+        let mut best: Option<(Plan, usize)> = None;
+        for round in 0..STAGING_ROUNDS {
+            let Some(room) = self.cfg.budget_bytes.checked_sub(DECODE_STAGING_BUFFERS * cap) else { break };
+            let Some(p) = self.wanted_plan(st, room)? else {
+                // Everything fits beside this staging (or no plan is wanted
+                // at all): nothing streams under a plan.
+                if round == 0 || self.cycle_bytes(st)? <= room {
+                    return Ok((None, cap));
+                }
+                break;
+            };
+            let need = Self::staging_cap_for(st, Some(&p), 0);
+            let fewer = |b: &(Plan, usize)| (p.streamed_bytes, cap) < (b.0.streamed_bytes, b.1);
+            if need <= cap && best.as_ref().is_none_or(fewer) {
+                best = Some((p, cap));
+            }
+            if need >= cap {
+                break;
+            }
+            cap = need;
+        }
+        Ok(match best {
+            Some((p, cap)) => (Some(p), cap),
+            None => (None, top),
+        })
+    }
+
+    /// Bytes of the declared cycle's units on the device.
+    fn cycle_bytes(&self, st: &State) -> Result<usize> {
+        st.cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).sum()
+    }
+
     /// Refuse (before anything is allocated) a compressed weight of `raw_len`
     /// decoded and `coded_len` compressed bytes the budget cannot hold beside
-    /// its staging.
+    /// the staging it would need.
     fn check_fits(&self, raw_len: usize, coded_len: usize) -> Result<()> {
         let st = self.lock();
-        let cap = st.staging_cap.max(coded_len.next_multiple_of(ALIGN));
+        let cap = st.staging_cap.max(Self::staging_cap_for(&st, st.plan.as_ref(), coded_len));
         let reserve = DECODE_STAGING_BUFFERS * cap;
         let largest = st.reg.ids().filter_map(|w| st.reg.get(w).ok().map(|e| e.dev_len())).max().unwrap_or(0);
         let need = raw_len.max(largest).saturating_add(reserve);
@@ -165,34 +264,52 @@ impl ResidencyManager {
             need <= self.cfg.budget_bytes,
             OutOfBudget,
             "a compressed weight of {raw_len} bytes ({coded_len} compressed) does not fit a budget of {} bytes: \
-             decoding needs {reserve} bytes of device staging ({DECODE_STAGING_BUFFERS} buffers of the largest \
-             compressed weight, {cap} bytes) beside the largest weight ({} bytes)",
+             decoding needs {reserve} bytes of device staging ({DECODE_STAGING_BUFFERS} buffers of {cap} bytes: \
+             the largest compressed weight the plan streams, or any when there is no plan, at most \
+             {DECODE_STAGING_MAX_BYTES}) beside the largest weight ({} bytes)",
             self.cfg.budget_bytes,
             raw_len.max(largest)
         );
         Ok(())
     }
 
-    /// Register a validated compressed weight: grow the staging to hold it
-    /// (reserving it out of the budget, evicting what no longer fits).
+    /// Register a validated compressed weight, growing the staging when the
+    /// sizing rule now wants more (reserved out of the budget, evicting what
+    /// no longer fits, re-planning). A failure registers nothing.
     fn add_coded(&self, coded: Coded) -> Result<WeightId> {
         let (raw_len, coded_len) = (coded.desc.raw_len(), coded.buf.len());
         let mut st = self.lock();
         let st = &mut *st;
-        let cap = coded_len.next_multiple_of(ALIGN);
-        if cap > st.staging_cap {
-            self.grow_staging(st, cap)?;
-        }
-        crate::ensure!(
-            raw_len <= self.budget(st),
-            OutOfBudget,
-            "a compressed weight of {raw_len} bytes decoded can never be resident: the budget of {} bytes less \
-             {} bytes of decode staging leaves {}",
-            self.cfg.budget_bytes,
-            st.staging_reserve,
-            self.budget(st)
-        );
         let id = st.reg.add_coded(coded)?;
+        let r = (|| {
+            let cap = Self::staging_cap_for(st, st.plan.as_ref(), 0);
+            if cap > st.staging_cap {
+                self.set_staging(st, cap)?;
+                // The plan was made for the old budget.
+                if st.plan.is_some() {
+                    if st.held_units == 0 {
+                        self.install_plan(st)?;
+                    } else {
+                        st.replan = true;
+                    }
+                }
+            }
+            crate::ensure!(
+                raw_len <= self.budget(st),
+                OutOfBudget,
+                "a compressed weight of {raw_len} bytes decoded can never be resident: the budget of {} bytes \
+                 less {} bytes of decode staging leaves {}",
+                self.cfg.budget_bytes,
+                st.staging_reserve,
+                self.budget(st)
+            );
+            Ok(())
+        })();
+        if let Err(e) = r {
+            // Never paged in: no copy reads its host bytes.
+            st.reg.remove(id)?;
+            return Err(e);
+        }
         st.c.compressed_weights += 1;
         st.c.compressed_host_bytes += coded_len as u64;
         st.c.compressed_raw_bytes += raw_len as u64;
@@ -200,9 +317,10 @@ impl ResidencyManager {
     }
 
     /// Make the staging `cap` bytes per buffer: reserve it out of the budget
-    /// (evicting until the resident weights fit what is left) and allocate it.
-    /// Not in steady state: at a registration of a larger compressed weight.
-    fn grow_staging(&self, st: &mut State, cap: usize) -> Result<()> {
+    /// (evicting until the resident weights fit what is left) and allocate
+    /// it. Not in steady state: at a registration that needs more, and when
+    /// a plan is installed (with nothing resident). The caller re-plans.
+    pub(super) fn set_staging(&self, st: &mut State, cap: usize) -> Result<()> {
         let reserve = DECODE_STAGING_BUFFERS * cap;
         crate::ensure!(
             reserve < self.cfg.budget_bytes,
@@ -217,13 +335,8 @@ impl ResidencyManager {
         st.staging_cap = cap;
         st.staging_reserve = reserve;
         let r = (|| {
-            // A plan was made for the old budget.
-            if st.plan.is_some() {
-                if st.held_units == 0 {
-                    self.install_plan(st)?;
-                } else {
-                    st.replan = true;
-                }
+            if cap == 0 {
+                return Ok(None);
             }
             while st.resident_bytes > self.budget(st) {
                 let Some(v) = self.victim(st, WeightId(u32::MAX), super::manager::Need::Demand) else {
@@ -240,7 +353,7 @@ impl ResidencyManager {
             }
             loop {
                 match DecodeStaging::new(&self.dev, &self.arena, cap) {
-                    Ok(d) => break Ok(d),
+                    Ok(d) => break Ok(Some(d)),
                     // The arena has the bytes but not in one range.
                     Err(e) if e.status() == EpmStatus::OutOfBudget => {
                         match self.victim(st, WeightId(u32::MAX), super::manager::Need::Demand) {
@@ -254,7 +367,7 @@ impl ResidencyManager {
         })();
         match r {
             Ok(d) => {
-                st.dec = Some(d);
+                st.dec = d;
                 Ok(())
             }
             Err(e) => {
@@ -270,8 +383,9 @@ impl ResidencyManager {
 
     /// Issue compressed unit `w`'s page-in into `dst`: copy its compressed
     /// bytes into the next staging buffer, then decode them into `dst`, after
-    /// `order` (the stream that waits for `dst`'s readers) when given. The
-    /// fence completes when the decode has.
+    /// `order` (the stream that waits for `dst`'s readers) when given. A
+    /// weight larger than a buffer goes in pieces of whole blocks, one
+    /// buffer each, alternating. The fence completes when the last decode has.
     pub(super) fn compressed_in(
         &self,
         st: &mut State,
@@ -281,31 +395,49 @@ impl ResidencyManager {
     ) -> Result<Fence> {
         let State { reg, dec, c, decode_timer, .. } = st;
         let e = reg.get(w)?;
-        let (src, desc) = match e.coded.as_ref() {
-            Some(k) => (e.unit, k.desc),
+        let (src, k) = match e.coded.as_ref() {
+            Some(k) => (e.unit, k),
             None => return Err(Error::internal("compressed page-in of a raw weight")),
         };
         let dec = dec.as_mut().ok_or_else(|| Error::internal("compressed weight without decode staging"))?;
-        let i = dec.next;
-        dec.next = (i + 1) % dec.bufs.len();
-        let b = &mut dec.bufs[i];
-        if b.used {
-            dec.gate.wait_event(&b.free)?;
-        }
-        if let Some(o) = order {
-            dec.after.record_raw(o)?;
-            dec.gate.wait_event(&dec.after)?;
-        }
-        let copy = self.engine.htod(b.block.addr(), src, Some(dec.gate.raw()))?;
-        copy.make_wait(dec.stream.raw())?;
-        let (clen, dlen) = (desc.compressed_len(), desc.raw_len());
+        let (blocks, dlen) = (k.desc.blocks(), k.desc.raw_len());
+        let (mut at, mut copied, mut decoding) = (0, 0, false);
         let r = (|| {
-            let s = dec.stream.raw();
-            decode_timer.around(&self.dev, s, || self.dev.decode_async(b.block.addr(), clen, dst, dlen, &desc, s))?;
+            while at < blocks {
+                let piece = k.desc.piece_within(&k.buf, at, dec.cap)?;
+                let i = dec.next;
+                dec.next = (i + 1) % dec.bufs.len();
+                let b = &mut dec.bufs[i];
+                if b.used {
+                    dec.gate.wait_event(&b.free)?;
+                }
+                if at == 0
+                    && let Some(o) = order
+                {
+                    dec.after.record_raw(o)?;
+                    dec.gate.wait_event(&dec.after)?;
+                }
+                // The first copy waits for the gate stream; the rest follow
+                // it in issue order on the copy engine's stream, so the
+                // decode waits for the last.
+                let mut last = None;
+                for (from, to, len) in piece.copies() {
+                    let gate = last.is_none().then(|| dec.gate.raw());
+                    last = Some(self.engine.htod(b.block.addr() + to as u64, src.slice(from, len)?, gate)?);
+                    copied += len;
+                }
+                let copy = last.ok_or_else(|| Error::internal("a decode piece with nothing to copy"))?;
+                copy.make_wait(dec.stream.raw())?;
+                let s = dec.stream.raw();
+                let out = dst + piece.raw_offset() as u64;
+                decoding = true;
+                decode_timer.around(&self.dev, s, || self.dev.decode_piece_async(b.block.addr(), out, &piece, s))?;
+                b.free.record(&dec.stream)?;
+                b.used = true;
+                at = piece.end_block();
+            }
             let done = Event::new(&self.dev, false)?;
             done.record(&dec.stream)?;
-            b.free.record(&dec.stream)?;
-            b.used = true;
             // `order` is not made to wait for the decode: the next page-in
             // after it would then wait for this decode before its copy (the
             // overlap lost). A later reuse of `dst` waits for this page-in's
@@ -317,13 +449,13 @@ impl ResidencyManager {
             Err(err) => {
                 // A decode may be queued with no event to fence it: let it end
                 // before the caller frees or reuses `dst` or the staging.
-                if let Err(s) = dec.stream.synchronize() {
+                if decoding && let Err(s) = dec.stream.synchronize() {
                     log::error!("epmem: a failed decode's stream could not be synchronized ({s})");
                 }
                 return Err(err);
             }
         };
-        c.compressed_htod_bytes += clen as u64;
+        c.compressed_htod_bytes += copied as u64;
         c.decoded_bytes += dlen as u64;
         c.decodes += 1;
         Ok(Fence::recorded(&self.dev, done, dlen))

@@ -28,7 +28,7 @@ pub mod stats;
 pub struct WeightId(pub u32);
 
 pub use config::{FILL_AHEAD_ALL_SLOTS, RESIDENCY_STAGING_SLOTS, RESIDENCY_STREAM_BELOW, ResidencyConfig};
-pub use decode::{DECODE_STAGING_BUFFERS, Registered};
+pub use decode::{DECODE_STAGING_BUFFERS, DECODE_STAGING_MAX_BYTES, DECODE_STAGING_MIN_BYTES, Registered};
 pub use manager::ResidencyManager;
 pub use placement::Hold;
 pub use policy::{CyclicPolicy, LruPolicy, Policy, PolicyKind, new_policy};

@@ -21,8 +21,9 @@ pub(super) enum RingPageIn {
 }
 
 impl ResidencyManager {
-    /// The plan the declared cycle wants now (units in cycle order).
-    fn wanted_plan(&self, st: &State) -> Result<Option<Plan>> {
+    /// The plan the declared cycle wants now (units in cycle order), for
+    /// weights given `budget` bytes.
+    pub(super) fn wanted_plan(&self, st: &State, budget: usize) -> Result<Option<Plan>> {
         if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || st.cycle.is_empty() || st.ring_off {
             return Ok(None);
         }
@@ -51,20 +52,23 @@ impl ResidencyManager {
         // ring bytes whose occupant was read already (`ring_page_in` gives
         // up otherwise), so depth buys overlap, never bytes.
         let window = if width > 1 { 0 } else { 1 };
-        Ok(placement::plan(&sizes, self.budget(st), &Hold { width, starts }, window))
+        Ok(placement::plan(&sizes, budget, &Hold { width, starts }, window))
     }
 
-    /// Install the plan the cycle wants (no unit may be held). A different
-    /// plan evicts everything first, waiting on the host: this happens on
-    /// declare_cycle and when a caller first holds more units at once than
-    /// the plan assumed, never in steady state.
+    /// Install the plan the cycle wants, with the decode staging it needs
+    /// ([`Self::plan_with_staging`]; no unit may be held). A different plan
+    /// or staging evicts everything first, waiting on the host: this happens
+    /// on declare_cycle, when a caller first holds more units at once than
+    /// the plan assumed, and when a registration needs more staging, never in
+    /// steady state.
     pub(super) fn install_plan(&self, st: &mut State) -> Result<()> {
         st.replan = false;
-        let want = self.wanted_plan(st)?;
-        if want.is_some() && want == st.plan && st.ring.is_some() {
+        let (want, cap) = self.plan_with_staging(st)?;
+        let same_staging = cap == st.staging_cap;
+        if same_staging && want.is_some() && want == st.plan && st.ring.is_some() {
             return Ok(());
         }
-        if st.plan.is_none() && want.is_none() {
+        if same_staging && st.plan.is_none() && want.is_none() {
             return Ok(());
         }
         let ids: Vec<WeightId> = st.reg.ids().collect();
@@ -74,6 +78,11 @@ impl ResidencyManager {
             }
         }
         Self::release_ring(st);
+        if !same_staging {
+            // Nothing is resident: the staging takes its bytes of the budget
+            // before the ring and the resident set take theirs.
+            self.set_staging(st, cap)?;
+        }
         let Some(p) = want else { return Ok(()) };
         let ring = match Ring::new(&self.arena, p.ring_bytes) {
             Ok(r) => r,

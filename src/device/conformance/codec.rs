@@ -134,3 +134,77 @@ pub fn decode_bad_arguments_are_refused(dev: &Arc<dyn Device>) -> Result<()> {
         Ok(())
     })
 }
+
+/// A weight decoded piece by piece ([`Device::decode_piece_async`]): each
+/// piece's parts copied into one of two staging buffers, alternating, and
+/// decoded into its offset of the destination, all queued on one stream; the
+/// whole destination must come out bit-exact with nothing written past it.
+/// Caps from one block a piece up to most of the weight; weights whose blocks
+/// carry many escapes (every bit pattern at k=1) and a partial last block.
+pub fn decode_pieces_are_bit_exact(dev: &Arc<dyn Device>) -> Result<()> {
+    const GUARD: u8 = 0x3A;
+    const PAD: usize = 64;
+    no_leaks(dev, "decode_pieces_are_bit_exact", || {
+        let s = Stream::new(dev)?;
+        let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
+        let b = BLOCK_VALUES;
+        let cases: Vec<(String, Vec<u8>, Dtype, Option<u32>)> = vec![
+            ("all bf16 bit patterns, k=1".into(), all.clone(), Dtype::Bf16, Some(1)),
+            ("all fp16 bit patterns, k=3".into(), all, Dtype::Fp16, Some(3)),
+            ("weight-like bf16, 9 blocks + 77".into(), weight_like(Dtype::Bf16, 9 * b + 77, 5), Dtype::Bf16, None),
+            ("weight-like fp16, 6 blocks + 1".into(), weight_like(Dtype::Fp16, 6 * b + 1, 6), Dtype::Fp16, None),
+        ];
+        for (name, data, dtype, k) in cases {
+            let buf = encode(&data, dtype, k);
+            let desc = codec::parse(&buf, 2)?;
+            // The most any one block stages in (blocks differ by their escapes).
+            let mut one = 0;
+            for j in 0..desc.blocks() {
+                one = one.max(desc.piece(&buf, j, j + 1)?.staged_len());
+            }
+            for cap in [one, 2 * one + 16, buf.len() / 3, buf.len() / 2] {
+                let what = format!("{name}, staging of {cap} bytes");
+                let stage = [DeviceBuffer::new(dev, cap)?, DeviceBuffer::new(dev, cap)?];
+                let dst = DeviceBuffer::new(dev, data.len() + PAD)?;
+                dev.memset_d8_async(dst.ptr(), GUARD, data.len() + PAD, s.raw())?;
+                let (mut at, mut n) = (0, 0);
+                while at < desc.blocks() {
+                    let p = desc.piece_within(&buf, at, cap)?;
+                    assert!(!p.is_whole() && p.staged_len() <= cap, "{what}: {p:?}");
+                    let to = stage[n % 2].ptr();
+                    for (from, off, len) in p.copies() {
+                        // SAFETY: `buf` outlives the queued copy (the stream
+                        // synchronizes below before it is dropped).
+                        unsafe { dev.memcpy_htod_async(to + off as u64, buf[from..].as_ptr(), len, s.raw())? };
+                    }
+                    dev.decode_piece_async(to, dst.ptr() + p.raw_offset() as u64, &p, s.raw())?;
+                    at = p.end_block();
+                    n += 1;
+                }
+                assert!(n >= 2, "{what}: {n} piece(s)");
+                let out = download(dev, &s, dst.ptr(), data.len() + PAD)?;
+                assert_same(&what, &out[..data.len()], &data);
+                assert!(out[data.len()..].iter().all(|&x| x == GUARD), "{what}: a piece wrote past the weight");
+            }
+            // A buffer that fits the weight gives the whole buffer, one copy.
+            let p = desc.piece_within(&buf, 0, buf.len())?;
+            assert!(p.is_whole() && p.copies().count() == 1 && p.copied_bytes() == buf.len());
+            // Not even one block fits: refused.
+            let first = desc.piece(&buf, 0, 1)?.staged_len();
+            let e = desc.piece_within(&buf, 0, first - 16).expect_err("a staging smaller than one block");
+            assert_eq!(e.status(), EpmStatus::InvalidArgument, "{e}");
+        }
+        // A misaligned staging address or overlapping ranges are refused.
+        let data = weight_like(Dtype::Bf16, 3 * b, 9);
+        let buf = encode(&data, Dtype::Bf16, None);
+        let desc = codec::parse(&buf, 1)?;
+        let p = desc.piece(&buf, 1, 3)?;
+        let src = DeviceBuffer::new(dev, p.staged_len() + 64)?;
+        let e = dev.decode_piece_async(src.ptr() + 8, src.ptr() + 4096 * 1024, &p, s.raw()).expect_err("unaligned");
+        assert_eq!(e.status(), EpmStatus::InvalidArgument, "{e}");
+        let e = dev.decode_piece_async(src.ptr(), src.ptr() + 16, &p, s.raw()).expect_err("overlap");
+        assert_eq!(e.status(), EpmStatus::InvalidArgument, "{e}");
+        s.synchronize()?;
+        Ok(())
+    })
+}

@@ -11,8 +11,8 @@ use cudarc::driver::sys;
 use super::driver::Handle;
 use super::kernels::load_module;
 use super::{CudaDevice, lock};
-use crate::codec::{BLOCK_VALUES, DecodeDesc, Dtype};
-use crate::device::{DevicePtr, RawStream, check_decode};
+use crate::codec::{BLOCK_VALUES, DecodePiece, Dtype};
+use crate::device::{DevicePtr, RawStream, check_piece};
 use crate::error::Result;
 
 /// NUL-terminated: cuModuleLoadData reads PTX as a C string.
@@ -46,20 +46,30 @@ pub(crate) struct DecodeParams {
 }
 
 impl DecodeParams {
-    pub(crate) fn new(src: DevicePtr, dst: DevicePtr, desc: &DecodeDesc) -> Self {
-        let [offsets, codes, lows, escapes] = desc.stream_offsets().map(|o| src + o as u64);
+    /// The kernel's parameters for `piece`, staged at `src`, decoding into
+    /// `dst` (the piece's output). The kernel indexes blocks from 0, so a
+    /// piece of blocks `[a, b)` is the weight of those blocks alone: stream
+    /// pointers at the staged parts, `b − a` blocks, its values; its escape
+    /// offsets stay absolute, so the escape pointer is moved back by the
+    /// piece's first staged escape index (wrapping arithmetic: only
+    /// `escapes + index`, at or past the staged part, is ever read), and
+    /// `n_escapes`, which bounds every escape read, is the piece's last.
+    /// For [`crate::codec::DecodeDesc::whole`] these are the buffer's own streams.
+    pub(crate) fn new(src: DevicePtr, dst: DevicePtr, piece: &DecodePiece) -> Self {
+        let desc = piece.desc();
+        let [offsets, codes, lows, escapes] = piece.staged_offsets().map(|o| src + o as u64);
         Self {
             dst,
             offsets,
             codes,
             lows,
-            escapes,
-            n_values: desc.values() as u64,
-            n_escapes: desc.escapes() as u64,
+            escapes: escapes.wrapping_sub(piece.escape_base() as u64),
+            n_values: piece.values() as u64,
+            n_escapes: piece.escape_end() as u64,
             dtype: if desc.dtype() == Dtype::Fp16 { 2 } else { 1 },
             k: desc.k(),
             code_bits: desc.code_bits(),
-            blocks: desc.blocks() as u32,
+            blocks: piece.blocks() as u32,
             table: desc.table(),
         }
     }
@@ -87,32 +97,24 @@ impl CudaDevice {
         Ok(k)
     }
 
-    pub(super) fn cu_decode(
-        &self,
-        src: DevicePtr,
-        src_len: usize,
-        dst: DevicePtr,
-        dst_len: usize,
-        desc: &DecodeDesc,
-        s: RawStream,
-    ) -> Result<()> {
-        check_decode(src, src_len, dst, dst_len, desc)?;
+    pub(super) fn cu_decode(&self, src: DevicePtr, dst: DevicePtr, piece: &DecodePiece, s: RawStream) -> Result<()> {
+        check_piece(src, dst, piece)?;
         let stream = self.stream(s)?;
         let _g = self.enter()?;
-        self.check_device_range("decode source", src, src_len, false)?;
-        self.check_device_range("decode destination", dst, dst_len, true)?;
+        self.check_device_range("decode source", src, piece.staged_len(), false)?;
+        self.check_device_range("decode destination", dst, piece.raw_len(), true)?;
         let k = self.codec_kernel()?;
-        let mut params = DecodeParams::new(src, dst, desc);
+        let mut params = DecodeParams::new(src, dst, piece);
         let mut args: [*mut c_void; 1] = [(&raw mut params).cast()];
-        debug_assert_eq!(desc.blocks(), desc.values().div_ceil(BLOCK_VALUES));
+        debug_assert_eq!(piece.blocks(), piece.values().div_ceil(BLOCK_VALUES));
         // SAFETY: one by-value parameter matching epm_codec_decode(EpmDecodeParams)
         // (layout pinned by a test against the PTX), read by the driver during
         // the call; both ranges were checked above and the kernel bounds every
-        // read by the lengths in `params`, which `desc` validated.
+        // read by the lengths in `params`, which the piece's validated buffer gave.
         unsafe {
             cu!(cuLaunchKernel(
                 k.decode.0,
-                desc.blocks() as u32,
+                piece.blocks() as u32,
                 1,
                 1,
                 THREADS,

@@ -349,7 +349,17 @@ impl Device for CudaDevice {
         desc: &crate::codec::DecodeDesc,
         s: RawStream,
     ) -> Result<()> {
-        self.cu_decode(src, src_len, dst, dst_len, desc, s)
+        check_decode(src, src_len, dst, dst_len, desc)?;
+        self.cu_decode(src, dst, &desc.whole(), s)
+    }
+    fn decode_piece_async(
+        &self,
+        src: DevicePtr,
+        dst: DevicePtr,
+        piece: &crate::codec::DecodePiece,
+        s: RawStream,
+    ) -> Result<()> {
+        self.cu_decode(src, dst, piece, s)
     }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {
         self.cu_spin(micros, s)

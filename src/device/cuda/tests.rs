@@ -469,5 +469,6 @@ fn gpu_decode_kernel_is_bit_exact_and_refuses_bad_arguments() {
     let before = fake_violations();
     crate::device::conformance::decode_is_bit_exact(&d).unwrap();
     crate::device::conformance::decode_bad_arguments_are_refused(&d).unwrap();
+    crate::device::conformance::decode_pieces_are_bit_exact(&d).unwrap();
     assert_eq!(fake_violations(), before, "the fake driver saw bad decode launches");
 }

@@ -414,7 +414,18 @@ impl Device for HostDevice {
         s: RawStream,
     ) -> Result<()> {
         check_decode(src, src_len, dst, dst_len, desc)?;
-        let op = MemOp::Decode { src: src as usize, src_len, dst: dst as usize, dst_len, desc: Box::new(*desc) };
+        self.decode_piece_async(src, dst, &desc.whole(), s)
+    }
+    fn decode_piece_async(
+        &self,
+        src: DevicePtr,
+        dst: DevicePtr,
+        piece: &crate::codec::DecodePiece,
+        s: RawStream,
+    ) -> Result<()> {
+        check_piece(src, dst, piece)?;
+        let (src_len, dst_len) = (piece.staged_len(), piece.raw_len());
+        let op = MemOp::Decode { src: src as usize, src_len, dst: dst as usize, dst_len, piece: Box::new(*piece) };
         self.enqueue_mem(s, op, vec![(src, src_len, Need::Read), (dst, dst_len, Need::Write)], None)
     }
     fn spin_async(&self, micros: u32, s: RawStream) -> Result<()> {

@@ -49,7 +49,7 @@ pub(super) enum MemOp {
         src_len: usize,
         dst: usize,
         dst_len: usize,
-        desc: Box<crate::codec::DecodeDesc>,
+        piece: Box<crate::codec::DecodePiece>,
     },
 }
 
@@ -244,7 +244,7 @@ unsafe fn run_mem(op: MemOp) -> Result<()> {
             // SAFETY: 8 writable device bytes (caller); no alignment is promised.
             unsafe { std::ptr::write_unaligned(std::ptr::with_exposed_provenance_mut::<u64>(out), sum.to_le()) }
         }
-        MemOp::Decode { src, src_len, dst, dst_len, desc } => {
+        MemOp::Decode { src, src_len, dst, dst_len, piece } => {
             // SAFETY: a readable device range (caller), disjoint from `dst`
             // (checked at enqueue), so the two slices do not alias.
             let from = unsafe { std::slice::from_raw_parts(std::ptr::with_exposed_provenance::<u8>(src), src_len) };
@@ -252,7 +252,7 @@ unsafe fn run_mem(op: MemOp) -> Result<()> {
             let to =
                 unsafe { std::slice::from_raw_parts_mut(std::ptr::with_exposed_provenance_mut::<u8>(dst), dst_len) };
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(DECODE_THREADS);
-            return crate::codec::decode_with(&desc, from, to, threads);
+            return crate::codec::decode_piece(&piece, from, to, threads);
         }
     }
     Ok(())
