@@ -1171,8 +1171,10 @@ typedef struct EpmResidencyStats {
   uint64_t compressed_host_bytes;
   uint64_t compressed_raw_bytes;
   /**
-   * Device staging for compressed bytes, reserved out of `budget_bytes`
-   * (`EPM_DECODE_STAGING_BUFFERS` buffers of the largest compressed weight).
+   * Device staging for compressed bytes, reserved out of `budget_bytes`:
+   * `EPM_DECODE_STAGING_BUFFERS` buffers, each the largest compressed
+   * weight the plan streams (at most 64 MiB; larger weights page in
+   * in pieces), docs/RESIDENCY.md "Streaming compressed weights".
    */
   uint64_t decode_staging_bytes;
   /**

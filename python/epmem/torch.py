@@ -279,8 +279,8 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         the device at every page-in, bit-exact; weights the codec keeps raw
         (other dtypes, below compress_options["min_bytes"], default 1 MiB, or
         not compressing below 0.9 x) stream raw. Device staging for compressed
-        bytes (two buffers of the largest compressed weight) comes out of the
-        budget. stats(): compressed_weights, host_weight_bytes (host RAM of the
+        bytes (two buffers, each the largest compressed weight that streams, at
+        most 64 MiB) comes out of the budget. stats(): compressed_weights, host_weight_bytes (host RAM of the
         offloaded weights), compressed_htod_bytes, decodes, decode_ms.
     compress_options: dict of epmem.codec options (threads, max_ratio,
         min_bytes, k) for the encoder.
