@@ -1237,7 +1237,7 @@ typedef struct EpmStagingStats {
    */
   uint64_t pinned_free_calls;
   /**
-   * Staging buffers served by reuse.
+   * Staging buffers served by reuse (no allocation).
    */
   uint64_t pinned_reuses;
   /**
@@ -1253,11 +1253,12 @@ typedef struct EpmStagingStats {
    */
   uint64_t copies;
   /**
-   * Copies that took the direct path (page-locked source: no staging).
+   * Copies that took the direct path (page-locked source: no staging,
+   * no fill).
    */
   uint64_t bypassed;
   /**
-   * Bytes copied host → device.
+   * Bytes copied host → device (both paths).
    */
   uint64_t htod_bytes;
   /**
@@ -1265,16 +1266,19 @@ typedef struct EpmStagingStats {
    */
   uint64_t chunks;
   /**
-   * Host milliseconds spent filling staging buffers.
+   * Host milliseconds spent filling staging buffers: wall time of each
+   * chunk's parallel fill, summed (the previous chunk's enqueue runs
+   * inside it).
    */
   double fill_ms;
   /**
-   * Host milliseconds spent waiting for a staging slot (DMA-bound).
+   * Host milliseconds spent waiting for a staging slot's previous copy
+   * (DMA-bound); near zero when the fill is the bottleneck.
    */
   double slot_wait_ms;
   /**
-   * Device milliseconds of copies, read from timing events after they
-   * completed (lags until then).
+   * Device milliseconds of copies, first DMA start to last DMA end per
+   * copy, read from timing events after they completed (lags until then).
    */
   double htod_ms;
   /**

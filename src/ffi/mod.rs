@@ -46,6 +46,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod arena;
+pub mod arena_stats;
 pub mod args;
 pub mod device;
 pub mod event;
@@ -60,6 +61,7 @@ pub mod residency;
 pub mod residency_stats;
 pub mod shared_reg;
 pub mod staging;
+pub mod staging_stats;
 pub mod status;
 pub mod stream;
 // PyTorch's pluggable allocator and the stream-ordered arena under it.
