@@ -646,6 +646,9 @@ typedef struct EpmKvLayout {
  * Versioned by size: set `size = sizeof(EpmKvStats)`.
  */
 typedef struct EpmKvStats {
+  /**
+   * In: `sizeof(EpmKvStats)`. Out: bytes filled.
+   */
   size_t size;
   /**
    * The ledger's budget, owned bytes (physical, each granule once, the
@@ -676,8 +679,9 @@ typedef struct EpmKvStats {
   uint64_t prefixes;
   uint64_t pinned_prefixes;
   /**
-   * Granule bytes mapped into sequences (dummy excluded): what they would
-   * own without sharing. `mapped_bytes - owned_bytes` is roughly the saving.
+   * Granule bytes mapped read-write or read-only into sequences (the
+   * dummy excluded): what they would own without sharing.
+   * `mapped_bytes - owned_bytes` is roughly the saving.
    */
   uint64_t mapped_bytes;
   uint64_t cow_granules;

@@ -53,6 +53,7 @@ pub mod event;
 pub mod handle;
 pub mod kv;
 pub mod kv_batch;
+pub mod kv_stats;
 pub mod log;
 pub mod memory;
 pub mod mirror;
