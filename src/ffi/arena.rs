@@ -7,10 +7,10 @@
 //! it declares, never past it.
 
 use crate::arena::{Arena, ArenaConfig, ArenaStats, DeviceArena, PinnedArena};
-use crate::ffi::device::EpmDevice;
-use crate::ffi::prelude::*;
 pub use crate::ffi::arena_stats::EpmArenaStats;
 use crate::ffi::arena_stats::stats_to_c;
+use crate::ffi::device::EpmDevice;
+use crate::ffi::prelude::*;
 
 /// A device arena or a pinned-host arena. Keeps its device alive; memory it
 /// handed out stays valid until freed or until the arena is destroyed.

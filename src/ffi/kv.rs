@@ -19,8 +19,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::device::{Device, RawStream, Stream};
 use crate::ffi::device::EpmDevice;
-use crate::ffi::kv_stats::stats_to_c;
 pub use crate::ffi::kv_stats::EpmKvStats;
+use crate::ffi::kv_stats::stats_to_c;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
 use crate::kv::{self, AdmitMode, KvConfig, KvLayout, KvPool, KvShape, Namespace, PrefixId, SeqId};

@@ -11,9 +11,9 @@ use crate::device::HostRange;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::mirror::config_in;
+use crate::ffi::prelude::*;
 pub use crate::ffi::staging_stats::EpmStagingStats;
 use crate::ffi::staging_stats::stats_to_c;
-use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
 use crate::staging::{CopyEngine, EngineConfig, Fence, HostRegistration, PinnedStagingPool, PoolConfig, StagingStats};
 
