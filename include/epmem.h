@@ -648,6 +648,9 @@ typedef struct EpmKvLayout {
  * Versioned by size: set `size = sizeof(EpmKvStats)`.
  */
 typedef struct EpmKvStats {
+  /**
+   * In: `sizeof(EpmKvStats)`. Out: bytes filled.
+   */
   size_t size;
   /**
    * The ledger's budget, owned bytes (physical, each granule once, the
@@ -678,8 +681,9 @@ typedef struct EpmKvStats {
   uint64_t prefixes;
   uint64_t pinned_prefixes;
   /**
-   * Granule bytes mapped into sequences (dummy excluded): what they would
-   * own without sharing. `mapped_bytes - owned_bytes` is roughly the saving.
+   * Granule bytes mapped read-write or read-only into sequences (the
+   * dummy excluded): what they would own without sharing.
+   * `mapped_bytes - owned_bytes` is roughly the saving.
    */
   uint64_t mapped_bytes;
   uint64_t cow_granules;
@@ -1241,7 +1245,7 @@ typedef struct EpmStagingStats {
    */
   uint64_t pinned_free_calls;
   /**
-   * Staging buffers served by reuse.
+   * Staging buffers served by reuse (no allocation).
    */
   uint64_t pinned_reuses;
   /**
@@ -1257,11 +1261,12 @@ typedef struct EpmStagingStats {
    */
   uint64_t copies;
   /**
-   * Copies that took the direct path (page-locked source: no staging).
+   * Copies that took the direct path (page-locked source: no staging,
+   * no fill).
    */
   uint64_t bypassed;
   /**
-   * Bytes copied host → device.
+   * Bytes copied host → device (both paths).
    */
   uint64_t htod_bytes;
   /**
@@ -1269,16 +1274,19 @@ typedef struct EpmStagingStats {
    */
   uint64_t chunks;
   /**
-   * Host milliseconds spent filling staging buffers.
+   * Host milliseconds spent filling staging buffers: wall time of each
+   * chunk's parallel fill, summed (the previous chunk's enqueue runs
+   * inside it).
    */
   double fill_ms;
   /**
-   * Host milliseconds spent waiting for a staging slot (DMA-bound).
+   * Host milliseconds spent waiting for a staging slot's previous copy
+   * (DMA-bound); near zero when the fill is the bottleneck.
    */
   double slot_wait_ms;
   /**
-   * Device milliseconds of copies, read from timing events after they
-   * completed (lags until then).
+   * Device milliseconds of copies, first DMA start to last DMA end per
+   * copy, read from timing events after they completed (lags until then).
    */
   double htod_ms;
   /**

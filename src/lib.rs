@@ -3,7 +3,8 @@
 //! Layers (data flows down; nothing below imports anything above):
 //! - [`ffi`]: the `epm_*` C functions — handles, status codes, panic boundary;
 //! - core, safe Rust: [`staging`], [`residency`], [`arena`], [`kv`] (each
-//!   keeps and reports its own counters; there is no shared stats module);
+//!   keeps and reports its own counters, each stats struct declared once
+//!   with [`stats`]' generator, which also gives its C mirror);
 //! - [`transfer`]: host↔device copies — the copy witness, fill threads,
 //!   page-locked host ranges;
 //! - [`device`]: the only code that talks to hardware (CUDA or the host device).
@@ -41,6 +42,9 @@ pub mod residency;
 pub mod slab;
 #[forbid(unsafe_code)]
 pub mod staging;
+/// cbindgen:ignore
+#[forbid(unsafe_code)]
+pub mod stats;
 /// cbindgen:ignore
 pub mod transfer;
 

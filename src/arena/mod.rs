@@ -59,25 +59,32 @@ impl ArenaConfig {
     }
 }
 
-/// Counters of one arena. `driver_*_calls` count physical allocations and
-/// frees (cuMemCreate / cuMemHostAlloc and their releases) made by this arena;
-/// in steady state they do not move.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct ArenaStats {
-    pub driver_alloc_calls: u64,
-    pub driver_free_calls: u64,
-    /// Address space held: the VA reservation (device), the segments (pinned).
-    pub reserved_bytes: u64,
-    /// Physical bytes committed.
-    pub committed_bytes: u64,
-    /// Bytes held by live allocations (unit rounding and padding included).
-    pub in_use_bytes: u64,
-    pub peak_in_use_bytes: u64,
-    pub live_allocations: u64,
-    pub alloc_calls: u64,
-    pub free_calls: u64,
-    /// 1 − largest free range / free bytes (0: free space is one range).
-    pub fragmentation: f64,
+crate::stats::declare_stats! {
+    /// Counters of one arena. `driver_*_calls` count physical allocations
+    /// and frees (cuMemCreate / cuMemHostAlloc and their releases) made by
+    /// this arena; in steady state they do not move.
+    pub struct ArenaStats;
+    /// The fields of `EpmArenaStats` after `size`, in C order.
+    const ARENA_C_FIELDS;
+    {
+        /// Physical allocations (cuMemCreate / cuMemHostAlloc) made by the arena.
+        /// Flat in steady state.
+        field driver_alloc_calls: u64,
+        /// Physical frees made by the arena (only `epm_arena_trim` and destroy free).
+        field driver_free_calls: u64,
+        /// Address space held (device: the VA reservation; pinned: the segments).
+        field reserved_bytes: u64,
+        /// Physical bytes committed.
+        field committed_bytes: u64,
+        /// Bytes held by live allocations (rounding and alignment padding included).
+        field in_use_bytes: u64,
+        field peak_in_use_bytes: u64,
+        field live_allocations: u64,
+        field alloc_calls: u64,
+        field free_calls: u64,
+        /// 1 − largest free range / free bytes: 0 when free space is one range.
+        field fragmentation: f64,
+    }
 }
 
 /// What both arenas offer. Thread-safe; every call takes an internal lock.

@@ -7,8 +7,9 @@
 //! it declares, never past it.
 
 use crate::arena::{Arena, ArenaConfig, ArenaStats, DeviceArena, PinnedArena};
+pub use crate::ffi::arena_stats::EpmArenaStats;
+use crate::ffi::arena_stats::stats_to_c;
 use crate::ffi::device::EpmDevice;
-use crate::ffi::mirror::mirror;
 use crate::ffi::prelude::*;
 
 /// A device arena or a pinned-host arena. Keeps its device alive; memory it
@@ -40,43 +41,6 @@ pub struct EpmArenaConfig {
     pub chunk_bytes: u64,
     /// Most live allocations (the sub-allocator's node table). 0: 65536.
     pub max_allocations: u32,
-}
-
-/// Counters of an arena, filled by `epm_arena_get_stats`; versioned by `size`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct EpmArenaStats {
-    /// In: `sizeof(EpmArenaStats)`. Out: bytes filled.
-    pub size: usize,
-    /// Physical allocations (cuMemCreate / cuMemHostAlloc) made by the arena.
-    /// Flat in steady state.
-    pub driver_alloc_calls: u64,
-    /// Physical frees made by the arena (only `epm_arena_trim` and destroy free).
-    pub driver_free_calls: u64,
-    /// Address space held (device: the VA reservation; pinned: the segments).
-    pub reserved_bytes: u64,
-    /// Physical bytes committed.
-    pub committed_bytes: u64,
-    /// Bytes held by live allocations (rounding and alignment padding included).
-    pub in_use_bytes: u64,
-    pub peak_in_use_bytes: u64,
-    pub live_allocations: u64,
-    pub alloc_calls: u64,
-    pub free_calls: u64,
-    /// 1 − largest free range / free bytes: 0 when free space is one range.
-    pub fragmentation: f64,
-}
-
-mirror! {
-    fn stats_to_c(s: &ArenaStats) -> EpmArenaStats {
-        size: std::mem::size_of::<EpmArenaStats>();
-        same {
-            driver_alloc_calls, driver_free_calls, reserved_bytes, committed_bytes, in_use_bytes,
-            peak_in_use_bytes, live_allocations, alloc_calls, free_calls, fragmentation,
-        }
-        mapped {}
-        rust_only {}
-    }
 }
 
 impl From<ArenaStats> for EpmArenaStats {

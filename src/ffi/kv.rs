@@ -19,10 +19,11 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::device::{Device, RawStream, Stream};
 use crate::ffi::device::EpmDevice;
-use crate::ffi::mirror::mirror;
+pub use crate::ffi::kv_stats::EpmKvStats;
+use crate::ffi::kv_stats::stats_to_c;
 use crate::ffi::prelude::*;
 use crate::ffi::stream::{EpmStream, same_device};
-use crate::kv::{self, AdmitMode, KvConfig, KvLayout, KvPool, KvShape, KvStats, Namespace, PrefixId, SeqId};
+use crate::kv::{self, AdmitMode, KvConfig, KvLayout, KvPool, KvShape, Namespace, PrefixId, SeqId};
 
 /// A KV pool: granule pool, ledger (budget) and dummy granule.
 pub struct EpmKvPool {
@@ -296,75 +297,6 @@ pub extern "C" fn epm_kv_pool_create(dev: *mut EpmDevice, budget_bytes: u64, out
 pub extern "C" fn epm_kv_pool_destroy(pool: *mut EpmKvPool) -> EpmStatus {
     ffi_boundary! {
         handle::destroy(pool)
-    }
-}
-
-/// Ledger and pool statistics, filled by `epm_kv_pool_get_stats`.
-/// Versioned by size: set `size = sizeof(EpmKvStats)`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct EpmKvStats {
-    pub size: usize,
-    /// The ledger's budget, owned bytes (physical, each granule once, the
-    /// dummy included), bytes promised to admitted sequences, peak owned.
-    pub budget_bytes: u64,
-    pub owned_bytes: u64,
-    pub promised_bytes: u64,
-    pub peak_owned_bytes: u64,
-    pub owned_granules: u64,
-    /// Granule 0→1 (charge) and 1→0 (credit) transitions; admissions and
-    /// appends refused with OUT_OF_BUDGET.
-    pub charges: u64,
-    pub credits: u64,
-    pub refusals: u64,
-    pub granule_bytes: u64,
-    /// Physical handles created / released to the driver, acquisitions served
-    /// from a retained handle, handles retained now.
-    pub pool_created: u64,
-    pub pool_released: u64,
-    pub pool_reused: u64,
-    pub pool_retained: u64,
-    pub sequences: u64,
-    pub prefixes: u64,
-    pub pinned_prefixes: u64,
-    /// Granule bytes mapped into sequences (dummy excluded): what they would
-    /// own without sharing. `mapped_bytes - owned_bytes` is roughly the saving.
-    pub mapped_bytes: u64,
-    pub cow_granules: u64,
-    pub committed_granules: u64,
-    /// Host waits on a caller's stream before a mapping change (`stream_waits`
-    /// in Rust; this published field keeps its first name, see docs/CONCEPTS.md).
-    pub fences: u64,
-    /// Sequences that found a prefix by content hash.
-    pub hash_hits: u64,
-}
-
-mirror! {
-    /// The pool's stats as C sees them (`size` is set by `write_versioned`).
-    fn stats_to_c(s: &KvStats) -> EpmKvStats {
-        size: 0;
-        same { granule_bytes, sequences, prefixes, pinned_prefixes, mapped_bytes }
-        mapped {
-            budget_bytes: ledger.budget_bytes,
-            owned_bytes: ledger.owned_bytes,
-            promised_bytes: ledger.promised_bytes,
-            peak_owned_bytes: ledger.peak_owned_bytes,
-            owned_granules: ledger.owned_granules,
-            charges: ledger.charges,
-            credits: ledger.credits,
-            refusals: ledger.refusals,
-            pool_created: pool.created,
-            pool_released: pool.released,
-            pool_reused: pool.reused,
-            pool_retained: pool.retained,
-            cow_granules: counters.cow_granules,
-            committed_granules: counters.committed_granules,
-            fences: counters.stream_waits,
-            hash_hits: counters.hash_hits,
-        }
-        // ledger, pool and counters are flattened above (their own fields are
-        // not checked for exhaustiveness); `batches` is not in the C struct.
-        rust_only { ledger, pool, counters, batches }
     }
 }
 

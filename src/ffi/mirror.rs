@@ -1,56 +1,17 @@
-//! One table per stats/config struct pair: the core's Rust struct and its
-//! `#[repr(C)]` mirror, so the two cannot drift. `mirror!` is the output
-//! direction (stats, core → C); `config_in!` (below) the input direction
-//! (configs: the C defaults from the core's, and C → core).
+//! The C mirrors of the core's stats and config structs, so the two cannot
+//! drift.
 //!
-//! `EpmResidencyStats` is not written here at all: its fields are declared
-//! once, with the core's (`declare_stats!` in src/residency/stats.rs), and
-//! `src/ffi/residency_stats.rs` (struct and conversion) is generated from
-//! that declaration and committed, since cbindgen reads source and cannot
-//! expand macros; the `generated_stats` test below fails when it drifts.
+//! Stats (core → C): each stats struct is declared once, in its core module,
+//! with `crate::stats::declare_stats!`; its `#[repr(C)]` struct and
+//! conversion (`stats_to_c`) are generated from that declaration into a
+//! committed `src/ffi/*_stats.rs`, since cbindgen reads source and cannot
+//! expand macros. The `generated_stats` tests below fail when a committed
+//! file differs from its declaration. Every C field is filled, from the
+//! field or path its declaration names, and every core field is either seen
+//! by C or declared `rust_only`.
 //!
-//! For the other stats structs the `#[repr(C)]` struct stays written out in
-//! its ffi file, with its doc comments. What `mirror!` generates is the
-//! conversion, and with it three compile-time checks:
-//! - every C field is filled, from a field of the same name and type
-//!   (`same`) or from a named path (`mapped`), since the generated struct
-//!   literal has no `..` (a C field added without a source does not compile);
-//! - every field of the Rust struct is named once, as mirrored or as
-//!   `rust_only` (an exhaustive destructuring, so a counter added to the core
-//!   without a decision about C does not compile);
-//! - the types agree (plain assignments).
-//!
-//! ```ignore
-//! mirror! {
-//!     /// StagingStats as C sees it.
-//!     pub(crate) fn to_c(s: &StagingStats) -> EpmStagingStats {
-//!         size: 0;
-//!         same { copies, htod_bytes }
-//!         mapped { fill_ahead_bytes: ahead_bytes }
-//!         rust_only { slot_wait_ms }
-//!     }
-//! }
-//! ```
-
-macro_rules! mirror {
-    (
-        $(#[$meta:meta])*
-        $vis:vis fn $name:ident(s: &$src:ident) -> $dst:ident {
-            size: $size:expr;
-            same { $($f:ident),* $(,)? }
-            mapped { $($d:ident: $($p:ident).+),* $(,)? }
-            rust_only { $($r:ident),* $(,)? }
-        }
-    ) => {
-        $(#[$meta])*
-        $vis fn $name(s: &$src) -> $dst {
-            // Exhaustive: each field of the Rust struct is mirrored or declared rust_only.
-            let $src { $($f: _,)* $($r: _,)* } = s;
-            $dst { size: $size, $($f: s.$f,)* $($d: s.$($p).+,)* }
-        }
-    };
-}
-pub(crate) use mirror;
+//! Configs (C → core): `config_in!` below generates the C defaults from the
+//! core's and the conversion.
 
 /// The input direction for config structs: one table per `#[repr(C)]`
 /// config and the core config it sets, generating both the C defaults
@@ -142,7 +103,7 @@ pub(crate) use config_in;
 /// `EPM_BLESS=1 cargo test --test header` regenerates the header).
 #[cfg(test)]
 mod generated_stats {
-    use crate::residency::stats::{CField, RESIDENCY_C_FIELDS};
+    use crate::stats::CField;
 
     /// One generated C struct: its file, names, doc and fields.
     struct Spec {
@@ -152,22 +113,66 @@ mod generated_stats {
         core_name: &'static str,
         to_c: &'static str,
         doc: &'static [&'static str],
-        fields: &'static [CField],
+        fields: Vec<CField>,
     }
 
-    const SPECS: &[Spec] = &[Spec {
-        file: "src/ffi/residency_stats.rs",
-        c_name: "EpmResidencyStats",
-        core_path: "crate::residency::ResidencyStats",
-        core_name: "ResidencyStats",
-        to_c: "stats_to_c",
-        doc: &[
-            " Counters of a residency manager, filled by `epm_residency_get_stats`;",
-            " versioned by `size`. Times lag until their events complete: call",
-            " `epm_residency_synchronize` first for final figures.",
-        ],
-        fields: RESIDENCY_C_FIELDS,
-    }];
+    fn specs() -> Vec<Spec> {
+        vec![
+            Spec {
+                file: "src/ffi/residency_stats.rs",
+                c_name: "EpmResidencyStats",
+                core_path: "crate::residency::ResidencyStats",
+                core_name: "ResidencyStats",
+                to_c: "stats_to_c",
+                doc: &[
+                    " Counters of a residency manager, filled by `epm_residency_get_stats`;",
+                    " versioned by `size`. Times lag until their events complete: call",
+                    " `epm_residency_synchronize` first for final figures.",
+                ],
+                // src/residency/stats.rs still holds its own copy of the generator.
+                fields: crate::residency::stats::RESIDENCY_C_FIELDS
+                    .iter()
+                    .map(|f| CField { name: f.name, ty: f.ty, from: f.from, doc: f.doc })
+                    .collect(),
+            },
+            Spec {
+                file: "src/ffi/arena_stats.rs",
+                c_name: "EpmArenaStats",
+                core_path: "crate::arena::ArenaStats",
+                core_name: "ArenaStats",
+                to_c: "stats_to_c",
+                doc: &[" Counters of an arena, filled by `epm_arena_get_stats`; versioned by `size`."],
+                fields: crate::arena::ARENA_C_FIELDS.to_vec(),
+            },
+            Spec {
+                file: "src/ffi/staging_stats.rs",
+                c_name: "EpmStagingStats",
+                core_path: "crate::staging::StagingStats",
+                core_name: "StagingStats",
+                to_c: "stats_to_c",
+                doc: &[
+                    " Counters of a copy engine and its pool (or of a pool alone: then the",
+                    " engine fields are 0).",
+                    "",
+                    " Versioned by size: set `size = sizeof(EpmStagingStats)` first; epmem sets",
+                    " it to the number of bytes it filled. Fields are only ever added at the end.",
+                ],
+                fields: crate::staging::stats::STAGING_C_FIELDS.to_vec(),
+            },
+            Spec {
+                file: "src/ffi/kv_stats.rs",
+                c_name: "EpmKvStats",
+                core_path: "crate::kv::KvStats",
+                core_name: "KvStats",
+                to_c: "stats_to_c",
+                doc: &[
+                    " Ledger and pool statistics, filled by `epm_kv_pool_get_stats`.",
+                    " Versioned by size: set `size = sizeof(EpmKvStats)`.",
+                ],
+                fields: crate::kv::pool::KV_C_FIELDS.to_vec(),
+            },
+        ]
+    }
 
     fn render(s: &Spec) -> String {
         let mut o = String::new();
@@ -182,7 +187,7 @@ mod generated_stats {
         }
         o += &format!("#[repr(C)]\n#[derive(Debug, Clone, Copy, Default)]\npub struct {} {{\n", s.c_name);
         o += &format!("    /// In: `sizeof({})`. Out: bytes filled.\n    pub size: usize,\n", s.c_name);
-        for f in s.fields {
+        for f in &s.fields {
             for d in f.doc {
                 o += &format!("    ///{d}\n");
             }
@@ -192,7 +197,7 @@ mod generated_stats {
         o += &format!("/// `{}` as C sees it (`size` is set by `write_versioned`).\n", s.core_name);
         o += &format!("pub(crate) fn {}(s: &{}) -> {} {{\n", s.to_c, s.core_name, s.c_name);
         o += &format!("    {} {{\n        size: 0,\n", s.c_name);
-        for f in s.fields {
+        for f in &s.fields {
             o += &format!("        {}: s.{},\n", f.name, f.from.replace(' ', ""));
         }
         o += "    }\n}\n";
@@ -202,7 +207,7 @@ mod generated_stats {
     #[test]
     fn generated_stats_structs_match_their_declarations() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        for s in SPECS {
+        for s in &specs() {
             let path = root.join(s.file);
             let want = render(s);
             if std::env::var_os("EPM_BLESS").is_some() {
@@ -223,6 +228,7 @@ mod generated_stats {
     #[test]
     fn residency_c_fields_are_the_c_struct() {
         use crate::ffi::residency_stats::EpmResidencyStats;
+        use crate::residency::stats::RESIDENCY_C_FIELDS;
         let n = RESIDENCY_C_FIELDS.len();
         assert_eq!(std::mem::size_of::<EpmResidencyStats>(), 8 * (n + 1));
         assert_eq!(RESIDENCY_C_FIELDS[0].name, "acquires");
@@ -246,5 +252,58 @@ mod generated_stats {
         let c = stats_to_c(&s);
         let got = [c.ring_bytes, c.planned_resident_bytes, c.ring_page_ins, c.ring_weights, c.plans, c.dropped_rings];
         assert_eq!(got, [1, 2, 3, 4, 5, 6]);
+    }
+
+    /// Each generated C struct is `size` and one 8-byte field per declared
+    /// C field, in declaration order (so the frozen v1 sizes hold the first
+    /// fields, checked by `versioned!` and ffi-tests/test_abi_v1.c).
+    #[test]
+    fn c_fields_are_the_c_structs() {
+        use crate::ffi::{arena_stats::EpmArenaStats, kv_stats::EpmKvStats, staging_stats::EpmStagingStats};
+        let cases = [
+            (std::mem::size_of::<EpmArenaStats>(), crate::arena::ARENA_C_FIELDS, "driver_alloc_calls", "fragmentation"),
+            (
+                std::mem::size_of::<EpmStagingStats>(),
+                crate::staging::stats::STAGING_C_FIELDS,
+                "pinned_alloc_calls",
+                "timed_copies",
+            ),
+            (std::mem::size_of::<EpmKvStats>(), crate::kv::pool::KV_C_FIELDS, "budget_bytes", "hash_hits"),
+        ];
+        for (size, fields, first, last) in cases {
+            assert_eq!(size, 8 * (fields.len() + 1), "{first}..{last}");
+            assert_eq!(fields[0].name, first);
+            assert_eq!(fields[fields.len() - 1].name, last);
+        }
+    }
+
+    /// The KV pool's nested snapshots reach C flattened, each C field from
+    /// its own source (`fences` from `stream_waits`).
+    #[test]
+    fn kv_nested_counters_reach_c() {
+        use crate::ffi::kv_stats::stats_to_c;
+        use crate::kv::KvStats;
+        let mut s = KvStats { granule_bytes: 9, batches: 99, mapped_bytes: 10, ..Default::default() };
+        s.ledger.budget_bytes = 1;
+        s.ledger.refusals = 2;
+        s.pool.created = 3;
+        s.pool.retained = 4;
+        s.counters.cow_granules = 5;
+        s.counters.stream_waits = 6;
+        s.counters.hash_hits = 7;
+        let c = stats_to_c(&s);
+        let got = [
+            c.budget_bytes,
+            c.refusals,
+            c.pool_created,
+            c.pool_retained,
+            c.cow_granules,
+            c.fences,
+            c.hash_hits,
+            c.granule_bytes,
+            c.mapped_bytes,
+            c.owned_bytes,
+        ];
+        assert_eq!(got, [1, 2, 3, 4, 5, 6, 7, 9, 10, 0]);
     }
 }

@@ -46,12 +46,14 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod arena;
+pub mod arena_stats;
 pub mod args;
 pub mod device;
 pub mod event;
 pub mod handle;
 pub mod kv;
 pub mod kv_batch;
+pub mod kv_stats;
 pub mod log;
 pub mod memory;
 pub mod mirror;
@@ -60,6 +62,7 @@ pub mod residency;
 pub mod residency_stats;
 pub mod shared_reg;
 pub mod staging;
+pub mod staging_stats;
 pub mod status;
 pub mod stream;
 // PyTorch's pluggable allocator and the stream-ordered arena under it.

@@ -10,8 +10,10 @@
 use crate::device::HostRange;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
-use crate::ffi::mirror::{config_in, mirror};
+use crate::ffi::mirror::config_in;
 use crate::ffi::prelude::*;
+pub use crate::ffi::staging_stats::EpmStagingStats;
+use crate::ffi::staging_stats::stats_to_c;
 use crate::ffi::stream::{EpmStream, same_device};
 use crate::staging::{CopyEngine, EngineConfig, Fence, HostRegistration, PinnedStagingPool, PoolConfig, StagingStats};
 
@@ -82,45 +84,6 @@ pub struct EpmCopyEngineConfig {
     pub target_chunks: u32,
 }
 
-/// Counters of a copy engine and its pool (or of a pool alone: then the
-/// engine fields are 0).
-///
-/// Versioned by size: set `size = sizeof(EpmStagingStats)` first; epmem sets
-/// it to the number of bytes it filled. Fields are only ever added at the end.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct EpmStagingStats {
-    /// In: `sizeof(EpmStagingStats)`. Out: bytes filled.
-    pub size: usize,
-    /// Pinned allocations (driver calls) made by the pool.
-    pub pinned_alloc_calls: u64,
-    /// Pinned frees (driver calls) made by the pool.
-    pub pinned_free_calls: u64,
-    /// Staging buffers served by reuse.
-    pub pinned_reuses: u64,
-    /// Bytes the pool retains now.
-    pub retained_bytes: u64,
-    /// Buffers the pool retains now.
-    pub retained_buffers: u64,
-    /// Copies of at least one byte (staged or direct).
-    pub copies: u64,
-    /// Copies that took the direct path (page-locked source: no staging).
-    pub bypassed: u64,
-    /// Bytes copied host → device.
-    pub htod_bytes: u64,
-    /// Staging chunks filled and copied.
-    pub chunks: u64,
-    /// Host milliseconds spent filling staging buffers.
-    pub fill_ms: f64,
-    /// Host milliseconds spent waiting for a staging slot (DMA-bound).
-    pub slot_wait_ms: f64,
-    /// Device milliseconds of copies, read from timing events after they
-    /// completed (lags until then).
-    pub htod_ms: f64,
-    /// Copies whose `htod_ms` has been read so far.
-    pub timed_copies: u64,
-}
-
 /// `sizeof(EpmCopyEngineConfig)` in its first published version (epmem
 /// 0.1): the smallest `size` ever accepted. Frozen; see docs/ABI.md.
 pub const EPM_COPY_ENGINE_CONFIG_SIZE_V1: usize = 32;
@@ -128,20 +91,6 @@ pub const EPM_COPY_ENGINE_CONFIG_SIZE_V1: usize = 32;
 pub const EPM_STAGING_STATS_SIZE_V1: usize = 112;
 versioned!(input EpmCopyEngineConfig, EPM_COPY_ENGINE_CONFIG_SIZE_V1);
 versioned!(EpmStagingStats, EPM_STAGING_STATS_SIZE_V1);
-
-mirror! {
-    fn stats_to_c(s: &StagingStats) -> EpmStagingStats {
-        size: std::mem::size_of::<EpmStagingStats>();
-        same {
-            pinned_alloc_calls, pinned_free_calls, pinned_reuses, retained_bytes, retained_buffers,
-            copies, bypassed, htod_bytes, chunks, fill_ms, slot_wait_ms, htod_ms, timed_copies,
-        }
-        mapped {}
-        // Only a residency manager's filler fills ahead (EpmResidencyStats
-        // reports it); a C copy engine never does.
-        rust_only { ahead_bytes, ahead_used_bytes }
-    }
-}
 
 fn write_stats(out: OutParam<'_, EpmStagingStats>, s: StagingStats) -> Result<()> {
     write_versioned(out, stats_to_c(&s), "EpmStagingStats")

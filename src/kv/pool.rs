@@ -60,20 +60,55 @@ pub struct KvCounters {
     pub hash_hits: u64,
 }
 
-/// Everything the pool can report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KvStats {
-    pub ledger: LedgerStats,
-    pub pool: PoolStats,
-    pub counters: KvCounters,
-    pub granule_bytes: u64,
-    pub sequences: u64,
-    pub prefixes: u64,
-    pub pinned_prefixes: u64,
-    pub batches: u64,
-    /// Granule bytes mapped read-write or read-only into sequences (the dummy
-    /// excluded): what the sequences would own without sharing.
-    pub mapped_bytes: u64,
+crate::stats::declare_stats! {
+    /// Everything the pool can report.
+    #[derive(Eq)]
+    pub struct KvStats;
+    /// The fields of `EpmKvStats` after `size`, in C order.
+    const KV_C_FIELDS;
+    {
+        /// The ledger's snapshot (C: its fields, flattened below).
+        rust_only ledger: LedgerStats,
+        /// The granule pool's handles (C: `pool_*`).
+        rust_only pool: PoolStats,
+        /// The pool's own work (C: `cow_granules` to `hash_hits`).
+        rust_only counters: KvCounters,
+        /// Batches alive now (not in the C struct).
+        rust_only batches: u64,
+        /// The ledger's budget, owned bytes (physical, each granule once, the
+        /// dummy included), bytes promised to admitted sequences, peak owned.
+        c_only budget_bytes: u64 = ledger.budget_bytes,
+        c_only owned_bytes: u64 = ledger.owned_bytes,
+        c_only promised_bytes: u64 = ledger.promised_bytes,
+        c_only peak_owned_bytes: u64 = ledger.peak_owned_bytes,
+        c_only owned_granules: u64 = ledger.owned_granules,
+        /// Granule 0→1 (charge) and 1→0 (credit) transitions; admissions and
+        /// appends refused with OUT_OF_BUDGET.
+        c_only charges: u64 = ledger.charges,
+        c_only credits: u64 = ledger.credits,
+        c_only refusals: u64 = ledger.refusals,
+        field granule_bytes: u64,
+        /// Physical handles created / released to the driver, acquisitions served
+        /// from a retained handle, handles retained now.
+        c_only pool_created: u64 = pool.created,
+        c_only pool_released: u64 = pool.released,
+        c_only pool_reused: u64 = pool.reused,
+        c_only pool_retained: u64 = pool.retained,
+        field sequences: u64,
+        field prefixes: u64,
+        field pinned_prefixes: u64,
+        /// Granule bytes mapped read-write or read-only into sequences (the
+        /// dummy excluded): what they would own without sharing.
+        /// `mapped_bytes - owned_bytes` is roughly the saving.
+        field mapped_bytes: u64,
+        c_only cow_granules: u64 = counters.cow_granules,
+        c_only committed_granules: u64 = counters.committed_granules,
+        /// Host waits on a caller's stream before a mapping change (`stream_waits`
+        /// in Rust; this published field keeps its first name, see docs/CONCEPTS.md).
+        c_only fences: u64 = counters.stream_waits,
+        /// Sequences that found a prefix by content hash.
+        c_only hash_hits: u64 = counters.hash_hits,
+    }
 }
 
 #[derive(Debug)]

@@ -9,44 +9,51 @@ use std::time::Duration;
 
 use super::pool::PoolStats;
 
-/// A snapshot of one copy engine and its pool.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StagingStats {
-    /// Pinned allocations (driver calls) made by the pool.
-    pub pinned_alloc_calls: u64,
-    /// Pinned frees (driver calls) made by the pool.
-    pub pinned_free_calls: u64,
-    /// Staging buffers served from the pool without allocating.
-    pub pinned_reuses: u64,
-    /// Bytes the pool retains now.
-    pub retained_bytes: u64,
-    /// Buffers the pool retains now.
-    pub retained_buffers: u64,
-    /// H2D copies (page-ins) of at least one byte, staged or direct.
-    pub copies: u64,
-    /// Copies that took the direct path: the source was page-locked, so no
-    /// staging and no fill.
-    pub bypassed: u64,
-    /// Bytes copied host → device (both paths).
-    pub htod_bytes: u64,
-    /// Staging chunks filled and copied.
-    pub chunks: u64,
-    /// Host time spent filling staging buffers: wall time of each chunk's
-    /// parallel fill, summed (the previous chunk's enqueue runs inside it).
-    pub fill_ms: f64,
-    /// Host time spent waiting for a staging slot's previous copy (the
-    /// pipeline was DMA-bound); near zero when the fill is the bottleneck.
-    pub slot_wait_ms: f64,
-    /// Device time of copies, first DMA start to last DMA end per copy, read
-    /// from timing events after completion (lags until copies complete).
-    pub htod_ms: f64,
-    /// Copies whose `htod_ms` has been read so far.
-    pub timed_copies: u64,
-    /// Bytes filled ahead of their copy ([`super::CopyEngine::fill_ahead`]),
-    /// and how many of them a copy of that source then used (the rest were
-    /// filled for a copy that came for another source, or were forgotten).
-    pub ahead_bytes: u64,
-    pub ahead_used_bytes: u64,
+crate::stats::declare_stats! {
+    /// A snapshot of one copy engine and its pool.
+    pub struct StagingStats;
+    /// The fields of `EpmStagingStats` after `size`, in C order.
+    const STAGING_C_FIELDS;
+    {
+        /// Pinned allocations (driver calls) made by the pool.
+        field pinned_alloc_calls: u64,
+        /// Pinned frees (driver calls) made by the pool.
+        field pinned_free_calls: u64,
+        /// Staging buffers served by reuse (no allocation).
+        field pinned_reuses: u64,
+        /// Bytes the pool retains now.
+        field retained_bytes: u64,
+        /// Buffers the pool retains now.
+        field retained_buffers: u64,
+        /// Copies of at least one byte (staged or direct).
+        field copies: u64,
+        /// Copies that took the direct path (page-locked source: no staging,
+        /// no fill).
+        field bypassed: u64,
+        /// Bytes copied host → device (both paths).
+        field htod_bytes: u64,
+        /// Staging chunks filled and copied.
+        field chunks: u64,
+        /// Host milliseconds spent filling staging buffers: wall time of each
+        /// chunk's parallel fill, summed (the previous chunk's enqueue runs
+        /// inside it).
+        field fill_ms: f64,
+        /// Host milliseconds spent waiting for a staging slot's previous copy
+        /// (DMA-bound); near zero when the fill is the bottleneck.
+        field slot_wait_ms: f64,
+        /// Device milliseconds of copies, first DMA start to last DMA end per
+        /// copy, read from timing events after they completed (lags until then).
+        field htod_ms: f64,
+        /// Copies whose `htod_ms` has been read so far.
+        field timed_copies: u64,
+        /// Bytes filled ahead of their copy ([`super::CopyEngine::fill_ahead`]),
+        /// and how many of them a copy of that source then used (the rest were
+        /// filled for a copy that came for another source, or were forgotten).
+        /// Only a residency manager's filler fills ahead, and
+        /// `EpmResidencyStats` reports it: a C copy engine never does.
+        rust_only ahead_bytes: u64,
+        rust_only ahead_used_bytes: u64,
+    }
 }
 
 #[derive(Debug, Default)]
