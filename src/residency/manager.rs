@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::config::ResidencyConfig;
 use super::placement::Plan;
 use super::read_fence::Reused;
-use super::registry::{Entry, HostRangeId, RangeReg, RegState, RegisterSources, Registry};
+use super::registry::{Entry, HostRangeId, Loc, RangeReg, RegState, RegisterSources, Registry};
 use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
@@ -465,10 +465,10 @@ impl ResidencyManager {
         }
         let r = (|| {
             let e = st.reg.get_mut(w)?;
-            let (addr, done, fence) = match (e.block.as_mut(), e.slot.as_mut()) {
-                (Some(b), _) => (b.addr(), b.page_in_done()?, b.page_in()),
-                (None, Some(s)) => (s.addr(), s.page_in_done()?, s.page_in()),
-                (None, None) => return Err(Error::internal("acquired weight has no block")),
+            let (addr, done, fence) = match &mut e.loc {
+                Loc::Block(b) => (b.addr(), b.page_in_done()?, b.page_in()),
+                Loc::Ring(s) => (s.addr(), s.page_in_done()?, s.page_in()),
+                Loc::Host => return Err(Error::internal("acquired weight has no block")),
             };
             let addr = addr + offset;
             if !done {
@@ -526,14 +526,18 @@ impl ResidencyManager {
         if e.users == 0 {
             st.held_units -= 1;
         }
-        if let Some(b) = e.block.as_mut() {
-            let spent = b.prune()?;
-            b.push(ev);
-            st.spare.extend(spent);
-        } else if let Some(s) = e.slot.as_mut() {
-            let spent = s.prune()?;
-            s.push(ev);
-            st.spare.extend(spent);
+        match &mut e.loc {
+            Loc::Block(b) => {
+                let spent = b.prune()?;
+                b.push(ev);
+                st.spare.extend(spent);
+            }
+            Loc::Ring(s) => {
+                let spent = s.prune()?;
+                s.push(ev);
+                st.spare.extend(spent);
+            }
+            Loc::Host => {}
         }
         // Prefetch here, not in acquire: the caller's kernel for `w` is queued
         // by now, so whatever the host spends on the next page-ins (a staged
@@ -747,9 +751,8 @@ impl Drop for ResidencyManager {
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {
-                let Entry { block, slot, reg, .. } = e;
-                drop(block);
-                drop(slot);
+                let Entry { loc, reg, .. } = e;
+                drop(loc);
                 drop(reg);
             }
         }

@@ -8,7 +8,7 @@ use super::WeightId;
 use super::manager::{Need, Room, State};
 use super::plan::RingPageIn;
 use super::read_fence::Fenced;
-use super::registry::{RegState, RegisterSources};
+use super::registry::{Loc, RegState, RegisterSources};
 use crate::error::Result;
 use crate::residency::ResidencyManager;
 
@@ -64,7 +64,8 @@ impl ResidencyManager {
             }
         }
         let e = st.reg.get_mut(w)?;
-        e.block = Some(fenced);
+        debug_assert!(!e.resident(), "weight {} paged in while resident", w.0);
+        e.loc = Loc::Block(fenced);
         e.prefetched = !demand;
         st.resident_bytes += len;
         st.resident_weights += 1;

@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::WeightId;
 use super::manager::State;
 use super::placement::{self, Hold, Plan};
+use super::registry::Loc;
 use super::ring::{Ring, RingSlot};
 use crate::error::Result;
 use crate::residency::{PolicyKind, ResidencyManager};
@@ -148,7 +149,8 @@ impl ResidencyManager {
             st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
         }
         let e = st.reg.get_mut(w)?;
-        e.slot = Some(RingSlot::new(addr, fence));
+        debug_assert!(!e.resident(), "weight {} paged into the ring while resident", w.0);
+        e.loc = Loc::Ring(RingSlot::new(addr, fence));
         e.prefetched = !demand;
         st.resident_weights += 1;
         st.c.ring_weights += 1;
@@ -178,7 +180,7 @@ impl ResidencyManager {
         let mut occupants = Vec::new();
         for &v in &st.streamed {
             let e = st.reg.get(v)?;
-            if e.slot.is_some() {
+            if e.loc.is_ring() {
                 if e.users > 0 {
                     return Ok(false);
                 }
@@ -234,7 +236,7 @@ impl ResidencyManager {
     /// caller then hands the slot's bytes on or waits for its readers.
     fn take_ring_slot(st: &mut State, v: WeightId) -> Result<Option<RingSlot>> {
         let e = st.reg.get_mut(v)?;
-        let Some(slot) = e.slot.take() else {
+        let Some(slot) = e.loc.take_ring() else {
             return Ok(None);
         };
         if std::mem::take(&mut e.prefetched) {
