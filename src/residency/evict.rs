@@ -42,7 +42,7 @@ impl ResidencyManager {
     /// on the device behind the readers, instead of waiting on the host.
     pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, need: Need) -> Result<Room> {
         let demand = need.demand();
-        while st.resident_bytes + len > self.budget(st) {
+        while st.ledger.resident_bytes() + len > self.budget(st) {
             let Some(v) = self.victim(st, w, need) else {
                 if demand && self.drop_ring(st)? {
                     continue;
@@ -55,7 +55,7 @@ impl ResidencyManager {
                 .loc
                 .block()
                 .is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
-            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.budget(st) {
+            if reusable && !self.cfg.sync_page_in && st.ledger.resident_bytes() - vlen + len <= self.budget(st) {
                 let e = st.reg.get_mut(v)?;
                 let Some(fenced) = e.loc.take_block() else { continue };
                 if std::mem::take(&mut e.prefetched) {
@@ -132,8 +132,7 @@ impl ResidencyManager {
 
     /// Account `v` (`len` bytes) as no longer resident.
     pub(super) fn forget(&self, st: &mut State, v: WeightId, len: usize) {
-        st.resident_bytes -= len;
-        st.resident_weights -= 1;
+        st.ledger.credit_block(len);
         st.policy.removed(v);
         st.c.evictions += 1;
     }
@@ -157,9 +156,9 @@ impl ResidencyManager {
                  and what could make room is acquired and not released ({held} weights, {held_bytes} bytes); \
                  release weights or raise the budget",
                 w.0,
-                st.resident_bytes,
+                st.ledger.resident_bytes(),
                 self.budget(st),
-                st.resident_weights
+                st.ledger.resident_weights()
             ),
         )
     }

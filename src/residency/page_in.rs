@@ -67,9 +67,7 @@ impl ResidencyManager {
         debug_assert!(!e.resident(), "weight {} paged in while resident", w.0);
         e.loc = Loc::Block(fenced);
         e.prefetched = !demand;
-        st.resident_bytes += len;
-        st.resident_weights += 1;
-        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
+        st.ledger.charge_block(len);
         st.policy.inserted(w);
         st.c.page_ins += 1;
         st.c.prefetch_page_ins += !demand as u64;

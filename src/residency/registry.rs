@@ -232,6 +232,26 @@ impl Registry {
         self.ranges.push(Some(reg));
         HostRangeId(self.ranges.len() as u32 - 1)
     }
+    /// Panics if the units are inconsistent: every member points at a live
+    /// leader that lists it, at an offset inside the leader's unit, and has
+    /// no device copy, acquisition or prefetch of its own (those live on
+    /// the leader).
+    pub fn check(&self) {
+        for (i, e) in self.weights.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let w = WeightId(i as u32);
+            if e.leader == w {
+                for &m in &e.members {
+                    assert_eq!(self.get(m).map(|x| x.leader).ok(), Some(w), "member {} of unit {}", m.0, w.0);
+                }
+                continue;
+            }
+            let l = self.get(e.leader).unwrap_or_else(|_| panic!("weight {}'s leader is not registered", w.0));
+            assert!(l.members.contains(&w), "weight {} is not among its leader's members", w.0);
+            assert!(e.offset + e.range.len() <= l.unit.len(), "weight {} lies outside its unit", w.0);
+            assert!(matches!(e.loc, Loc::Host) && e.users == 0 && !e.prefetched, "member {} holds unit state", w.0);
+        }
+    }
     pub fn remove_range(&mut self, id: HostRangeId) -> Result<RangeReg> {
         self.ranges
             .get_mut(id.0 as usize)
