@@ -181,12 +181,6 @@ impl ResidencyManager {
         }
         crate::ensure!(cfg.budget_bytes > 0, InvalidArgument, "residency budget of 0 bytes");
         crate::ensure!(
-            cfg.fill_waits_on_host,
-            Unsupported,
-            "fill_waits_on_host must be set: a stream waiting on the device for a background fill not yet issued \
-             deadlocks on CUDA (driver calls the filler needs block while such a wait is pending; docs/RESIDENCY.md)"
-        );
-        crate::ensure!(
             cfg.fill_ahead_chunks <= cfg.engine.slots,
             InvalidConfig,
             "fill_ahead_chunks {} exceeds the staging slots ({}): chunks filled ahead hold slots \
