@@ -979,14 +979,14 @@ typedef struct EpmResidencyConfig {
    */
   uint32_t caller_fills;
   /**
-   * Nonzero: an acquire whose weight's background fill is not enqueued
-   * yet waits for it on the host (`background_waits`). Must be nonzero:
-   * 0 (the acquiring stream waiting on the device for a fill not yet
-   * issued) is refused with `EPM_STATUS_UNSUPPORTED`, because on CUDA such
-   * a wait deadlocks: driver calls the filler needs block while it is
-   * pending (docs/RESIDENCY.md, "Why the host waits"). Added after the v1
-   * freeze, with `caller_fills`: a caller passing the v1 size gets the
-   * default. Default 1 (the only value accepted).
+   * Deprecated: only 1 (the default) is accepted; 0 is refused with
+   * EPM_STATUS_UNSUPPORTED. An acquire whose weight's background fill is
+   * not enqueued yet always waits for it on the host
+   * (`background_waits`): 0 (the acquiring stream waiting on the device
+   * for a fill not yet issued) deadlocks on CUDA, because driver calls
+   * the filler needs block while such a wait is pending
+   * (docs/RESIDENCY.md, "Why the host waits"). Kept for the struct's
+   * layout. Default 1 (the only value accepted).
    */
   uint32_t fill_waits_on_host;
   /**

@@ -228,21 +228,6 @@ fn eviction_of_a_block_that_cannot_be_reused_waits_on_the_host() {
     assert!(s.host_stall_ms > 0.0, "the host's wait for the reader was not counted as a stall: {s:?}");
 }
 
-/// A device-side wait for a background fill not yet issued deadlocked on
-/// the H200 (docs/RESIDENCY.md, "Why the host waits"): the config that asks
-/// for it is refused, clearly, and nothing is created.
-#[test]
-fn device_side_fill_waits_are_refused() {
-    let d = dev();
-    let mut c = small_cfg(1 << 20);
-    c.fill_waits_on_host = false;
-    let e = ResidencyManager::new(&d, c).unwrap_err();
-    assert_eq!(e.status(), EpmStatus::Unsupported, "{e}");
-    assert!(e.message().contains("fill_waits_on_host") && e.message().contains("deadlock"), "{e}");
-    c.fill_waits_on_host = true;
-    ResidencyManager::new(&d, c).unwrap();
-}
-
 #[test]
 fn all_in_use_and_out_of_budget_are_clear_errors() {
     let d = dev();

@@ -118,14 +118,14 @@ pub struct EpmResidencyConfig {
     /// page-ins are always issued by the caller. Added after the v1 freeze:
     /// a caller passing the v1 size gets the default. Default 0.
     pub caller_fills: u32,
-    /// Nonzero: an acquire whose weight's background fill is not enqueued
-    /// yet waits for it on the host (`background_waits`). Must be nonzero:
-    /// 0 (the acquiring stream waiting on the device for a fill not yet
-    /// issued) is refused with `EPM_STATUS_UNSUPPORTED`, because on CUDA such
-    /// a wait deadlocks: driver calls the filler needs block while it is
-    /// pending (docs/RESIDENCY.md, "Why the host waits"). Added after the v1
-    /// freeze, with `caller_fills`: a caller passing the v1 size gets the
-    /// default. Default 1 (the only value accepted).
+    /// Deprecated: only 1 (the default) is accepted; 0 is refused with
+    /// EPM_STATUS_UNSUPPORTED. An acquire whose weight's background fill is
+    /// not enqueued yet always waits for it on the host
+    /// (`background_waits`): 0 (the acquiring stream waiting on the device
+    /// for a fill not yet issued) deadlocks on CUDA, because driver calls
+    /// the filler needs block while such a wait is pending
+    /// (docs/RESIDENCY.md, "Why the host waits"). Kept for the struct's
+    /// layout. Default 1 (the only value accepted).
     pub fill_waits_on_host: u32,
     /// With the background thread (`caller_fills` 0): between two staged
     /// prefetches, fill up to this many staging chunks of the next staged
@@ -154,7 +154,7 @@ config_in! {
     fn apply_config(c: &EpmResidencyConfig, r: &mut ResidencyConfig);
     defaults from ResidencyConfig::with_budget(0);
     // Required: config_of checks it and builds the core config from it.
-    manual { budget_bytes: 0 }
+    manual { budget_bytes: 0, fill_waits_on_host: 1 }
     copy {
         prefetch_depth: prefetch_depth,
         coalesce_below_bytes: coalesce_below_bytes,
@@ -167,7 +167,7 @@ config_in! {
         staging_chunk_bytes: engine.chunk_bytes,
         staging_pool_bytes: pool.max_bytes,
     }
-    flag { sync_page_in: sync_page_in, caller_fills: caller_fills, fill_waits_on_host: fill_waits_on_host }
+    flag { sync_page_in: sync_page_in, caller_fills: caller_fills }
     enums {
         policy: policy { EPM_POLICY_CYCLIC => PolicyKind::Cyclic, EPM_POLICY_LRU => PolicyKind::Lru },
         register_sources: register_sources {
@@ -181,6 +181,12 @@ config_in! {
 fn config_of(p: *const EpmResidencyConfig) -> Result<ResidencyConfig> {
     let c = read_versioned(p, default_config(), "cfg")?;
     ensure!(c.budget_bytes > 0, InvalidArgument, "cfg->budget_bytes is 0");
+    ensure!(
+        c.fill_waits_on_host != 0,
+        Unsupported,
+        "cfg->fill_waits_on_host must be 1: a stream waiting on the device for a background fill not yet issued \
+         deadlocks on CUDA (driver calls the filler needs block while such a wait is pending; docs/RESIDENCY.md)"
+    );
     let mut r = ResidencyConfig::with_budget(
         usize::try_from(c.budget_bytes)
             .map_err(|_| Error::invalid_argument(format!("cfg->budget_bytes {} is too large", c.budget_bytes)))?,
@@ -514,4 +520,25 @@ fn weight_list(p: *const EpmWeightId, n: usize) -> Result<Vec<WeightId>> {
     // SAFETY: non-NULL; the C caller promises `n` readable ids for the call.
     let ids = unsafe { std::slice::from_raw_parts(p, n) };
     Ok(ids.iter().map(|&w| WeightId(w)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device-side wait for a background fill not yet issued deadlocked on
+    /// the H200 (docs/RESIDENCY.md, "Why the host waits"): the config that
+    /// asks for it is refused, clearly, and the default is accepted.
+    #[test]
+    fn device_side_fill_waits_are_refused() {
+        let mut c = default_config();
+        c.budget_bytes = 1 << 20;
+        assert_eq!(c.fill_waits_on_host, 1);
+        c.fill_waits_on_host = 0;
+        let e = config_of(&c).unwrap_err();
+        assert_eq!(e.status(), EpmStatus::Unsupported, "{e}");
+        assert!(e.message().contains("fill_waits_on_host") && e.message().contains("deadlock"), "{e}");
+        c.fill_waits_on_host = 1;
+        config_of(&c).unwrap();
+    }
 }

@@ -49,17 +49,6 @@ pub struct ResidencyConfig {
     /// thread that launches the kernels does not spend the fill; see
     /// `staging::background`). Demand page-ins are always issued by the caller.
     pub caller_fills: bool,
-    /// An acquire whose background fill is not enqueued yet waits for it on
-    /// the host. Must stay true: false (the acquiring stream waiting on the
-    /// device for a copy the filler has not issued yet) is refused with
-    /// `Unsupported`, because on CUDA that wait can deadlock: while a stream waits
-    /// on a value no copy has written yet, a thread copying to pageable
-    /// memory on that stream (what `tensor.item()` does) makes other threads'
-    /// `cuEventCreate`, `cuMemHostAlloc`, `cuStreamCreate` block, and
-    /// `cuMemFreeHost`, `cuMemHostUnregister`, `cuMemFree` block regardless,
-    /// so the filler could never issue the copy the wait was for
-    /// (docs/RESIDENCY.md, "Why the host waits"; `ffi-tests/gpu/q6_value_wait_blocks.cu`).
-    pub fill_waits_on_host: bool,
     /// With the background filler: between two staged prefetches, fill up to
     /// this many chunks of the next staged unit along the declared cycle
     /// ahead, while the filler would otherwise wait for the caller to queue
@@ -96,7 +85,6 @@ impl ResidencyConfig {
             prefetch_depth: 1,
             sync_page_in: false,
             caller_fills: false,
-            fill_waits_on_host: true,
             fill_ahead_chunks: FILL_AHEAD_ALL_SLOTS,
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,

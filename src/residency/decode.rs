@@ -135,7 +135,7 @@ impl DecodeStaging {
 impl ResidencyManager {
     /// Bytes weights may occupy: the budget less the reserved decode staging.
     pub(super) fn budget(&self, st: &State) -> usize {
-        self.cfg.budget_bytes - st.staging_reserve
+        st.ledger.budget()
     }
 
     /// Register a weight already encoded (format v1, e.g. by
@@ -256,7 +256,7 @@ impl ResidencyManager {
     /// the staging it would need.
     fn check_fits(&self, raw_len: usize, coded_len: usize) -> Result<()> {
         let st = self.lock();
-        let cap = st.staging_cap.max(Self::staging_cap_for(&st, st.plan.as_ref(), coded_len));
+        let cap = st.ledger.staging_cap().max(Self::staging_cap_for(&st, st.plan.as_ref(), coded_len));
         let reserve = DECODE_STAGING_BUFFERS * cap;
         let largest = st.reg.ids().filter_map(|w| st.reg.get(w).ok().map(|e| e.dev_len())).max().unwrap_or(0);
         let need = raw_len.max(largest).saturating_add(reserve);
@@ -283,7 +283,7 @@ impl ResidencyManager {
         let id = st.reg.add_coded(coded)?;
         let r = (|| {
             let cap = Self::staging_cap_for(st, st.plan.as_ref(), 0);
-            if cap > st.staging_cap {
+            if cap > st.ledger.staging_cap() {
                 self.set_staging(st, cap)?;
                 // The plan was made for the old budget.
                 if st.plan.is_some() {
@@ -300,7 +300,7 @@ impl ResidencyManager {
                 "a compressed weight of {raw_len} bytes decoded can never be resident: the budget of {} bytes \
                  less {} bytes of decode staging leaves {}",
                 self.cfg.budget_bytes,
-                st.staging_reserve,
+                st.ledger.staging_reserve(),
                 self.budget(st)
             );
             Ok(())
@@ -328,24 +328,23 @@ impl ResidencyManager {
             "decode staging of {reserve} bytes ({DECODE_STAGING_BUFFERS} × {cap}) leaves nothing of a budget of {} bytes",
             self.cfg.budget_bytes
         );
-        let (old_cap, old_reserve) = (st.staging_cap, st.staging_reserve);
+        let (old_cap, old_reserve) = (st.ledger.staging_cap(), st.ledger.staging_reserve());
         // The old buffers go first (their drop synchronizes the device: no
         // decode reads them any more).
         st.dec = None;
-        st.staging_cap = cap;
-        st.staging_reserve = reserve;
+        st.ledger.set_staging(cap, reserve);
         let r = (|| {
             if cap == 0 {
                 return Ok(None);
             }
-            while st.resident_bytes > self.budget(st) {
+            while st.ledger.resident_bytes() > self.budget(st) {
                 let Some(v) = self.victim(st, WeightId(u32::MAX), super::manager::Need::Demand) else {
                     return Err(Error::new(
                         EpmStatus::AllInUse,
                         format!(
                             "reserving {reserve} bytes of decode staging: {} of {} budget bytes are resident and \
                              what could make room is acquired; release weights first",
-                            st.resident_bytes, self.cfg.budget_bytes
+                            st.ledger.resident_bytes(), self.cfg.budget_bytes
                         ),
                     ));
                 };
@@ -371,8 +370,7 @@ impl ResidencyManager {
                 Ok(())
             }
             Err(e) => {
-                st.staging_cap = old_cap;
-                st.staging_reserve = old_reserve;
+                st.ledger.set_staging(old_cap, old_reserve);
                 if old_cap > 0 {
                     st.dec = DecodeStaging::new(&self.dev, &self.arena, old_cap).ok();
                 }

@@ -42,7 +42,7 @@ impl ResidencyManager {
     /// on the device behind the readers, instead of waiting on the host.
     pub(super) fn make_room(&self, st: &mut State, w: WeightId, len: usize, need: Need) -> Result<Room> {
         let demand = need.demand();
-        while st.resident_bytes + len > self.budget(st) {
+        while st.ledger.resident_bytes() + len > self.budget(st) {
             let Some(v) = self.victim(st, w, need) else {
                 if demand && self.drop_ring(st)? {
                     continue;
@@ -52,12 +52,12 @@ impl ResidencyManager {
             let e = st.reg.get(v)?;
             let vlen = e.dev_len();
             let reusable = e
-                .block
-                .as_ref()
+                .loc
+                .block()
                 .is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
-            if reusable && !self.cfg.sync_page_in && st.resident_bytes - vlen + len <= self.budget(st) {
+            if reusable && !self.cfg.sync_page_in && st.ledger.resident_bytes() - vlen + len <= self.budget(st) {
                 let e = st.reg.get_mut(v)?;
-                let Some(fenced) = e.block.take() else { continue };
+                let Some(fenced) = e.loc.take_block() else { continue };
                 if std::mem::take(&mut e.prefetched) {
                     st.c.pending_prefetches -= 1;
                     st.c.wasted_prefetches += 1;
@@ -88,7 +88,7 @@ impl ResidencyManager {
         let limit = if need.demand() { None } else { st.policy.distance(target) };
         let v = st.policy.candidates().find(|&v| {
             v != target
-                && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.block.is_some())
+                && st.reg.get(v).is_ok_and(|e| e.users == 0 && e.loc.is_block())
                 && match (limit, st.policy.distance(v)) {
                     (Some(t), Some(d)) => d > t,
                     _ => true,
@@ -102,14 +102,14 @@ impl ResidencyManager {
     ///
     /// [`ReadsDone`]: super::read_fence::ReadsDone
     pub(super) fn evict(&self, st: &mut State, v: WeightId) -> Result<()> {
-        if st.reg.get(v)?.slot.is_some() {
+        if st.reg.get(v)?.loc.is_ring() {
             return self.evict_slot(st, v);
         }
         let e = st.reg.get_mut(v)?;
         // The budget was charged the unit's bytes; a reused block may be up
         // to a quarter longer (charging its length undercounted the budget).
         let len = e.dev_len();
-        let Some(fenced) = e.block.take() else { return Ok(()) };
+        let Some(fenced) = e.loc.take_block() else { return Ok(()) };
         if std::mem::take(&mut e.prefetched) {
             st.c.pending_prefetches -= 1;
             st.c.wasted_prefetches += 1;
@@ -132,8 +132,7 @@ impl ResidencyManager {
 
     /// Account `v` (`len` bytes) as no longer resident.
     pub(super) fn forget(&self, st: &mut State, v: WeightId, len: usize) {
-        st.resident_bytes -= len;
-        st.resident_weights -= 1;
+        st.ledger.credit_block(len);
         st.policy.removed(v);
         st.c.evictions += 1;
     }
@@ -157,9 +156,9 @@ impl ResidencyManager {
                  and what could make room is acquired and not released ({held} weights, {held_bytes} bytes); \
                  release weights or raise the budget",
                 w.0,
-                st.resident_bytes,
+                st.ledger.resident_bytes(),
                 self.budget(st),
-                st.resident_weights
+                st.ledger.resident_weights()
             ),
         )
     }

@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
+use super::ledger::Ledger;
 use super::placement::Plan;
 use super::read_fence::Reused;
-use super::registry::{Entry, HostRangeId, RangeReg, RegState, RegisterSources, Registry};
+use super::registry::{Entry, HostRangeId, Loc, RangeReg, RegState, RegisterSources, Registry};
 use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
@@ -55,9 +56,8 @@ pub(super) struct State {
     /// The declared cycle and each weight's position in it.
     pub(super) cycle: Vec<WeightId>,
     pub(super) cycle_pos: HashMap<WeightId, usize>,
-    pub(super) resident_bytes: usize,
-    pub(super) peak_resident_bytes: usize,
-    pub(super) resident_weights: usize,
+    /// The budget's books (resident bytes, decode staging reserve).
+    pub(super) ledger: Ledger,
     pub(super) c: Counters,
     pub(super) stalls: StallTimer,
     /// Spent release events, reused so a release creates none in steady state.
@@ -95,12 +95,72 @@ pub(super) struct State {
     /// is made again until a new cycle is declared (see `drop_ring`).
     pub(super) ring_off: bool,
     /// Device staging of compressed page-ins (from the first compressed
-    /// registration), its size per buffer, and the budget bytes it reserves.
+    /// registration; its size is in the ledger).
     pub(super) dec: Option<super::decode::DecodeStaging>,
-    pub(super) staging_cap: usize,
-    pub(super) staging_reserve: usize,
     /// Timing events around decodes.
     pub(super) decode_timer: StallTimer,
+}
+
+impl State {
+    /// Panics if an invariant of the state does not hold: each part's own
+    /// (the ledger's, the registry's, the cycle's), and that they agree:
+    /// the ledger's resident bytes are the units in their own blocks (at
+    /// their device length) plus the streaming region, its resident units
+    /// those with a device copy; ring occupants exist only with a ring and
+    /// are streamed units; `held_units` counts the units acquired.
+    pub(super) fn check(&self) {
+        self.ledger.check();
+        self.reg.check();
+        assert_eq!(self.cycle_pos.len(), self.cycle.len(), "cycle positions do not index the cycle");
+        for (i, w) in self.cycle.iter().enumerate() {
+            assert_eq!(self.cycle_pos.get(w), Some(&i), "cycle position of weight {} is not its index", w.0);
+        }
+        assert_eq!(self.starts.len(), self.cycle.len(), "hold starts are not one per cycle position");
+        assert_eq!(self.plan.is_some(), self.ring.is_some(), "a plan without its ring, or a ring without its plan");
+        assert!(self.max_held >= self.held_units, "max_held {} < held_units {}", self.max_held, self.held_units);
+        let (mut bytes, mut units, mut held) = (self.ring.as_ref().map_or(0, |r| r.cap()), 0, 0);
+        for w in self.reg.ids() {
+            let Ok(e) = self.reg.get(w) else { continue };
+            match &e.loc {
+                Loc::Host => {}
+                Loc::Block(_) => {
+                    bytes += e.dev_len();
+                    units += 1;
+                }
+                Loc::Ring(_) => {
+                    assert!(self.ring.is_some() && self.streamed.contains(&w), "weight {} in a ring slot", w.0);
+                    units += 1;
+                }
+            }
+            held += (e.users > 0) as usize;
+        }
+        assert_eq!(bytes, self.ledger.resident_bytes(), "the ledger's resident bytes are not the units'");
+        assert_eq!(units, self.ledger.resident_weights(), "the ledger's resident units are not the registry's");
+        assert_eq!(held, self.held_units, "held_units is not the number of units acquired");
+    }
+}
+
+/// The locked state; checks its invariants when dropped, in debug builds.
+pub(super) struct Checked<'a>(MutexGuard<'a, State>);
+
+impl std::ops::Deref for Checked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.0
+    }
+}
+impl std::ops::DerefMut for Checked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.0
+    }
+}
+impl Drop for Checked<'_> {
+    fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        if !std::thread::panicking() {
+            self.0.check();
+        }
+    }
 }
 
 /// Keeps registered weights resident on the device within a byte budget.
@@ -120,12 +180,6 @@ impl ResidencyManager {
             cfg.fill_ahead_chunks = cfg.engine.slots;
         }
         crate::ensure!(cfg.budget_bytes > 0, InvalidArgument, "residency budget of 0 bytes");
-        crate::ensure!(
-            cfg.fill_waits_on_host,
-            Unsupported,
-            "fill_waits_on_host must be set: a stream waiting on the device for a background fill not yet issued \
-             deadlocks on CUDA (driver calls the filler needs block while such a wait is pending; docs/RESIDENCY.md)"
-        );
         crate::ensure!(
             cfg.fill_ahead_chunks <= cfg.engine.slots,
             InvalidConfig,
@@ -170,9 +224,7 @@ impl ResidencyManager {
                 policy: new_policy(cfg.policy),
                 cycle: Vec::new(),
                 cycle_pos: HashMap::new(),
-                resident_bytes: 0,
-                peak_resident_bytes: 0,
-                resident_weights: 0,
+                ledger: Ledger::new(cfg.budget_bytes),
                 c: Counters::default(),
                 stalls: StallTimer::default(),
                 spare: Vec::new(),
@@ -193,8 +245,6 @@ impl ResidencyManager {
                 hold_began: 0,
                 declared: Vec::new(),
                 dec: None,
-                staging_cap: 0,
-                staging_reserve: 0,
                 decode_timer: StallTimer::default(),
             }),
         })
@@ -211,7 +261,13 @@ impl ResidencyManager {
         &self.arena
     }
 
-    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+    /// The state, its invariants ([`State::check`]) checked in debug builds
+    /// when the guard is dropped: after every operation, failed ones too.
+    pub(super) fn lock(&self) -> Checked<'_> {
+        Checked(self.lock_unchecked())
+    }
+
+    fn lock_unchecked(&self) -> MutexGuard<'_, State> {
         // Every mutation completes before the next fallible call, so a
         // poisoned lock still guards consistent state.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -229,8 +285,8 @@ impl ResidencyManager {
             "a weight of {} bytes can never be resident under a budget of {} bytes{}",
             range.len(),
             self.cfg.budget_bytes,
-            if st.staging_reserve > 0 {
-                format!(" less {} bytes of decode staging for compressed weights", st.staging_reserve)
+            if st.ledger.staging_reserve() > 0 {
+                format!(" less {} bytes of decode staging for compressed weights", st.ledger.staging_reserve())
             } else {
                 String::new()
             }
@@ -413,19 +469,7 @@ impl ResidencyManager {
         self.harvest(st)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
-        // Re-plan at the first moment nothing is held (sliding windows: the
-        // hold starts are not known yet), and again when the cycle wraps, on
-        // the hold starts seen over one whole cycle.
-        if st.held_units == 0 {
-            let wrap = st.cycle_pos.get(&w) == Some(&0);
-            if wrap && !st.starts_seen {
-                st.starts_seen = true;
-                st.replan |= st.max_held > 1 && !st.sliding;
-            }
-            if st.replan {
-                self.install_plan(st)?;
-            }
-        }
+        self.replan_if_idle(st, w)?;
         let e = st.reg.get_mut(w)?;
         let hit = e.resident() && !e.prefetched;
         if std::mem::take(&mut e.prefetched) {
@@ -440,35 +484,14 @@ impl ResidencyManager {
         let e = st.reg.get_mut(w)?;
         e.users += 1;
         if e.users == 1 {
-            st.held_units += 1;
-            let p = st.cycle_pos.get(&w).copied();
-            if st.held_units == 1 {
-                st.hold_began = p.unwrap_or(0);
-                if let Some(s) = p.and_then(|p| st.starts.get_mut(p)) {
-                    *s = true;
-                }
-            }
-            if st.held_units > st.max_held {
-                // Starts recorded for narrower holds do not describe this one.
-                st.max_held = st.held_units;
-                st.starts.iter_mut().for_each(|s| *s = false);
-                if let Some(s) = st.starts.get_mut(st.hold_began) {
-                    *s = true;
-                }
-                st.starts_seen = false;
-            }
-            // The plan's ring holds `width` units at once: a caller holding
-            // more (a whole block) gets a plan for that at the next idle moment.
-            if st.plan.as_ref().is_some_and(|p| st.held_units > p.hold.width) {
-                st.replan = true;
-            }
+            Self::note_hold(st, w);
         }
         let r = (|| {
             let e = st.reg.get_mut(w)?;
-            let (addr, done, fence) = match (e.block.as_mut(), e.slot.as_mut()) {
-                (Some(b), _) => (b.addr(), b.page_in_done()?, b.page_in()),
-                (None, Some(s)) => (s.addr(), s.page_in_done()?, s.page_in()),
-                (None, None) => return Err(Error::internal("acquired weight has no block")),
+            let (addr, done, fence) = match &mut e.loc {
+                Loc::Block(b) => (b.addr(), b.page_in_done()?, b.page_in()),
+                Loc::Ring(s) => (s.addr(), s.page_in_done()?, s.page_in()),
+                Loc::Host => return Err(Error::internal("acquired weight has no block")),
             };
             let addr = addr + offset;
             if !done {
@@ -526,14 +549,18 @@ impl ResidencyManager {
         if e.users == 0 {
             st.held_units -= 1;
         }
-        if let Some(b) = e.block.as_mut() {
-            let spent = b.prune()?;
-            b.push(ev);
-            st.spare.extend(spent);
-        } else if let Some(s) = e.slot.as_mut() {
-            let spent = s.prune()?;
-            s.push(ev);
-            st.spare.extend(spent);
+        match &mut e.loc {
+            Loc::Block(b) => {
+                let spent = b.prune()?;
+                b.push(ev);
+                st.spare.extend(spent);
+            }
+            Loc::Ring(s) => {
+                let spent = s.prune()?;
+                s.push(ev);
+                st.spare.extend(spent);
+            }
+            Loc::Host => {}
         }
         // Prefetch here, not in acquire: the caller's kernel for `w` is queued
         // by now, so whatever the host spends on the next page-ins (a staged
@@ -702,14 +729,14 @@ impl ResidencyManager {
             compressed_weights: c.compressed_weights,
             compressed_host_bytes: c.compressed_host_bytes,
             compressed_raw_bytes: c.compressed_raw_bytes,
-            decode_staging_bytes: st.staging_reserve as u64,
+            decode_staging_bytes: st.ledger.staging_reserve() as u64,
             compressed_htod_bytes: c.compressed_htod_bytes,
             decoded_bytes: c.decoded_bytes,
             decodes: c.decodes,
             decode_ms: c.decode_ms,
-            resident_bytes: st.resident_bytes as u64,
-            peak_resident_bytes: st.peak_resident_bytes as u64,
-            resident_weights: st.resident_weights as u64,
+            resident_bytes: st.ledger.resident_bytes() as u64,
+            peak_resident_bytes: st.ledger.peak_resident_bytes() as u64,
+            resident_weights: st.ledger.resident_weights() as u64,
             registered_weights: st.reg.len() as u64,
             budget_bytes: self.cfg.budget_bytes as u64,
             arena: self.arena.stats(),
@@ -726,7 +753,7 @@ impl Drop for ResidencyManager {
     fn drop(&mut self) {
         // Resident blocks wait for their fences when dropped (Fenced::drop);
         // drop them before the engine and arena go.
-        let mut st = self.lock();
+        let mut st = self.lock_unchecked();
         // Every queued background copy onto a stream first, so the device
         // synchronizes below cover them; nothing read ahead after it.
         if let Some(f) = st.fill.as_ref() {
@@ -747,9 +774,8 @@ impl Drop for ResidencyManager {
         let ids: Vec<WeightId> = st.reg.ids().collect();
         for w in ids {
             if let Ok(e) = st.reg.remove(w) {
-                let Entry { block, slot, reg, .. } = e;
-                drop(block);
-                drop(slot);
+                let Entry { loc, reg, .. } = e;
+                drop(loc);
                 drop(reg);
             }
         }

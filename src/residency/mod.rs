@@ -12,6 +12,7 @@ mod coalesce;
 pub mod config;
 mod decode;
 mod evict;
+mod ledger;
 pub mod manager;
 mod page_in;
 pub mod placement;

@@ -8,7 +8,7 @@ use super::WeightId;
 use super::manager::{Need, Room, State};
 use super::plan::RingPageIn;
 use super::read_fence::Fenced;
-use super::registry::{RegState, RegisterSources};
+use super::registry::{Loc, RegState, RegisterSources};
 use crate::error::Result;
 use crate::residency::ResidencyManager;
 
@@ -64,11 +64,10 @@ impl ResidencyManager {
             }
         }
         let e = st.reg.get_mut(w)?;
-        e.block = Some(fenced);
+        debug_assert!(!e.resident(), "weight {} paged in while resident", w.0);
+        e.loc = Loc::Block(fenced);
         e.prefetched = !demand;
-        st.resident_bytes += len;
-        st.resident_weights += 1;
-        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
+        st.ledger.charge_block(len);
         st.policy.inserted(w);
         st.c.page_ins += 1;
         st.c.prefetch_page_ins += !demand as u64;

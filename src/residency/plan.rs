@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::WeightId;
 use super::manager::State;
 use super::placement::{self, Hold, Plan};
+use super::registry::Loc;
 use super::ring::{Ring, RingSlot};
 use crate::error::Result;
 use crate::residency::{PolicyKind, ResidencyManager};
@@ -55,6 +56,52 @@ impl ResidencyManager {
         Ok(placement::plan(&sizes, budget, &Hold { width, starts }, window))
     }
 
+    /// Before unit `w` is acquired: with nothing held, install a plan if one
+    /// is due. Re-plans at the first moment nothing is held (sliding
+    /// windows: the hold starts are not known yet), and again when the cycle
+    /// wraps, on the hold starts seen over one whole cycle.
+    pub(super) fn replan_if_idle(&self, st: &mut State, w: WeightId) -> Result<()> {
+        if st.held_units == 0 {
+            let wrap = st.cycle_pos.get(&w) == Some(&0);
+            if wrap && !st.starts_seen {
+                st.starts_seen = true;
+                st.replan |= st.max_held > 1 && !st.sliding;
+            }
+            if st.replan {
+                self.install_plan(st)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unit `w` went from idle to acquired: count the hold, record where a
+    /// hold began (a block hook's block starts) and the widest hold, and ask
+    /// for a plan when the hold outgrows the ring's.
+    pub(super) fn note_hold(st: &mut State, w: WeightId) {
+        st.held_units += 1;
+        let p = st.cycle_pos.get(&w).copied();
+        if st.held_units == 1 {
+            st.hold_began = p.unwrap_or(0);
+            if let Some(s) = p.and_then(|p| st.starts.get_mut(p)) {
+                *s = true;
+            }
+        }
+        if st.held_units > st.max_held {
+            // Starts recorded for narrower holds do not describe this one.
+            st.max_held = st.held_units;
+            st.starts.iter_mut().for_each(|s| *s = false);
+            if let Some(s) = st.starts.get_mut(st.hold_began) {
+                *s = true;
+            }
+            st.starts_seen = false;
+        }
+        // The plan's ring holds `width` units at once: a caller holding
+        // more (a whole block) gets a plan for that at the next idle moment.
+        if st.plan.as_ref().is_some_and(|p| st.held_units > p.hold.width) {
+            st.replan = true;
+        }
+    }
+
     /// Install the plan the cycle wants, with the decode staging it needs
     /// ([`Self::plan_with_staging`]; no unit may be held). A different plan
     /// or staging evicts everything first, waiting on the host: this happens
@@ -64,7 +111,7 @@ impl ResidencyManager {
     pub(super) fn install_plan(&self, st: &mut State) -> Result<()> {
         st.replan = false;
         let (want, cap) = self.plan_with_staging(st)?;
-        let same_staging = cap == st.staging_cap;
+        let same_staging = cap == st.ledger.staging_cap();
         if same_staging && want.is_some() && want == st.plan && st.ring.is_some() {
             return Ok(());
         }
@@ -91,8 +138,7 @@ impl ResidencyManager {
                 return Ok(());
             }
         };
-        st.resident_bytes += ring.cap();
-        st.peak_resident_bytes = st.peak_resident_bytes.max(st.resident_bytes);
+        st.ledger.charge_ring(ring.cap());
         st.streamed = st.cycle.iter().zip(&p.resident).filter(|(_, r)| !**r).map(|(&u, _)| u).collect();
         st.ring = Some(ring);
         st.plan = Some(p);
@@ -148,9 +194,10 @@ impl ResidencyManager {
             st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
         }
         let e = st.reg.get_mut(w)?;
-        e.slot = Some(RingSlot::new(addr, fence));
+        debug_assert!(!e.resident(), "weight {} paged into the ring while resident", w.0);
+        e.loc = Loc::Ring(RingSlot::new(addr, fence));
         e.prefetched = !demand;
-        st.resident_weights += 1;
+        st.ledger.charge_ring_unit();
         st.c.ring_weights += 1;
         st.c.page_ins += 1;
         st.c.ring_page_ins += 1;
@@ -178,7 +225,7 @@ impl ResidencyManager {
         let mut occupants = Vec::new();
         for &v in &st.streamed {
             let e = st.reg.get(v)?;
-            if e.slot.is_some() {
+            if e.loc.is_ring() {
                 if e.users > 0 {
                     return Ok(false);
                 }
@@ -203,7 +250,7 @@ impl ResidencyManager {
             f.drain();
         }
         if let Some(r) = st.ring.take() {
-            st.resident_bytes -= r.cap();
+            st.ledger.credit_ring(r.cap());
         }
         st.streamed.clear();
         st.plan = None;
@@ -234,7 +281,7 @@ impl ResidencyManager {
     /// caller then hands the slot's bytes on or waits for its readers.
     fn take_ring_slot(st: &mut State, v: WeightId) -> Result<Option<RingSlot>> {
         let e = st.reg.get_mut(v)?;
-        let Some(slot) = e.slot.take() else {
+        let Some(slot) = e.loc.take_ring() else {
             return Ok(None);
         };
         if std::mem::take(&mut e.prefetched) {
@@ -244,7 +291,7 @@ impl ResidencyManager {
         if let Some(r) = st.ring.as_mut() {
             r.vacate(v);
         }
-        st.resident_weights -= 1;
+        st.ledger.credit_ring_unit();
         st.c.ring_weights -= 1;
         st.c.evictions += 1;
         Ok(Some(slot))

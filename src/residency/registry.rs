@@ -61,10 +61,8 @@ pub(crate) struct Entry {
     pub members: Vec<WeightId>,
     /// Bytes `reg` registered.
     pub reg_bytes: usize,
-    /// The device copy, while resident (or being paged in).
-    pub block: Option<Fenced>,
-    /// Or its place in the streaming region, when a plan streams it.
-    pub slot: Option<RingSlot>,
+    /// Where the unit's device bytes are (on a leader; `Host` on members).
+    pub loc: Loc,
     /// Acquires not yet released.
     pub users: u32,
     pub reg: Option<HostRegistration>,
@@ -75,6 +73,54 @@ pub(crate) struct Entry {
     /// held here; a page-in copies them to device staging and decodes them
     /// into the weight's block (`super::decode`).
     pub coded: Option<Coded>,
+}
+
+/// Where a unit's device copy lives: one of the three, never two.
+#[derive(Debug, Default)]
+pub(crate) enum Loc {
+    /// Not on the device.
+    #[default]
+    Host,
+    /// In its own arena block, resident (or being paged in).
+    Block(Fenced),
+    /// At its offset in the streaming region, when a plan streams it.
+    Ring(RingSlot),
+}
+
+impl Loc {
+    /// The arena block, if the unit has one.
+    pub fn block(&self) -> Option<&Fenced> {
+        match self {
+            Loc::Block(b) => Some(b),
+            _ => None,
+        }
+    }
+    pub fn is_block(&self) -> bool {
+        matches!(self, Loc::Block(_))
+    }
+    pub fn is_ring(&self) -> bool {
+        matches!(self, Loc::Ring(_))
+    }
+    /// Take the arena block out, leaving `Host`; a ring slot stays.
+    pub fn take_block(&mut self) -> Option<Fenced> {
+        match std::mem::take(self) {
+            Loc::Block(b) => Some(b),
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
+    /// Take the ring slot out, leaving `Host`; an arena block stays.
+    pub fn take_ring(&mut self) -> Option<RingSlot> {
+        match std::mem::take(self) {
+            Loc::Ring(s) => Some(s),
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
 }
 
 /// The host copy of a compressed weight: the encoded buffer, page-locked and
@@ -114,7 +160,7 @@ impl RangeReg {
 impl Entry {
     /// On the device (in an arena block or in the ring), or being paged in.
     pub fn resident(&self) -> bool {
-        self.block.is_some() || self.slot.is_some()
+        !matches!(self.loc, Loc::Host)
     }
     /// Bytes of the unit on the device (its share of the budget): the
     /// decoded length of a compressed weight, else the bytes copied.
@@ -141,8 +187,7 @@ impl Registry {
             unit: range,
             members: Vec::new(),
             reg_bytes: 0,
-            block: None,
-            slot: None,
+            loc: Loc::Host,
             users: 0,
             reg: None,
             reg_state: RegState::Untried,
@@ -186,6 +231,26 @@ impl Registry {
     pub fn add_range(&mut self, reg: RangeReg) -> HostRangeId {
         self.ranges.push(Some(reg));
         HostRangeId(self.ranges.len() as u32 - 1)
+    }
+    /// Panics if the units are inconsistent: every member points at a live
+    /// leader that lists it, at an offset inside the leader's unit, and has
+    /// no device copy, acquisition or prefetch of its own (those live on
+    /// the leader).
+    pub fn check(&self) {
+        for (i, e) in self.weights.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let w = WeightId(i as u32);
+            if e.leader == w {
+                for &m in &e.members {
+                    assert_eq!(self.get(m).map(|x| x.leader).ok(), Some(w), "member {} of unit {}", m.0, w.0);
+                }
+                continue;
+            }
+            let l = self.get(e.leader).unwrap_or_else(|_| panic!("weight {}'s leader is not registered", w.0));
+            assert!(l.members.contains(&w), "weight {} is not among its leader's members", w.0);
+            assert!(e.offset + e.range.len() <= l.unit.len(), "weight {} lies outside its unit", w.0);
+            assert!(matches!(e.loc, Loc::Host) && e.users == 0 && !e.prefetched, "member {} holds unit state", w.0);
+        }
     }
     pub fn remove_range(&mut self, id: HostRangeId) -> Result<RangeReg> {
         self.ranges
