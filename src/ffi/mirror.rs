@@ -129,11 +129,7 @@ mod generated_stats {
                     " versioned by `size`. Times lag until their events complete: call",
                     " `epm_residency_synchronize` first for final figures.",
                 ],
-                // src/residency/stats.rs still holds its own copy of the generator.
-                fields: crate::residency::stats::RESIDENCY_C_FIELDS
-                    .iter()
-                    .map(|f| CField { name: f.name, ty: f.ty, from: f.from, doc: f.doc })
-                    .collect(),
+                fields: crate::residency::stats::RESIDENCY_C_FIELDS.to_vec(),
             },
             Spec {
                 file: "src/ffi/arena_stats.rs",

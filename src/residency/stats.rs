@@ -12,87 +12,7 @@ use crate::arena::ArenaStats;
 use crate::device::{Event, RawStream};
 use crate::error::Result;
 
-/// One field of a stats struct as C sees it: its name, its Rust type, the
-/// path it is read from in the core's struct, and its doc lines. The
-/// generator of `src/ffi/residency_stats.rs` renders the C struct from these.
-#[cfg(test)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct CField {
-    pub name: &'static str,
-    pub ty: &'static str,
-    pub from: &'static str,
-    pub doc: &'static [&'static str],
-}
-
-/// Declares a stats struct once. Each field is one line, with a kind that
-/// says where it lives:
-/// - `counter`: a field of the plain counters (kept under the manager's
-///   lock), of the public snapshot, and of the C struct;
-/// - `derived`: computed when the snapshot is taken (the snapshot and C);
-/// - `raw`: a counter the snapshot converts (nanoseconds to milliseconds):
-///   the plain counters only;
-/// - `rust_only`: the snapshot only (C sees it flattened through `c_only`);
-/// - `c_only ... = path`: a C field read from a path of the snapshot.
-///
-/// The fields C sees appear in the C struct in declaration order, so a new
-/// one goes at the end (docs/ABI.md). Generated: the snapshot struct, the
-/// counters struct and (in tests) the C field list, from which
-/// `src/ffi/residency_stats.rs` is generated and checked.
-macro_rules! declare_stats {
-    (
-        $(#[$smeta:meta])*
-        pub struct $S:ident;
-        $(#[$cmeta:meta])*
-        pub(crate) struct $C:ident;
-        $(#[$fmeta:meta])*
-        const $F:ident;
-        { $($body:tt)* }
-    ) => {
-        declare_stats!(@munch [$(#[$smeta])* $S] [$(#[$cmeta])* $C] [$(#[$fmeta])* $F] [] [] [] $($body)*);
-    };
-    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
-        $(#[doc = $d:literal])* counter $n:ident: $t:ty, $($rest:tt)*) => {
-        declare_stats!(@munch $s $c $f [$($sf)* $(#[doc = $d])* pub $n: $t,] [$($cf)* pub $n: $t,]
-            [$($m)* CField { name: stringify!($n), ty: stringify!($t), from: stringify!($n), doc: &[$($d),*] },]
-            $($rest)*);
-    };
-    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
-        $(#[doc = $d:literal])* derived $n:ident: $t:ty, $($rest:tt)*) => {
-        declare_stats!(@munch $s $c $f [$($sf)* $(#[doc = $d])* pub $n: $t,] [$($cf)*]
-            [$($m)* CField { name: stringify!($n), ty: stringify!($t), from: stringify!($n), doc: &[$($d),*] },]
-            $($rest)*);
-    };
-    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
-        $(#[doc = $d:literal])* raw $n:ident: $t:ty, $($rest:tt)*) => {
-        declare_stats!(@munch $s $c $f [$($sf)*] [$($cf)* $(#[doc = $d])* pub $n: $t,] [$($m)*] $($rest)*);
-    };
-    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
-        $(#[doc = $d:literal])* rust_only $n:ident: $t:ty, $($rest:tt)*) => {
-        declare_stats!(@munch $s $c $f [$($sf)* $(#[doc = $d])* pub $n: $t,] [$($cf)*] [$($m)*] $($rest)*);
-    };
-    (@munch $s:tt $c:tt $f:tt [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]
-        $(#[doc = $d:literal])* c_only $n:ident: $t:ty = $($p:ident).+, $($rest:tt)*) => {
-        declare_stats!(@munch $s $c $f [$($sf)*] [$($cf)*]
-            [$($m)* CField { name: stringify!($n), ty: stringify!($t), from: stringify!($($p).+), doc: &[$($d),*] },]
-            $($rest)*);
-    };
-    (@munch [$(#[$smeta:meta])* $S:ident] [$(#[$cmeta:meta])* $C:ident] [$(#[$fmeta:meta])* $F:ident]
-        [$($sf:tt)*] [$($cf:tt)*] [$($m:tt)*]) => {
-        $(#[$smeta])*
-        #[derive(Debug, Clone, Copy, Default, PartialEq)]
-        pub struct $S { $($sf)* }
-
-        $(#[$cmeta])*
-        #[derive(Debug, Default, Clone, Copy)]
-        pub(crate) struct $C { $($cf)* }
-
-        $(#[$fmeta])*
-        #[cfg(test)]
-        pub(crate) const $F: &[CField] = &[$($m)*];
-    };
-}
-
-declare_stats! {
+crate::stats::declare_stats! {
     /// A snapshot of one residency manager.
     pub struct ResidencyStats;
     /// Plain counters, updated under the manager's lock.
@@ -106,7 +26,7 @@ declare_stats! {
         /// compares with Belady's optimum.
         counter hits: u64,
         /// hits / acquires (0 before the first acquire).
-        derived hit_rate: f64,
+        field hit_rate: f64,
         /// Copies of a weight to the device (demand and prefetch).
         counter page_ins: u64,
         /// Of `page_ins`, issued ahead of use by prefetch.
@@ -121,33 +41,33 @@ declare_stats! {
         /// read fence.
         counter eviction_waits: u64,
         /// Page-ins copied straight from page-locked or registered memory.
-        derived bypassed_page_ins: u64,
+        field bypassed_page_ins: u64,
         /// Page-ins staged through pinned buffers.
-        derived staged_page_ins: u64,
+        field staged_page_ins: u64,
         /// Weight sources registered on first page-in, and refusals (limit or device).
         counter source_registrations: u64,
         counter register_refusals: u64,
         /// Bytes registered by the manager (per-weight and whole ranges).
         counter registered_bytes: u64,
-        derived htod_bytes: u64,
+        field htod_bytes: u64,
         /// Pinned allocations by the staging pool (flat in steady state), and reuses.
-        derived pinned_alloc_calls: u64,
-        derived pinned_reuses: u64,
+        field pinned_alloc_calls: u64,
+        field pinned_reuses: u64,
         /// Host time filling staging buffers.
-        derived fill_ms: f64,
+        field fill_ms: f64,
         /// Device time of page-in copies (read from events after completion).
-        derived htod_ms: f64,
+        field htod_ms: f64,
         /// Time work waited on page-ins: `device_stall_ms + host_stall_ms`.
-        derived stall_ms: f64,
+        field stall_ms: f64,
         /// Time compute streams sat waiting for a page-in (timing events around the wait).
         counter device_stall_ms: f64,
         /// Time the host blocked (synchronous page-ins, eviction waits).
-        derived host_stall_ms: f64,
-        derived resident_bytes: u64,
-        derived peak_resident_bytes: u64,
-        derived resident_weights: u64,
-        derived registered_weights: u64,
-        derived budget_bytes: u64,
+        field host_stall_ms: f64,
+        field resident_bytes: u64,
+        field peak_resident_bytes: u64,
+        field resident_weights: u64,
+        field registered_weights: u64,
+        field budget_bytes: u64,
         /// The device arena holding resident weights.
         rust_only arena: ArenaStats,
         /// The device arena holding resident weights (see `EpmArenaStats`).
@@ -176,21 +96,21 @@ declare_stats! {
         /// (the fill falling behind the caller; not counted in
         /// `host_stall_ms`, which counts the waits a plan or policy causes).
         counter background_waits: u64,
-        derived background_wait_ms: f64,
+        field background_wait_ms: f64,
         /// Bytes the background thread filled into staging buffers ahead of
         /// their prefetch (the config's `fill_ahead_chunks`), and how many of
         /// them that prefetch then used without filling them again (the rest
         /// were filled for a unit that was not prefetched next, or forgotten
         /// by an unregister).
-        derived fill_ahead_bytes: u64,
-        derived fill_ahead_used_bytes: u64,
+        field fill_ahead_bytes: u64,
+        field fill_ahead_used_bytes: u64,
         /// Host time waiting for a staging slot's previous copy to complete
         /// (the DMA behind the fill), over every staged page-in; and the time
         /// the background thread spent issuing its page-ins and filling
         /// ahead. With `fill_ms`, they split that thread's time: the rest of
         /// the wall time it waited for the next release to queue work.
-        derived slot_wait_ms: f64,
-        derived background_busy_ms: f64,
+        field slot_wait_ms: f64,
+        field background_busy_ms: f64,
         /// Weights registered compressed (`epm_residency_register_compressed`),
         /// their host copies' bytes (the compressed buffers, page-locked and
         /// owned by the manager) and their decoded bytes: host RAM of the
@@ -203,7 +123,7 @@ declare_stats! {
         /// `EPM_DECODE_STAGING_BUFFERS` buffers, each the largest compressed
         /// weight the plan streams (at most 64 MiB; larger weights page in
         /// in pieces), docs/RESIDENCY.md "Streaming compressed weights".
-        derived decode_staging_bytes: u64,
+        field decode_staging_bytes: u64,
         /// Compressed bytes copied to the device (also counted in
         /// `htod_bytes`), the bytes their decodes wrote, the decodes, and
         /// their device time (timing events around each decode, read once
@@ -214,9 +134,9 @@ declare_stats! {
         counter decode_ms: f64,
         /// Bytes of the streaming region of the active plan (0: no plan);
         /// they count in `resident_bytes`.
-        derived ring_bytes: u64,
+        field ring_bytes: u64,
         /// Bytes the active plan keeps resident for good.
-        derived planned_resident_bytes: u64,
+        field planned_resident_bytes: u64,
         /// Page-ins into the streaming region (each ordered on the device
         /// behind the readers of what it overwrites; also counted in
         /// `ordered_reuses` per occupant overwritten).
