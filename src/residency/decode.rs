@@ -344,7 +344,8 @@ impl ResidencyManager {
                         format!(
                             "reserving {reserve} bytes of decode staging: {} of {} budget bytes are resident and \
                              what could make room is acquired; release weights first",
-                            st.ledger.resident_bytes(), self.cfg.budget_bytes
+                            st.ledger.resident_bytes(),
+                            self.cfg.budget_bytes
                         ),
                     ));
                 };

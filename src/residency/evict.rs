@@ -51,10 +51,8 @@ impl ResidencyManager {
             };
             let e = st.reg.get(v)?;
             let vlen = e.dev_len();
-            let reusable = e
-                .loc
-                .block()
-                .is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
+            let reusable =
+                e.loc.block().is_some_and(|b| (len..=len + len / 4).contains(&b.len()) && !b.is_idle().unwrap_or(true));
             if reusable && !self.cfg.sync_page_in && st.ledger.resident_bytes() - vlen + len <= self.budget(st) {
                 let e = st.reg.get_mut(v)?;
                 let Some(fenced) = e.loc.take_block() else { continue };
