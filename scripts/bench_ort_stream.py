@@ -373,7 +373,7 @@ def main():
     ap.add_argument("--split-mib", default="",
                     help="the EP option split_bytes in MiB (weights above it stream in parts; default: whole weights)")
     ap.add_argument("--prefetch-depth", default="",
-                    help="the EP option prefetch_depth (weights paged in ahead of use; default: the EP's, 1)")
+                    help="the EP option prefetch_depth (weights paged in ahead of use; default: the EP's, 2)")
     ap.add_argument("--no-env-allocators", action="store_true",
                     help="epmem rows without session.use_env_allocators (the CUDA EP keeps its own arena): "
                          "separates the allocator's cost from the streaming EP's")

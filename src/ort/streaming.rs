@@ -270,9 +270,7 @@ impl Streamer {
         };
         let budget = usize::try_from(budget).map_err(|_| Error::invalid_argument("budget_bytes is too large"))?;
         let mut cfg = ResidencyConfig::with_budget(budget);
-        if let Some(d) = opts.prefetch_depth {
-            cfg.prefetch_depth = d;
-        }
+        cfg.prefetch_depth = opts.prefetch_depth.unwrap_or(super::claim::DEFAULT_PREFETCH_DEPTH);
         if let Some(r) = opts.register_sources {
             cfg.register_sources = r;
         }
