@@ -1,5 +1,6 @@
 //! The weight codec (src/codec): bit-exact round trips, ratios on the
-//! distributions of issue 29, raw fallbacks, and refusal of bad buffers.
+//! weight-like distributions (normal, Kaiming-uniform, Student-t), raw
+//! fallbacks, and refusal of bad buffers.
 
 use epmem::EpmStatus;
 use epmem::codec::{self, Dtype, EncodeOptions, Encoded, RawReason};
@@ -75,7 +76,7 @@ fn every_fp16_bit_pattern_round_trips_at_every_code_width() {
     round_trip(&to_bytes(&v), Dtype::Fp16, &always(Some(2)));
 }
 
-/// The three distributions of issue 29, as f32.
+/// The three weight-like distributions (normal, Kaiming-uniform, Student-t), as f32.
 fn normal(rng: &mut fastrand::Rng) -> f32 {
     // Box–Muller.
     let (u, v) = (rng.f64().max(1e-300), rng.f64());

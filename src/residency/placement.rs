@@ -5,7 +5,7 @@
 //! byte-optimal, each eviction frees a block of another size (holes in the
 //! arena, evictions the policy did not choose), and a victim whose block
 //! does not fit the incoming weight is freed on the host, waiting for its
-//! readers (issue 12 measured 1.22–1.54× the bytes the budget forces and the
+//! readers (measured on the Llama mixes: 1.22–1.54× the bytes the budget forces, the
 //! host blocked 4.6 s of an 8 s run). A plan fixes the bytes up front:
 //!
 //! - the *streaming region* of `ring_bytes` holds the weights that are not
@@ -319,7 +319,7 @@ fn best_plan(sizes: &[usize], budget: usize, hold: &Hold, depth: usize, keep_las
     // feasible, so look for the smallest feasible target. The ring need not
     // hold the largest weight: when the smaller weights alone can carry
     // (total − budget), streaming only them needs a ring of one small
-    // weight (issue 12: a Llama-70B shape at 75% streams 3.4% over the floor
+    // weight (a Llama-70B shape at 75% streams 3.4% over the floor
     // instead of 22%). So try the natural ring sizes first — each distinct
     // size and each sum of two (a live pair) — then coarse steps of half the
     // largest weight from the smallest up to the first feasible one, then
@@ -401,7 +401,7 @@ fn spread(sizes: &[usize], streamed: &[bool]) -> Vec<bool> {
 /// 0/1 knapsack in units of the sizes' greatest common divisor, coarsened
 /// (sizes rounded up, so the choice still fits) when `room` would need more
 /// than 2^18 units. A largest-first fill left up to one weight unused:
-/// 0.5–1.5% more bytes per step on the Llama mixes of issue 12.
+/// 0.5–1.5% more bytes per step on the Llama mixes of tests/residency_mix.rs.
 fn fill(sizes: &[usize], cands: &[usize], room: usize) -> Vec<usize> {
     let g = cands.iter().fold(0, |a, &i| gcd(a, up(sizes[i]))).max(ALIGN);
     let q = g.max((room >> 18).next_multiple_of(g));

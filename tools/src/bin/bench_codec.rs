@@ -1,6 +1,6 @@
-//! The weight codec, measured and checked in one run (issue 29):
+//! The weight codec, measured and checked in one run:
 //!
-//! - compressed ÷ raw for bf16 and fp16 tensors of the issue's three
+//! - compressed ÷ raw for bf16 and fp16 tensors of three
 //!   distributions (N(0, 0.02), Kaiming-uniform U(±1/64), Student-t(3) × 0.02);
 //! - the encoder's rate on the host (raw GB/s, all cores and per core) and the
 //!   CPU decoder's;
