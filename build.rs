@@ -40,9 +40,9 @@ fn main() {
         return;
     };
     let link = profile_dir.join(&soname);
-    if std::fs::symlink_metadata(&link).is_err() {
-        if let Err(e) = std::os::unix::fs::symlink("libepmem.so", &link) {
-            println!("cargo:warning=could not create {}: {e}", link.display());
-        }
+    if std::fs::symlink_metadata(&link).is_err()
+        && let Err(e) = std::os::unix::fs::symlink("libepmem.so", &link)
+    {
+        println!("cargo:warning=could not create {}: {e}", link.display());
     }
 }

@@ -229,6 +229,47 @@ fn eviction_of_a_block_that_cannot_be_reused_waits_on_the_host() {
 }
 
 #[test]
+fn a_release_while_every_unit_is_resident_still_fences_a_later_eviction() {
+    // With every unit resident a release records no event (its block is
+    // fenced by a device synchronize instead). Registering B then makes A a
+    // victim: whether A's block goes to B whole (same size) or is freed (B
+    // half as large), B's page-in must come after A's held reader, which
+    // only the watchdog releases, so the watchdog must have fired by the
+    // time acquiring B returns.
+    for b_len in [256 << 10, 128 << 10] {
+        let d = dev();
+        let n = 256 << 10;
+        let w = Weights::new(&[n, b_len], 97);
+        let mut c = small_cfg(n);
+        c.prefetch_depth = 0;
+        let m = ResidencyManager::new(&d, c).unwrap();
+        let a_id = m.register(w.range(0)).unwrap();
+        let (s1, s2) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
+        let slots = Slots::new(&d, 2);
+        // A first pass pages A in; the second release is the all-resident one.
+        let a = m.acquire(a_id, s1.raw()).unwrap();
+        m.release(a_id, s1.raw()).unwrap();
+        s1.synchronize().unwrap();
+        assert_eq!(m.acquire(a_id, s1.raw()).unwrap(), a);
+        let gate = Gate::new();
+        let wd = gate.watchdog(std::time::Duration::from_millis(200));
+        d.hold_async(s1.raw(), &gate).unwrap();
+        d.checksum_async(a, n, slots.at(0), s1.raw()).unwrap();
+        m.release(a_id, s1.raw()).unwrap();
+        let b_id = m.register(w.range(1)).unwrap();
+        let b = m.acquire(b_id, s2.raw()).unwrap();
+        assert!(wd.fired(), "B ({b_len} bytes) was paged in over A while A's reader had not run");
+        d.checksum_async(b, b_len, slots.at(1), s2.raw()).unwrap();
+        m.release(b_id, s2.raw()).unwrap();
+        s2.synchronize().unwrap();
+        let got = slots.read(&d, &s1);
+        assert_eq!(got[0], w.checksum(0), "A was overwritten under its reader ({b_len})");
+        assert_eq!(got[1], w.checksum(1), "B's bytes ({b_len})");
+        assert_eq!(m.stats().evictions, 1);
+    }
+}
+
+#[test]
 fn all_in_use_and_out_of_budget_are_clear_errors() {
     let d = dev();
     let n = 64 << 10;

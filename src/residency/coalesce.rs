@@ -83,6 +83,7 @@ impl ResidencyManager {
         let e = st.reg.get_mut(leader)?;
         e.unit = unit;
         e.members = run[1..].to_vec();
+        st.reg.note_grouped(run.len() - 1);
         st.c.coalesced_weights += run.len() as u64;
         Ok(())
     }
@@ -101,6 +102,7 @@ impl ResidencyManager {
         let members = std::mem::take(&mut e.members);
         e.unit = e.range;
         st.c.coalesced_weights -= members.len() as u64 + 1;
+        st.reg.note_ungrouped(members.len());
         for m in members {
             let e = st.reg.get_mut(m)?;
             e.leader = m;

@@ -125,6 +125,12 @@ impl ResidencyManager {
     /// ring bytes whose occupant was read already), so a deeper window
     /// overlaps more but never copies a byte the depth-1 schedule would not.
     pub(super) fn prefetch_ahead(&self, st: &mut State, w: WeightId) -> Result<()> {
+        // Every unit on the device (a budget that holds them all, after the
+        // first pass): nothing to page in, and no walk over the cycle on
+        // each release.
+        if st.ledger.resident_weights() >= st.reg.units() {
+            return Ok(());
+        }
         let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
         let n = st.cycle.len();
         let mut ahead = 0;

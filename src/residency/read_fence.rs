@@ -44,6 +44,15 @@
 //! `Reused` can do is be the destination of a copy issued after that stream
 //! ([`Reused::fill`]), so the copy cannot start before the readers end. The
 //! memory never passes through the arena while readers may be running.
+//!
+//! One more way a read may be fenced: not by an event of its own but by a
+//! synchronize of the whole device ([`Fenced::note_unfenced_read`]). The
+//! manager releases that way when every unit is resident, so nothing is
+//! about to be evicted and an event per release would be spent work. Such a
+//! block is never idle to a query and never completes without waiting:
+//! [`Fenced::wait`], [`Fenced::reuse_after`] and dropping synchronize the
+//! device (every stream of the context, the observation `DeviceBlock`'s drop
+//! relies on too) before the witness is minted or the memory reused.
 
 use std::fmt;
 use std::sync::Arc;
@@ -158,6 +167,9 @@ pub struct Fenced {
     block: Option<DeviceBlock>,
     page_in: Option<Fence>,
     events: Vec<Event>,
+    /// Reads released without an event: only a synchronize of the whole
+    /// device observes them complete.
+    unfenced_reads: bool,
 }
 
 /// Whether the page-in fenced by `slot` has completed (never blocks);
@@ -199,7 +211,28 @@ pub enum TryReadsDone {
 impl Fenced {
     /// `block` with the fence of the page-in copy just queued into it.
     pub fn new(block: DeviceBlock, page_in: Fence) -> Self {
-        Self { block: Some(block), page_in: Some(page_in), events: Vec::new() }
+        Self { block: Some(block), page_in: Some(page_in), events: Vec::new(), unfenced_reads: false }
+    }
+    /// Fence one more use by a synchronize of the whole device instead of an
+    /// event (see the module docs).
+    pub fn note_unfenced_read(&mut self) {
+        self.unfenced_reads = true;
+    }
+    /// Reads only a synchronize of the device observes: when the block
+    /// leaves, the device is synchronized first.
+    pub fn has_unfenced_reads(&self) -> bool {
+        self.unfenced_reads
+    }
+    /// Synchronize the device if reads are fenced only that way, and forget
+    /// them: everything queued so far has completed.
+    fn settle_unfenced(&mut self) -> Result<()> {
+        if self.unfenced_reads {
+            if let Some(b) = self.block.as_ref().and_then(|b| b.arena.as_ref()) {
+                b.device().synchronize()?;
+            }
+            self.unfenced_reads = false;
+        }
+        Ok(())
     }
     /// The page-in's fence, until it is observed complete.
     pub fn page_in(&self) -> Option<&Fence> {
@@ -228,6 +261,9 @@ impl Fenced {
     /// Whether the page-in and every read have completed. Never blocks and
     /// changes nothing (a choice between victims, not a completion).
     pub fn is_idle(&self) -> Result<bool> {
+        if self.unfenced_reads {
+            return Ok(false);
+        }
         if let Some(f) = &self.page_in {
             if !f.query()? {
                 return Ok(false);
@@ -242,7 +278,7 @@ impl Fenced {
     }
     /// Release events not yet observed complete.
     pub fn pending_reads(&self) -> usize {
-        self.events.len()
+        self.events.len() + self.unfenced_reads as usize
     }
     /// Drop events observed complete (returned for reuse), so a long-resident
     /// weight does not accumulate one per release. Never blocks.
@@ -252,7 +288,7 @@ impl Fenced {
     /// Never blocks: the block and its witness if every event completed.
     pub fn try_complete(mut self) -> Result<TryReadsDone> {
         let spent = self.prune()?;
-        if self.events.is_empty() && self.page_in_done()? {
+        if self.events.is_empty() && !self.unfenced_reads && self.page_in_done()? {
             Ok(TryReadsDone::Done(ReadsDone::mint(self.take()), spent))
         } else {
             // Completed events are spent either way; keep only the pending ones.
@@ -262,6 +298,7 @@ impl Fenced {
     }
     /// Block until every event completes; the block inside its witness, and the spent events.
     pub fn wait(mut self) -> Result<(ReadsDone, Vec<Event>)> {
+        self.settle_unfenced()?;
         if let Some(f) = self.page_in.take() {
             f.wait()?;
         }
@@ -285,6 +322,8 @@ impl Fenced {
     /// read, and the block comes back as a [`Reused`], which can only be
     /// filled by a copy ordered after `order`.
     pub fn reuse_after(mut self, order: &Stream) -> Result<Reused> {
+        // Reads with no event cannot gate `order`: the host observes them.
+        self.settle_unfenced()?;
         if let Some(f) = &self.page_in {
             f.make_wait(order.raw())?;
         }
@@ -346,6 +385,7 @@ impl Reused {
                     block: Some(block),
                     page_in: self.page_in.take(),
                     events: std::mem::take(&mut self.events),
+                    unfenced_reads: false,
                 });
                 Err(e)
             }
@@ -357,7 +397,12 @@ impl Drop for Reused {
     /// Unfilled: wait for the readers before the memory goes back, as Fenced does.
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            drop(Fenced { block: Some(block), page_in: self.page_in.take(), events: std::mem::take(&mut self.events) });
+            drop(Fenced {
+                block: Some(block),
+                page_in: self.page_in.take(),
+                events: std::mem::take(&mut self.events),
+                unfenced_reads: false,
+            });
         }
     }
 }
@@ -367,6 +412,13 @@ impl Drop for Fenced {
     /// memory is leaked rather than handed to a new weight a kernel may
     /// still read, and dropping never panics.
     fn drop(&mut self) {
+        if let Err(err) = self.settle_unfenced() {
+            if let Some(block) = self.block.take() {
+                log::error!("epmem: leaking {block:?}: its reads could not be observed ({err})");
+                block.leak();
+            }
+            return;
+        }
         let Some(block) = self.block.take() else { return };
         if let Some(Err(err)) = self.page_in.as_ref().map(|f| f.wait()) {
             log::error!("epmem: leaking {block:?}: its page-in could not be observed ({err})");

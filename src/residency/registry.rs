@@ -138,6 +138,10 @@ pub(crate) struct Registry {
     weights: Vec<Option<Entry>>,
     ranges: Vec<Option<RangeReg>>,
     live: usize,
+    /// Page-in units: live weights that lead their own unit (coalesced
+    /// members are not units). With the ledger's resident unit count it
+    /// says, without a walk, whether every unit is on the device.
+    units: usize,
 }
 
 /// A whole host range the manager copies from directly: registered by it, or
@@ -195,6 +199,7 @@ impl Registry {
             coded: None,
         }));
         self.live += 1;
+        self.units += 1;
         Ok(id)
     }
     /// A compressed weight: its copy source is `coded`'s buffer.
@@ -219,11 +224,26 @@ impl Registry {
     pub fn remove(&mut self, w: WeightId) -> Result<Entry> {
         let e = self.weights.get_mut(w.0 as usize).and_then(Option::take).ok_or_else(|| unknown(w))?;
         self.live -= 1;
+        if e.leader == w {
+            self.units -= 1;
+        }
         Ok(e)
     }
     /// Registered weights.
     pub fn len(&self) -> usize {
         self.live
+    }
+    /// Page-in units (a coalesced group counts once).
+    pub fn units(&self) -> usize {
+        self.units
+    }
+    /// `n` weights joined another weight's unit (they were units of their own).
+    pub fn note_grouped(&mut self, n: usize) {
+        self.units -= n;
+    }
+    /// `n` members of a unit became units of their own again.
+    pub fn note_ungrouped(&mut self, n: usize) {
+        self.units += n;
     }
     pub fn ids(&self) -> impl Iterator<Item = WeightId> + '_ {
         self.weights.iter().enumerate().filter(|(_, e)| e.is_some()).map(|(i, _)| WeightId(i as u32))
@@ -237,6 +257,9 @@ impl Registry {
     /// no device copy, acquisition or prefetch of its own (those live on
     /// the leader).
     pub fn check(&self) {
+        let leaders =
+            self.weights.iter().enumerate().filter(|(i, e)| e.as_ref().is_some_and(|e| e.leader.0 as usize == *i));
+        assert_eq!(leaders.count(), self.units, "the unit count disagrees with the leaders");
         for (i, e) in self.weights.iter().enumerate() {
             let Some(e) = e else { continue };
             let w = WeightId(i as u32);
