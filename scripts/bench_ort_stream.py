@@ -247,6 +247,8 @@ def child(a):
             opts["prefetch_depth"] = a.prefetch_depth
         if a.split_mib:
             opts["split_bytes"] = f"{a.split_mib}MiB"
+        if a.stream_weights:
+            opts["stream_weights"] = a.stream_weights
         so.add_provider_for_devices([dev], opts)
         if cuda:
             so.add_provider("CUDAExecutionProvider", {})
@@ -377,7 +379,11 @@ def main():
     ap.add_argument("--no-env-allocators", action="store_true",
                     help="epmem rows without session.use_env_allocators (the CUDA EP keeps its own arena): "
                          "separates the allocator's cost from the streaming EP's")
+    ap.add_argument("--repeat-100", type=int, default=1,
+                    help="run the CUDA EP alone and the 100%% rows this many times, alternating, and compare "
+                         "medians (the CUDA EP alone moves by several %% between processes)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stream-weights", default="")
     ap.add_argument("--mode", default="resident")
     ap.add_argument("--model")
     ap.add_argument("--budget", type=int, default=0)
@@ -419,11 +425,46 @@ def main():
                         os.path.join(a.out, f"{size}_resident.log"))
         json.dump(res, open(ref_json, "w"))
         rows = [res]
-        for pct in [int(p) for p in a.budgets.split(",") if p]:
-            budget = W * pct // 100 + (4 << 20 if pct >= 100 else 0)
-            r = run_child(base + ["--mode", f"epmem-{pct}", "--budget", str(budget), "--ref", ref_json,
-                                  "--ref-logits", ref_logits], os.path.join(a.out, f"{size}_epmem{pct}.log"))
+        pcts = [int(p) for p in a.budgets.split(",") if p]
+        # At 100% the default (stream_weights=auto: every weight fits, so
+        # nothing is claimed) and streaming forced (stream_weights=1), each
+        # against the CUDA EP alone, in alternating processes.
+        runs = []
+        for pct in pcts:
+            if pct < 100:
+                runs.append((pct, "", ""))
+            else:
+                runs += [(pct, "", ""), (pct, "1", "-forced")]
+        alone_ms = [res["ms_per_token"]]
+        reps = {}
+        for rep_i in range(max(1, a.repeat_100)):
+            for pct, sw, tag in runs:
+                if rep_i > 0 and pct < 100:
+                    continue
+                if rep_i > 0 and tag == "":
+                    again = run_child(base + ["--mode", "resident", "--logits-out", ref_logits + ".again.npy"],
+                                      os.path.join(a.out, f"{size}_resident_{rep_i}.log"))
+                    alone_ms.append(again["ms_per_token"])
+                budget = W * pct // 100 + (4 << 20 if pct >= 100 else 0)
+                extra = ["--stream-weights", sw] if sw else []
+                r = run_child(base + extra + ["--mode", f"epmem-{pct}{tag}", "--budget", str(budget), "--ref", ref_json,
+                                              "--ref-logits", ref_logits],
+                              os.path.join(a.out, f"{size}_epmem{pct}{tag}{f'_{rep_i}' if rep_i else ''}.log"))
+                reps.setdefault((pct, tag), []).append(r)
+        if len(alone_ms) > 1:
+            res["ms_runs"] = alone_ms
+            res["ms_per_token"] = float(sorted(alone_ms)[len(alone_ms) // 2])
+        for (pct, tag), rs in reps.items():
+            r = rs[0]
+            if len(rs) > 1:
+                ms = [x["ms_per_token"] for x in rs]
+                r["ms_runs"] = ms
+                r["ms_per_token"] = float(sorted(ms)[len(ms) // 2])
+                r["tokens_identical"] = all(x.get("tokens_identical", False) for x in rs)
+                r["max_logit_diff"] = max(x["max_logit_diff"] for x in rs)
             r["pct"] = pct
+            r["forced"] = bool(tag)
+            budget = r["budget"]
             split = int(a.split_mib) << 20 if a.split_mib else 0
             r["whole_weight_floor_bytes"] = whole_weight_floor(claimed_sizes(c, split), budget)
             st = r.get("stream", {})
@@ -450,18 +491,29 @@ def main():
         if "device_bytes_used" in res:
             other = res["device_bytes_used"] - W
         for r in rows[1:]:
-            target(r.get("tokens_identical", False) and r["claimed"] > 0,
-                   f"epmem-{r['pct']}: {TOKENS} greedy tokens identical (max logit diff {r['max_logit_diff']:.3g}, {r['claimed']} nodes claimed)")
+            name = r["mode"]
+            # The default at 100% claims nothing when every weight fits.
+            claims_ok = r["claimed"] > 0 or (r["pct"] >= 100 and not r["forced"])
+            target(r.get("tokens_identical", False) and claims_ok,
+                   f"{name}: {TOKENS} greedy tokens identical (max logit diff {r['max_logit_diff']:.3g}, {r['claimed']} nodes claimed)")
             if other is not None and "device_bytes_used" in r:
                 b = r["budget"]
                 target(r["device_bytes_used"] <= b + other,
-                       f"epmem-{r['pct']}: device memory {r['device_bytes_used'] / 2**30:.2f} GiB <= budget {b / 2**30:.2f} + {other / 2**30:.2f} GiB")
+                       f"{name}: device memory {r['device_bytes_used'] / 2**30:.2f} GiB <= budget {b / 2**30:.2f} + {other / 2**30:.2f} GiB")
             if r["pct"] < 100 and r.get("floor_ms"):
                 target(r["floor_ms"] / r["ms_per_token"] >= 0.9,
-                       f"epmem-{r['pct']}: {r['ms_per_token']:.1f} ms/token vs floor {r['floor_ms']:.1f} ({r['floor_ms'] / r['ms_per_token']:.2f} x)")
+                       f"{name}: {r['ms_per_token']:.1f} ms/token vs floor {r['floor_ms']:.1f} ({r['floor_ms'] / r['ms_per_token']:.2f} x)")
             if r["pct"] >= 100 and on_gpu:
-                target(res_ms / r["ms_per_token"] >= 0.95,
-                       f"epmem-100: {r['ms_per_token']:.2f} ms/token vs the CUDA EP alone {res_ms:.2f} ({res_ms / r['ms_per_token']:.2f} x)")
+                runs_note = f" (medians of {len(r['ms_runs'])} alternating runs)" if "ms_runs" in r else ""
+                line = (f"{name}: {r['ms_per_token']:.2f} ms/token vs the CUDA EP alone {res_ms:.2f} "
+                        f"({res_ms / r['ms_per_token']:.2f} x){runs_note}")
+                if r["forced"]:
+                    # Streaming forced where nothing needs streaming: the
+                    # EP's per-node cost, reported, not the product's default.
+                    print("INFO " + line, flush=True)
+                    lines.append("INFO " + line)
+                else:
+                    target(res_ms / r["ms_per_token"] >= 0.95, line)
     json.dump(report, open(os.path.join(a.out, "bench_ort_stream.json"), "w"), indent=1)
     with open(os.path.join(a.out, "bench_ort_stream.md"), "w") as f:
         f.write(markdown(report, lines))
@@ -477,11 +529,11 @@ def markdown(report, lines):
         c = s["config"]
         out.append(f"\n### {size}: d {c['d']}, {c['heads']}/{c['kv_heads']} heads, ffn {c['ffn']}, {c['layers']} layers, "
                    f"vocab {c['vocab']}, {c['dtype']}; streamed weights {s['streamed_bytes'] / 2**30:.2f} GiB\n\n")
-        out.append("| run | budget GiB | ms/token (median) | tok/s | floor ms | floor/ms | tokens identical | max logit diff | device GiB used | page-ins | GiB copied | GiB per run after the first | whole-weight floor GiB | EP host us/node |\n")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+        out.append("| run | budget GiB | ms/token (median) | tok/s | floor ms | floor/ms | tokens identical | max logit diff | device GiB used | page-ins | GiB copied | GiB per run after the first | whole-weight floor GiB | EP host us/node | of it acquire+release us | GEMM call us |\n")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in s["rows"]:
             st = r.get("stream", {})
-            out.append("| {} | {} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n".format(
+            out.append("| {} | {} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n".format(
                 r["mode"], f"{r['budget'] / 2**30:.2f}" if r["budget"] else "all",
                 r["ms_per_token"], 1e3 / r["ms_per_token"],
                 f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-",
@@ -492,7 +544,9 @@ def markdown(report, lines):
                 f"{st['htod_bytes'] / 2**30:.2f}" if "htod_bytes" in st else "-",
                 f"{r['htod_bytes_per_later_run'] / 2**30:.3f}" if "htod_bytes_per_later_run" in r else "-",
                 f"{r['whole_weight_floor_bytes'] / 2**30:.3f}" if "whole_weight_floor_bytes" in r else "-",
-                f"{st['host_us_per_compute']:.1f}" if "host_us_per_compute" in st else "-"))
+                f"{st['host_us_per_compute']:.1f}" if "host_us_per_compute" in st else "-",
+                f"{st['residency_us_per_compute']:.2f}" if "residency_us_per_compute" in st else "-",
+                f"{st['gemm_call_us_per_compute']:.2f}" if "gemm_call_us_per_compute" in st else "-"))
     out.append("\n" + "\n".join(lines) + "\n")
     return "".join(out)
 

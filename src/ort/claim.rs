@@ -11,7 +11,9 @@ use super::abi::*;
 use super::graph::{TensorType, elem_bytes, elem_name};
 use crate::error::{Error, Result};
 
-/// EP option: "0" claims nothing (the EP then serves memory only).
+/// EP option: when the EP claims nodes: `auto` (the default) only when the
+/// weights it would claim exceed the budget, `1` always, `0` never (the EP
+/// then serves memory only).
 pub const OPT_STREAM_WEIGHTS: &str = "stream_weights";
 /// EP option: the smallest weight claimed, in bytes (default 1 MiB).
 pub const OPT_WEIGHT_MIN_BYTES: &str = "weight_min_bytes";
@@ -52,9 +54,23 @@ const KNOWN: &[&str] = &[
 /// The EP's options, from the session's `ep.<registered name>.<key>`
 /// config entries (what `add_provider_for_devices(devs, {key: value})` and
 /// `SessionOptionsAppendExecutionProvider_V2` store).
+/// When the EP claims the weight-heavy nodes (EP option `stream_weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamWeights {
+    /// Only when the claimable weights exceed the budget. When they fit,
+    /// streaming has nothing to save and would add a fused node's dispatch,
+    /// an acquire and a release to each of them: the session's other EPs
+    /// keep them, so a model that fits runs as it does without epmem's EP.
+    Auto,
+    /// Whenever a node qualifies, whatever the budget.
+    Always,
+    /// Never: the EP serves memory only.
+    Never,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct EpOptions {
-    pub stream_weights: bool,
+    pub stream_weights: StreamWeights,
     pub weight_min_bytes: u64,
     pub budget_bytes: Option<u64>,
     pub budget_margin_bytes: Option<u64>,
@@ -67,7 +83,7 @@ pub(crate) struct EpOptions {
 impl Default for EpOptions {
     fn default() -> Self {
         Self {
-            stream_weights: true,
+            stream_weights: StreamWeights::Auto,
             weight_min_bytes: 1 << 20,
             budget_bytes: None,
             budget_margin_bytes: None,
@@ -93,9 +109,10 @@ impl EpOptions {
             match key {
                 OPT_STREAM_WEIGHTS => {
                     o.stream_weights = match v.trim() {
-                        "1" | "true" | "True" => true,
-                        "0" | "false" | "False" => false,
-                        _ => return Err(bad("not a boolean", "0 or 1")),
+                        "auto" => StreamWeights::Auto,
+                        "1" | "true" | "True" | "always" => StreamWeights::Always,
+                        "0" | "false" | "False" | "never" => StreamWeights::Never,
+                        _ => return Err(bad("unknown value", "auto, 1 or 0")),
                     }
                 }
                 OPT_WEIGHT_MIN_BYTES => {
@@ -415,7 +432,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(o.budget_bytes, Some(64 << 20));
-        assert_eq!((o.weight_min_bytes, o.prefetch_depth, o.stream_weights), (4096, Some(2), true));
+        assert_eq!((o.weight_min_bytes, o.prefetch_depth, o.stream_weights), (4096, Some(2), StreamWeights::Always));
         assert_eq!(o.split_bytes, 32 << 20);
         assert_eq!(EpOptions::parse("epmem", &[e("split_bytes", "0")]).unwrap().split_bytes, 0);
         assert!(EpOptions::parse("epmem", &[e("split_bytes", "x")]).is_err());
@@ -423,7 +440,15 @@ mod tests {
         let err = EpOptions::parse("epmem", &[e("budget_bytes", "lots")]).unwrap_err();
         assert!(err.message().contains("budget_bytes"), "{err}");
         assert!(EpOptions::parse("epmem", &[e("stream_weights", "maybe")]).is_err());
-        assert!(!EpOptions::parse("epmem", &[e("stream_weights", "0")]).unwrap().stream_weights);
+        assert_eq!(
+            EpOptions::parse("epmem", &[e("stream_weights", "0")]).unwrap().stream_weights,
+            StreamWeights::Never
+        );
+        assert_eq!(
+            EpOptions::parse("epmem", &[e("stream_weights", "auto")]).unwrap().stream_weights,
+            StreamWeights::Auto
+        );
+        assert_eq!(EpOptions::parse("epmem", &[]).unwrap().stream_weights, StreamWeights::Auto);
         let r = EpOptions::parse("epmem", &[e("register_sources", "always")]).unwrap();
         assert_eq!(r.register_sources, Some(crate::residency::RegisterSources::Always));
         assert!(EpOptions::parse("epmem", &[e("register_sources", "sometimes")]).is_err());

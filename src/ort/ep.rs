@@ -2,7 +2,8 @@
 //! MatMul/Gemm nodes and streams their weights (`streaming`); every other
 //! node runs on the session's other EPs, while tensors may also live in
 //! epmem memory (ORT inserts copies through our data transfer where a
-//! kernel needs them elsewhere). With `stream_weights=0` it claims nothing.
+//! kernel needs them elsewhere). With `stream_weights=0` it claims nothing; with the default `auto`, nothing
+//! when the weights it would claim fit the budget.
 
 use std::collections::HashMap;
 use std::ffi::c_char;
@@ -10,9 +11,10 @@ use std::sync::{Arc, Mutex};
 
 use super::abi::*;
 use super::claim::EpOptions;
+use super::claim::StreamWeights;
 use super::factory::Factory;
 use super::status_boundary;
-use super::streaming::{Claimed, ComputeInfo, Streamer, get_capability};
+use super::streaming::{Claimed, ComputeInfo, Streamer, get_capability, session_budget};
 use crate::error::Result;
 
 #[repr(C)]
@@ -107,8 +109,14 @@ unsafe extern "C" fn get_capability_c(
     let ep = unsafe { me(this) };
     status_boundary(&ep.factory.api, "GetCapability", || {
         crate::ensure!(!graph.is_null() && !info.is_null(), NullPointer, "graph or support info is NULL");
+        // Under stream_weights=auto the claim depends on the budget the
+        // session's streamer would get (made later, at the first Compile).
+        let budget = match ep.opts.stream_weights {
+            StreamWeights::Auto => Some(session_budget(&*ep.factory.devices[ep.device].dev, &ep.opts)?.0),
+            _ => None,
+        };
         // SAFETY: ORT's live graph and support info for this call.
-        let found = unsafe { get_capability(&ep.factory.api, &ep.name(), &ep.opts, graph, info, 0) }?;
+        let found = unsafe { get_capability(&ep.factory.api, &ep.name(), &ep.opts, budget, graph, info, 0) }?;
         let mut claims = ep.claims.lock().unwrap_or_else(|p| p.into_inner());
         claims.extend(found);
         Ok(())

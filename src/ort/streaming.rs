@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::abi::*;
 use super::api::{Api, MemoryKind, TensorView};
-use super::claim::{Claim, EpOptions, GemmAttrs, InputFacts, decide};
+use super::claim::{Claim, EpOptions, GemmAttrs, InputFacts, StreamWeights, decide};
 use super::gemm_host::{GemmShape, gemm as host_gemm, to_f32};
 use super::graph::elem_name;
 use crate::arena::Arena;
@@ -44,18 +44,24 @@ pub(crate) struct Claimed {
 ///
 /// # Safety
 /// `graph` and `info` are what ORT passed to `GetCapability`.
+///
+/// With `stream_weights=auto`, `budget` is the budget the session's
+/// streamer would get: when the weights that qualify (each initializer
+/// counted once) fit in it, nothing is claimed.
 pub(crate) unsafe fn get_capability(
     api: &Api,
     ep_name: &str,
     opts: &EpOptions,
+    budget: Option<usize>,
     graph: *const OrtGraph,
     info: *mut OrtEpGraphSupportInfo,
     first_order: usize,
 ) -> Result<Vec<(String, Claimed)>> {
     let mut out = Vec::new();
-    if !opts.stream_weights {
+    if opts.stream_weights == StreamWeights::Never {
         return Ok(out);
     }
+    let mut found = Vec::new();
     // SAFETY: per the caller, for every call below: the graph and its nodes
     // and value infos are live during GetCapability.
     let nodes = unsafe { api.graph_nodes(graph) }?;
@@ -108,33 +114,65 @@ pub(crate) unsafe fn get_capability(
                     log::info!("{line}");
                 }
             }
-            Ok(c) => {
-                // SAFETY: the node is live during GetCapability.
-                let outs = unsafe { api.node_outputs(node) }?;
-                let Some(&o) = outs.first() else { continue };
-                // SAFETY: a live value info of that node.
-                let key = unsafe { api.value_name(o) }?;
-                let opt = OrtNodeFusionOptions {
-                    ort_version_supported: ORT_VERSION_SUPPORTED,
-                    drop_constant_initializers: true,
-                };
-                // SAFETY: ORT's support info and a live node; the options are read during the call.
-                let st = unsafe { (api.e.EpGraphSupportInfo_AddNodesToFuse)(info, &node, 1, &opt) };
-                api.check(st, "EpGraphSupportInfo_AddNodesToFuse")?;
-                log::info!(
-                    "epmem ({ep_name}): claiming {op} '{name}': weight '{}' {}x{} {} ({} bytes){}",
-                    c.weight,
-                    c.k,
-                    c.n,
-                    elem_name(c.elem),
-                    c.weight_bytes,
-                    if c.trans_b { ", transB" } else { "" }
-                );
-                out.push((key, Claimed { order: first_order + i, node_name: name, claim: c }));
-            }
+            Ok(c) => found.push((i, node, name, op, c)),
         }
     }
+    if let (StreamWeights::Auto, Some(budget)) = (opts.stream_weights, budget) {
+        let mut seen = std::collections::HashSet::new();
+        let bytes: usize = found.iter().filter(|f| seen.insert(f.4.weight.as_str())).map(|f| f.4.weight_bytes).sum();
+        if !found.is_empty() && bytes <= budget {
+            log::info!(
+                "epmem ({ep_name}): the {} weights that could stream ({bytes} bytes) fit the budget of {budget} \
+                 bytes: leaving their nodes to the other EPs (stream_weights=1 streams them anyway)",
+                seen.len()
+            );
+            return Ok(out);
+        }
+    }
+    for (i, node, name, op, c) in found {
+        // SAFETY: the node is live during GetCapability.
+        let outs = unsafe { api.node_outputs(node) }?;
+        let Some(&o) = outs.first() else { continue };
+        // SAFETY: a live value info of that node.
+        let key = unsafe { api.value_name(o) }?;
+        let opt =
+            OrtNodeFusionOptions { ort_version_supported: ORT_VERSION_SUPPORTED, drop_constant_initializers: true };
+        // SAFETY: ORT's support info and a live node; the options are read during the call.
+        let st = unsafe { (api.e.EpGraphSupportInfo_AddNodesToFuse)(info, &node, 1, &opt) };
+        api.check(st, "EpGraphSupportInfo_AddNodesToFuse")?;
+        log::info!(
+            "epmem ({ep_name}): claiming {op} '{name}': weight '{}' {}x{} {} ({} bytes){}",
+            c.weight,
+            c.k,
+            c.n,
+            elem_name(c.elem),
+            c.weight_bytes,
+            if c.trans_b { ", transB" } else { "" }
+        );
+        out.push((key, Claimed { order: first_order + i, node_name: name, claim: c }));
+    }
     Ok(out)
+}
+
+/// The budget a session's streamer gets on `dev`: `budget_bytes`, or the
+/// device's free memory minus the margin. Also the free and total bytes.
+pub(crate) fn session_budget(dev: &dyn Device, opts: &EpOptions) -> Result<(usize, u64, u64)> {
+    let (free, total) = dev.mem_get_info()?;
+    let margin = opts.budget_margin_bytes.unwrap_or((total / 10).max(1 << 30));
+    let budget = match opts.budget_bytes {
+        Some(b) => b,
+        None => free.checked_sub(margin).filter(|b| *b > 0).ok_or_else(|| {
+            Error::new(
+                crate::error::EpmStatus::OutOfBudget,
+                format!(
+                    "{}: the device has {free} bytes free, not more than the margin of {margin} bytes; set the EP option budget_bytes",
+                    dev.info().name
+                ),
+            )
+        })?,
+    };
+    let budget = usize::try_from(budget).map_err(|_| Error::invalid_argument("budget_bytes is too large"))?;
+    Ok((budget, free, total))
 }
 
 /// A bias row kept by the EP: f32 for the host GEMM, element bytes in
@@ -153,6 +191,20 @@ struct Part {
     weight: WeightId,
     n0: usize,
     n: usize,
+}
+
+/// Indices of `Streamer::spent`: host work in `Compute` (all but the GEMM
+/// call), the part of it in acquire and release, and the GEMM call.
+const HOST: usize = 0;
+const RESIDENCY: usize = 1;
+const GEMM: usize = 2;
+const SPENT: usize = 3;
+
+/// One `Compute`'s time in acquire/release and in the GEMM call.
+#[derive(Default)]
+struct Times {
+    residency: Duration,
+    gemm: Duration,
 }
 
 /// One compiled node.
@@ -192,8 +244,10 @@ pub(crate) struct Streamer {
     /// Host time in `Compute` outside the GEMM call (on the host device,
     /// outside what replaces the kernel: read-backs, host GEMM), summed
     /// over every compute, and over the first run's.
-    host_ns: AtomicU64,
-    first_run_host_ns: AtomicU64,
+    /// Time spent in `Compute` (host work, of which acquire and release,
+    /// and the GEMM call), and the same at the start of the second run.
+    spent: [AtomicU64; SPENT],
+    first_run_spent: [AtomicU64; SPENT],
 }
 
 #[derive(Default)]
@@ -254,21 +308,7 @@ impl Streamer {
     /// A streamer for `dev` with the session's budget: `budget_bytes`, or
     /// the device's free memory minus the margin.
     pub fn new(api: Api, ep_name: &str, dev: Arc<dyn Device>, kind: MemoryKind, opts: &EpOptions) -> Result<Self> {
-        let (free, total) = dev.mem_get_info()?;
-        let margin = opts.budget_margin_bytes.unwrap_or((total / 10).max(1 << 30));
-        let budget = match opts.budget_bytes {
-            Some(b) => b,
-            None => free.checked_sub(margin).filter(|b| *b > 0).ok_or_else(|| {
-                Error::new(
-                    crate::error::EpmStatus::OutOfBudget,
-                    format!(
-                        "{}: the device has {free} bytes free, not more than the margin of {margin} bytes; set the EP option budget_bytes",
-                        dev.info().name
-                    ),
-                )
-            })?,
-        };
-        let budget = usize::try_from(budget).map_err(|_| Error::invalid_argument("budget_bytes is too large"))?;
+        let (budget, free, total) = session_budget(&*dev, opts)?;
         let mut cfg = ResidencyConfig::with_budget(budget);
         cfg.prefetch_depth = opts.prefetch_depth.unwrap_or(super::claim::DEFAULT_PREFETCH_DEPTH);
         if let Some(r) = opts.register_sources {
@@ -301,8 +341,8 @@ impl Streamer {
             computes: AtomicU64::new(0),
             per_run: AtomicU64::new(0),
             first_run_htod: AtomicU64::new(0),
-            host_ns: AtomicU64::new(0),
-            first_run_host_ns: AtomicU64::new(0),
+            spent: Default::default(),
+            first_run_spent: Default::default(),
         })
     }
 
@@ -508,11 +548,13 @@ impl Streamer {
     /// `ctx` is the live kernel context of a `Compute` call for `k`'s node.
     pub unsafe fn compute(&self, k: &Kernel, ctx: *mut OrtKernelContext) -> Result<()> {
         let t0 = Instant::now();
-        let mut gemm = Duration::ZERO;
+        let mut t = Times::default();
         // SAFETY: per the caller.
-        let r = unsafe { self.compute_timed(k, ctx, &mut gemm) };
-        let host = t0.elapsed().saturating_sub(gemm);
-        self.host_ns.fetch_add(host.as_nanos() as u64, Ordering::Relaxed);
+        let r = unsafe { self.compute_timed(k, ctx, &mut t) };
+        let host = t0.elapsed().saturating_sub(t.gemm);
+        for (i, d) in [(HOST, host), (RESIDENCY, t.residency), (GEMM, t.gemm)] {
+            self.spent[i].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        }
         r
     }
 
@@ -520,7 +562,7 @@ impl Streamer {
     ///
     /// # Safety
     /// As for [`Self::compute`].
-    unsafe fn compute_timed(&self, k: &Kernel, ctx: *mut OrtKernelContext, gemm: &mut Duration) -> Result<()> {
+    unsafe fn compute_timed(&self, k: &Kernel, ctx: *mut OrtKernelContext, t: &mut Times) -> Result<()> {
         let api = &self.api;
         let c = &k.claim;
         // SAFETY: per the caller for every ORT call on ctx and its values.
@@ -567,7 +609,9 @@ impl Streamer {
         if n == per_run && n > 0 {
             // The second run begins: what was copied so far is the first run's.
             self.first_run_htod.store(self.mgr().stats().htod_bytes, Ordering::Relaxed);
-            self.first_run_host_ns.store(self.host_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+            for (f, s) in self.first_run_spent.iter().zip(&self.spent) {
+                f.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
         }
         if m == 0 {
             return Ok(());
@@ -582,33 +626,38 @@ impl Streamer {
         // SAFETY: ctx is the live kernel context.
         let given = unsafe { api.kernel_gpu_stream(ctx) }?;
         match self.dev.info().kind {
-            DeviceKind::Host => self.compute_host(k, shape, &av, &yv, gemm),
-            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given, gemm),
+            DeviceKind::Host => self.compute_host(k, shape, &av, &yv, t),
+            DeviceKind::Cuda => self.compute_cuda(k, shape, &av, &yv, given, t),
         }
     }
 
     /// Run `f` between acquire and release of part `p` on `s`: the
     /// release is recorded whatever `f` returns.
-    fn with_weight<T>(&self, p: &Part, s: RawStream, f: impl FnOnce(u64) -> Result<T>) -> Result<T> {
+    /// Adds the time of the acquire and the release to `res`.
+    fn with_weight<T>(
+        &self,
+        p: &Part,
+        s: RawStream,
+        res: &mut Duration,
+        f: impl FnOnce(u64) -> Result<T>,
+    ) -> Result<T> {
+        let t = Instant::now();
         let addr = self.mgr().acquire(p.weight, s)?;
+        *res += t.elapsed();
         let r = f(addr);
+        let t = Instant::now();
         let rel = self.mgr().release(p.weight, s);
+        *res += t.elapsed();
         let v = r?;
         rel?;
         Ok(v)
     }
 
-    /// `gemm`: gets the time of what the host device does where a GPU runs
+    /// `t.gemm` gets the time of what the host device does where a GPU runs
     /// a kernel on device tensors: the input's and the weight's read-back,
     /// the host GEMM and the output's copy.
-    fn compute_host(
-        &self,
-        k: &Kernel,
-        s: GemmShape,
-        av: &TensorView,
-        yv: &TensorView,
-        gemm: &mut Duration,
-    ) -> Result<()> {
+    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, t: &mut Times) -> Result<()> {
+        let times = t;
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
         let stream = self.own_stream()?;
@@ -622,7 +671,7 @@ impl Streamer {
             let bytes = p.n * s.k * eb;
             let mut w = vec![0u8; bytes];
             spent += t.elapsed();
-            self.with_weight(p, stream, |addr| {
+            self.with_weight(p, stream, &mut times.residency, |addr| {
                 let t = Instant::now();
                 // SAFETY: w has the part's bytes; read only after the sync below.
                 let r = unsafe { self.dev.memcpy_dtoh_async(w.as_mut_ptr(), addr, bytes, stream) };
@@ -651,7 +700,7 @@ impl Streamer {
             // SAFETY: ORT's output tensor in host-readable memory of yv.bytes bytes.
             unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yv.ptr as *mut u8, out.len()) };
         }
-        *gemm += spent + t.elapsed();
+        times.gemm += spent + t.elapsed();
         Ok(())
     }
 
@@ -663,7 +712,7 @@ impl Streamer {
         av: &TensorView,
         yv: &TensorView,
         given: Option<u64>,
-        gemm: &mut Duration,
+        times: &mut Times,
     ) -> Result<()> {
         crate::ensure!(
             self.on_device(av) && self.on_device(yv),
@@ -712,7 +761,8 @@ impl Streamer {
             _ => shape.beta = 0.0,
         }
         for p in &k.parts {
-            self.with_weight(p, stream, |w| {
+            let gemm = &mut times.gemm;
+            self.with_weight(p, stream, &mut times.residency, |w| {
                 let mut h = blas.lock().unwrap_or_else(|p| p.into_inner());
                 let t = Instant::now();
                 // SAFETY: x, w, y are device addresses of m·k, k·p.n, m·n
@@ -768,14 +818,16 @@ impl Drop for Streamer {
         let per_run = self.per_run.load(Ordering::Relaxed);
         // Per compute after the first run (its page-ins are the resident
         // set's fill), or over every compute when there was one run.
-        let (ns, n) = if computes > per_run && per_run > 0 {
-            (self.host_ns.load(Ordering::Relaxed) - self.first_run_host_ns.load(Ordering::Relaxed), computes - per_run)
-        } else {
-            (self.host_ns.load(Ordering::Relaxed), computes)
+        let later = computes > per_run && per_run > 0;
+        let n = if later { computes - per_run } else { computes }.max(1) as f64;
+        let us = |i: usize| {
+            let first = if later { self.first_run_spent[i].load(Ordering::Relaxed) } else { 0 };
+            (self.spent[i].load(Ordering::Relaxed) - first) as f64 / 1e3 / n
         };
         log::info!(
             "epmem ({}): weight streaming released: weights={weights} units={units} weight_bytes={bytes} budget_bytes={} \
              computes={computes} nodes_per_run={} first_run_htod_bytes={} host_us_per_compute={:.2} \
+             residency_us_per_compute={:.2} gemm_call_us_per_compute={:.2} \
              acquires={} hits={} page_ins={} evictions={} eviction_waits={} plans={} ring_bytes={} \
              peak_resident_bytes={} htod_bytes={} stall_ms={:.1} device_stall_ms={:.1} host_stall_ms={:.1} \
              background_waits={} live_allocations_after={} in_use_bytes_after={}",
@@ -783,7 +835,9 @@ impl Drop for Streamer {
             self.budget,
             per_run,
             self.first_run_htod.load(Ordering::Relaxed),
-            ns as f64 / 1e3 / n.max(1) as f64,
+            us(HOST),
+            us(RESIDENCY),
+            us(GEMM),
             s.acquires,
             s.hits,
             s.page_ins,

@@ -248,12 +248,31 @@ class Streaming(unittest.TestCase):
         self.assertEqual(s["live_allocations_after"], 0, s)
         self.assertEqual(s["in_use_bytes_after"], 0, s)
 
-    def test_a_budget_holding_every_weight_pages_each_in_once(self):
-        res, log = run_child("decoder", opts(budget_bytes=8 << 20))
+    def test_a_budget_holding_every_weight_pages_each_in_once_when_streaming_is_forced(self):
+        res, log = run_child("decoder", opts(budget_bytes=8 << 20, stream_weights=1))
         self.assertLessEqual(res["max_abs_diff"], 1e-5 * max(1.0, res["ref_max"]), res)
         s = release_stats(log)
         self.assertEqual(s["page_ins"], WEIGHTS, s)
         self.assertEqual(s["evictions"], 0, s)
+        # Every unit resident: acquire and release are all that is left of
+        # the residency manager per node.
+        self.assertGreater(s["residency_us_per_compute"], 0, s)
+        self.assertLessEqual(s["residency_us_per_compute"], s["host_us_per_compute"], s)
+
+    def test_by_default_a_budget_holding_every_weight_claims_nothing(self):
+        # stream_weights=auto: the 2 MiB of weights that qualify fit 8 MiB,
+        # so the other EPs keep them and the session runs as without epmem's
+        # EP (bit-identical), saying why in the log.
+        res, log = run_child("decoder", opts(budget_bytes=8 << 20))
+        self.assertEqual(res["max_abs_diff_vs_alone"], 0.0, res)
+        self.assertNotIn("claiming", log)
+        self.assertRegex(log, rf"the {WEIGHTS} weights that could stream \({WEIGHT_BYTES} bytes\) fit the budget "
+                              rf"of {8 << 20} bytes")
+        # One byte less than the weights: they stream.
+        res, log = run_child("decoder", opts(budget_bytes=WEIGHT_BYTES - 1))
+        self.assertNotIn("error", res, log[-3000:])
+        self.assertEqual(len(re.findall(r"claiming (MatMul|Gemm)", log)), WEIGHTS, log[-3000:])
+        self.assertEqual(release_stats(log)["weights"], WEIGHTS)
 
     def test_a_llama_decoder_copies_at_most_the_whole_weight_floor_per_run(self):
         # Every run after the first copies at most the whole-weight floor for
@@ -300,7 +319,9 @@ class Streaming(unittest.TestCase):
         self.assertEqual((s["live_allocations_after"], s["in_use_bytes_after"]), (0, 0), s)
 
     def test_float16_and_bfloat16_match_numpy(self):
-        res, log = run_child("types", {"weight_min_bytes": "64KiB", "budget_bytes": "1MiB"})
+        # stream_weights=1: the weights fit the budget, and the CPU EP has no
+        # bfloat16 MatMul to leave them to.
+        res, log = run_child("types", {"weight_min_bytes": "64KiB", "budget_bytes": "1MiB", "stream_weights": "1"})
         self.assertEqual(len(re.findall(r"claiming (MatMul|Gemm)", log)), 4, log[-3000:])
         # One rounding of the f32 result to the type (half an ulp: 2^-11 for
         # float16, 2^-8 for bfloat16) relative to the element, bounded here by
