@@ -361,7 +361,7 @@ cleanup:
 }
 
 /* capacity_bytes is the arena's bound: an 8 MiB arena refuses 16 MiB and
- * then 12 MiB (it used to hand out both from one 32 MiB chunk), and what it
+ * then 12 MiB (never both from one 32 MiB chunk), and what it
  * hands out and commits stays within 8 MiB (rounded up to the granularity
  * for the device arena: 2 MiB on the H200 and the host device, so exactly 8). */
 static void test_arena_capacity_is_the_bound(MuFx *f) {

@@ -480,7 +480,8 @@ fn blocks(m: &ResidencyManager) -> Blocks {
 /// Under a declared cycle whose plan streams only small weights, the decode
 /// staging is two of the largest compressed weight streamed (not of the
 /// largest registered); the plan gets the budget that frees, so fewer bytes
-/// stream per step than any plan could beside the old staging; the ledger
+/// stream per step than any plan could beside a staging of the largest
+/// registered weight (the staging before the cycle is declared); the ledger
 /// (resident + staging) stays within the budget. The large weights, planned
 /// resident and larger than a staging buffer, page in in pieces, bit-exact,
 /// at first fill and again after a re-plan evicted them; so does a compressed
@@ -507,8 +508,8 @@ fn the_staging_holds_the_largest_streamed_weight_and_larger_ones_page_in_in_piec
     assert_eq!(st.decode_staging_bytes as usize, new, "staging not sized by the small streamed weights: {st:?}");
     assert!(st.ring_bytes > 0 && st.planned_resident_bytes > 0, "no plan: {st:?}");
     assert!(st.ring_bytes + st.planned_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "{st:?}");
-    // What the plan streams: the whole-weight floor beside the new staging,
-    // and less than any schedule could beside the old one.
+    // What the plan streams: the whole-weight floor beside its staging, and
+    // less than any schedule could beside the no-plan staging.
     let (floor_new, floor_old) =
         (whole_weight_floor(&raw, c.budget_bytes - new), whole_weight_floor(&raw, c.budget_bytes - old));
     assert!(
@@ -529,7 +530,10 @@ fn the_staging_holds_the_largest_streamed_weight_and_larger_ones_page_in_in_piec
         per_step <= floor_new + 256 * raw.len(),
         "{per_step} bytes per step > the whole-weight floor {floor_new} beside the staging of {new}: {st:?}"
     );
-    assert!(per_step < floor_old, "{per_step} bytes per step, not below the floor {floor_old} beside the old staging");
+    assert!(
+        per_step < floor_old,
+        "{per_step} bytes per step, not below the floor {floor_old} beside the no-plan staging"
+    );
     assert!(st.peak_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "ledger over budget: {st:?}");
     assert_eq!(st.decode_staging_bytes as usize, new);
     // A re-plan evicts everything: the large weights page in again, in pieces.

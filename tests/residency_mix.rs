@@ -374,7 +374,7 @@ fn the_benchmark_shapes_stream_the_whole_weight_floor() {
     eprintln!("{table}");
 }
 
-/// `scripts/bench_torch.py --split-mib 32`, scaled by 1/512: the 8192/28672
+/// Split matrices, scaled by 1/512: the 8192/28672
 /// shape's matrices as equal 32 MiB blocks (4 per attention matrix, 14 per MLP
 /// matrix, all one size, so farthest-next-use runs without a plan), and the
 /// 4096/11008 shape's as 32 MiB attention matrices (not split) and 21.5 MiB

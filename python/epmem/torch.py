@@ -265,9 +265,10 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         sources="staged", whose page-ins the background filler must fill first,
         and for compressed weights, whose copies a decode follows; 1 otherwise.
         On the H200 a staged decode at 75% budget took 63 ms/token at depth 1 and
-        51 at depth 2; compressed, the small shape at 75% took 41.1 ms/token at
-        depth 1 and 27.8 at depth 2, and the other cells the same within 1%,
-        docs/BENCHMARKS.md).
+        51 at depth 2 (docs/BENCHMARKS.md, "Staged decode variants"); compressed,
+        the small shape at 75% took 41.1 ms/token at depth 1 and 27.8 at depth 2,
+        and the other cells the same within 1%
+        (docs/bench/h200-2026-12-02-bench_torch-compressed-gqa-small.json)).
     policy ("cyclic" or "lru"), **residency_config: EpmResidencyConfig fields
         (e.g. fill_ahead_chunks, staging_slots, caller_fills).
     compress: "auto" (default: on when epmem's device is CUDA, where a page-in

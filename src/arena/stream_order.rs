@@ -181,8 +181,8 @@ impl StreamOrdered {
         // blocks the calling thread until its own stream catches up — never
         // for another stream's work — and happens only where the arena would
         // otherwise take new memory from the driver: in warm-up, or never.
-        // Without it, whether a hole was still pending at the moment of a
-        // growth decided the footprint, and it could creep after warm-up.
+        // Without it, whether a hole is still pending at the moment of a
+        // growth would decide the footprint, which could creep after warm-up.
         let mut t = own_tag(&g);
         if let Some((addr, own)) = self.src.alloc_tagged(bytes, t, false)? {
             g.stats.same_stream_reuses += u64::from(own && t != 0);

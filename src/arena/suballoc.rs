@@ -9,11 +9,12 @@
 //! offset-allocator crate does): a bin search rounds the request *up* to its bin and so
 //! never finds a free range of exactly the requested size unless that size is
 //! a bin boundary. ONNX Runtime frees and re-requests the same tensor sizes
-//! layer after layer; with the rounded search those requests skipped the
-//! exact holes and were cut from the untouched top of the arena, so the
-//! committed footprint kept climbing above the bytes live
-//! (`tests/arena.rs::ort_like_trace_commits_close_to_its_live_peak` measured
-//! it). Both structures below are B-trees: O(log free ranges) per call, well
+//! layer after layer; a rounded search would skip those exact holes and cut
+//! the requests from the untouched top of the arena, so the committed
+//! footprint would climb above the bytes live. Exact best fit keeps an
+//! ORT-like trace within a small factor of its live peak
+//! (`arena::stream_order::tests::an_ort_like_trace_*`). Both structures
+//! below are B-trees: O(log free ranges) per call, well
 //! under a microsecond for the thousands of holes an arena has.
 //!
 //! A free range may carry a *tag* (non-zero): memory freed on a stream whose

@@ -2,8 +2,8 @@
 //! [`Device::hold_async`](super::Device::hold_async) runs only once the
 //! gate is opened.
 //!
-//! Why: tests that need "this copy has not run yet" used to queue a spin of
-//! N ms and assume the host would get its checks done within it, which a
+//! Why: a test that needs "this copy has not run yet" cannot rely on a spin
+//! of N ms and assume the host gets its checks done within it, which a
 //! loaded 2-core CI machine does not promise. A gate orders the check before
 //! the work by an event the test controls, so such a test cannot pass or
 //! fail by timing. On the host device the hold is a queued op; on CUDA a

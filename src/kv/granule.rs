@@ -6,8 +6,9 @@
 //! granule however many sequences map it.
 //!
 //! Released granules are retained (their physical handle is kept) and handed
-//! out again before a new handle is created: cuMemCreate costs ~15 µs per
-//! 2 MiB granule and cuMemRelease ~18 µs on the H200, so a steady decode
+//! out again before a new handle is created: cuMemCreate costs ~9–12 µs per
+//! 2 MiB granule and cuMemRelease ~12–14 µs on the H200 (bench_kv,
+//! docs/bench/h200-2026-12-01-run.json), so a steady decode
 //! workload makes no create/release calls at all. Retention is bounded so
 //! that owned + promised + retained bytes never exceed the budget: the pool
 //! never holds more physical memory than the budget allows.

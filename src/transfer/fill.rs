@@ -388,8 +388,8 @@ mod tests {
     fn the_workers_finish_the_copy_while_the_caller_is_busy() {
         // The caller's `during` waits until the workers have written every
         // byte (their `done` counter), or until every worker is asleep with
-        // an empty inbox: were any piece reserved for the caller (as the
-        // first one used to be), the workers would go idle with it unwritten.
+        // an empty inbox: were any piece reserved for the caller, the
+        // workers would go idle with it unwritten.
         // Both are events (an atomic and the inbox locks), so no clock decides
         // the outcome, and the destination is read only after the copy
         // returns, never while the workers write it.

@@ -1,6 +1,6 @@
 //! CI smoke test of the codec benchmark: `bench_codec --quick` runs on the
 //! host device, checks every decode bit-exact and prints a row per tensor.
-//! (The figures are the H200 run's business, not this test's.)
+//! (Figures of record come from a GPU run: docs/BENCHMARKS.md.)
 
 use std::process::Command;
 

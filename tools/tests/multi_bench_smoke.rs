@@ -1,7 +1,7 @@
 //! CI smoke test of the two-device benchmark: `bench_multi --quick` runs on
 //! two host-device instances, checks its own "no second registration"
-//! claim (it exits 1 otherwise) and writes JSON with every scenario. The
-//! figures are the two-GPU machine's business, not this test's.
+//! claim (it exits 1 otherwise) and writes JSON with every scenario. Figures
+//! need two GPUs (docs/BENCHMARKS.md).
 
 use std::process::Command;
 

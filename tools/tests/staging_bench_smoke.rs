@@ -1,6 +1,6 @@
 //! CI smoke test of the staging benchmark: `bench_staging --quick` runs on
 //! the host device, prints its table and writes JSON with every scenario the
-//! report needs. (The figures are the H200 run's business, not this test's.)
+//! report needs. (Figures of record come from a GPU run: docs/BENCHMARKS.md.)
 
 use std::process::Command;
 
