@@ -24,20 +24,23 @@
 //!
 //! Ordering, per page-in into buffer `i`:
 //! 1. the manager's gate stream waits for the last decode that read buffer
-//!    `i` (its *free* event) and, for a page-in into memory whose readers
-//!    may still run, for the order stream that waits for them;
+//!    `i` (its *free* event);
 //! 2. the copy engine copies the compressed bytes (or a piece's parts) into
 //!    buffer `i` after the gate stream (copies stay in issue order on the
 //!    engine's stream, so the decode waits for the last);
-//! 3. the decode stream waits for the copy, decodes into the weight's memory,
-//!    and records the page-in's fence and buffer `i`'s free event.
+//! 3. the decode stream waits for the copy and, for a page-in into memory
+//!    whose readers may still run, for the order stream that waits for them;
+//!    it decodes into the weight's memory and records the page-in's fence
+//!    and buffer `i`'s free event.
 //!
 //! So an H2D never overwrites staging a decode still reads, the decode of
-//! weight k runs while the copy of weight k+1 fills the other buffer (nothing
-//! orders a copy after the decode before it, except the decode that last read
-//! its buffer and the readers of its destination), and the
-//! acquiring stream waits for the decode through the page-in fence, as it
-//! waits for a raw copy: no host wait per page-in.
+//! weight k runs while the copy of weight k+1 fills the other buffer, and
+//! the copy of weight k+1 does not wait for the kernels still reading its
+//! destination (only its decode does: with a ring that reuses the memory of
+//! the weight just read, waiting there would idle the copy engine for that
+//! weight's last decode and kernel on every page-in). The acquiring stream
+//! waits for the decode through the page-in fence, as it waits for a raw
+//! copy: no host wait per page-in.
 
 use std::sync::Arc;
 
@@ -105,9 +108,9 @@ pub(crate) struct DecodeStaging {
     /// Decodes run here, in page-in order.
     stream: Stream,
     /// Copies into staging are issued after this stream, which waits for the
-    /// buffer's last decode (and the destination's readers).
+    /// buffer's last decode.
     gate: Stream,
-    /// Records the caller's order stream for the gate to wait on.
+    /// Records the caller's order stream for the decode stream to wait on.
     after: Event,
 }
 
@@ -410,12 +413,6 @@ impl ResidencyManager {
                 if b.used {
                     dec.gate.wait_event(&b.free)?;
                 }
-                if at == 0
-                    && let Some(o) = order
-                {
-                    dec.after.record_raw(o)?;
-                    dec.gate.wait_event(&dec.after)?;
-                }
                 // The first copy waits for the gate stream; the rest follow
                 // it in issue order on the copy engine's stream, so the
                 // decode waits for the last.
@@ -427,6 +424,15 @@ impl ResidencyManager {
                 }
                 let copy = last.ok_or_else(|| Error::internal("a decode piece with nothing to copy"))?;
                 copy.make_wait(dec.stream.raw())?;
+                // Only the decode writes `dst`: it, not the copy into
+                // staging, waits for `dst`'s readers, so the copy engine
+                // fills staging while the last kernel on `dst` still runs.
+                if at == 0
+                    && let Some(o) = order
+                {
+                    dec.after.record_raw(o)?;
+                    dec.stream.wait_event(&dec.after)?;
+                }
                 let s = dec.stream.raw();
                 let out = dst + piece.raw_offset() as u64;
                 decoding = true;
