@@ -326,3 +326,155 @@ impl PlanState {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::arena::{ArenaConfig, DeviceArena};
+    use crate::device::{self, DeviceSelect};
+    use crate::residency::placement;
+
+    fn cycle(n: u32) -> Vec<WeightId> {
+        (0..n).map(WeightId).collect()
+    }
+
+    /// A plan state over four units of mixed sizes with a plan installed
+    /// (its ring in a host-device arena, kept alive beside it).
+    fn planned() -> (PlanState, Arc<DeviceArena>) {
+        let d = device::open(DeviceSelect::Host, 0).unwrap();
+        let arena = Arc::new(DeviceArena::new(&d, ArenaConfig::with_capacity(64 << 20)).unwrap());
+        let sizes = [3 << 20, 1 << 20, 2 << 20, 1 << 20];
+        let p = placement::plan(&sizes, 4 << 20, &Hold::ONE, 1).expect("mixed sizes over the budget get a plan");
+        let ring = Ring::new(&arena, p.ring_bytes).unwrap();
+        let mut s = PlanState::default();
+        s.set_cycle(cycle(4), cycle(4));
+        s.install(p, ring);
+        (s, arena)
+    }
+
+    #[test]
+    fn an_installed_plan_keeps_the_invariant_until_released() {
+        let (mut s, _arena) = planned();
+        s.check();
+        let streamed: Vec<WeightId> = cycle(4).into_iter().filter(|&w| s.streams(w)).collect();
+        assert!(!streamed.is_empty());
+        for w in cycle(4) {
+            assert_eq!(s.ring_offset(w).is_some_and(|o| o != usize::MAX), s.streams(w), "weight {}", w.0);
+        }
+        assert!(s.release().is_some());
+        s.turn_ring_off();
+        s.check();
+        assert!(s.ring_off() && s.plan().is_none());
+        assert!(s.release().is_none(), "a dropped ring stays dropped");
+        assert!(s.ring_off());
+        s.set_cycle(cycle(3), Vec::new());
+        assert!(!s.ring_off(), "a new cycle may be planned again");
+    }
+
+    #[test]
+    #[should_panic(expected = "streamed units for")]
+    fn streamed_units_that_are_not_the_plans_fail_the_check() {
+        let (mut s, _arena) = planned();
+        if let Streaming::Planned { streamed, .. } = &mut s.streaming {
+            streamed.insert(WeightId(99));
+        }
+        s.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "the ring is not the plan's")]
+    fn a_ring_of_another_size_fails_the_check() {
+        let (mut s, _arena) = planned();
+        if let Streaming::Planned { plan, .. } = &mut s.streaming {
+            plan.ring_bytes += placement::ALIGN;
+        }
+        s.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "a plan for holds of 2 units")]
+    fn a_plan_for_wider_holds_than_seen_fails_the_check() {
+        let (mut s, _arena) = planned();
+        if let Streaming::Planned { plan, .. } = &mut s.streaming {
+            plan.hold.width = 2;
+        }
+        s.check();
+    }
+
+    #[test]
+    fn holds_and_cycles_keep_the_invariant() {
+        let mut s = PlanState::default();
+        s.set_cycle(cycle(4), cycle(4));
+        s.check();
+        assert!(s.replan_due(WeightId(0)), "a new cycle wants a plan");
+        s.clear_replan();
+        for w in [1, 2, 3] {
+            s.note_hold(WeightId(w));
+            s.check();
+        }
+        assert_eq!((s.held(), s.hold_width()), (3, 3));
+        for _ in 0..3 {
+            s.note_release();
+        }
+        // Idle at the wrap: the starts (position 1) cover a cycle, and a
+        // hold of three wants a plan on them.
+        assert!(!s.replan_due(WeightId(2)));
+        assert!(s.replan_due(WeightId(0)));
+        assert_eq!(s.hold(), Hold { width: 3, starts: Some(vec![false, true, false, false]) });
+        s.set_cycle(cycle(2), Vec::new());
+        s.check();
+        assert!(s.declared().is_empty());
+        assert_eq!(s.hold(), Hold { width: 3, starts: None }, "a new cycle's starts are not seen yet");
+    }
+
+    #[test]
+    fn a_blocked_plan_on_block_starts_means_sliding_windows_for_good() {
+        let (mut s, _arena) = planned();
+        let starts = vec![true, false, true, false];
+        if let Streaming::Planned { plan, .. } = &mut s.streaming {
+            plan.hold = Hold { width: 1, starts: Some(starts.clone()) };
+        }
+        for w in [0, 1] {
+            s.note_hold(WeightId(w));
+        }
+        s.note_release();
+        s.note_release();
+        s.note_blocked();
+        assert!(s.replan_due(WeightId(0)), "a blocked page-in asks for a plan");
+        assert_eq!(s.hold(), Hold { width: 2, starts: None });
+        // Neither a new cycle nor a whole cycle of starts undoes it.
+        s.set_cycle(cycle(4), cycle(4));
+        s.note_hold(WeightId(2));
+        s.note_release();
+        assert!(s.replan_due(WeightId(0)));
+        assert_eq!(s.hold(), Hold { width: 2, starts: None });
+    }
+
+    #[test]
+    #[should_panic(expected = "cycle position of weight 1 is not its index")]
+    fn a_position_that_is_not_the_index_fails_the_check() {
+        let mut s = PlanState::default();
+        s.set_cycle(cycle(3), Vec::new());
+        s.cycle_pos.insert(WeightId(1), 2);
+        s.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "hold starts are not one per cycle position")]
+    fn starts_of_another_cycle_fail_the_check() {
+        let mut s = PlanState::default();
+        s.set_cycle(cycle(3), Vec::new());
+        s.starts.push(false);
+        s.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "held 2 > max_held 1")]
+    fn more_held_than_the_widest_hold_fails_the_check() {
+        let mut s = PlanState::default();
+        s.note_hold(WeightId(0));
+        s.held += 1;
+        s.check();
+    }
+}
