@@ -9,24 +9,19 @@ use crate::error::Result;
 use crate::residency::ResidencyManager;
 
 impl ResidencyManager {
-    /// Set the policy's cycle over the units of `order` (weights, as declared).
-    pub(super) fn set_cycle(st: &mut State, order: Vec<WeightId>) -> Result<()> {
+    /// Set the policy's cycle over the units of `order` (weights), and the
+    /// plan state's; `declared`: `order` is the order declared (otherwise a
+    /// later `declare_cycle` of any order regroups).
+    pub(super) fn set_cycle(st: &mut State, order: &[WeightId], declared: bool) -> Result<()> {
         let mut units = Vec::with_capacity(order.len());
-        for &w in &order {
+        for &w in order {
             let u = st.reg.leader(w)?;
             if units.last() != Some(&u) {
                 units.push(u);
             }
         }
         st.policy.set_cycle(&units)?;
-        st.cycle_pos = units.iter().enumerate().map(|(i, &w)| (w, i)).collect();
-        st.starts = vec![false; units.len()];
-        st.starts_seen = false;
-        // A plan is by cycle position: a new cycle needs a new one.
-        st.replan = true;
-        st.ring_off = false;
-        st.cycle = units;
-        let _ = order;
+        st.plan.set_cycle(units, if declared { order.to_vec() } else { Vec::new() });
         Ok(())
     }
 

@@ -205,7 +205,8 @@ impl ResidencyManager {
         let cap = match plan {
             None => largest,
             Some(p) => {
-                let streamed = st.cycle.iter().zip(&p.resident).filter(|(_, r)| !**r).filter_map(|(&u, _)| coded(u));
+                let streamed =
+                    st.plan.cycle().iter().zip(&p.resident).filter(|(_, r)| !**r).filter_map(|(&u, _)| coded(u));
                 largest.min(streamed.max().unwrap_or(0).max(DECODE_STAGING_MIN_BYTES))
             }
         };
@@ -251,7 +252,7 @@ impl ResidencyManager {
 
     /// Bytes of the declared cycle's units on the device.
     fn cycle_bytes(&self, st: &State) -> Result<usize> {
-        st.cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).sum()
+        st.plan.cycle().iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).sum()
     }
 
     /// Refuse (before anything is allocated) a compressed weight of `raw_len`
@@ -259,7 +260,7 @@ impl ResidencyManager {
     /// the staging it would need.
     fn check_fits(&self, raw_len: usize, coded_len: usize) -> Result<()> {
         let st = self.lock();
-        let cap = st.ledger.staging_cap().max(Self::staging_cap_for(&st, st.plan.as_ref(), coded_len));
+        let cap = st.ledger.staging_cap().max(Self::staging_cap_for(&st, st.plan.plan(), coded_len));
         let reserve = DECODE_STAGING_BUFFERS * cap;
         let largest = st.reg.ids().filter_map(|w| st.reg.get(w).ok().map(|e| e.dev_len())).max().unwrap_or(0);
         let need = raw_len.max(largest).saturating_add(reserve);
@@ -285,15 +286,15 @@ impl ResidencyManager {
         let st = &mut *st;
         let id = st.reg.add_coded(coded)?;
         let r = (|| {
-            let cap = Self::staging_cap_for(st, st.plan.as_ref(), 0);
+            let cap = Self::staging_cap_for(st, st.plan.plan(), 0);
             if cap > st.ledger.staging_cap() {
                 self.set_staging(st, cap)?;
                 // The plan was made for the old budget.
-                if st.plan.is_some() {
-                    if st.held_units == 0 {
+                if st.plan.plan().is_some() {
+                    if st.plan.held() == 0 {
                         self.install_plan(st)?;
                     } else {
-                        st.replan = true;
+                        st.plan.request_replan();
                     }
                 }
             }

@@ -146,7 +146,7 @@ impl ResidencyManager {
                 held_bytes += e.dev_len();
             }
         }
-        let ring = st.ring.as_ref().map_or(String::new(), |r| format!(", {} of them the streaming region", r.cap()));
+        let ring = st.plan.ring().map_or(String::new(), |r| format!(", {} of them the streaming region", r.cap()));
         Error::new(
             EpmStatus::AllInUse,
             format!(

@@ -1,16 +1,14 @@
 //! The residency manager: acquire/release around each use, eviction under a
 //! byte budget, prefetch along the declared cycle.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::config::ResidencyConfig;
 use super::ledger::Ledger;
-use super::placement::Plan;
+use super::plan_state::PlanState;
 use super::read_fence::Reused;
 use super::registry::{Entry, HostRangeId, Loc, RangeReg, RegState, RegisterSources, Registry};
-use super::ring::Ring;
 use super::stats::{Counters, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
@@ -53,9 +51,8 @@ pub(super) enum Room {
 pub(super) struct State {
     pub(super) reg: Registry,
     pub(super) policy: Box<dyn Policy>,
-    /// The declared cycle and each weight's position in it.
-    pub(super) cycle: Vec<WeightId>,
-    pub(super) cycle_pos: HashMap<WeightId, usize>,
+    /// The declared cycle, the holds seen, and the plan installed for them.
+    pub(super) plan: PlanState,
     /// The budget's books (resident bytes, decode staging reserve).
     pub(super) ledger: Ledger,
     pub(super) c: Counters,
@@ -71,29 +68,6 @@ pub(super) struct State {
     pub(super) fill: Option<BackgroundFill>,
     /// A weight prefetch may not evict: the one just released (see `release`).
     pub(super) shield: Option<WeightId>,
-    /// The active plan, its streaming region and the units it streams.
-    pub(super) plan: Option<Plan>,
-    pub(super) ring: Option<Ring>,
-    pub(super) streamed: HashSet<WeightId>,
-    /// Units acquired and not released, and the most seen at once.
-    pub(super) held_units: usize,
-    pub(super) max_held: usize,
-    /// A (new) plan is due at the next moment no unit is held.
-    pub(super) replan: bool,
-    /// Cycle positions where a hold began (nothing held before the acquire):
-    /// a block hook's block starts.
-    pub(super) starts: Vec<bool>,
-    /// A plan on those starts was blocked by a held weight: plan sliding windows.
-    pub(super) sliding: bool,
-    /// `starts` cover a whole cycle since the widest hold was first seen.
-    pub(super) starts_seen: bool,
-    /// Where the current hold began.
-    pub(super) hold_began: usize,
-    /// The order last passed to `declare_cycle` (cleared when a weight leaves it).
-    pub(super) declared: Vec<WeightId>,
-    /// Callers walk the cycle concurrently: the ring was dropped and no plan
-    /// is made again until a new cycle is declared (see `drop_ring`).
-    pub(super) ring_off: bool,
     /// Device staging of compressed page-ins (from the first compressed
     /// registration; its size is in the ledger).
     pub(super) dec: Option<super::decode::DecodeStaging>,
@@ -103,22 +77,17 @@ pub(super) struct State {
 
 impl State {
     /// Panics if an invariant of the state does not hold: each part's own
-    /// (the ledger's, the registry's, the cycle's), and that they agree:
-    /// the ledger's resident bytes are the units in their own blocks (at
-    /// their device length) plus the streaming region, its resident units
-    /// those with a device copy; ring occupants exist only with a ring and
-    /// are streamed units; `held_units` counts the units acquired.
+    /// (the ledger's, the registry's, the cycle and plan's), and that they
+    /// agree: the ledger's resident bytes are the units in their own blocks
+    /// (at their device length) plus the streaming region, its resident
+    /// units those with a device copy; ring occupants exist only with a ring
+    /// and are streamed units; the plan state's `held` counts the units
+    /// acquired.
     pub(super) fn check(&self) {
         self.ledger.check();
         self.reg.check();
-        assert_eq!(self.cycle_pos.len(), self.cycle.len(), "cycle positions do not index the cycle");
-        for (i, w) in self.cycle.iter().enumerate() {
-            assert_eq!(self.cycle_pos.get(w), Some(&i), "cycle position of weight {} is not its index", w.0);
-        }
-        assert_eq!(self.starts.len(), self.cycle.len(), "hold starts are not one per cycle position");
-        assert_eq!(self.plan.is_some(), self.ring.is_some(), "a plan without its ring, or a ring without its plan");
-        assert!(self.max_held >= self.held_units, "max_held {} < held_units {}", self.max_held, self.held_units);
-        let (mut bytes, mut units, mut held) = (self.ring.as_ref().map_or(0, |r| r.cap()), 0, 0);
+        self.plan.check();
+        let (mut bytes, mut units, mut held) = (self.plan.ring().map_or(0, |r| r.cap()), 0, 0);
         for w in self.reg.ids() {
             let Ok(e) = self.reg.get(w) else { continue };
             match &e.loc {
@@ -128,7 +97,7 @@ impl State {
                     units += 1;
                 }
                 Loc::Ring(_) => {
-                    assert!(self.ring.is_some() && self.streamed.contains(&w), "weight {} in a ring slot", w.0);
+                    assert!(self.plan.streams(w), "weight {} in a ring slot", w.0);
                     units += 1;
                 }
             }
@@ -136,7 +105,7 @@ impl State {
         }
         assert_eq!(bytes, self.ledger.resident_bytes(), "the ledger's resident bytes are not the units'");
         assert_eq!(units, self.ledger.resident_weights(), "the ledger's resident units are not the registry's");
-        assert_eq!(held, self.held_units, "held_units is not the number of units acquired");
+        assert_eq!(held, self.plan.held(), "the units held are not the number of units acquired");
     }
 }
 
@@ -222,8 +191,7 @@ impl ResidencyManager {
             state: Mutex::new(State {
                 reg: Registry::default(),
                 policy: new_policy(cfg.policy),
-                cycle: Vec::new(),
-                cycle_pos: HashMap::new(),
+                plan: PlanState::default(),
                 ledger: Ledger::new(cfg.budget_bytes),
                 c: Counters::default(),
                 stalls: StallTimer::default(),
@@ -232,18 +200,6 @@ impl ResidencyManager {
                 order: Stream::new(dev)?,
                 fill: None,
                 shield: None,
-                ring_off: false,
-                plan: None,
-                ring: None,
-                streamed: HashSet::new(),
-                held_units: 0,
-                max_held: 0,
-                replan: false,
-                starts: Vec::new(),
-                sliding: false,
-                starts_seen: false,
-                hold_began: 0,
-                declared: Vec::new(),
                 dec: None,
                 decode_timer: StallTimer::default(),
             }),
@@ -323,10 +279,10 @@ impl ResidencyManager {
             st.c.compressed_raw_bytes -= k.desc.raw_len() as u64;
             self.engine.synchronize()?;
         }
-        if st.cycle_pos.contains_key(&w) {
-            let order: Vec<WeightId> = st.cycle.iter().copied().filter(|&x| x != w).collect();
-            Self::set_cycle(&mut st, order)?;
-            st.declared.clear();
+        if st.plan.pos(w).is_some() {
+            // No longer the order declared.
+            let order: Vec<WeightId> = st.plan.cycle().iter().copied().filter(|&x| x != w).collect();
+            Self::set_cycle(&mut st, &order, false)?;
         }
         drop(st);
         drop(e); // a per-weight registration synchronizes the device when dropped
@@ -406,7 +362,7 @@ impl ResidencyManager {
         // A caller may declare the same order every step (a framework hook):
         // keep the grouping and the plan rather than redo them (planning an
         // 80-layer model takes up to a second; regrouping evicts units).
-        if !order.is_empty() && st.declared == order {
+        if !order.is_empty() && st.plan.declared() == order {
             return Ok(());
         }
         let leaders: Vec<WeightId> =
@@ -423,14 +379,12 @@ impl ResidencyManager {
             self.ungroup(&mut st, u)?;
         }
         self.group(&mut st, order)?;
-        Self::set_cycle(&mut st, order.to_vec())?;
-        st.declared = order.to_vec();
-        // A plan evicts what it does not keep: with weights held, it waits
-        // for the cycle to wrap with nothing held (see `acquire`).
-        if st.held_units == 0 {
+        Self::set_cycle(&mut st, order, true)?;
+        // A new cycle wants a plan. A plan evicts what it does not keep: with
+        // weights held, it waits for the cycle to wrap with nothing held
+        // (see `acquire`).
+        if st.plan.held() == 0 {
             self.install_plan(&mut st)?;
-        } else {
-            st.replan = true;
         }
         Ok(())
     }
@@ -484,7 +438,7 @@ impl ResidencyManager {
         let e = st.reg.get_mut(w)?;
         e.users += 1;
         if e.users == 1 {
-            Self::note_hold(st, w);
+            st.plan.note_hold(w);
         }
         let r = (|| {
             let e = st.reg.get_mut(w)?;
@@ -524,7 +478,7 @@ impl ResidencyManager {
         {
             e.users -= 1;
             if e.users == 0 {
-                st.held_units -= 1;
+                st.plan.note_release();
             }
         }
         r
@@ -549,7 +503,7 @@ impl ResidencyManager {
             let e = st.reg.get_mut(w)?;
             e.users -= 1;
             if e.users == 0 {
-                st.held_units -= 1;
+                st.plan.note_release();
             }
             if let Loc::Block(b) = &mut e.loc {
                 b.note_unfenced_read();
@@ -567,7 +521,7 @@ impl ResidencyManager {
         let e = st.reg.get_mut(w)?;
         e.users -= 1;
         if e.users == 0 {
-            st.held_units -= 1;
+            st.plan.note_release();
         }
         match &mut e.loc {
             Loc::Block(b) => {
@@ -630,9 +584,10 @@ impl ResidencyManager {
         if self.cfg.fill_ahead_chunks == 0 {
             return None;
         }
-        let p = *st.cycle_pos.get(&w)?;
-        let n = st.cycle.len();
-        let x = (1..n).map(|k| st.cycle[(p + k) % n]).find(|&x| st.reg.get(x).is_ok_and(|e| !e.resident()))?;
+        let p = st.plan.pos(w)?;
+        let cycle = st.plan.cycle();
+        let n = cycle.len();
+        let x = (1..n).map(|k| cycle[(p + k) % n]).find(|&x| st.reg.get(x).is_ok_and(|e| !e.resident()))?;
         // Taken under the manager's lock, which `unregister` holds when it
         // calls `forget_ahead`: `x`'s source is readable while the ticket is.
         if !self.fills_in_background(st, x) {
@@ -733,8 +688,8 @@ impl ResidencyManager {
             stall_ms: c.device_stall_ms + host_stall_ms,
             device_stall_ms: c.device_stall_ms,
             host_stall_ms,
-            ring_bytes: st.ring.as_ref().map_or(0, |r| r.cap() as u64),
-            planned_resident_bytes: st.plan.as_ref().map_or(0, |p| p.resident_bytes as u64),
+            ring_bytes: st.plan.ring().map_or(0, |r| r.cap() as u64),
+            planned_resident_bytes: st.plan.plan().map_or(0, |p| p.resident_bytes as u64),
             ring_page_ins: c.ring_page_ins,
             plans: c.plans,
             dropped_rings: c.dropped_rings,
@@ -800,7 +755,7 @@ impl Drop for ResidencyManager {
             }
         }
         // The streaming region synchronizes the device before its memory goes.
-        st.ring = None;
+        drop(st.plan.release());
         st.dec = None;
     }
 }

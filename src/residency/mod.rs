@@ -17,6 +17,7 @@ pub mod manager;
 mod page_in;
 pub mod placement;
 mod plan;
+mod plan_state;
 pub mod policy;
 pub mod read_fence;
 pub mod registry;

@@ -17,7 +17,7 @@ impl ResidencyManager {
     /// Ok(false), rather than evict what it may not).
     pub(super) fn page_in(&self, st: &mut State, w: WeightId, need: Need) -> Result<bool> {
         let demand = need.demand();
-        if st.ring.is_some() && st.streamed.contains(&w) {
+        if st.plan.streams(w) {
             match self.ring_page_in(st, w, demand)? {
                 RingPageIn::Done => return Ok(true),
                 RingPageIn::GaveUp => return Ok(false),
@@ -26,10 +26,7 @@ impl ResidencyManager {
                 // budget still holds: resident units make room) and re-plan
                 // once nothing is held.
                 // Holds not aligned as assumed fall back to sliding windows.
-                RingPageIn::Blocked => {
-                    st.replan = true;
-                    st.sliding |= st.plan.as_ref().is_some_and(|p| p.hold.starts.is_some());
-                }
+                RingPageIn::Blocked => st.plan.note_blocked(),
             }
         }
         let len = st.reg.get(w)?.dev_len();
@@ -131,15 +128,15 @@ impl ResidencyManager {
         if st.ledger.resident_weights() >= st.reg.units() {
             return Ok(());
         }
-        let Some(&p) = st.cycle_pos.get(&w) else { return Ok(()) };
-        let n = st.cycle.len();
+        let Some(p) = st.plan.pos(w) else { return Ok(()) };
+        let n = st.plan.cycle().len();
         let mut ahead = 0;
         // Positions hold units (leaders), so `x` below is a leader.
         for k in 1..n {
             if ahead >= self.cfg.prefetch_depth {
                 break;
             }
-            let x = st.cycle[(p + k) % n];
+            let x = st.plan.cycle()[(p + k) % n];
             let e = st.reg.get(x)?;
             if !e.resident() {
                 let need = if ahead == 0 { Need::Prefetch } else { Need::PrefetchIntoFree };

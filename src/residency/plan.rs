@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::WeightId;
 use super::manager::State;
-use super::placement::{self, Hold, Plan};
+use super::placement::{self, Plan};
 use super::registry::Loc;
 use super::ring::{Ring, RingSlot};
 use crate::error::Result;
@@ -25,10 +25,11 @@ impl ResidencyManager {
     /// The plan the declared cycle wants now (units in cycle order), for
     /// weights given `budget` bytes.
     pub(super) fn wanted_plan(&self, st: &State, budget: usize) -> Result<Option<Plan>> {
-        if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || st.cycle.is_empty() || st.ring_off {
+        let cycle = st.plan.cycle();
+        if !self.cfg.stream_plan || self.cfg.policy != PolicyKind::Cyclic || cycle.is_empty() || st.plan.ring_off() {
             return Ok(None);
         }
-        let sizes: Vec<usize> = st.cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).collect::<Result<_>>()?;
+        let sizes: Vec<usize> = cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).collect::<Result<_>>()?;
         let (lo, hi) = (sizes.iter().min().copied().unwrap_or(0), sizes.iter().max().copied().unwrap_or(0));
         // Equal sizes (within the 25% an ordered reuse tolerates), acquired
         // around each weight: every victim's block takes the next weight,
@@ -36,11 +37,10 @@ impl ResidencyManager {
         // it. A caller holding several at once is not served by it (a held
         // window's weights all stay resident; farthest-next-use streamed
         // about twice (total − budget) with blocks of 7): that gets a plan.
-        let width = st.max_held.max(1);
-        if hi <= lo + lo / 4 && width == 1 {
+        if hi <= lo + lo / 4 && st.plan.hold_width() == 1 {
             return Ok(None);
         }
-        let starts = (width > 1 && !st.sliding && st.starts_seen).then(|| st.starts.clone());
+        let hold = st.plan.hold();
         // Planned for the fewest bytes, whatever depth the caller asked for:
         // each weight of prefetch window the ring keeps room for is a weight
         // less of resident set, so about one weight more streamed per step
@@ -52,8 +52,8 @@ impl ResidencyManager {
         // (about 1% of a PCIe-bound decode step). Prefetches still run, into
         // ring bytes whose occupant was read already (`ring_page_in` gives
         // up otherwise), so depth buys overlap, never bytes.
-        let window = if width > 1 { 0 } else { 1 };
-        Ok(placement::plan(&sizes, budget, &Hold { width, starts }, window))
+        let window = if hold.width > 1 { 0 } else { 1 };
+        Ok(placement::plan(&sizes, budget, &hold, window))
     }
 
     /// Before unit `w` is acquired: with nothing held, install a plan if one
@@ -61,45 +61,10 @@ impl ResidencyManager {
     /// windows: the hold starts are not known yet), and again when the cycle
     /// wraps, on the hold starts seen over one whole cycle.
     pub(super) fn replan_if_idle(&self, st: &mut State, w: WeightId) -> Result<()> {
-        if st.held_units == 0 {
-            let wrap = st.cycle_pos.get(&w) == Some(&0);
-            if wrap && !st.starts_seen {
-                st.starts_seen = true;
-                st.replan |= st.max_held > 1 && !st.sliding;
-            }
-            if st.replan {
-                self.install_plan(st)?;
-            }
+        if st.plan.replan_due(w) {
+            self.install_plan(st)?;
         }
         Ok(())
-    }
-
-    /// Unit `w` went from idle to acquired: count the hold, record where a
-    /// hold began (a block hook's block starts) and the widest hold, and ask
-    /// for a plan when the hold outgrows the ring's.
-    pub(super) fn note_hold(st: &mut State, w: WeightId) {
-        st.held_units += 1;
-        let p = st.cycle_pos.get(&w).copied();
-        if st.held_units == 1 {
-            st.hold_began = p.unwrap_or(0);
-            if let Some(s) = p.and_then(|p| st.starts.get_mut(p)) {
-                *s = true;
-            }
-        }
-        if st.held_units > st.max_held {
-            // Starts recorded for narrower holds do not describe this one.
-            st.max_held = st.held_units;
-            st.starts.iter_mut().for_each(|s| *s = false);
-            if let Some(s) = st.starts.get_mut(st.hold_began) {
-                *s = true;
-            }
-            st.starts_seen = false;
-        }
-        // The plan's ring holds `width` units at once: a caller holding
-        // more (a whole block) gets a plan for that at the next idle moment.
-        if st.plan.as_ref().is_some_and(|p| st.held_units > p.hold.width) {
-            st.replan = true;
-        }
     }
 
     /// Install the plan the cycle wants, with the decode staging it needs
@@ -109,13 +74,13 @@ impl ResidencyManager {
     /// the plan assumed, and when a registration needs more staging, never in
     /// steady state.
     pub(super) fn install_plan(&self, st: &mut State) -> Result<()> {
-        st.replan = false;
+        st.plan.clear_replan();
         let (want, cap) = self.plan_with_staging(st)?;
         let same_staging = cap == st.ledger.staging_cap();
-        if same_staging && want.is_some() && want == st.plan && st.ring.is_some() {
+        if same_staging && want.is_some() && want.as_ref() == st.plan.plan() {
             return Ok(());
         }
-        if same_staging && st.plan.is_none() && want.is_none() {
+        if same_staging && st.plan.plan().is_none() && want.is_none() {
             return Ok(());
         }
         let ids: Vec<WeightId> = st.reg.ids().collect();
@@ -139,9 +104,7 @@ impl ResidencyManager {
             }
         };
         st.ledger.charge_ring(ring.cap());
-        st.streamed = st.cycle.iter().zip(&p.resident).filter(|(_, r)| !**r).map(|(&u, _)| u).collect();
-        st.ring = Some(ring);
-        st.plan = Some(p);
+        st.plan.install(p, ring);
         st.c.plans += 1;
         Ok(())
     }
@@ -151,8 +114,8 @@ impl ResidencyManager {
     /// the order stream, so the host never waits.
     pub(super) fn ring_page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<RingPageIn> {
         let len = st.reg.get(w)?.dev_len();
-        let off = st.cycle_pos.get(&w).and_then(|&p| st.plan.as_ref()?.offsets.get(p).copied());
-        let Some((off, victims)) = off.and_then(|o| Some((o, st.ring.as_ref()?.spot(o, len)?))) else {
+        let spot = st.plan.ring_offset(w).and_then(|o| Some((o, st.plan.ring()?.spot(o, len)?)));
+        let Some((off, victims)) = spot else {
             return Ok(if demand { RingPageIn::Blocked } else { RingPageIn::GaveUp });
         };
         for &v in &victims {
@@ -175,14 +138,14 @@ impl ResidencyManager {
             st.spare.extend(spent);
         }
         self.maybe_register(st, w)?;
-        let Some(ring) = st.ring.as_mut() else {
+        let Some(ring) = st.plan.ring_mut() else {
             return Ok(RingPageIn::Blocked);
         };
         let addr = ring.occupy(w, off, len);
         let fence = match self.copy_in(st, w, addr, true, demand) {
             Ok(f) => f,
             Err(e) => {
-                if let Some(ring) = st.ring.as_mut() {
+                if let Some(ring) = st.plan.ring_mut() {
                     ring.vacate(w);
                 }
                 return Err(e);
@@ -219,11 +182,11 @@ impl ResidencyManager {
     /// laid out for one walker would block again. Returns whether it went;
     /// a ring with an acquired occupant stays.
     pub(super) fn drop_ring(&self, st: &mut State) -> Result<bool> {
-        if st.ring.is_none() {
+        let Some(streamed) = st.plan.streamed() else {
             return Ok(false);
-        }
+        };
         let mut occupants = Vec::new();
-        for &v in &st.streamed {
+        for &v in streamed {
             let e = st.reg.get(v)?;
             if e.loc.is_ring() {
                 if e.users > 0 {
@@ -236,7 +199,7 @@ impl ResidencyManager {
             self.evict_slot(st, v)?;
         }
         Self::release_ring(st);
-        st.ring_off = true;
+        st.plan.turn_ring_off();
         st.c.dropped_rings += 1;
         log::info!("epmem: callers walk the cycle concurrently; streaming without a ring until a cycle is declared");
         Ok(true)
@@ -249,11 +212,9 @@ impl ResidencyManager {
         if let Some(f) = st.fill.as_ref() {
             f.drain();
         }
-        if let Some(r) = st.ring.take() {
+        if let Some(r) = st.plan.release() {
             st.ledger.credit_ring(r.cap());
         }
-        st.streamed.clear();
-        st.plan = None;
     }
 
     /// Evict streamed unit `v` on the host's side (unregister, re-plan):
@@ -288,7 +249,7 @@ impl ResidencyManager {
             st.c.pending_prefetches -= 1;
             st.c.wasted_prefetches += 1;
         }
-        if let Some(r) = st.ring.as_mut() {
+        if let Some(r) = st.plan.ring_mut() {
             r.vacate(v);
         }
         st.ledger.credit_ring_unit();
