@@ -86,6 +86,8 @@ impl Ledger {
     }
 
     /// Panics if the invariant in the module docs does not hold.
+    // Called after every mutation in debug builds only (and by tests).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn check(&self) {
         assert_eq!(self.staging_reserve, DECODE_STAGING_BUFFERS * self.staging_cap, "{self:?}");
         assert!(self.staging_reserve == 0 || self.staging_reserve < self.budget_bytes, "{self:?}");

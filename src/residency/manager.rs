@@ -83,6 +83,8 @@ impl State {
     /// units those with a device copy; ring occupants exist only with a ring
     /// and are streamed units; the plan state's `held` counts the units
     /// acquired.
+    // Called after every mutation in debug builds only (and by tests).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(super) fn check(&self) {
         self.ledger.check();
         self.reg.check();

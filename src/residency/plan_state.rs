@@ -293,6 +293,8 @@ impl PlanState {
     }
 
     /// Panics if the invariant in the module docs does not hold.
+    // Called after every mutation in debug builds only (and by tests).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn check(&self) {
         assert_eq!(self.cycle_pos.len(), self.cycle.len(), "cycle positions do not index the cycle");
         for (i, w) in self.cycle.iter().enumerate() {

@@ -256,6 +256,8 @@ impl Registry {
     /// leader that lists it, at an offset inside the leader's unit, and has
     /// no device copy, acquisition or prefetch of its own (those live on
     /// the leader).
+    // Called after every mutation in debug builds only (and by tests).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn check(&self) {
         let leaders =
             self.weights.iter().enumerate().filter(|(i, e)| e.as_ref().is_some_and(|e| e.leader.0 as usize == *i));
