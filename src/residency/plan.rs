@@ -77,7 +77,7 @@ impl ResidencyManager {
         st.plan.clear_replan();
         let (want, cap) = self.plan_with_staging(st)?;
         let same_staging = cap == st.ledger.staging_cap();
-        if same_staging && want.is_some() && want.as_ref() == st.plan.plan() {
+        if same_staging && want.as_ref().is_some_and(|p| st.plan.installed_as(p)) {
             return Ok(());
         }
         if same_staging && st.plan.plan().is_none() && want.is_none() {

@@ -268,6 +268,19 @@ impl PlanState {
     /// Install `plan` (made for the current cycle) with its `ring`, replacing
     /// no plan: the caller released the last one ([`Self::release`]) and
     /// charges the ring's bytes.
+    /// Whether `plan` over the current cycle is the installed plan with the
+    /// same units streamed: a re-declared order (a rotation, say) can give an
+    /// equal plan by positions that streams other units.
+    pub fn installed_as(&self, plan: &Plan) -> bool {
+        match &self.streaming {
+            Streaming::Planned { plan: p, streamed, .. } => {
+                p == plan
+                    && self.cycle.len() == plan.resident.len()
+                    && self.cycle.iter().zip(&plan.resident).all(|(u, r)| *r != streamed.contains(u))
+            }
+            _ => false,
+        }
+    }
     pub fn install(&mut self, plan: Plan, ring: Ring) {
         debug_assert!(matches!(self.streaming, Streaming::Unplanned), "a plan installed over {:?}", self.streaming);
         let streamed = self.cycle.iter().zip(&plan.resident).filter(|(_, r)| !**r).map(|(&u, _)| u).collect();
