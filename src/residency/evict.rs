@@ -60,7 +60,15 @@ impl ResidencyManager {
                     st.c.pending_prefetches -= 1;
                     st.c.wasted_prefetches += 1;
                 }
+                // Reads fenced only by a device synchronize (released while
+                // every unit was resident) make the host wait here: count it.
+                let unfenced = fenced.has_unfenced_reads();
+                let t = Instant::now();
                 let reused = fenced.reuse_after(&st.order)?;
+                if unfenced {
+                    st.c.eviction_waits += 1;
+                    st.c.host_stall_ns += t.elapsed().as_nanos() as u64;
+                }
                 self.forget(st, v, vlen);
                 st.c.ordered_reuses += 1;
                 return Ok(Room::Reuse(reused));
