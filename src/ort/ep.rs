@@ -2,16 +2,16 @@
 //! MatMul/Gemm nodes and streams their weights (`streaming`); every other
 //! node runs on the session's other EPs, while tensors may also live in
 //! epmem memory (ORT inserts copies through our data transfer where a
-//! kernel needs them elsewhere). With `stream_weights=0` it claims nothing; with the default `auto`, nothing
-//! when the weights it would claim fit the budget.
+//! kernel needs them elsewhere). With `stream_weights=0` it claims nothing;
+//! with the default `auto`, nothing when the weights it would claim fit the
+//! budget.
 
 use std::collections::HashMap;
 use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
 use super::abi::*;
-use super::claim::EpOptions;
-use super::claim::StreamWeights;
+use super::claim::{EpOptions, StreamWeights};
 use super::factory::Factory;
 use super::status_boundary;
 use super::streaming::{Claimed, ComputeInfo, Streamer, get_capability, session_budget};

@@ -241,11 +241,11 @@ pub(crate) struct Streamer {
     /// The manager's htod bytes when the second run began: what the first
     /// run copied (every weight once, the resident set's fill included).
     first_run_htod: AtomicU64,
-    /// Host time in `Compute` outside the GEMM call (on the host device,
-    /// outside what replaces the kernel: read-backs, host GEMM), summed
-    /// over every compute, and over the first run's.
-    /// Time spent in `Compute` (host work, of which acquire and release,
-    /// and the GEMM call), and the same at the start of the second run.
+    /// Time in `Compute`, summed over every compute ([`HOST`]: outside the
+    /// GEMM call, on the host device outside what replaces the kernel:
+    /// read-backs, host GEMM; [`RESIDENCY`]: the part of it in acquire and
+    /// release; [`GEMM`]: the call), and the same at the start of the second
+    /// run.
     spent: [AtomicU64; SPENT],
     first_run_spent: [AtomicU64; SPENT],
 }
@@ -653,11 +653,17 @@ impl Streamer {
         Ok(v)
     }
 
-    /// `t.gemm` gets the time of what the host device does where a GPU runs
+    /// `times.gemm` gets the time of what the host device does where a GPU runs
     /// a kernel on device tensors: the input's and the weight's read-back,
     /// the host GEMM and the output's copy.
-    fn compute_host(&self, k: &Kernel, s: GemmShape, av: &TensorView, yv: &TensorView, t: &mut Times) -> Result<()> {
-        let times = t;
+    fn compute_host(
+        &self,
+        k: &Kernel,
+        s: GemmShape,
+        av: &TensorView,
+        yv: &TensorView,
+        times: &mut Times,
+    ) -> Result<()> {
         let c = &k.claim;
         let eb = super::graph::elem_bytes(c.elem).unwrap_or(4);
         let stream = self.own_stream()?;

@@ -76,6 +76,11 @@ pub(super) struct State {
 }
 
 impl State {
+    /// Every unit is on the device (in a block or the ring): the ledger
+    /// counts resident units, the registry all of them.
+    pub(super) fn all_resident(&self) -> bool {
+        self.ledger.resident_weights() >= self.reg.units()
+    }
     /// Panics if an invariant of the state does not hold: each part's own
     /// (the ledger's, the registry's, the cycle and plan's), and that they
     /// agree: the ledger's resident bytes are the units in their own blocks
@@ -501,42 +506,38 @@ impl ResidencyManager {
         let w = st.reg.leader(w)?;
         let e = st.reg.get(w)?;
         crate::ensure!(e.users > 0, InvalidState, "weight {} released more often than acquired", w.0);
-        if st.ledger.resident_weights() >= st.reg.units() && e.loc.is_block() {
-            let e = st.reg.get_mut(w)?;
-            e.users -= 1;
-            if e.users == 0 {
-                st.plan.note_release();
-            }
-            if let Loc::Block(b) = &mut e.loc {
-                b.note_unfenced_read();
-                let spent = b.prune()?;
-                st.spare.extend(spent);
-            }
-            // Every unit resident: nothing to prefetch.
-            return Ok(());
-        }
-        let ev = match st.spare.pop() {
-            Some(ev) => ev,
-            None => Event::new(&self.dev, false)?,
+        // Every unit resident: a unit in its own block is fenced by a device
+        // synchronize instead of an event (see above).
+        let ev = if st.all_resident() && e.loc.is_block() {
+            None
+        } else {
+            let ev = match st.spare.pop() {
+                Some(ev) => ev,
+                None => Event::new(&self.dev, false)?,
+            };
+            ev.record_raw(stream)?;
+            Some(ev)
         };
-        ev.record_raw(stream)?;
         let e = st.reg.get_mut(w)?;
         e.users -= 1;
         if e.users == 0 {
             st.plan.note_release();
         }
-        match &mut e.loc {
-            Loc::Block(b) => {
+        match (&mut e.loc, ev) {
+            (Loc::Block(b), ev) => {
                 let spent = b.prune()?;
-                b.push(ev);
+                match ev {
+                    Some(ev) => b.push(ev),
+                    None => b.note_unfenced_read(),
+                }
                 st.spare.extend(spent);
             }
-            Loc::Ring(s) => {
+            (Loc::Ring(s), Some(ev)) => {
                 let spent = s.prune()?;
                 s.push(ev);
                 st.spare.extend(spent);
             }
-            Loc::Host => {}
+            _ => {}
         }
         // Prefetch here, not in acquire: the caller's kernel for `w` is queued
         // by now, so whatever the host spends on the next page-ins (a staged

@@ -125,7 +125,7 @@ impl ResidencyManager {
         // Every unit on the device (a budget that holds them all, after the
         // first pass): nothing to page in, and no walk over the cycle on
         // each release.
-        if st.ledger.resident_weights() >= st.reg.units() {
+        if st.all_resident() {
             return Ok(());
         }
         let Some(p) = st.plan.pos(w) else { return Ok(()) };
