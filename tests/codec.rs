@@ -332,3 +332,67 @@ fn the_checksum_is_crc32_of_the_buffer_less_its_field() {
     h.update(&buf[128..]);
     assert_eq!(u32::from_le_bytes(buf[124..128].try_into().unwrap()), h.finalize());
 }
+
+/// A weight stored in frames (`Plan::encode_frames_into`, how a residency
+/// manager keeps an encoded weight): frames end to end at 16-byte offsets,
+/// each a complete buffer that validates on its own and decodes to its
+/// values, with the weight's k and table; escapes summing to the weight's;
+/// the same bytes on any thread count, as the single buffer is.
+#[test]
+fn a_weight_in_frames_is_frames_of_whole_buffers_that_decode_to_its_values() {
+    let fv = codec::FRAME_VALUES;
+    let n = 2 * fv + fv / 2 + 7;
+    let mut rng = fastrand::Rng::with_seed(5);
+    let x = sample("normal", n, 17);
+    for dtype in [Dtype::Bf16, Dtype::Fp16] {
+        // The middle frame's first blocks are mostly escapes: frames differ.
+        let vals: Vec<u16> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                if (fv..fv + 8 * codec::BLOCK_VALUES).contains(&i) && rng.u8(..2) == 0 {
+                    rng.u16(..)
+                } else if dtype == Dtype::Bf16 {
+                    bf16(v)
+                } else {
+                    fp16(v)
+                }
+            })
+            .collect();
+        let data = to_bytes(&vals);
+        let plan = codec::plan(&data, dtype, &EncodeOptions { threads: 3, ..always(None) }).unwrap();
+        let frames = plan.frames();
+        assert_eq!(frames.len(), 3);
+        let total = plan.framed_len().unwrap();
+        let mut out = vec![0xEEu8; total + 5];
+        assert_eq!(plan.encode_frames_into(&data, &mut out).unwrap(), frames);
+        assert!(out[total..].iter().all(|&b| b == 0xEE), "wrote past the frames");
+        let (mut at, mut values, mut escapes) = (0, 0, 0);
+        for f in &frames {
+            assert_eq!((f.at, f.raw_offset), (at, 2 * values), "frames are not end to end");
+            assert_eq!(f.at % codec::ALIGN, 0);
+            let buf = &out[f.at..f.at + f.len()];
+            let d = codec::parse(buf, 2).unwrap();
+            assert_eq!(d, f.desc);
+            assert_eq!((d.k(), d.table()), (plan.desc().unwrap().k(), plan.desc().unwrap().table()));
+            let mut back = vec![0u8; d.raw_len()];
+            codec::decode(buf, &mut back, 2).unwrap();
+            assert!(back == data[f.raw_offset..f.raw_offset + d.raw_len()], "{dtype:?}: frame at {} differs", f.at);
+            (at, values, escapes) = (at + f.len(), values + d.values(), escapes + d.escapes());
+        }
+        assert_eq!((at, values, escapes), (total, n, plan.desc().unwrap().escapes()));
+        assert!(frames[1].desc.escapes() > frames[0].desc.escapes() + 2 * codec::BLOCK_VALUES, "{frames:?}");
+        for threads in [1, 2, 7] {
+            let p = codec::plan(&data, dtype, &EncodeOptions { threads, ..always(None) }).unwrap();
+            let mut again = vec![0u8; total];
+            p.encode_frames_into(&data, &mut again).unwrap();
+            assert!(again[..] == out[..total], "{dtype:?}: frames differ on {threads} threads");
+            let one = coded(&data, dtype, &EncodeOptions { threads, ..always(None) });
+            assert!(one == coded(&data, dtype, &EncodeOptions { threads: 1, ..always(None) }), "{threads} threads");
+        }
+        // A plan that keeps the weight raw has no frames.
+        let raw = codec::plan(&data, dtype, &EncodeOptions { min_bytes: data.len() + 1, ..always(None) }).unwrap();
+        assert!(raw.frames().is_empty() && raw.framed_len().is_err());
+        assert_eq!(raw.encode_frames_into(&data, &mut out).unwrap_err().status(), EpmStatus::InvalidState);
+    }
+}

@@ -566,3 +566,123 @@ impl Blocks {
         Mix { data: self.data.clone(), ids: self.ids.clone() }
     }
 }
+
+/// Copies a page-in of a weight stored in `frames` takes through staging
+/// buffers of `cap` bytes when every frame fits one: consecutive frames
+/// share a buffer (one copy) while their bytes fit.
+fn frame_copies(frames: &[codec::Frame], cap: usize) -> usize {
+    let (mut copies, mut start) = (0, None);
+    for f in frames {
+        assert!(f.len() <= cap, "a frame of {} bytes does not fit a buffer of {cap}", f.len());
+        if start.is_none_or(|s| f.at + f.len() - s > cap) {
+            copies += 1;
+            start = Some(f.at);
+        }
+    }
+    copies
+}
+
+/// A weight the manager encodes is stored in frames (`codec::FRAME_VALUES`
+/// values each, a format-v1 buffer each); with a staging buffer that holds
+/// it, a page-in is one copy of the compressed bytes and a decode per frame,
+/// bit-exact, and its host copy is exactly its frames.
+#[test]
+fn a_weight_in_frames_pages_in_with_one_copy_when_a_buffer_holds_it() {
+    let d = dev();
+    let n = 5 * codec::FRAME_VALUES + 12_345;
+    let data = weight(Dtype::Bf16, n, 21);
+    let frames = codec::plan(&data, Dtype::Bf16, &opts()).unwrap().frames();
+    assert_eq!(frames.len(), 6);
+    let framed: usize = frames.iter().map(codec::Frame::len).sum();
+    let m = ResidencyManager::new(&d, cfg(4 * data.len())).unwrap();
+    let r = m.register_encoded(range(&data), Dtype::Bf16, &opts()).unwrap();
+    assert_eq!(r.raw, None);
+    assert_eq!(r.host_bytes, framed, "the host copy is not the frames end to end");
+    let v1 = match codec::encode(&data, Dtype::Bf16, &opts()).unwrap() {
+        Encoded::Coded(b) => b.len(),
+        Encoded::Raw(why) => panic!("{why}"),
+    };
+    // Six headers and their streams' padding: well under 0.1% over one buffer.
+    assert!(framed > v1 && (framed - v1) * 1000 < v1, "{framed} bytes in frames, {v1} as one buffer");
+    let cap = m.stats().decode_staging_bytes as usize / DECODE_STAGING_BUFFERS;
+    assert!(cap >= framed, "staging {cap} does not hold the weight's {framed} bytes");
+    let before = m.stats();
+    let s = Stream::new(&d).unwrap();
+    let p = m.acquire(r.id, s.raw()).unwrap();
+    let back = read_back(&d, p, data.len(), &s);
+    m.release(r.id, s.raw()).unwrap();
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert!(back == data, "a weight in frames is not bit-exact");
+    assert_eq!((st.decodes - before.decodes, st.bypassed_page_ins - before.bypassed_page_ins), (1, 1), "{st:?}");
+    assert_eq!((st.compressed_htod_bytes - before.compressed_htod_bytes) as usize, framed);
+}
+
+/// Under a plan whose streamed weights are smaller than a resident one, the
+/// staging holds a few frames: the resident weight's first page-in copies
+/// runs of whole frames, one copy per buffer (not four per piece), and
+/// stays bit-exact through first fill, steady state and a re-plan.
+#[test]
+fn frames_page_in_in_runs_through_a_staging_smaller_than_the_weight() {
+    let d = dev();
+    let fv = codec::FRAME_VALUES;
+    let (wn, sn) = (5 * fv + 12_345, 5 * fv / 2);
+    let (big, small) = (weight(Dtype::Bf16, wn, 31), weight(Dtype::Bf16, sn, 32));
+    let data: Vec<&Vec<u8>> = (0..6).map(|i| if i % 3 == 0 { &big } else { &small }).collect();
+    let big_frames = codec::plan(&big, Dtype::Bf16, &opts()).unwrap().frames();
+    let small_framed = codec::plan(&small, Dtype::Bf16, &opts()).unwrap().framed_len().unwrap();
+    // Room for both large weights, one small resident and a ring of one
+    // small beside staging for the large ones (the plan made first), so the
+    // small ones stream and the staging then shrinks to two of a small one's
+    // compressed bytes.
+    let big_framed: usize = big_frames.iter().map(codec::Frame::len).sum();
+    let budget = 2 * big.len() + 2 * small.len() + 2 * big_framed + (1 << 20);
+    let mut c = cfg(budget);
+    c.coalesce_below_bytes = 0;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids: Vec<WeightId> = data
+        .iter()
+        .map(|v| {
+            let r = m.register_encoded(range(v), Dtype::Bf16, &opts()).unwrap();
+            assert_eq!(r.raw, None);
+            r.id
+        })
+        .collect();
+    m.declare_cycle(&ids).unwrap();
+    let st = m.stats();
+    let cap = st.decode_staging_bytes as usize / DECODE_STAGING_BUFFERS;
+    assert_eq!(cap, small_framed.next_multiple_of(256), "staging not sized by the streamed small weights: {st:?}");
+    assert!(st.ring_bytes > 0, "no plan: {st:?}");
+    assert!(cap < big_framed && cap >= 2 * big_frames[0].len(), "staging {cap}: not the runs this test is for");
+    let k = frame_copies(&big_frames, cap);
+    assert!(k >= 2 && k < big_frames.len(), "{k} copies for {} frames", big_frames.len());
+    let s = Stream::new(&d).unwrap();
+    let step = |what: &str| {
+        for (i, &w) in ids.iter().enumerate() {
+            let p = m.acquire(w, s.raw()).unwrap();
+            let back = read_back(&d, p, data[i].len(), &s);
+            m.release(w, s.raw()).unwrap();
+            assert!(&back == data[i], "{what}: weight {i} is not bit-exact");
+        }
+    };
+    let before = m.stats();
+    step("first fill");
+    m.synchronize().unwrap();
+    let st = m.stats();
+    let page_ins = (st.decodes - before.decodes) as usize;
+    let copies = (st.bypassed_page_ins - before.bypassed_page_ins) as usize;
+    // Both large weights paged in once (k copies each), every other page-in
+    // a small weight's (one copy: it fits a buffer).
+    assert!(page_ins >= 2, "{st:?}");
+    assert_eq!(copies, 2 * k + (page_ins - 2), "first fill: {copies} copies for {page_ins} page-ins: {st:?}");
+    for _ in 0..3 {
+        step("steady state");
+    }
+    let mut rev = ids.clone();
+    rev.reverse();
+    m.declare_cycle(&rev).unwrap();
+    step("after a re-plan");
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert!(st.peak_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "ledger over budget: {st:?}");
+}

@@ -23,8 +23,69 @@ struct Chunk {
 
 #[derive(Debug, Clone)]
 enum Decision {
-    Coded { desc: DecodeDesc, chunks: Vec<Chunk> },
+    /// `frames`: the weight's [`FRAME_VALUES`]-value ranges (the last may be
+    /// shorter), each with its escape count and the escapes before it.
+    Coded {
+        desc: DecodeDesc,
+        frames: Vec<Chunk>,
+    },
     Raw(RawReason),
+}
+
+/// Values of a frame ([`Plan::encode_frames_into`]): 1024 blocks, 8 MiB of
+/// bf16 or fp16. A page-in of a weight stored in frames copies as many whole
+/// frames as fit a staging buffer in one DMA and decodes each with one
+/// launch of 1024 thread blocks (a full wave on an H100 or H200).
+pub const FRAME_VALUES: usize = 1024 * BLOCK_VALUES;
+
+/// One frame of a weight stored in frames: a complete format-v1 buffer of
+/// values `[raw_offset / 2, raw_offset / 2 + desc.values())` at byte `at` of
+/// the framed buffer (a multiple of 16), `desc.compressed_len()` bytes long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frame {
+    pub at: usize,
+    pub raw_offset: usize,
+    pub desc: DecodeDesc,
+}
+
+impl Frame {
+    /// Bytes of the frame's buffer.
+    pub fn len(&self) -> usize {
+        self.desc.compressed_len()
+    }
+    /// Never true: a frame holds at least one value.
+    pub fn is_empty(&self) -> bool {
+        self.desc.values() == 0
+    }
+}
+
+/// Run `f` over `0..n` on at most `threads` scoped threads, results in order.
+fn par_map<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let workers = threads.min(n).max(1);
+    if workers == 1 {
+        return (0..n).map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut parts: Vec<Vec<(usize, T)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= n {
+                            break out;
+                        }
+                        out.push((i, f(i)));
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    let mut all: Vec<(usize, T)> = parts.iter_mut().flat_map(std::mem::take).collect();
+    all.sort_by_key(|(i, _)| *i);
+    all.into_iter().map(|(_, t)| t).collect()
 }
 
 /// The outcome of pass 1: whether and how a weight is encoded, and its size.
@@ -60,16 +121,10 @@ impl Plan {
     /// `data` must be the bytes [`plan`] saw: a weight that changed in
     /// between is refused (its escape counts no longer match).
     pub fn encode_into(&self, data: &[u8], out: &mut [u8]) -> Result<usize> {
-        let Decision::Coded { desc, chunks } = &self.decision else {
+        let Decision::Coded { desc, frames } = &self.decision else {
             return Err(Error::invalid_state("encode_into on a plan that keeps the weight raw"));
         };
-        crate::ensure!(
-            data.len() == self.raw_len,
-            InvalidArgument,
-            "encode: the weight is {} bytes, the plan was made for {}",
-            data.len(),
-            self.raw_len
-        );
+        self.check_data(data)?;
         let l = desc.layout;
         crate::ensure!(
             out.len() >= l.total_len,
@@ -78,42 +133,130 @@ impl Plan {
             out.len(),
             l.total_len
         );
-        let out = &mut out[..l.total_len];
-        let (header, rest) = out.split_at_mut(HEADER_LEN);
-        format::write_header(desc, header);
-        let (offsets, rest) = rest.split_at_mut(l.codes_off - l.offsets_off);
-        let (codes, rest) = rest.split_at_mut(l.lows_off - l.codes_off);
-        let (lows, escapes) = rest.split_at_mut(l.escapes_off - l.lows_off);
-        // Padding is zero; every other byte is written below.
-        offsets[(l.blocks + 1) * 4..].fill(0);
-        codes[l.codes_len..].fill(0);
-        lows[desc.n..].fill(0);
-        escapes[desc.escapes..].fill(0);
-        offsets[l.blocks * 4..(l.blocks + 1) * 4].copy_from_slice(&(desc.escapes as u32).to_le_bytes());
+        write_buffer(desc, &group(frames, self.threads), data, &mut out[..l.total_len], self.threads)?;
+        Ok(l.total_len)
+    }
 
-        let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
-        let lut = lookup(desc);
-        // Carve each stream into the chunks' disjoint slices.
-        let (mut offsets, mut codes, mut lows, mut escapes) = (
-            &mut offsets[..l.blocks * 4],
-            &mut codes[..l.codes_len],
-            &mut lows[..desc.n],
-            &mut escapes[..desc.escapes],
+    fn check_data(&self, data: &[u8]) -> Result<()> {
+        crate::ensure!(
+            data.len() == self.raw_len,
+            InvalidArgument,
+            "encode: the weight is {} bytes, the plan was made for {}",
+            data.len(),
+            self.raw_len
         );
-        let mut jobs = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            let nblocks = c.blocks.len();
-            let values = (c.blocks.end * BLOCK_VALUES).min(desc.n) - c.blocks.start * BLOCK_VALUES;
-            let (o, ro) = std::mem::take(&mut offsets).split_at_mut(nblocks * 4);
-            let all_codes = std::mem::take(&mut codes);
-            let at = (nblocks * block_code_bytes).min(all_codes.len());
-            let (k, rk) = all_codes.split_at_mut(at);
-            let (w, rw) = std::mem::take(&mut lows).split_at_mut(values);
-            let (e, re) = std::mem::take(&mut escapes).split_at_mut(c.escapes);
-            (offsets, codes, lows, escapes) = (ro, rk, rw, re);
-            let src = &data[c.blocks.start * BLOCK_VALUES * 2..][..values * 2];
-            jobs.push((c, src, o, k, w, e));
+        Ok(())
+    }
+
+    /// The frames [`Plan::encode_frames_into`] writes: one per
+    /// [`FRAME_VALUES`] values (the last may hold fewer), laid end to end,
+    /// each a complete format-v1 buffer with the weight's k and table and
+    /// its own escapes. Empty when the plan keeps the weight raw.
+    pub fn frames(&self) -> Vec<Frame> {
+        let Decision::Coded { desc, frames } = &self.decision else { return Vec::new() };
+        let mut at = 0;
+        frames
+            .iter()
+            .map(|c| {
+                let first = c.blocks.start * BLOCK_VALUES;
+                let n = (c.blocks.end * BLOCK_VALUES).min(desc.n) - first;
+                let layout = Layout::new(desc.dtype, desc.k, n, c.escapes)
+                    .expect("a frame's layout: k and n were validated for the whole weight");
+                let f =
+                    Frame { at, raw_offset: first * 2, desc: DecodeDesc { n, escapes: c.escapes, layout, ..*desc } };
+                at += layout.total_len;
+                f
+            })
+            .collect()
+    }
+
+    /// Bytes of the weight stored in frames ([`Plan::frames`]), or why it stays raw.
+    pub fn framed_len(&self) -> std::result::Result<usize, RawReason> {
+        self.outcome()?;
+        Ok(self.frames().last().map_or(0, |f| f.at + f.len()))
+    }
+
+    /// Pass 2 for a weight stored in frames: write every frame of
+    /// [`Plan::frames`] into `out` (at least [`Plan::framed_len`] bytes),
+    /// frames spread over the plan's threads. Returns the frames.
+    pub fn encode_frames_into(&self, data: &[u8], out: &mut [u8]) -> Result<Vec<Frame>> {
+        let Decision::Coded { frames: chunks, .. } = &self.decision else {
+            return Err(Error::invalid_state("encode_frames_into on a plan that keeps the weight raw"));
+        };
+        self.check_data(data)?;
+        let frames = self.frames();
+        let total = frames.last().map_or(0, |f| f.at + f.len());
+        crate::ensure!(
+            out.len() >= total,
+            InvalidArgument,
+            "encode: the output holds {} bytes, the weight in frames needs {total}",
+            out.len()
+        );
+        let mut rest = &mut out[..total];
+        let mut slots = Vec::with_capacity(frames.len());
+        for f in &frames {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(f.len());
+            slots.push(std::sync::Mutex::new(mine));
+            rest = tail;
         }
+        let results = par_map(frames.len(), self.threads, |i| {
+            let (f, c) = (&frames[i], &chunks[i]);
+            let whole = Chunk { blocks: 0..c.blocks.len(), escapes_before: 0, escapes: c.escapes };
+            let src = &data[f.raw_offset..f.raw_offset + f.desc.raw_len()];
+            let mut slot = slots[i].lock().unwrap_or_else(|p| p.into_inner());
+            write_buffer(&f.desc, std::slice::from_ref(&whole), src, &mut slot, 1)
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        Ok(frames)
+    }
+}
+
+/// Write the whole buffer of `desc` (exactly `out.len()` bytes) from `data`,
+/// one thread per chunk (`chunks` cover the blocks in order, their blocks
+/// counted from `data`'s first value).
+fn write_buffer(desc: &DecodeDesc, chunks: &[Chunk], data: &[u8], out: &mut [u8], threads: usize) -> Result<()> {
+    let l = desc.layout;
+    let (header, rest) = out.split_at_mut(HEADER_LEN);
+    format::write_header(desc, header);
+    let (offsets, rest) = rest.split_at_mut(l.codes_off - l.offsets_off);
+    let (codes, rest) = rest.split_at_mut(l.lows_off - l.codes_off);
+    let (lows, escapes) = rest.split_at_mut(l.escapes_off - l.lows_off);
+    // Padding is zero; every other byte is written below.
+    offsets[(l.blocks + 1) * 4..].fill(0);
+    codes[l.codes_len..].fill(0);
+    lows[desc.n..].fill(0);
+    escapes[desc.escapes..].fill(0);
+    offsets[l.blocks * 4..(l.blocks + 1) * 4].copy_from_slice(&(desc.escapes as u32).to_le_bytes());
+
+    let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
+    let lut = lookup(desc);
+    // Carve each stream into the chunks' disjoint slices.
+    let (mut offsets, mut codes, mut lows, mut escapes) =
+        (&mut offsets[..l.blocks * 4], &mut codes[..l.codes_len], &mut lows[..desc.n], &mut escapes[..desc.escapes]);
+    let mut jobs = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        let nblocks = c.blocks.len();
+        let values = (c.blocks.end * BLOCK_VALUES).min(desc.n) - c.blocks.start * BLOCK_VALUES;
+        let (o, ro) = std::mem::take(&mut offsets).split_at_mut(nblocks * 4);
+        let all_codes = std::mem::take(&mut codes);
+        let at = (nblocks * block_code_bytes).min(all_codes.len());
+        let (k, rk) = all_codes.split_at_mut(at);
+        let (w, rw) = std::mem::take(&mut lows).split_at_mut(values);
+        let all_escapes = std::mem::take(&mut escapes);
+        crate::ensure!(
+            c.escapes <= all_escapes.len(),
+            InvalidArgument,
+            "encode: the weight changed between planning and encoding"
+        );
+        let (e, re) = all_escapes.split_at_mut(c.escapes);
+        (offsets, codes, lows, escapes) = (ro, rk, rw, re);
+        let src = &data[c.blocks.start * BLOCK_VALUES * 2..][..values * 2];
+        jobs.push((c, src, o, k, w, e));
+    }
+    if jobs.len() == 1 {
+        let (c, src, o, k, w, e) = jobs.pop().expect("one job");
+        encode_chunk(desc, &lut, c, src, o, k, w, e)?;
+    } else {
         let results: Vec<Result<()>> = std::thread::scope(|s| {
             let handles: Vec<_> = jobs
                 .into_iter()
@@ -122,9 +265,9 @@ impl Plan {
             handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
         });
         results.into_iter().collect::<Result<Vec<()>>>()?;
-        format::store_checksum(out, self.threads);
-        Ok(l.total_len)
     }
+    format::store_checksum(out, threads);
+    Ok(())
 }
 
 /// exponent → code; the escape code for exponents outside the table.
@@ -288,17 +431,14 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
         "encode: {n} values is more than format v1's 2^32 - 1 per weight; split the weight"
     );
     let blocks = n.div_ceil(BLOCK_VALUES);
-    let nchunks = threads.min(blocks).max(1);
-    let ranges: Vec<Range<usize>> = (0..nchunks).map(|i| blocks * i / nchunks..blocks * (i + 1) / nchunks).collect();
-    let hists: Vec<[u64; 256]> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranges
-            .iter()
-            .map(|r| {
-                let bytes = &data[r.start * BLOCK_VALUES * 2..(r.end * BLOCK_VALUES * 2).min(data.len())];
-                s.spawn(move || histogram(dtype, bytes))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    // One histogram per frame: the totals choose k and the table, and each
+    // frame's own counts give its escapes (for a weight stored in frames,
+    // and for the threads' shares of a whole buffer).
+    const FB: usize = FRAME_VALUES / BLOCK_VALUES;
+    let ranges: Vec<Range<usize>> = (0..blocks.div_ceil(FB)).map(|i| i * FB..((i + 1) * FB).min(blocks)).collect();
+    let hists: Vec<[u64; 256]> = par_map(ranges.len(), threads, |i| {
+        let r = &ranges[i];
+        histogram(dtype, &data[r.start * BLOCK_VALUES * 2..(r.end * BLOCK_VALUES * 2).min(data.len())])
     });
     let mut total = [0u64; 256];
     for h in &hists {
@@ -330,7 +470,7 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
         *t = e as u8;
     }
     let mut before = 0;
-    let chunks = ranges
+    let frames = ranges
         .into_iter()
         .zip(&hists)
         .map(|(blocks, h)| {
@@ -342,7 +482,24 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
         })
         .collect();
     let desc = DecodeDesc { dtype, k, n, escapes, table, layout };
-    Ok(Plan { decision: Decision::Coded { desc, chunks }, raw_len: data.len(), threads })
+    Ok(Plan { decision: Decision::Coded { desc, frames }, raw_len: data.len(), threads })
+}
+
+/// Consecutive frames merged into at most `n` chunks of about equal blocks
+/// (one thread each when a whole buffer is encoded).
+fn group(frames: &[Chunk], n: usize) -> Vec<Chunk> {
+    let n = n.min(frames.len()).max(1);
+    (0..n)
+        .filter_map(|i| {
+            let part = &frames[frames.len() * i / n..frames.len() * (i + 1) / n];
+            let (first, last) = (part.first()?, part.last()?);
+            Some(Chunk {
+                blocks: first.blocks.start..last.blocks.end,
+                escapes_before: first.escapes_before,
+                escapes: part.iter().map(|c| c.escapes).sum(),
+            })
+        })
+        .collect()
 }
 
 /// Exponent counts; four interleaved tables so consecutive equal exponents

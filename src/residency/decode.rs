@@ -157,7 +157,8 @@ impl ResidencyManager {
         // streams), before the budget: a corrupt buffer says so first.
         let desc = codec::parse(&buf, EncodeOptions::default().thread_count())?;
         self.check_fits(desc.raw_len(), buf.len())?;
-        self.add_coded(Coded { buf, desc })
+        let frames = vec![codec::Frame { at: 0, raw_offset: 0, desc }];
+        self.add_coded(Coded { buf, desc, frames })
     }
 
     /// Register raw bf16 or fp16 bytes, encoding them on `opts.threads`
@@ -176,7 +177,7 @@ impl ResidencyManager {
         );
         let data = raw.as_slice();
         let plan = codec::plan(data, dtype, opts)?;
-        let len = match plan.outcome() {
+        let len = match plan.framed_len() {
             Ok(len) => len,
             Err(reason) => {
                 let id = self.register(raw)?;
@@ -188,8 +189,8 @@ impl ResidencyManager {
             return Err(Error::internal("an encoding plan without a description"));
         };
         let mut buf = PinnedBuffer::new(&self.dev, len)?;
-        plan.encode_into(data, &mut buf)?;
-        let id = self.add_coded(Coded { buf, desc })?;
+        let frames = plan.encode_frames_into(data, &mut buf)?;
+        let id = self.add_coded(Coded { buf, desc, frames })?;
         Ok(Registered { id, raw: None, host_bytes: len, desc: Some(desc) })
     }
 
@@ -386,9 +387,11 @@ impl ResidencyManager {
 
     /// Issue compressed unit `w`'s page-in into `dst`: copy its compressed
     /// bytes into the next staging buffer, then decode them into `dst`, after
-    /// `order` (the stream that waits for `dst`'s readers) when given. A
-    /// weight larger than a buffer goes in pieces of whole blocks, one
-    /// buffer each, alternating. The fence completes when the last decode has.
+    /// `order` (the stream that waits for `dst`'s readers) when given. Each
+    /// staging buffer takes a run of whole frames (contiguous in the host
+    /// copy: one copy, then a decode per frame), or, for a frame larger than
+    /// a buffer, a piece of it (whole blocks: up to four copies, one
+    /// decode); buffers alternate. The fence completes when the last decode has.
     pub(super) fn compressed_in(
         &self,
         st: &mut State,
@@ -403,11 +406,37 @@ impl ResidencyManager {
             None => return Err(Error::internal("compressed page-in of a raw weight")),
         };
         let dec = dec.as_mut().ok_or_else(|| Error::internal("compressed weight without decode staging"))?;
-        let (blocks, dlen) = (k.desc.blocks(), k.desc.raw_len());
-        let (mut at, mut copied, mut decoding) = (0, 0, false);
+        let dlen = k.desc.raw_len();
+        let (mut copied, mut decoding, mut first) = (0, false, true);
         let r = (|| {
-            while at < blocks {
-                let piece = k.desc.piece_within(&k.buf, at, dec.cap)?;
+            let frames = &k.frames;
+            let (mut f, mut at) = (0, 0);
+            while f < frames.len() {
+                // What this buffer takes: (copies: from, to, len) and
+                // (decodes: staged offset, offset in the weight, piece).
+                let mut copies: Vec<(usize, usize, usize)> = Vec::new();
+                let mut pieces: Vec<(usize, usize, codec::DecodePiece)> = Vec::new();
+                let fr = &frames[f];
+                if fr.len() > dec.cap {
+                    let bytes = &k.buf[fr.at..fr.at + fr.len()];
+                    let piece = fr.desc.piece_within(bytes, at, dec.cap)?;
+                    copies.extend(piece.copies().map(|(from, to, len)| (fr.at + from, to, len)));
+                    pieces.push((0, fr.raw_offset + piece.raw_offset(), piece));
+                    at = piece.end_block();
+                    if at == fr.desc.blocks() {
+                        (f, at) = (f + 1, 0);
+                    }
+                } else {
+                    let start = fr.at;
+                    let mut g = f;
+                    while g < frames.len() && frames[g].at + frames[g].len() - start <= dec.cap {
+                        pieces.push((frames[g].at - start, frames[g].raw_offset, frames[g].desc.whole()));
+                        g += 1;
+                    }
+                    let end = frames[g - 1].at + frames[g - 1].len();
+                    copies.push((start, 0, end - start));
+                    f = g;
+                }
                 let i = dec.next;
                 dec.next = (i + 1) % dec.bufs.len();
                 let b = &mut dec.bufs[i];
@@ -418,29 +447,31 @@ impl ResidencyManager {
                 // it in issue order on the copy engine's stream, so the
                 // decode waits for the last.
                 let mut last = None;
-                for (from, to, len) in piece.copies() {
+                for (from, to, len) in copies {
                     let gate = last.is_none().then(|| dec.gate.raw());
                     last = Some(self.engine.htod(b.block.addr() + to as u64, src.slice(from, len)?, gate)?);
                     copied += len;
                 }
-                let copy = last.ok_or_else(|| Error::internal("a decode piece with nothing to copy"))?;
+                let copy = last.ok_or_else(|| Error::internal("a decode staging with nothing to copy"))?;
                 copy.make_wait(dec.stream.raw())?;
                 // Only the decode writes `dst`: it, not the copy into
                 // staging, waits for `dst`'s readers, so the copy engine
                 // fills staging while the last kernel on `dst` still runs.
-                if at == 0
-                    && let Some(o) = order
-                {
+                if first && let Some(o) = order {
                     dec.after.record_raw(o)?;
                     dec.stream.wait_event(&dec.after)?;
                 }
+                first = false;
                 let s = dec.stream.raw();
-                let out = dst + piece.raw_offset() as u64;
                 decoding = true;
-                decode_timer.around(&self.dev, s, || self.dev.decode_piece_async(b.block.addr(), out, &piece, s))?;
+                let base = b.block.addr();
+                decode_timer.around(&self.dev, s, || {
+                    pieces.iter().try_for_each(|(off, out, p)| {
+                        self.dev.decode_piece_async(base + *off as u64, dst + *out as u64, p, s)
+                    })
+                })?;
                 b.free.record(&dec.stream)?;
                 b.used = true;
-                at = piece.end_block();
             }
             let done = Event::new(&self.dev, false)?;
             done.record(&dec.stream)?;

@@ -123,13 +123,19 @@ impl Loc {
     }
 }
 
-/// The host copy of a compressed weight: the encoded buffer, page-locked and
-/// owned by the manager (copied directly, never staged), and its
-/// description, parsed (checksum included) at registration.
+/// The host copy of a compressed weight: page-locked and owned by the
+/// manager (copied directly, never staged), and its description, parsed
+/// (checksum included) or planned at registration.
 #[derive(Debug)]
 pub(crate) struct Coded {
+    /// The frames end to end: a weight the manager encoded is stored in
+    /// frames of [`crate::codec::FRAME_VALUES`] values, each a format-v1
+    /// buffer; a buffer the caller encoded is one frame, as given.
     pub buf: crate::device::PinnedBuffer,
+    /// The weight as one format-v1 encoding (for a caller's buffer, the
+    /// buffer's own): values, k, table, escapes.
     pub desc: crate::codec::DecodeDesc,
+    pub frames: Vec<crate::codec::Frame>,
 }
 
 /// Weights by id (ids are never reused) and registered ranges.
