@@ -390,6 +390,15 @@ fn a_weight_in_frames_is_frames_of_whole_buffers_that_decode_to_its_values() {
             let one = coded(&data, dtype, &EncodeOptions { threads, ..always(None) });
             assert!(one == coded(&data, dtype, &EncodeOptions { threads: 1, ..always(None) }), "{threads} threads");
         }
+        // The same frames, cut from the weight encoded as one buffer.
+        let v1 = coded(&data, dtype, &always(None));
+        let d = codec::parse(&v1, 2).unwrap();
+        assert_eq!(codec::frames_of(&d, &v1).unwrap(), frames);
+        let mut cut = vec![0xEEu8; total];
+        codec::reframe(&d, &v1, &frames, &mut cut).unwrap();
+        assert!(cut[..] == out[..total], "{dtype:?}: reframed bytes differ from the frames encoded directly");
+        assert!(codec::frames_of(&d, &v1[..v1.len() - 16]).is_err());
+        assert!(codec::reframe(&d, &v1, &frames, &mut cut[..total - 16]).is_err());
         // A plan that keeps the weight raw has no frames.
         let raw = codec::plan(&data, dtype, &EncodeOptions { min_bytes: data.len() + 1, ..always(None) }).unwrap();
         assert!(raw.frames().is_empty() && raw.framed_len().is_err());

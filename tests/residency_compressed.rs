@@ -618,6 +618,33 @@ fn a_weight_in_frames_pages_in_with_one_copy_when_a_buffer_holds_it() {
     assert_eq!((st.compressed_htod_bytes - before.compressed_htod_bytes) as usize, framed);
 }
 
+/// A buffer the caller encoded as one format-v1 buffer of several frames is
+/// stored in frames (its streams sliced), exactly the bytes the manager's
+/// own encoding gives, and pages in as one copy when a buffer holds it.
+#[test]
+fn a_pre_encoded_buffer_of_several_frames_is_stored_in_frames() {
+    let d = dev();
+    let n = 3 * codec::FRAME_VALUES + 999;
+    let data = weight(Dtype::Bf16, n, 41);
+    let v1 = match codec::encode(&data, Dtype::Bf16, &opts()).unwrap() {
+        Encoded::Coded(b) => b,
+        Encoded::Raw(why) => panic!("{why}"),
+    };
+    let framed = codec::plan(&data, Dtype::Bf16, &opts()).unwrap().framed_len().unwrap();
+    let m = ResidencyManager::new(&d, cfg(4 * data.len())).unwrap();
+    let id = m.register_compressed(&v1).unwrap();
+    let st = m.stats();
+    assert_eq!(st.compressed_host_bytes as usize, framed, "not stored in frames: {st:?}");
+    let s = Stream::new(&d).unwrap();
+    let p = m.acquire(id, s.raw()).unwrap();
+    let back = read_back(&d, p, data.len(), &s);
+    m.release(id, s.raw()).unwrap();
+    m.synchronize().unwrap();
+    assert!(back == data, "a reframed weight is not bit-exact");
+    let after = m.stats();
+    assert_eq!((after.decodes - st.decodes, after.bypassed_page_ins - st.bypassed_page_ins), (1, 1), "{after:?}");
+}
+
 /// Under a plan whose streamed weights are smaller than a resident one, the
 /// staging holds a few frames: the resident weight's first page-in copies
 /// runs of whole frames, one copy per buffer (not four per piece), and

@@ -541,3 +541,86 @@ pub fn encode(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Encoded
         }
     }
 }
+
+/// The frames of a weight given as one validated format-v1 buffer (`buf`,
+/// described by `desc` from [`super::parse`]): what [`reframe`] writes.
+/// Escape counts come from the buffer's escape index.
+pub fn frames_of(desc: &DecodeDesc, buf: &[u8]) -> Result<Vec<Frame>> {
+    let l = &desc.layout;
+    crate::ensure!(
+        buf.len() == l.total_len,
+        InvalidArgument,
+        "reframe: the buffer is {} bytes, its header says {}",
+        buf.len(),
+        l.total_len
+    );
+    let off = |j: usize| {
+        let at = l.offsets_off + 4 * j;
+        u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize
+    };
+    const FB: usize = FRAME_VALUES / BLOCK_VALUES;
+    let mut frames = Vec::with_capacity(l.blocks.div_ceil(FB));
+    let mut at = 0;
+    for b0 in (0..l.blocks).step_by(FB) {
+        let b1 = (b0 + FB).min(l.blocks);
+        let (e0, e1) = (off(b0), off(b1));
+        crate::ensure!(
+            e0 <= e1 && e1 <= desc.escapes,
+            InvalidArgument,
+            "reframe: the escape index of blocks {b0}..{b1} runs {e0}..{e1} (of {} escapes)",
+            desc.escapes
+        );
+        let n = (b1 * BLOCK_VALUES).min(desc.n) - b0 * BLOCK_VALUES;
+        let layout = Layout::new(desc.dtype, desc.k, n, e1 - e0)?;
+        frames.push(Frame {
+            at,
+            raw_offset: b0 * BLOCK_VALUES * 2,
+            desc: DecodeDesc { n, escapes: e1 - e0, layout, ..*desc },
+        });
+        at += layout.total_len;
+    }
+    Ok(frames)
+}
+
+/// Rewrite a validated format-v1 buffer as the `frames` [`frames_of`] gave
+/// for it, end to end in `out` (their total length): each frame's streams
+/// are slices of the buffer's, its escape index rebased to start at 0, with
+/// its own header and checksum. Decoding the frames gives the buffer's values.
+pub fn reframe(desc: &DecodeDesc, buf: &[u8], frames: &[Frame], out: &mut [u8]) -> Result<()> {
+    let l = &desc.layout;
+    let total = frames.last().map_or(0, |f| f.at + f.len());
+    crate::ensure!(
+        buf.len() == l.total_len && out.len() == total,
+        InvalidArgument,
+        "reframe: {} bytes in for a buffer of {}, {} out for frames of {total}",
+        buf.len(),
+        l.total_len,
+        out.len()
+    );
+    let cb = BLOCK_VALUES * desc.code_bits() as usize / 8;
+    for f in frames {
+        let (b0, fl) = (f.raw_offset / (2 * BLOCK_VALUES), &f.desc.layout);
+        let o = &mut out[f.at..f.at + fl.total_len];
+        o.fill(0);
+        format::write_header(&f.desc, o);
+        let e0 = {
+            let at = l.offsets_off + 4 * b0;
+            u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]])
+        };
+        for j in 0..=fl.blocks {
+            let at = l.offsets_off + 4 * (b0 + j);
+            let e = u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+            let v = e.checked_sub(e0).ok_or_else(|| Error::invalid_argument("reframe: escape index decreases"))?;
+            o[fl.offsets_off + 4 * j..fl.offsets_off + 4 * j + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        let first = b0 * BLOCK_VALUES;
+        o[fl.codes_off..fl.codes_off + fl.codes_len]
+            .copy_from_slice(&buf[l.codes_off + b0 * cb..l.codes_off + b0 * cb + fl.codes_len]);
+        o[fl.lows_off..fl.lows_off + f.desc.n].copy_from_slice(&buf[l.lows_off + first..l.lows_off + first + f.desc.n]);
+        let e0 = e0 as usize;
+        o[fl.escapes_off..fl.escapes_off + f.desc.escapes]
+            .copy_from_slice(&buf[l.escapes_off + e0..l.escapes_off + e0 + f.desc.escapes]);
+        format::store_checksum(o, 1);
+    }
+    Ok(())
+}

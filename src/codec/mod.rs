@@ -29,7 +29,7 @@ mod format;
 mod piece;
 
 pub use decode::{decode, decode_piece, decode_with};
-pub use encode::{FRAME_VALUES, Frame, Plan, encode, plan};
+pub use encode::{FRAME_VALUES, Frame, Plan, encode, frames_of, plan, reframe};
 pub use format::{ALIGN, BLOCK_VALUES, DecodeDesc, HEADER_LEN, MAGIC, VERSION, parse, parse_header};
 pub use piece::DecodePiece;
 

@@ -146,7 +146,9 @@ impl ResidencyManager {
     /// (header, layout, escape index, CRC-32): a corrupt or truncated buffer
     /// is refused here with the codec's message, never decoded. They are
     /// copied into page-locked memory the manager owns, so the caller may
-    /// free `encoded` when this returns. The weight occupies its decoded
+    /// free `encoded` when this returns; a buffer of more than one frame
+    /// ([`codec::FRAME_VALUES`] values) is stored in frames, its streams
+    /// sliced ([`codec::reframe`]), as a weight the manager encodes. The weight occupies its decoded
     /// length of the budget; see [`DECODE_STAGING_BUFFERS`] for the staging.
     pub fn register_compressed(&self, encoded: &[u8]) -> Result<WeightId> {
         // A buffer that is not even a whole header is refused before anything is allocated.
@@ -156,8 +158,19 @@ impl ResidencyManager {
         // Validated in the manager's own copy (what is checked is what
         // streams), before the budget: a corrupt buffer says so first.
         let desc = codec::parse(&buf, EncodeOptions::default().thread_count())?;
+        // Stored in frames, as a weight the manager encodes (one copy per
+        // staging buffer): the validated buffer's streams, sliced.
+        let frames = codec::frames_of(&desc, &buf)?;
+        let (buf, frames) = match frames.last() {
+            Some(last) if frames.len() > 1 => {
+                self.check_fits(desc.raw_len(), last.at + last.len())?;
+                let mut framed = PinnedBuffer::new(&self.dev, last.at + last.len())?;
+                codec::reframe(&desc, &buf, &frames, &mut framed)?;
+                (framed, frames)
+            }
+            _ => (buf, vec![codec::Frame { at: 0, raw_offset: 0, desc }]),
+        };
         self.check_fits(desc.raw_len(), buf.len())?;
-        let frames = vec![codec::Frame { at: 0, raw_offset: 0, desc }];
         self.add_coded(Coded { buf, desc, frames })
     }
 

@@ -128,9 +128,9 @@ impl Loc {
 /// (checksum included) or planned at registration.
 #[derive(Debug)]
 pub(crate) struct Coded {
-    /// The frames end to end: a weight the manager encoded is stored in
-    /// frames of [`crate::codec::FRAME_VALUES`] values, each a format-v1
-    /// buffer; a buffer the caller encoded is one frame, as given.
+    /// The frames end to end: each weight is stored in frames of
+    /// [`crate::codec::FRAME_VALUES`] values (the last may hold fewer), each
+    /// a format-v1 buffer; a caller's buffer of one frame is kept as given.
     pub buf: crate::device::PinnedBuffer,
     /// The weight as one format-v1 encoding (for a caller's buffer, the
     /// buffer's own): values, k, table, escapes.
