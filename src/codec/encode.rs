@@ -547,17 +547,8 @@ pub fn encode(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Encoded
 /// Escape counts come from the buffer's escape index.
 pub fn frames_of(desc: &DecodeDesc, buf: &[u8]) -> Result<Vec<Frame>> {
     let l = &desc.layout;
-    crate::ensure!(
-        buf.len() == l.total_len,
-        InvalidArgument,
-        "reframe: the buffer is {} bytes, its header says {}",
-        buf.len(),
-        l.total_len
-    );
-    let off = |j: usize| {
-        let at = l.offsets_off + 4 * j;
-        u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize
-    };
+    desc.check_buffer(buf, "reframe")?;
+    let off = |j: usize| desc.escape_offset(buf, j);
     const FB: usize = FRAME_VALUES / BLOCK_VALUES;
     let mut frames = Vec::with_capacity(l.blocks.div_ceil(FB));
     let mut at = 0;
@@ -588,36 +579,27 @@ pub fn frames_of(desc: &DecodeDesc, buf: &[u8]) -> Result<Vec<Frame>> {
 /// its own header and checksum. Decoding the frames gives the buffer's values.
 pub fn reframe(desc: &DecodeDesc, buf: &[u8], frames: &[Frame], out: &mut [u8]) -> Result<()> {
     let l = &desc.layout;
+    desc.check_buffer(buf, "reframe")?;
     let total = frames.last().map_or(0, |f| f.at + f.len());
-    crate::ensure!(
-        buf.len() == l.total_len && out.len() == total,
-        InvalidArgument,
-        "reframe: {} bytes in for a buffer of {}, {} out for frames of {total}",
-        buf.len(),
-        l.total_len,
-        out.len()
-    );
+    crate::ensure!(out.len() == total, InvalidArgument, "reframe: {} bytes out for frames of {total}", out.len());
     let cb = BLOCK_VALUES * desc.code_bits() as usize / 8;
     for f in frames {
         let (b0, fl) = (f.raw_offset / (2 * BLOCK_VALUES), &f.desc.layout);
         let o = &mut out[f.at..f.at + fl.total_len];
         o.fill(0);
         format::write_header(&f.desc, o);
-        let e0 = {
-            let at = l.offsets_off + 4 * b0;
-            u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]])
-        };
+        let e0 = desc.escape_offset(buf, b0);
         for j in 0..=fl.blocks {
-            let at = l.offsets_off + 4 * (b0 + j);
-            let e = u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
-            let v = e.checked_sub(e0).ok_or_else(|| Error::invalid_argument("reframe: escape index decreases"))?;
-            o[fl.offsets_off + 4 * j..fl.offsets_off + 4 * j + 4].copy_from_slice(&v.to_le_bytes());
+            let v = desc
+                .escape_offset(buf, b0 + j)
+                .checked_sub(e0)
+                .ok_or_else(|| Error::invalid_argument("reframe: the escape index decreases"))?;
+            o[fl.offsets_off + 4 * j..fl.offsets_off + 4 * j + 4].copy_from_slice(&(v as u32).to_le_bytes());
         }
         let first = b0 * BLOCK_VALUES;
         o[fl.codes_off..fl.codes_off + fl.codes_len]
             .copy_from_slice(&buf[l.codes_off + b0 * cb..l.codes_off + b0 * cb + fl.codes_len]);
         o[fl.lows_off..fl.lows_off + f.desc.n].copy_from_slice(&buf[l.lows_off + first..l.lows_off + first + f.desc.n]);
-        let e0 = e0 as usize;
         o[fl.escapes_off..fl.escapes_off + f.desc.escapes]
             .copy_from_slice(&buf[l.escapes_off + e0..l.escapes_off + e0 + f.desc.escapes]);
         format::store_checksum(o, 1);

@@ -129,6 +129,24 @@ impl DecodeDesc {
         let l = &self.layout;
         [l.offsets_off, l.codes_off, l.lows_off, l.escapes_off]
     }
+    /// Refuse a buffer whose length is not this description's (`what`
+    /// names the caller in the message).
+    pub(super) fn check_buffer(&self, buf: &[u8], what: &str) -> Result<()> {
+        crate::ensure!(
+            buf.len() == self.layout.total_len,
+            InvalidArgument,
+            "{what}: the buffer is {} bytes, its header says {}",
+            buf.len(),
+            self.layout.total_len
+        );
+        Ok(())
+    }
+    /// Entry `j` (0..=blocks) of the escape index of `buf`, a buffer
+    /// [`Self::check_buffer`] accepted: the escapes before block `j`.
+    pub(super) fn escape_offset(&self, buf: &[u8], j: usize) -> usize {
+        let at = self.layout.offsets_off + 4 * j;
+        u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize
+    }
     /// compressed ÷ raw.
     pub fn ratio(&self) -> f64 {
         self.layout.total_len as f64 / self.raw_len() as f64

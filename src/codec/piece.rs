@@ -66,24 +66,14 @@ impl DecodeDesc {
     /// is `buf` (the escape offsets are read from it).
     pub fn piece(&self, buf: &[u8], first: usize, end: usize) -> Result<DecodePiece> {
         let l = &self.layout;
-        crate::ensure!(
-            buf.len() == l.total_len,
-            InvalidArgument,
-            "decode piece: the buffer is {} bytes, its header says {}",
-            buf.len(),
-            l.total_len
-        );
+        self.check_buffer(buf, "decode piece")?;
         crate::ensure!(
             first < end && end <= l.blocks,
             InvalidArgument,
             "decode piece: blocks {first}..{end} are not a non-empty range of the weight's {}",
             l.blocks
         );
-        let off = |j: usize| {
-            let at = l.offsets_off + 4 * j;
-            u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize
-        };
-        let (e0, e1) = (off(first), off(end));
+        let (e0, e1) = (self.escape_offset(buf, first), self.escape_offset(buf, end));
         crate::ensure!(
             e0 <= e1 && e1 <= self.escapes,
             InvalidArgument,
