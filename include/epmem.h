@@ -1178,7 +1178,7 @@ typedef struct EpmResidencyStats {
    * Device staging for compressed bytes, reserved out of `budget_bytes`:
    * `EPM_DECODE_STAGING_BUFFERS` buffers, each the largest compressed
    * weight the plan streams (at most 64 MiB; larger weights page in
-   * in pieces), docs/RESIDENCY.md "Streaming compressed weights".
+   * a buffer at a time), docs/RESIDENCY.md "Streaming compressed weights".
    */
   uint64_t decode_staging_bytes;
   /**
@@ -3139,7 +3139,7 @@ enum EpmStatus epm_codec_decode(const void *buf,
  * The weight takes its decoded size of the budget; device staging for the
  * compressed bytes, two buffers sized by the largest compressed weight the
  * plan streams (with no plan: registered; at most 64 MiB, larger weights
- * page in in pieces), is reserved out of the budget
+ * page in a buffer at a time), is reserved out of the budget
  * (`EpmResidencyStats.decode_staging_bytes`).
  *
  * `weight->dtype` `EPM_CODEC_DTYPE_ENCODED`: `data` is a compressed buffer,

@@ -366,7 +366,7 @@ unsafe impl crate::ffi::args::VersionedInput for EpmCompressedWeight {}
 /// The weight takes its decoded size of the budget; device staging for the
 /// compressed bytes, two buffers sized by the largest compressed weight the
 /// plan streams (with no plan: registered; at most 64 MiB, larger weights
-/// page in in pieces), is reserved out of the budget
+/// page in a buffer at a time), is reserved out of the budget
 /// (`EpmResidencyStats.decode_staging_bytes`).
 ///
 /// `weight->dtype` `EPM_CODEC_DTYPE_ENCODED`: `data` is a compressed buffer,

@@ -15,12 +15,13 @@
 //! when a plan is installed (`plan_with_staging`); a
 //! registration grows the staging when the rule wants more.
 //!
-//! A weight whose compressed bytes exceed a buffer pages in in pieces
-//! ([`crate::codec::DecodePiece`]): ranges of whole blocks, each staged by
-//! the copies of its parts of the four streams into the next buffer and
-//! decoded into its offset of the weight's memory, alternating buffers,
-//! ordered exactly like whole page-ins below (per piece); the page-in fence
-//! follows the last piece's decode.
+//! The host copy is the weight's frames ([`crate::codec::Frame`]), end to
+//! end. A page-in fills a buffer at a time: as many whole frames as fit, in
+//! one copy, each decoded by one launch; a frame larger than a buffer goes
+//! in pieces ([`crate::codec::DecodePiece`]: ranges of whole blocks, each
+//! staged by the copies of its parts of the four streams). Buffers
+//! alternate, each ordered exactly like a whole page-in below; the page-in
+//! fence follows the last decode.
 //!
 //! Ordering, per page-in into buffer `i`:
 //! 1. the manager's gate stream waits for the last decode that read buffer
@@ -61,8 +62,8 @@ use crate::staging::Fence;
 pub const DECODE_STAGING_BUFFERS: usize = 2;
 
 /// The most bytes a staging buffer holds: a weight larger than this pages in
-/// in pieces whatever the plan (a piece of 64 MiB is ~1.2 ms of PCIe at
-/// 55 GB/s; its four copies and one launch cost microseconds).
+/// a buffer at a time whatever the plan (64 MiB is ~1.2 ms of PCIe at
+/// 55 GB/s; its copy and a launch per frame cost microseconds).
 pub const DECODE_STAGING_MAX_BYTES: usize = 64 << 20;
 
 /// Under a plan, a buffer holds at least this much (or the largest
