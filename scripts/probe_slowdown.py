@@ -8,7 +8,8 @@ resident batch-1 decode of one shape, and a pure-Python loop -- before and
 after N offload/decode/remove cycles of another shape, with compression on
 or off, and records what the process holds after each cycle: threads (and
 the CPU time each used since the last check), locked memory (VmLck),
-resident memory, the load average.
+resident memory, the load average, and the same loop in a fresh process
+(slow there too: the machine changed, not this process).
 
     EPM_DEVICE=cuda python3 scripts/probe_slowdown.py --load gqa --probe small --cycles 3 --compress auto,off --json out.json
     EPM_DEVICE=host python3 scripts/probe_slowdown.py --quick     # the mechanics, on the CPU
@@ -19,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -28,6 +30,7 @@ import bench_torch as bt  # noqa: E402
 import torch  # noqa: E402
 
 import epmem.torch as et  # noqa: E402
+from probe_slowdown_loop import py_loop_ms  # noqa: E402
 
 
 def status():
@@ -55,15 +58,14 @@ def thread_cpu():
     return res
 
 
-def py_loop_ms():
-    best = 1e9
-    for _ in range(5):
-        t = time.perf_counter()
-        s = 0
-        for i in range(200_000):
-            s += i * i
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+FRESH = "import sys\nsys.path.insert(0, sys.argv[1])\nfrom probe_slowdown_loop import py_loop_ms\nprint(py_loop_ms())"
+
+
+def fresh_loop_ms():
+    """The same loop in a fresh interpreter: slow there too means the machine
+    (CPU clocks, a throttled VM), not this process, is what changed."""
+    out = subprocess.run([sys.executable, "-c", FRESH, HERE], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
 
 
 def main():
@@ -94,10 +96,12 @@ def main():
         busy = sorted(((now[t][1] - last.get(t, (None, 0))[1], now[t][0], t) for t in now), reverse=True)[:6]
         last = thread_cpu()
         c = {"what": what, "resident_ms_per_token": secs / tokens * 1e3, "py_loop_ms": py_loop_ms(),
+             "fresh_process_py_loop_ms": fresh_loop_ms(),
              "status": status(), "loadavg": os.getloadavg(),
              "busiest_threads_ticks": [[n, ticks, tid] for ticks, n, tid in busy]}
         checks.append(c)
-        print(f"{what}: resident {c['resident_ms_per_token']:.2f} ms/token, python loop {c['py_loop_ms']:.2f} ms, "
+        print(f"{what}: resident {c['resident_ms_per_token']:.2f} ms/token, python loop {c['py_loop_ms']:.2f} ms "
+              f"(fresh process {c['fresh_process_py_loop_ms']:.2f}), "
               f"{c['status']}, load {c['loadavg'][0]:.1f}, busiest {c['busiest_threads_ticks'][:3]}", flush=True)
 
     check("start")
