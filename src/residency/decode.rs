@@ -149,8 +149,9 @@ impl ResidencyManager {
     /// copied into page-locked memory the manager owns, so the caller may
     /// free `encoded` when this returns; a buffer of more than one frame
     /// ([`codec::FRAME_VALUES`] values) is stored in frames, its streams
-    /// sliced ([`codec::reframe`]), as a weight the manager encodes. The weight occupies its decoded
-    /// length of the budget; see [`DECODE_STAGING_BUFFERS`] for the staging.
+    /// sliced ([`codec::reframe`]), as a weight the manager encodes. The
+    /// weight occupies its decoded length of the budget; see
+    /// [`DECODE_STAGING_BUFFERS`] for the staging.
     pub fn register_compressed(&self, encoded: &[u8]) -> Result<WeightId> {
         // A buffer that is not even a whole header is refused before anything is allocated.
         codec::parse_header(encoded)?;
@@ -162,16 +163,15 @@ impl ResidencyManager {
         // Stored in frames, as a weight the manager encodes (one copy per
         // staging buffer): the validated buffer's streams, sliced.
         let frames = codec::frames_of(&desc, &buf)?;
-        let (buf, frames) = match frames.last() {
-            Some(last) if frames.len() > 1 => {
-                self.check_fits(desc.raw_len(), last.at + last.len())?;
-                let mut framed = PinnedBuffer::new(&self.dev, last.at + last.len())?;
-                codec::reframe(&desc, &buf, &frames, &mut framed)?;
-                (framed, frames)
-            }
-            _ => (buf, vec![codec::Frame { at: 0, raw_offset: 0, desc }]),
+        let framed_len = frames.last().map_or(0, |f| f.at + f.len());
+        self.check_fits(desc.raw_len(), framed_len.max(buf.len()))?;
+        let (buf, frames) = if frames.len() > 1 {
+            let mut framed = PinnedBuffer::new(&self.dev, framed_len)?;
+            codec::reframe(&desc, &buf, &frames, &mut framed)?;
+            (framed, frames)
+        } else {
+            (buf, vec![codec::Frame { at: 0, raw_offset: 0, desc }])
         };
-        self.check_fits(desc.raw_len(), buf.len())?;
         self.add_coded(Coded { buf, desc, frames })
     }
 
