@@ -277,8 +277,8 @@
 /**
  * Device staging buffers a residency manager keeps for compressed page-ins
  * (each the size of the largest compressed weight the plan streams, or with
- * no plan the largest registered, at most 64 MiB; larger weights page in in
- * pieces; docs/RESIDENCY.md).
+ * no plan the largest registered, at most 64 MiB; larger weights page in a
+ * buffer at a time; docs/RESIDENCY.md).
  */
 #define EPM_DECODE_STAGING_BUFFERS 2
 

@@ -122,7 +122,7 @@ crate::stats::declare_stats! {
         /// Device staging for compressed bytes, reserved out of `budget_bytes`:
         /// `EPM_DECODE_STAGING_BUFFERS` buffers, each the largest compressed
         /// weight the plan streams (at most 64 MiB; larger weights page in
-        /// in pieces), docs/RESIDENCY.md "Streaming compressed weights".
+        /// a buffer at a time), docs/RESIDENCY.md "Streaming compressed weights".
         field decode_staging_bytes: u64,
         /// Compressed bytes copied to the device (also counted in
         /// `htod_bytes`), the bytes their decodes wrote, the decodes, and
