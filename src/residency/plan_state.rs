@@ -265,9 +265,6 @@ impl PlanState {
     pub fn ring_off(&self) -> bool {
         matches!(self.streaming, Streaming::RingOff)
     }
-    /// Install `plan` (made for the current cycle) with its `ring`, replacing
-    /// no plan: the caller released the last one ([`Self::release`]) and
-    /// charges the ring's bytes.
     /// Whether `plan` over the current cycle is the installed plan with the
     /// same units streamed: a re-declared order (a rotation, say) can give an
     /// equal plan by positions that streams other units.
@@ -281,6 +278,9 @@ impl PlanState {
             _ => false,
         }
     }
+    /// Install `plan` (made for the current cycle) with its `ring`, replacing
+    /// no plan: the caller released the last one ([`Self::release`]) and
+    /// charges the ring's bytes.
     pub fn install(&mut self, plan: Plan, ring: Ring) {
         debug_assert!(matches!(self.streaming, Streaming::Unplanned), "a plan installed over {:?}", self.streaming);
         let streamed = self.cycle.iter().zip(&plan.resident).filter(|(_, r)| !**r).map(|(&u, _)| u).collect();
