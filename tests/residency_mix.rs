@@ -120,7 +120,18 @@ fn prefetched_share(w: &ResidencyStats) -> f64 {
 }
 
 fn measure(sizes: &[usize], budget: usize, depth: usize, hold: usize, spin_us: u32) -> Measured {
-    let d = dev();
+    measure_on(&dev(), sizes, budget, depth, hold, spin_us)
+}
+
+fn measure_on(
+    d: &Arc<dyn Device>,
+    sizes: &[usize],
+    budget: usize,
+    depth: usize,
+    hold: usize,
+    spin_us: u32,
+) -> Measured {
+    let d = d.clone();
     let w = Weights::new(sizes, sizes.len() as u64 * 31 + budget as u64);
     let m = ResidencyManager::new(&d, cfg(budget, depth)).unwrap();
     let ids: Vec<WeightId> = (0..sizes.len()).map(|i| m.register(w.range(i)).unwrap()).collect();
@@ -896,4 +907,87 @@ fn splitting_the_ort_decoder_brings_the_floor_within_one_part_of_total_minus_bud
         assert_eq!(end.eviction_waits, 0, "{pct}%: {end:?}");
     }
     eprintln!("{table}");
+}
+
+/// The device for split-plan tests: the host device with a granule of
+/// 64 KiB (so weights of a few dozen granules stay small on the CPU), or
+/// the device `EPM_DEVICE` names when it is CUDA (2 MiB granules).
+fn split_dev() -> Arc<dyn Device> {
+    let d = dev();
+    if d.info().kind == device::DeviceKind::Host {
+        return Arc::new(device::host::HostDevice::with_granularity(0, 64 << 10).unwrap());
+    }
+    d
+}
+
+/// The benchmark's GQA shape (8192/28672, K/V 8192×1024) in granules: the
+/// same ratios, 64 granules to an 8192 × 8192 matrix.
+fn gqa_in_granules(g: usize, blocks: usize) -> Vec<usize> {
+    (0..blocks).flat_map(|_| [64, 8, 8, 64, 224, 224, 224]).map(|k| k * g / 4).collect()
+}
+
+/// Acquiring around each weight, a plan that streams the tail of each
+/// weight (its head resident, its tail mapped onto the ring behind the
+/// weight's own address) copies fewer bytes than any schedule of whole
+/// weights can (the whole-weight floor), what `placement::split_plan`
+/// planned, bit-exact (every read checksummed), within the budget, with no
+/// driver call, host wait or re-plan in steady state.
+#[test]
+fn split_weights_stream_tails_below_the_whole_weight_floor() {
+    let d = split_dev();
+    let g = d.vmm_granularity();
+    let sizes = gqa_in_granules(g, 4);
+    let total: usize = sizes.iter().sum();
+    let mut table = String::from("| budget % | bytes/step ÷ (total − budget) | split plan | whole-weight floor |\n");
+    for pct in [70, 80] {
+        let budget = total * pct / 100;
+        let planned = placement::split_plan(&sizes, &vec![g; sizes.len()], g, budget).expect("a split plan");
+        let wwf = whole_weight_floor(&sizes, budget);
+        assert!(
+            planned.streamed_bytes < wwf,
+            "{pct}%: the split plan streams {} ≥ the floor {wwf}",
+            planned.streamed_bytes
+        );
+        let r = measure_on(&d, &sizes, budget, 1, 1, 0);
+        let ideal = (total - budget) as f64;
+        table.push_str(&format!(
+            "| {pct} | {:.4} | {:.4} | {:.4} |\n",
+            r.bytes_per_step / ideal,
+            planned.streamed_bytes as f64 / ideal,
+            wwf as f64 / ideal
+        ));
+        assert_eq!(r.bytes_per_step, planned.streamed_bytes as f64, "{pct}%: not the split plan's bytes\n{table}");
+        assert!(r.end.ring_bytes as usize == planned.ring_bytes, "{pct}%: another plan installed: {:?}", r.end);
+        assert_eq!((r.window.eviction_waits, r.window.plans), (0, 0), "{pct}%\n{table}");
+        assert!(r.window.host_stall_ms == 0.0, "{:?}", r.window);
+        // The tails' copies are prefetched (each lands on the slot the
+        // weight before last read, not on the one just read).
+        assert!(r.window.prefetch_page_ins > 0, "{:?}", r.window);
+    }
+    eprintln!("{table}");
+}
+
+/// With splitting turned off the same mix streams whole weights (the
+/// whole-weight floor): the switch is what the bytes above come from.
+#[test]
+fn without_splits_the_same_mix_streams_the_whole_weight_floor() {
+    let d = split_dev();
+    let g = d.vmm_granularity();
+    let sizes = gqa_in_granules(g, 4);
+    let total: usize = sizes.iter().sum();
+    let budget = total * 3 / 4;
+    let w = Weights::new(&sizes, 77);
+    let mut c = cfg(budget, 1);
+    c.split_weights = false;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids: Vec<WeightId> = (0..sizes.len()).map(|i| m.register(w.range(i)).unwrap()).collect();
+    m.declare_cycle(&ids).unwrap();
+    decode(&d, &m, &w, &ids, 2, 1, 0);
+    m.synchronize().unwrap();
+    let a = m.stats();
+    decode(&d, &m, &w, &ids, 2, 1, 0);
+    m.synchronize().unwrap();
+    let b = m.stats();
+    let per_step = (b.htod_bytes - a.htod_bytes) as usize / 2;
+    assert_eq!(per_step, whole_weight_floor(&sizes, budget));
 }

@@ -70,6 +70,10 @@ pub struct ResidencyConfig {
     /// resident set and a streaming region (see `residency::placement`).
     /// Default true; false leaves farthest-next-use alone in charge.
     pub stream_plan: bool,
+    /// With a plan, for a caller that acquires around each weight: stream
+    /// only part of weights (`residency::placement::split_plan`) when that
+    /// streams fewer bytes than whole weights do. Default true.
+    pub split_weights: bool,
     /// Growth step of the device arena in bytes (0: 16 granules).
     pub arena_chunk_bytes: usize,
     pub pool: PoolConfig,
@@ -89,6 +93,7 @@ impl ResidencyConfig {
             coalesce_below_bytes: 1 << 20,
             coalesce_max_bytes: 8 << 20,
             stream_plan: true,
+            split_weights: true,
             arena_chunk_bytes: 0,
             pool: PoolConfig::default(),
             // The filler issues staged copies back to back: see `split_tail`

@@ -220,8 +220,14 @@ impl ResidencyManager {
         let cap = match plan {
             None => largest,
             Some(p) => {
-                let streamed =
-                    st.plan.cycle().iter().zip(&p.resident).filter(|(_, r)| !**r).filter_map(|(&u, _)| coded(u));
+                // A split unit streams its tail's frames.
+                let tail = |u: WeightId, head: usize| {
+                    let k = st.reg.get(u).ok()?.coded.as_ref()?;
+                    Some(k.frames.iter().filter(|f| f.raw_offset >= head).map(|f| f.len()).sum::<usize>())
+                };
+                let streamed = (0..p.resident.len())
+                    .filter(|&i| !p.resident[i])
+                    .filter_map(|i| tail(*st.plan.cycle().get(i)?, p.heads.get(i).copied().unwrap_or(0)));
                 largest.min(streamed.max().unwrap_or(0).max(DECODE_STAGING_MIN_BYTES))
             }
         };
@@ -242,10 +248,16 @@ impl ResidencyManager {
         for round in 0..STAGING_ROUNDS {
             let Some(room) = self.cfg.budget_bytes.checked_sub(DECODE_STAGING_BUFFERS * cap) else { break };
             let Some(p) = self.wanted_plan(st, room)? else {
-                // Everything fits beside this staging (or no plan is wanted
-                // at all): nothing streams under a plan.
-                if round == 0 || self.cycle_bytes(st)? <= room {
+                // Everything fits beside this staging: nothing streams
+                // under a plan.
+                if self.cycle_bytes(st)? <= room {
                     return Ok((None, cap));
+                }
+                // No plan wanted (weights of one size: farthest-next-use),
+                // unless one that splits them, whose tails need less
+                // staging, streams fewer bytes beside a staging of a frame.
+                if round == 0 {
+                    return Ok(self.split_beside_frame_staging(st, room)?.unwrap_or((None, cap)));
                 }
                 break;
             };
@@ -263,6 +275,34 @@ impl ResidencyManager {
             Some((p, cap)) => (Some(p), cap),
             None => (None, top),
         })
+    }
+
+    /// With no plan wanted beside the largest staging (`room` left for
+    /// weights): the split plan made beside a staging of the largest frame,
+    /// if it needs no more and streams fewer bytes than farthest-next-use
+    /// does in `room` (about (total − room) plus the largest unit).
+    fn split_beside_frame_staging(&self, st: &State, room: usize) -> Result<Option<(Option<Plan>, usize)>> {
+        let frame = st
+            .reg
+            .ids()
+            .filter_map(|w| st.reg.get(w).ok()?.coded.as_ref()?.frames.iter().map(|f| f.len()).max())
+            .max()
+            .unwrap_or(0);
+        if frame == 0 || !self.cfg.split_weights {
+            return Ok(None);
+        }
+        let cap = frame.max(DECODE_STAGING_MIN_BYTES).min(DECODE_STAGING_MAX_BYTES).next_multiple_of(ALIGN);
+        let Some(small) = self.cfg.budget_bytes.checked_sub(DECODE_STAGING_BUFFERS * cap) else { return Ok(None) };
+        if small <= room {
+            return Ok(None);
+        }
+        let Some(p) = self.wanted_plan(st, small)? else { return Ok(None) };
+        let total = self.cycle_bytes(st)?;
+        let largest =
+            st.plan.cycle().iter().filter_map(|&u| st.reg.get(u).ok().map(|e| e.dev_len())).max().unwrap_or(0);
+        let fnu = total.saturating_sub(room) + largest;
+        let need = Self::staging_cap_for(st, Some(&p), 0);
+        Ok((p.splits() && need <= cap && p.streamed_bytes < fnu).then_some((Some(p), cap)))
     }
 
     /// Bytes of the declared cycle's units on the device.
@@ -399,7 +439,9 @@ impl ResidencyManager {
         }
     }
 
-    /// Issue compressed unit `w`'s page-in into `dst`: copy its compressed
+    /// Issue compressed unit `w`'s page-in into `dst` (its decoded bytes'
+    /// start), of its frames from the one starting at byte `from` (0: all;
+    /// a split unit's tail): copy their compressed
     /// bytes into the next staging buffer, then decode them into `dst`, after
     /// `order` (the stream that waits for `dst`'s readers) when given. Each
     /// staging buffer takes a run of whole frames (contiguous in the host
@@ -411,6 +453,7 @@ impl ResidencyManager {
         st: &mut State,
         w: WeightId,
         dst: u64,
+        from: usize,
         order: Option<RawStream>,
     ) -> Result<Fence> {
         let State { reg, dec, c, decode_timer, .. } = st;
@@ -420,11 +463,15 @@ impl ResidencyManager {
             None => return Err(Error::internal("compressed page-in of a raw weight")),
         };
         let dec = dec.as_mut().ok_or_else(|| Error::internal("compressed weight without decode staging"))?;
-        let dlen = k.desc.raw_len();
+        // From the frame that starts at `from` (a split unit's tail).
+        let Some(f0) = k.frames.iter().position(|fr| fr.raw_offset == from) else {
+            return Err(Error::internal(format!("a compressed page-in from byte {from}, not a frame's start")));
+        };
+        let dlen = k.desc.raw_len() - from;
         let (mut copied, mut decoding, mut first) = (0, false, true);
         let r = (|| {
             let frames = &k.frames;
-            let (mut f, mut at) = (0, 0);
+            let (mut f, mut at) = (f0, 0);
             while f < frames.len() {
                 // What this buffer takes: (copies: from, to, len) and
                 // (decodes: staged offset, offset in the weight, piece).

@@ -94,7 +94,7 @@ impl State {
         self.ledger.check();
         self.reg.check();
         self.plan.check();
-        let (mut bytes, mut units, mut held) = (self.plan.ring().map_or(0, |r| r.cap()), 0, 0);
+        let (mut bytes, mut units, mut held) = (self.plan.ring().map_or(0, |r| r.charged()), 0, 0);
         for w in self.reg.ids() {
             let Ok(e) = self.reg.get(w) else { continue };
             match &e.loc {
@@ -596,7 +596,11 @@ impl ResidencyManager {
         if !self.fills_in_background(st, x) {
             return None;
         }
-        Some(Hint { src: st.reg.get(x).ok()?.unit, ticket: self.engine.ahead_ticket() })
+        // A split unit copies its tail (its head went in once).
+        let unit = st.reg.get(x).ok()?.unit;
+        let from = st.plan.split_of(x).map_or(0, |(head, _)| head);
+        let src = unit.slice(from, unit.len().checked_sub(from)?).ok()?;
+        Some(Hint { src, ticket: self.engine.ahead_ticket() })
     }
 
     /// Whether a page-in of unit `w` would go to the background filler: a
@@ -628,15 +632,26 @@ impl ResidencyManager {
         coalesced || !self.fills_in_background(st, target)
     }
 
-    /// Issue unit `w`'s page-in copy into `dst` (after the order stream when
-    /// `ordered`), through [`Self::copier`].
-    pub(super) fn copy_in(&self, st: &mut State, w: WeightId, dst: u64, ordered: bool, demand: bool) -> Result<Fence> {
+    /// Issue the page-in copy of unit `w`, whose device bytes start at
+    /// `dst`, from its byte `from` on (0: all of it; a split unit's tail
+    /// starts on a frame when compressed), after the order stream when
+    /// `ordered`, through [`Self::copier`].
+    pub(super) fn copy_in(
+        &self,
+        st: &mut State,
+        w: WeightId,
+        dst: u64,
+        from: usize,
+        ordered: bool,
+        demand: bool,
+    ) -> Result<Fence> {
         let range = st.reg.get(w)?.unit;
         let order = ordered.then(|| st.order.raw());
         if st.reg.get(w)?.coded.is_some() {
-            return self.compressed_in(st, w, dst, order);
+            return self.compressed_in(st, w, dst, from, order);
         }
-        self.copier(st, w, demand)?.htod_after(dst, range, order)
+        let src = range.slice(from, range.len().saturating_sub(from))?;
+        self.copier(st, w, demand)?.htod_after(dst + from as u64, src, order)
     }
 
     fn harvest(&self, st: &mut State) -> Result<()> {

@@ -40,7 +40,7 @@ impl ResidencyManager {
         let fenced = match reused {
             Some(r) if st.reg.get(w)?.coded.is_some() => {
                 let order = st.order.raw();
-                r.fill_with(len, |dst| self.compressed_in(st, w, dst, Some(order)))?
+                r.fill_with(len, |dst| self.compressed_in(st, w, dst, 0, Some(order)))?
             }
             Some(r) => {
                 let order = st.order.raw();
@@ -49,7 +49,7 @@ impl ResidencyManager {
             None => {
                 let block = self.alloc_block(st, w, len, need)?;
                 let Some(block) = block else { return Ok(false) };
-                let fence = self.copy_in(st, w, block.addr(), false, demand)?;
+                let fence = self.copy_in(st, w, block.addr(), 0, false, demand)?;
                 Fenced::new(block, fence)
             }
         };

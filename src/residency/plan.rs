@@ -7,8 +7,9 @@ use super::WeightId;
 use super::manager::State;
 use super::placement::{self, Plan};
 use super::registry::Loc;
-use super::ring::{Ring, RingSlot};
-use crate::error::Result;
+use super::ring::{Ring, RingSlot, Span};
+use crate::arena::Arena;
+use crate::error::{Error, Result};
 use crate::residency::{PolicyKind, ResidencyManager};
 
 /// What a page-in into the ring did.
@@ -30,6 +31,44 @@ impl ResidencyManager {
             return Ok(None);
         }
         let sizes: Vec<usize> = cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).collect::<Result<_>>()?;
+        let hold = st.plan.hold();
+        let whole = self.whole_plan(st, &sizes, budget, &hold);
+        if hold.width > 1 || !self.cfg.split_weights {
+            return Ok(whole);
+        }
+        // Per weight: streaming part of each weight needs a ring of two
+        // tails instead of the largest weight streamed. Take it when it
+        // streams fewer bytes than the whole-weight plan, or than
+        // farthest-next-use alone (which streams about (total − budget) plus
+        // one weight, for weights of about one size).
+        let granule = self.dev.vmm_granularity();
+        let aligns: Vec<usize> = cycle
+            .iter()
+            .zip(&sizes)
+            .map(|(&u, &len)| {
+                let e = st.reg.get(u)?;
+                Ok(match &e.coded {
+                    // Heads end on a frame (a tail decodes whole frames).
+                    Some(k) if k.frames.len() > 1 => k.frames[0].desc.raw_len().next_multiple_of(granule),
+                    Some(_) => len,
+                    // A coalesced unit's members are small: streamed whole.
+                    None if !e.members.is_empty() => len,
+                    None => granule,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let Some(split) = placement::split_plan(&sizes, &aligns, granule, budget) else {
+            return Ok(whole);
+        };
+        let total: usize = sizes.iter().sum();
+        let largest = sizes.iter().copied().max().unwrap_or(0);
+        let other = whole.as_ref().map_or(total.saturating_sub(budget) + largest, |p| p.streamed_bytes);
+        Ok(if split.streamed_bytes < other { Some(split) } else { whole })
+    }
+
+    /// The whole-weight plan ([`placement::plan`]) for `sizes` (the cycle's
+    /// units), or `None` where farthest-next-use alone is best.
+    fn whole_plan(&self, st: &State, sizes: &[usize], budget: usize, hold: &placement::Hold) -> Option<Plan> {
         let (lo, hi) = (sizes.iter().min().copied().unwrap_or(0), sizes.iter().max().copied().unwrap_or(0));
         // Equal sizes (within the 25% an ordered reuse tolerates), acquired
         // around each weight: every victim's block takes the next weight,
@@ -38,9 +77,8 @@ impl ResidencyManager {
         // window's weights all stay resident; farthest-next-use streamed
         // about twice (total − budget) with blocks of 7): that gets a plan.
         if hi <= lo + lo / 4 && st.plan.hold_width() == 1 {
-            return Ok(None);
+            return None;
         }
-        let hold = st.plan.hold();
         // Planned for the fewest bytes, whatever depth the caller asked for:
         // each weight of prefetch window the ring keeps room for is a weight
         // less of resident set, so about one weight more streamed per step
@@ -53,7 +91,7 @@ impl ResidencyManager {
         // ring bytes whose occupant was read already (`ring_page_in` gives
         // up otherwise), so depth buys overlap, never bytes.
         let window = if hold.width > 1 { 0 } else { 1 };
-        Ok(placement::plan(&sizes, budget, &hold, window))
+        placement::plan(sizes, budget, hold, window)
     }
 
     /// Before unit `w` is acquired: with nothing held, install a plan if one
@@ -96,14 +134,31 @@ impl ResidencyManager {
             self.set_staging(st, cap)?;
         }
         let Some(p) = want else { return Ok(()) };
-        let ring = match Ring::new(&self.arena, p.ring_bytes) {
+        let made = if p.splits() {
+            // Its own memory: the arena's chunks the evictions emptied go
+            // back first, so the device holds the budget, not the budget
+            // twice.
+            self.arena.trim()?;
+            let spans: Vec<Span> = st
+                .plan
+                .cycle()
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| p.heads[i] > 0)
+                .map(|(i, &u)| Ok(Span { head: p.heads[i], len: st.reg.get(u)?.dev_len(), ring_off: p.offsets[i] }))
+                .collect::<Result<_>>()?;
+            Ring::new_split(&self.dev, p.ring_bytes, &spans)
+        } else {
+            Ring::new(&self.arena, p.ring_bytes)
+        };
+        let ring = match made {
             Ok(r) => r,
             Err(e) => {
                 log::warn!("epmem: no streaming region of {} bytes ({e}); farthest-next-use alone", p.ring_bytes);
                 return Ok(());
             }
         };
-        st.ledger.charge_ring(ring.cap());
+        st.ledger.charge_ring(ring.charged());
         st.plan.install(p, ring);
         st.c.plans += 1;
         Ok(())
@@ -113,7 +168,9 @@ impl ResidencyManager {
     /// released (or is idle): its bytes are handed on behind its readers by
     /// the order stream, so the host never waits.
     pub(super) fn ring_page_in(&self, st: &mut State, w: WeightId, demand: bool) -> Result<RingPageIn> {
-        let len = st.reg.get(w)?.dev_len();
+        // A split unit's ring bytes are its tail's.
+        let split = st.plan.split_of(w);
+        let len = st.reg.get(w)?.dev_len() - split.map_or(0, |(head, _)| head);
         let spot = st.plan.ring_offset(w).and_then(|o| Some((o, st.plan.ring()?.spot(o, len)?)));
         let Some((off, victims)) = spot else {
             return Ok(if demand { RingPageIn::Blocked } else { RingPageIn::GaveUp });
@@ -142,8 +199,30 @@ impl ResidencyManager {
             return Ok(RingPageIn::Blocked);
         };
         let addr = ring.occupy(w, off, len);
-        let fence = match self.copy_in(st, w, addr, true, demand) {
-            Ok(f) => f,
+        // A split unit is read at its own address: its head, then its tail
+        // mapped onto `addr`. Its first page-in under this plan copies the
+        // head too; later ones, the tail. Those are ordered after the first
+        // on the device: each lands on ring bytes whose last occupant was
+        // handed on through the order stream (its page-in fence included)
+        // or waited for, and this unit's earlier page-in was such an
+        // occupant before this one could start.
+        let (addr, from) = match split {
+            Some((head, i)) => match ring.span(i) {
+                Some((base, copied)) => (base, if copied { head } else { 0 }),
+                None => {
+                    ring.vacate(w);
+                    return Err(Error::internal(format!("split unit {} has no span in the ring", w.0)));
+                }
+            },
+            None => (addr, 0),
+        };
+        let fence = match self.copy_in(st, w, addr, from, true, demand) {
+            Ok(f) => {
+                if let (Some((_, i)), Some(ring)) = (split, st.plan.ring_mut()) {
+                    ring.note_head_copied(i);
+                }
+                f
+            }
             Err(e) => {
                 if let Some(ring) = st.plan.ring_mut() {
                     ring.vacate(w);
@@ -213,7 +292,7 @@ impl ResidencyManager {
             f.drain();
         }
         if let Some(r) = st.plan.release() {
-            st.ledger.credit_ring(r.cap());
+            st.ledger.credit_ring(r.charged());
         }
     }
 

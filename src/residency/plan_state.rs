@@ -261,6 +261,15 @@ impl PlanState {
     pub fn ring_offset(&self, w: WeightId) -> Option<usize> {
         self.plan()?.offsets.get(self.pos(w)?).copied()
     }
+    /// Streamed unit `w`'s split under the installed plan: its head's bytes
+    /// and its index among the split positions (the ring's spans, in cycle
+    /// order). `None` when it streams whole or is not streamed.
+    pub fn split_of(&self, w: WeightId) -> Option<(usize, usize)> {
+        let plan = self.plan()?;
+        let p = self.pos(w)?;
+        let head = *plan.heads.get(p)?;
+        (head > 0).then(|| (head, plan.heads[..p].iter().filter(|&&h| h > 0).count()))
+    }
     /// The ring was dropped: no plan until a cycle is declared.
     pub fn ring_off(&self) -> bool {
         matches!(self.streaming, Streaming::RingOff)
@@ -323,6 +332,13 @@ impl PlanState {
                 self.hold_width()
             );
             assert_eq!(ring.cap(), plan.ring_bytes, "the ring is not the plan's");
+            assert_eq!(plan.heads.len(), plan.resident.len(), "heads are not one per planned position");
+            for (p, (&h, &r)) in plan.heads.iter().zip(&plan.resident).enumerate() {
+                assert!(
+                    h == 0 || (!r && ring.span(plan.heads[..p].iter().filter(|&&x| x > 0).count()).is_some()),
+                    "planned position {p} has a head of {h} bytes but no span in the ring (resident: {r})"
+                );
+            }
             assert_eq!(plan.offsets.len(), plan.resident.len(), "ring offsets are not one per planned position");
             for (p, (&r, &off)) in plan.resident.iter().zip(&plan.offsets).enumerate() {
                 assert!(

@@ -9,6 +9,14 @@
 //! stream. So an occupant's readers always finish before its bytes are
 //! overwritten, and the host never waits for them. The ring's memory goes back
 //! to the arena only after the device was synchronized ([`Ring`]'s drop).
+//!
+//! A split plan ([`super::placement::split_plan`]) streams weights' tails: its
+//! ring is its own physical memory ([`SplitMem`]), mapped once as the ring and
+//! again behind each split weight's own address range, after the weight's
+//! head (resident memory of its own). A tail copied into its ring bytes is
+//! then the end of a weight a kernel reads whole at one address. The
+//! mappings are made when the plan is installed and never change while it
+//! is: steady state makes no driver call.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -17,7 +25,7 @@ use super::WeightId;
 use super::placement::ALIGN;
 use super::read_fence::DeviceBlock;
 use crate::arena::DeviceArena;
-use crate::device::{Device, Event, Stream};
+use crate::device::{Access, Device, Event, PhysMem, Stream, VaRange};
 use crate::error::Result;
 use crate::staging::Fence;
 
@@ -26,9 +34,32 @@ use crate::staging::Fence;
 pub(crate) struct Ring {
     dev: Arc<dyn Device>,
     block: Option<DeviceBlock>,
+    /// A split plan's memory (then `block` is `None`).
+    split: Option<SplitMem>,
     cap: usize,
     /// Occupants in placement order: (weight, offset, bytes).
     occ: VecDeque<(WeightId, usize, usize)>,
+}
+
+/// One split weight: `head` bytes of its own memory, then its tail mapped
+/// onto the ring at `ring_off`; `len` bytes in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub head: usize,
+    pub len: usize,
+    pub ring_off: usize,
+}
+
+/// The memory of a split plan's ring. Field order is drop order: the
+/// reservation (unmapping everything) before the physical memory.
+#[derive(Debug)]
+struct SplitMem {
+    va: VaRange,
+    _slots: Vec<PhysMem>,
+    _heads: Vec<PhysMem>,
+    /// Per span: the weight's address, and whether its head was copied.
+    spans: Vec<(u64, bool)>,
+    head_bytes: usize,
 }
 
 impl Ring {
@@ -36,12 +67,86 @@ impl Ring {
         Ok(Self {
             dev: arena.device().clone(),
             block: Some(DeviceBlock::alloc(arena, cap)?),
+            split: None,
             cap,
             occ: VecDeque::new(),
         })
     }
+    /// A split plan's ring of `cap` bytes (a multiple of the granularity)
+    /// and the split weights' `spans`, in that order: one reservation holding
+    /// the ring, then each weight's range (its length rounded up to the
+    /// granularity); a physical allocation per granule of the ring and one
+    /// per head. Heads and ring offsets must be multiples of the granularity.
+    pub fn new_split(dev: &Arc<dyn Device>, cap: usize, spans: &[Span]) -> Result<Self> {
+        let g = dev.vmm_granularity();
+        let head_bytes: usize = spans.iter().map(|s| s.head).sum();
+        for s in spans {
+            let tail = s.len.next_multiple_of(g) - s.head;
+            crate::ensure!(
+                s.head % g == 0 && s.ring_off % g == 0 && s.head < s.len && s.ring_off + tail <= cap && cap % g == 0,
+                Internal,
+                "a split span {s:?} does not fit a ring of {cap} bytes in granules of {g}"
+            );
+        }
+        // One handle per granule of the ring: a mapping starts at a
+        // handle's offset 0 (CUDA maps no other), and a tail maps the
+        // granules at its ring offset.
+        let slots: Vec<PhysMem> = (0..cap / g).map(|_| PhysMem::new(dev, g)).collect::<Result<_>>()?;
+        let va_len = cap + spans.iter().map(|s| s.len.next_multiple_of(g)).sum::<usize>();
+        let mut va = VaRange::reserve(dev, va_len)?;
+        let mut heads = Vec::with_capacity(spans.len());
+        for (k, slot) in slots.iter().enumerate() {
+            va.map(k * g, g, slot, 0, Access::ReadWrite)?;
+        }
+        let mut at = cap;
+        let mut bases = Vec::with_capacity(spans.len());
+        for s in spans {
+            let rounded = s.len.next_multiple_of(g);
+            if s.head > 0 {
+                let h = PhysMem::new(dev, s.head)?;
+                va.map(at, s.head, &h, 0, Access::ReadWrite)?;
+                heads.push(h);
+            }
+            for k in 0..(rounded - s.head) / g {
+                va.map(at + s.head + k * g, g, &slots[s.ring_off / g + k], 0, Access::ReadWrite)?;
+            }
+            bases.push((va.base() + at as u64, false));
+            at += rounded;
+        }
+        Ok(Self {
+            dev: dev.clone(),
+            block: None,
+            split: Some(SplitMem { va, _slots: slots, _heads: heads, spans: bases, head_bytes }),
+            cap,
+            occ: VecDeque::new(),
+        })
+    }
+    /// The ring's bytes (the plan's `ring_bytes`).
     pub fn cap(&self) -> usize {
         self.cap
+    }
+    /// The bytes the ring holds of the budget: its own and the heads'.
+    pub fn charged(&self) -> usize {
+        self.cap + self.split.as_ref().map_or(0, |s| s.head_bytes)
+    }
+    /// Split weight `i`'s address (of [`Self::new_split`]'s spans) and
+    /// whether its head was copied.
+    pub fn span(&self, i: usize) -> Option<(u64, bool)> {
+        self.split.as_ref()?.spans.get(i).copied()
+    }
+    /// Split weight `i`'s head is copied (or being copied, ordered before
+    /// every later page-in of it: see `ring_page_in`).
+    pub fn note_head_copied(&mut self, i: usize) {
+        if let Some(s) = self.split.as_mut().and_then(|m| m.spans.get_mut(i)) {
+            s.1 = true;
+        }
+    }
+    fn base(&self) -> u64 {
+        match (&self.block, &self.split) {
+            (Some(b), _) => b.addr(),
+            (None, Some(s)) => s.va.base(),
+            (None, None) => 0,
+        }
     }
     /// The occupants that bytes `off..off+len` would overwrite; `None` if
     /// they are outside the ring.
@@ -56,7 +161,7 @@ impl Ring {
     pub fn occupy(&mut self, w: WeightId, off: usize, len: usize) -> u64 {
         let len = len.next_multiple_of(ALIGN);
         self.occ.push_back((w, off, len));
-        self.block.as_ref().map_or(0, |b| b.addr()) + off as u64
+        self.base() + off as u64
     }
     pub fn vacate(&mut self, w: WeightId) {
         self.occ.retain(|&(x, _, _)| x != w);
@@ -68,14 +173,17 @@ impl Drop for Ring {
     /// the device before the memory goes back (a re-plan or teardown, never in
     /// steady state). If that fails the memory is leaked, never reused early.
     fn drop(&mut self) {
-        let Some(block) = self.block.take() else {
-            return;
-        };
-        if let Err(e) = self.dev.synchronize() {
-            log::error!("epmem: leaking the streaming region {block:?}: the device could not be synchronized ({e})");
-            std::mem::forget(block);
+        let (block, split) = (self.block.take(), self.split.take());
+        if block.is_none() && split.is_none() {
             return;
         }
+        if let Err(e) = self.dev.synchronize() {
+            log::error!("epmem: leaking the streaming region: the device could not be synchronized ({e})");
+            std::mem::forget(block);
+            std::mem::forget(split);
+            return;
+        }
+        drop(split);
         drop(block);
     }
 }
