@@ -76,6 +76,17 @@ fn cfg(budget: usize) -> ResidencyConfig {
     c
 }
 
+/// Register each of `data` (bf16) compressed; each must encode.
+fn register_coded<V: AsRef<[u8]>>(m: &ResidencyManager, data: &[V]) -> Vec<WeightId> {
+    data.iter()
+        .map(|v| {
+            let r = m.register_encoded(range(v.as_ref()), Dtype::Bf16, &opts()).unwrap();
+            assert_eq!(r.raw, None);
+            r.id
+        })
+        .collect()
+}
+
 /// The device bytes at `p` (the stream waits for its queued work first).
 fn read_back(d: &Arc<dyn Device>, p: u64, n: usize, s: &Stream) -> Vec<u8> {
     let mut out = vec![0u8; n];
@@ -669,14 +680,7 @@ fn frames_page_in_in_runs_through_a_staging_smaller_than_the_weight() {
     // Whole weights: the copy oracle below is for whole page-ins.
     c.split_weights = false;
     let m = ResidencyManager::new(&d, c).unwrap();
-    let ids: Vec<WeightId> = data
-        .iter()
-        .map(|v| {
-            let r = m.register_encoded(range(v), Dtype::Bf16, &opts()).unwrap();
-            assert_eq!(r.raw, None);
-            r.id
-        })
-        .collect();
+    let ids = register_coded(&m, &data);
     m.declare_cycle(&ids).unwrap();
     let st = m.stats();
     let cap = st.decode_staging_bytes as usize / DECODE_STAGING_BUFFERS;
@@ -733,14 +737,7 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
     let mut c = cfg(budget);
     c.coalesce_below_bytes = 0;
     let m = ResidencyManager::new(&d, c).unwrap();
-    let ids: Vec<WeightId> = data
-        .iter()
-        .map(|v| {
-            let r = m.register_encoded(range(v), Dtype::Bf16, &opts()).unwrap();
-            assert_eq!(r.raw, None);
-            r.id
-        })
-        .collect();
+    let ids = register_coded(&m, &data);
     m.declare_cycle(&ids).unwrap();
     let s = Stream::new(&d).unwrap();
     let step = |what: &str| {

@@ -312,13 +312,9 @@ fn best_plan(sizes: &[usize], budget: usize, hold: &Hold, depth: usize, keep_las
         if soft_need <= ring {
             offsets = soft;
         }
-        let mut o = vec![usize::MAX; n];
-        for (p, off) in offsets {
-            o[p] = off;
-        }
         Some(Plan {
             resident: streamed.iter().map(|&s| !s).collect(),
-            offsets: o,
+            offsets: by_position(n, offsets),
             resident_bytes: res,
             ring_bytes: ring,
             streamed_bytes: (0..n).filter(|&i| streamed[i]).map(|i| sizes[i]).sum(),
@@ -456,13 +452,9 @@ pub fn split_plan(sizes: &[usize], aligns: &[usize], granule: usize, budget: usi
     if need > ring {
         return None;
     }
-    let mut o = vec![usize::MAX; n];
-    for (p, off) in offsets {
-        o[p] = off;
-    }
     Some(Plan {
         resident: streamed.iter().map(|&s| !s).collect(),
-        offsets: o,
+        offsets: by_position(n, offsets),
         resident_bytes: (0..n).map(|i| held(i, tails[i])).sum(),
         ring_bytes: ring,
         streamed_bytes,
@@ -470,6 +462,15 @@ pub fn split_plan(sizes: &[usize], aligns: &[usize], granule: usize, budget: usi
         full_overlap: false,
         heads: (0..n).map(|i| if tails[i] > 0 { sizes[i] - tails[i] } else { 0 }).collect(),
     })
+}
+
+/// Ring offsets of `assign` as one per position of `n` (`usize::MAX`: resident).
+fn by_position(n: usize, offsets: Vec<(usize, usize)>) -> Vec<usize> {
+    let mut o = vec![usize::MAX; n];
+    for (p, off) in offsets {
+        o[p] = off;
+    }
+    o
 }
 
 /// `streamed` with, of each size, the same number of positions streamed
