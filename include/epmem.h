@@ -1222,6 +1222,17 @@ typedef struct EpmResidencyStats {
    * the arena alone.
    */
   uint64_t dropped_rings;
+  /**
+   * Weights the active plan splits: a head resident for good, a tail
+   * streamed through the ring behind the weight's own address
+   * (docs/RESIDENCY.md "Split weights"). 0: none, or no plan.
+   */
+  uint64_t split_weights;
+  /**
+   * Bytes of those heads (in `planned_resident_bytes` and in
+   * `resident_bytes`).
+   */
+  uint64_t split_head_bytes;
 } EpmResidencyStats;
 
 /**

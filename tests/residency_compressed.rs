@@ -758,6 +758,9 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
     m.synchronize().unwrap();
     let b = m.stats();
     assert!(b.ring_bytes > 0 && b.plans == a.plans, "no plan, or a re-plan in steady state: {b:?}");
+    assert!(b.split_weights > 0 && b.split_head_bytes > 0, "the plan splits no weight: {b:?}");
+    // Heads end on frames.
+    assert_eq!(b.split_head_bytes as usize % (2 * fv), 0, "{b:?}");
     let decoded = (b.decoded_bytes - a.decoded_bytes) as usize / 2;
     let room = budget - b.decode_staging_bytes as usize;
     let floor = whole_weight_floor(&sizes, room);

@@ -958,6 +958,13 @@ fn split_weights_stream_tails_below_the_whole_weight_floor() {
         ));
         assert_eq!(r.bytes_per_step, planned.streamed_bytes as f64, "{pct}%: not the split plan's bytes\n{table}");
         assert!(r.end.ring_bytes as usize == planned.ring_bytes, "{pct}%: another plan installed: {:?}", r.end);
+        let heads: Vec<usize> = planned.heads.iter().copied().filter(|&h| h > 0).collect();
+        assert_eq!(
+            (r.end.split_weights as usize, r.end.split_head_bytes as usize),
+            (heads.len(), heads.iter().sum()),
+            "{pct}%: the stats do not show the plan's splits"
+        );
+        assert!(!heads.is_empty());
         assert_eq!((r.window.eviction_waits, r.window.plans), (0, 0), "{pct}%\n{table}");
         assert!(r.window.host_stall_ms == 0.0, "{:?}", r.window);
         // The tails' copies are prefetched (each lands on the slot the
@@ -990,4 +997,5 @@ fn without_splits_the_same_mix_streams_the_whole_weight_floor() {
     let b = m.stats();
     let per_step = (b.htod_bytes - a.htod_bytes) as usize / 2;
     assert_eq!(per_step, whole_weight_floor(&sizes, budget));
+    assert_eq!((b.split_weights, b.split_head_bytes), (0, 0), "{b:?}");
 }

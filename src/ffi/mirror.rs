@@ -228,7 +228,7 @@ mod generated_stats {
         let n = RESIDENCY_C_FIELDS.len();
         assert_eq!(std::mem::size_of::<EpmResidencyStats>(), 8 * (n + 1));
         assert_eq!(RESIDENCY_C_FIELDS[0].name, "acquires");
-        assert_eq!(RESIDENCY_C_FIELDS[n - 1].name, "dropped_rings");
+        assert_eq!(RESIDENCY_C_FIELDS[n - 1].name, "split_head_bytes");
     }
 
     /// The stream plan's counters reach C, each from its own field.
@@ -243,11 +243,22 @@ mod generated_stats {
             ring_weights: 4,
             plans: 5,
             dropped_rings: 6,
+            split_weights: 7,
+            split_head_bytes: 8,
             ..Default::default()
         };
         let c = stats_to_c(&s);
-        let got = [c.ring_bytes, c.planned_resident_bytes, c.ring_page_ins, c.ring_weights, c.plans, c.dropped_rings];
-        assert_eq!(got, [1, 2, 3, 4, 5, 6]);
+        let got = [
+            c.ring_bytes,
+            c.planned_resident_bytes,
+            c.ring_page_ins,
+            c.ring_weights,
+            c.plans,
+            c.dropped_rings,
+            c.split_weights,
+            c.split_head_bytes,
+        ];
+        assert_eq!(got, [1, 2, 3, 4, 5, 6, 7, 8]);
     }
 
     /// Each generated C struct is `size` and one 8-byte field per declared

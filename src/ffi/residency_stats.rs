@@ -140,6 +140,13 @@ pub struct EpmResidencyStats {
     /// then on, until a cycle is declared, no plan; page-ins go through
     /// the arena alone.
     pub dropped_rings: u64,
+    /// Weights the active plan splits: a head resident for good, a tail
+    /// streamed through the ring behind the weight's own address
+    /// (docs/RESIDENCY.md "Split weights"). 0: none, or no plan.
+    pub split_weights: u64,
+    /// Bytes of those heads (in `planned_resident_bytes` and in
+    /// `resident_bytes`).
+    pub split_head_bytes: u64,
 }
 
 /// `ResidencyStats` as C sees it (`size` is set by `write_versioned`).
@@ -203,5 +210,7 @@ pub(crate) fn stats_to_c(s: &ResidencyStats) -> EpmResidencyStats {
         ring_weights: s.ring_weights,
         plans: s.plans,
         dropped_rings: s.dropped_rings,
+        split_weights: s.split_weights,
+        split_head_bytes: s.split_head_bytes,
     }
 }

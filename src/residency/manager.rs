@@ -711,6 +711,8 @@ impl ResidencyManager {
             ring_page_ins: c.ring_page_ins,
             plans: c.plans,
             dropped_rings: c.dropped_rings,
+            split_weights: st.plan.plan().map_or(0, |p| p.heads.iter().filter(|&&h| h > 0).count() as u64),
+            split_head_bytes: st.plan.plan().map_or(0, |p| p.heads.iter().sum::<usize>() as u64),
             background_page_ins: c.background_page_ins,
             background_waits: c.background_waits,
             background_wait_ms: c.background_wait_ns as f64 / 1e6,

@@ -151,6 +151,13 @@ crate::stats::declare_stats! {
         /// then on, until a cycle is declared, no plan; page-ins go through
         /// the arena alone.
         counter dropped_rings: u64,
+        /// Weights the active plan splits: a head resident for good, a tail
+        /// streamed through the ring behind the weight's own address
+        /// (docs/RESIDENCY.md "Split weights"). 0: none, or no plan.
+        field split_weights: u64,
+        /// Bytes of those heads (in `planned_resident_bytes` and in
+        /// `resident_bytes`).
+        field split_head_bytes: u64,
         /// Host time blocked, in nanoseconds (`host_stall_ms` in the snapshot).
         raw host_stall_ns: u64,
         /// Background waits' time, in nanoseconds (`background_wait_ms`).

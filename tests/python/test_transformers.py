@@ -129,6 +129,44 @@ class LlamaOffload(unittest.TestCase):
                           f"{st['host_weight_bytes'] / layer_bytes:.3f} x raw")
                 self.assertEqual(greedy(model, ids), ref)
 
+    def test_split_weights_give_identical_tokens(self):
+        """At 75% of a model whose matrices are several granules (2048/7168, 2 KV heads),
+        the default offload streams each weight's tail and keeps its head resident behind
+        the weight's own address: tokens are the all-resident ones, and a forward after
+        the first copies exactly what the plan does not keep (total - planned resident)."""
+        dev = torch.device("cuda", 0) if os.environ.get("EPM_DEVICE") == "cuda" else torch.device("cpu")
+        torch.manual_seed(20261206)
+        cfg = LlamaConfig(vocab_size=1000, hidden_size=2048, intermediate_size=7168, num_hidden_layers=4,
+                          num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128,
+                          tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=1)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(dev):
+                model = LlamaForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(old)
+        ids = torch.tensor([[1, 5, 9, 13]], device=dev)
+        ref = greedy(model, ids)
+        layer_bytes = sum(p.numel() * p.element_size() for blk in model.model.layers
+                          for m in blk.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+        budget = layer_bytes * 3 // 4
+        with et.offload(model, budget, compress=False) as h:
+            self.assertEqual(greedy(model, ids), ref)
+            a = h.stats()
+            self.assertGreater(a["split_weights"], 0, a)
+            self.assertGreater(a["split_head_bytes"], 0, a)
+            self.assertLessEqual(a["peak_resident_bytes"], budget)
+            self.assertEqual(greedy(model, ids), ref)
+            b = h.stats()
+            forwards = (b["hook_calls"] - a["hook_calls"]) // (4 * 7)
+            per_forward = (b["htod_bytes"] - a["htod_bytes"]) / forwards
+            self.assertEqual(per_forward, layer_bytes - b["planned_resident_bytes"], b)
+            self.assertLess(per_forward, layer_bytes - budget + 2 * 7168 * 2048 * 2, b)
+            print(f"\n  llama 4x2048 split at 75% on {b['device']}: {b['split_weights']} weights split, "
+                  f"{per_forward / 2**20:.1f} MiB/forward for {(layer_bytes - budget) / 2**20:.1f} over the budget")
+        self.assertEqual(greedy(model, ids), ref)
+
 
 if __name__ == "__main__":
     unittest.main()
