@@ -999,3 +999,74 @@ fn without_splits_the_same_mix_streams_the_whole_weight_floor() {
     assert_eq!(per_step, whole_weight_floor(&sizes, budget));
     assert_eq!((b.split_weights, b.split_head_bytes), (0, 0), "{b:?}");
 }
+
+/// A split plan outlives a cycle that changes under it while a weight is
+/// held (one unregistered: every later unit's position shifts), and the
+/// caller reads the others while holding it: each split unit keeps its
+/// own head, span and tail offset (its mapped memory), so every read is
+/// bit-exact; one whose tail shares ring bytes with the held unit's gets
+/// AllInUse. The next plan, made for holds of two, splits nothing.
+#[test]
+fn a_split_plan_stays_exact_when_the_cycle_shifts_or_holds_widen() {
+    let d = split_dev();
+    let g = d.vmm_granularity();
+    let sizes = gqa_in_granules(g, 3);
+    let total: usize = sizes.iter().sum();
+    let w = Weights::new(&sizes, 91);
+    let m = ResidencyManager::new(&d, cfg(total * 3 / 4, 1)).unwrap();
+    let ids: Vec<WeightId> = (0..sizes.len()).map(|i| m.register(w.range(i)).unwrap()).collect();
+    m.declare_cycle(&ids).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let slot = DeviceBuffer::new(&d, 8).unwrap();
+    let check = |i: usize, p: u64| {
+        d.checksum_async(p, sizes[i], slot.ptr(), s.raw()).unwrap();
+        let mut out = 0u64;
+        // SAFETY: `out` is 8 bytes, exclusively owned, read after the synchronize.
+        unsafe { d.memcpy_dtoh_async((&raw mut out).cast(), slot.ptr(), 8, s.raw()).unwrap() };
+        s.synchronize().unwrap();
+        assert_eq!(out, w.checksum(i), "weight {i} is not bit-exact");
+    };
+    let read = |i: usize| {
+        let p = m.acquire(ids[i], s.raw()).unwrap();
+        check(i, p);
+        m.release(ids[i], s.raw()).unwrap();
+    };
+    // The first cycle runs the whole-weight plan; the second splits.
+    for _ in 0..3 {
+        (0..sizes.len()).for_each(read);
+    }
+    assert!(m.stats().split_weights > 0, "no split plan: {:?}", m.stats());
+    // Hold the first unit, unregister the second, and read every other
+    // while the first is held: the plan stays (a unit is held) while the
+    // cycle's positions shifted, and holds are two wide.
+    let p0 = m.acquire(ids[0], s.raw()).unwrap();
+    m.unregister(ids[1]).unwrap();
+    let live: Vec<usize> = std::iter::once(0).chain(2..sizes.len()).collect();
+    assert!(m.stats().split_weights > 0, "{:?}", m.stats());
+    let mut refused = 0;
+    for &i in &live[1..] {
+        match m.acquire(ids[i], s.raw()) {
+            Ok(p) => {
+                check(i, p);
+                m.release(ids[i], s.raw()).unwrap();
+            }
+            Err(e) => {
+                assert_eq!(e.status(), epmem::EpmStatus::AllInUse, "{e}");
+                refused += 1;
+            }
+        }
+    }
+    check(0, p0);
+    m.release(ids[0], s.raw()).unwrap();
+    for _ in 0..3 {
+        live.iter().copied().for_each(read);
+    }
+    m.synchronize().unwrap();
+    let st = m.stats();
+    assert_eq!(
+        (st.split_weights, st.split_head_bytes),
+        (0, 0),
+        "a plan for holds of two splits ({refused} refused): {st:?}"
+    );
+    assert!(st.peak_resident_bytes <= st.budget_bytes, "{st:?}");
+}

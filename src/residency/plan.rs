@@ -33,7 +33,10 @@ impl ResidencyManager {
         let sizes: Vec<usize> = cycle.iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).collect::<Result<_>>()?;
         let hold = st.plan.hold();
         let whole = self.whole_plan(st, &sizes, budget, &hold);
-        if hold.width > 1 || !self.cfg.split_weights {
+        // Only for a caller seen over a whole cycle holding one unit at a
+        // time: the first cycle after a declaration runs the whole-weight
+        // plan, the next re-plans (one refill).
+        if hold.width > 1 || !self.cfg.split_weights || !st.plan.single_holds_seen() {
             return Ok(whole);
         }
         // Per weight: streaming part of each weight needs a ring of two

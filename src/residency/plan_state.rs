@@ -57,8 +57,12 @@ enum Streaming {
     /// No plan: farthest-next-use alone.
     Unplanned,
     /// A plan, its streaming region, and the units it streams (those at its
-    /// streamed positions of the cycle it was made for).
-    Planned { plan: Plan, ring: Ring, streamed: HashSet<WeightId> },
+    /// streamed positions of the cycle it was made for), with the splits of
+    /// the split ones as installed: (head bytes, span index in the ring,
+    /// ring offset). Keyed by unit, not by position: a split unit's memory
+    /// is mapped for it, and stays its own until the plan goes, even when
+    /// the cycle changes under the plan.
+    Planned { plan: Plan, ring: Ring, streamed: HashSet<WeightId>, splits: HashMap<WeightId, (usize, usize, usize)> },
     /// Callers walk the cycle concurrently: the ring was dropped, and no plan
     /// is made again until a new cycle is declared.
     RingOff,
@@ -199,9 +203,18 @@ impl PlanState {
         }
         if self.starts_state == Starts::Partial && self.pos(w) == Some(0) {
             self.starts_state = Starts::Seen;
-            self.replan |= self.max_held > 1;
+            // Holds seen over a whole cycle: wider ones get a plan on their
+            // starts, single ones may get one that splits weights (an
+            // unchanged plan is kept as installed, nothing evicted).
+            self.replan = true;
         }
         self.replan
+    }
+    /// Whether the caller was seen, over a whole cycle, to hold one unit at
+    /// a time: a plan may then split weights (its ring holds two tails, so
+    /// a caller that holds two units would find its own tail in the way).
+    pub fn single_holds_seen(&self) -> bool {
+        self.max_held <= 1 && self.starts_state != Starts::Partial
     }
     /// A plan is due at the next moment nothing is held.
     pub fn request_replan(&mut self) {
@@ -257,18 +270,24 @@ impl PlanState {
             _ => false,
         }
     }
-    /// Unit `w`'s offset in the ring: its cycle position's in the plan.
+    /// Unit `w`'s offset in the ring: its cycle position's in the plan (a
+    /// split unit's: its tail's, mapped behind its address at install).
     pub fn ring_offset(&self, w: WeightId) -> Option<usize> {
+        if let Streaming::Planned { splits, .. } = &self.streaming
+            && let Some(&(_, _, off)) = splits.get(&w)
+        {
+            return Some(off);
+        }
         self.plan()?.offsets.get(self.pos(w)?).copied()
     }
     /// Streamed unit `w`'s split under the installed plan: its head's bytes
-    /// and its index among the split positions (the ring's spans, in cycle
-    /// order). `None` when it streams whole or is not streamed.
+    /// and its index among the ring's spans. `None` when it streams whole or
+    /// is not streamed.
     pub fn split_of(&self, w: WeightId) -> Option<(usize, usize)> {
-        let plan = self.plan()?;
-        let p = self.pos(w)?;
-        let head = *plan.heads.get(p)?;
-        (head > 0).then(|| (head, plan.heads[..p].iter().filter(|&&h| h > 0).count()))
+        match &self.streaming {
+            Streaming::Planned { splits, .. } => splits.get(&w).map(|&(head, span, _)| (head, span)),
+            _ => None,
+        }
     }
     /// The ring was dropped: no plan until a cycle is declared.
     pub fn ring_off(&self) -> bool {
@@ -293,7 +312,15 @@ impl PlanState {
     pub fn install(&mut self, plan: Plan, ring: Ring) {
         debug_assert!(matches!(self.streaming, Streaming::Unplanned), "a plan installed over {:?}", self.streaming);
         let streamed = self.cycle.iter().zip(&plan.resident).filter(|(_, r)| !**r).map(|(&u, _)| u).collect();
-        self.streaming = Streaming::Planned { plan, ring, streamed };
+        let splits = self
+            .cycle
+            .iter()
+            .zip(plan.heads.iter().zip(&plan.offsets))
+            .filter(|(_, (h, _))| **h > 0)
+            .enumerate()
+            .map(|(span, (&u, (&head, &off)))| (u, (head, span, off)))
+            .collect();
+        self.streaming = Streaming::Planned { plan, ring, streamed, splits };
     }
     /// Forget the plan and hand its ring back to the caller, who credits its
     /// bytes and drops it (which synchronizes the device). A dropped ring
@@ -324,7 +351,7 @@ impl PlanState {
         }
         assert_eq!(self.starts.len(), self.cycle.len(), "hold starts are not one per cycle position");
         assert!(self.held <= self.max_held, "held {} > max_held {}", self.held, self.max_held);
-        if let Streaming::Planned { plan, ring, streamed } = &self.streaming {
+        if let Streaming::Planned { plan, ring, streamed, splits } = &self.streaming {
             assert!(
                 plan.hold.width <= self.hold_width(),
                 "a plan for holds of {} units; at most {} held at once",
@@ -333,10 +360,14 @@ impl PlanState {
             );
             assert_eq!(ring.cap(), plan.ring_bytes, "the ring is not the plan's");
             assert_eq!(plan.heads.len(), plan.resident.len(), "heads are not one per planned position");
-            for (p, (&h, &r)) in plan.heads.iter().zip(&plan.resident).enumerate() {
+            let split_positions = plan.heads.iter().zip(&plan.resident).filter(|(h, r)| **h > 0 && !**r).count();
+            assert_eq!(splits.len(), split_positions, "split units are not the plan's split positions");
+            for (w, &(head, span, off)) in splits {
+                assert!(streamed.contains(w), "split unit {} is not streamed", w.0);
                 assert!(
-                    h == 0 || (!r && ring.span(plan.heads[..p].iter().filter(|&&x| x > 0).count()).is_some()),
-                    "planned position {p} has a head of {h} bytes but no span in the ring (resident: {r})"
+                    head > 0 && off < plan.ring_bytes && ring.span(span).is_some(),
+                    "split unit {} has no span",
+                    w.0
                 );
             }
             assert_eq!(plan.offsets.len(), plan.resident.len(), "ring offsets are not one per planned position");
