@@ -76,6 +76,24 @@ fn cfg(budget: usize) -> ResidencyConfig {
     c
 }
 
+/// Acquire each of `ids` in order, read it back and release it: each must
+/// be `data`'s bytes exactly.
+fn read_all<V: AsRef<[u8]>>(
+    m: &ResidencyManager,
+    d: &Arc<dyn Device>,
+    s: &Stream,
+    ids: &[WeightId],
+    data: &[V],
+    what: &str,
+) {
+    for (i, &w) in ids.iter().enumerate() {
+        let p = m.acquire(w, s.raw()).unwrap();
+        let back = read_back(d, p, data[i].as_ref().len(), s);
+        m.release(w, s.raw()).unwrap();
+        assert!(back == data[i].as_ref(), "{what}: weight {i} is not bit-exact");
+    }
+}
+
 /// Register each of `data` (bf16) compressed; each must encode.
 fn register_coded<V: AsRef<[u8]>>(m: &ResidencyManager, data: &[V]) -> Vec<WeightId> {
     data.iter()
@@ -690,14 +708,7 @@ fn frames_page_in_in_runs_through_a_staging_smaller_than_the_weight() {
     let k = frame_copies(&big_frames, cap);
     assert!(k >= 2 && k < big_frames.len(), "{k} copies for {} frames", big_frames.len());
     let s = Stream::new(&d).unwrap();
-    let step = |what: &str| {
-        for (i, &w) in ids.iter().enumerate() {
-            let p = m.acquire(w, s.raw()).unwrap();
-            let back = read_back(&d, p, data[i].len(), &s);
-            m.release(w, s.raw()).unwrap();
-            assert!(&back == data[i], "{what}: weight {i} is not bit-exact");
-        }
-    };
+    let step = |what: &str| read_all(&m, &d, &s, &ids, &data, what);
     let before = m.stats();
     step("first fill");
     m.synchronize().unwrap();
@@ -740,14 +751,7 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
     let ids = register_coded(&m, &data);
     m.declare_cycle(&ids).unwrap();
     let s = Stream::new(&d).unwrap();
-    let step = |what: &str| {
-        for (i, &w) in ids.iter().enumerate() {
-            let p = m.acquire(w, s.raw()).unwrap();
-            let back = read_back(&d, p, data[i].len(), &s);
-            m.release(w, s.raw()).unwrap();
-            assert!(back == data[i], "{what}: weight {i} is not bit-exact");
-        }
-    };
+    let step = |what: &str| read_all(&m, &d, &s, &ids, &data, what);
     step("first fill");
     step("warm");
     m.synchronize().unwrap();

@@ -19,10 +19,15 @@ STEPS = 16
 
 
 def make_llama(dev):
-    torch.manual_seed(20261201)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=256,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=1)
+    return build_llama(dev, 20261201, vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                       max_position_embeddings=256)
+
+
+def build_llama(dev, seed, **shape):
+    """A bf16 LlamaForCausalLM of `shape` (LlamaConfig keywords), random weights from `seed`, in eval mode."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**shape, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=1)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -135,17 +140,9 @@ class LlamaOffload(unittest.TestCase):
         the weight's own address: tokens are the all-resident ones, and a forward after
         the first copies exactly what the plan does not keep (total - planned resident)."""
         dev = torch.device("cuda", 0) if os.environ.get("EPM_DEVICE") == "cuda" else torch.device("cpu")
-        torch.manual_seed(20261206)
-        cfg = LlamaConfig(vocab_size=1000, hidden_size=2048, intermediate_size=7168, num_hidden_layers=4,
-                          num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128,
-                          tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=1)
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device(dev):
-                model = LlamaForCausalLM(cfg).eval()
-        finally:
-            torch.set_default_dtype(old)
+        model = build_llama(dev, 20261206, vocab_size=1000, hidden_size=2048, intermediate_size=7168,
+                            num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+                            max_position_embeddings=128)
         ids = torch.tensor([[1, 5, 9, 13]], device=dev)
         ref = greedy(model, ids)
         layer_bytes = sum(p.numel() * p.element_size() for blk in model.model.layers
