@@ -47,7 +47,7 @@ use std::sync::Arc;
 
 use super::WeightId;
 use super::manager::State;
-use super::placement::{ALIGN, Plan};
+use super::placement::{self, ALIGN, Plan};
 use super::read_fence::DeviceBlock;
 use super::registry::Coded;
 use crate::arena::DeviceArena;
@@ -297,10 +297,9 @@ impl ResidencyManager {
             return Ok(None);
         }
         let Some(p) = self.wanted_plan(st, small)? else { return Ok(None) };
-        let total = self.cycle_bytes(st)?;
-        let largest =
-            st.plan.cycle().iter().filter_map(|&u| st.reg.get(u).ok().map(|e| e.dev_len())).max().unwrap_or(0);
-        let fnu = total.saturating_sub(room) + largest;
+        let sizes: Vec<usize> =
+            st.plan.cycle().iter().map(|&u| st.reg.get(u).map(|e| e.dev_len())).collect::<Result<_>>()?;
+        let fnu = placement::farthest_next_use_bytes(&sizes, room);
         let need = Self::staging_cap_for(st, Some(&p), 0);
         Ok((p.splits() && need <= cap && p.streamed_bytes < fnu).then_some((Some(p), cap)))
     }

@@ -378,6 +378,13 @@ fn best_plan(sizes: &[usize], budget: usize, hold: &Hold, depth: usize, keep_las
     best
 }
 
+/// About what farthest-next-use alone streams per cycle of `sizes` under
+/// `budget` (weights of about one size): (total − budget) plus one weight.
+pub fn farthest_next_use_bytes(sizes: &[usize], budget: usize) -> usize {
+    let total: usize = sizes.iter().sum();
+    total.saturating_sub(budget) + sizes.iter().copied().max().unwrap_or(0)
+}
+
 /// A plan that streams part of each weight, for a caller that acquires
 /// around each weight ([`Hold::ONE`]). Weight `i` keeps a *head* of a
 /// multiple of `aligns[i]` bytes (itself a multiple of the VMM `granule`:

@@ -63,9 +63,7 @@ impl ResidencyManager {
         let Some(split) = placement::split_plan(&sizes, &aligns, granule, budget) else {
             return Ok(whole);
         };
-        let total: usize = sizes.iter().sum();
-        let largest = sizes.iter().copied().max().unwrap_or(0);
-        let other = whole.as_ref().map_or(total.saturating_sub(budget) + largest, |p| p.streamed_bytes);
+        let other = whole.as_ref().map_or(placement::farthest_next_use_bytes(&sizes, budget), |p| p.streamed_bytes);
         Ok(if split.streamed_bytes < other { Some(split) } else { whole })
     }
 
