@@ -267,7 +267,9 @@ impl ResidencyManager {
         };
         let mut occupants = Vec::new();
         for &v in streamed {
-            let e = st.reg.get(v)?;
+            // A unit unregistered under the plan (the cycle changed while
+            // another was held) left the device when it went.
+            let Ok(e) = st.reg.get(v) else { continue };
             if e.loc.is_ring() {
                 if e.users > 0 {
                     return Ok(false);
