@@ -34,7 +34,12 @@ static void round_trip(const uint16_t *v, size_t n, uint32_t dtype, const EpmCod
   CHECK(enc.encoded_bytes == plan.encoded_bytes && enc.k == plan.k && enc.escapes == plan.escapes);
   REQUIRE_OK(epm_codec_validate(buf, enc.encoded_bytes, &val));
   CHECK(val.outcome == EPM_CODEC_CODED && val.dtype == dtype && val.values == n && val.raw_bytes == n * 2);
-  CHECK(val.format_version == 1 && val.encoded_bytes == enc.encoded_bytes);
+  CHECK(val.format_version == enc.format_version && val.encoded_bytes == enc.encoded_bytes);
+  CHECK(val.k2 == enc.k2 && val.escapes3 == enc.escapes3 && val.escapes3 <= val.escapes);
+  /* v1 has no escape code; v2 always has one; format_version 1 forces v1, k2 forces v2. */
+  CHECK((val.format_version == 1 && val.k2 == 0 && val.escapes3 == 0) || (val.format_version == 2 && val.k2 >= 1 && val.k2 <= 4));
+  if (o->format_version == 1) CHECK(val.format_version == 1);
+  if (o->k2 != 0) CHECK(val.format_version == 2 && val.k2 == o->k2);
   CHECK(val.ratio * (double)(n * 2) > (double)enc.encoded_bytes - 1e-6 && val.ratio * (double)(n * 2) < (double)enc.encoded_bytes + 1e-6);
   REQUIRE_OK(epm_codec_decode(buf, enc.encoded_bytes, out, n * 2, 0));
   if (memcmp(out, v, n * 2) != 0) {
@@ -56,6 +61,14 @@ static void test_every_bit_pattern(void) {
     o.k = k;
     round_trip(all, 65536, EPM_CODEC_DTYPE_BF16, &o, "all bf16 patterns");
     round_trip(all, 65536, EPM_CODEC_DTYPE_FP16, &o, "all fp16 patterns");
+    o.format_version = 1; /* v1 only */
+    round_trip(all, 65536, EPM_CODEC_DTYPE_BF16, &o, "all bf16 patterns, v1");
+    o.format_version = 0;
+    for (uint32_t k2 = 1; k2 <= 4; k2++) {
+      o.k2 = k2;
+      round_trip(all, 65536, EPM_CODEC_DTYPE_BF16, &o, "all bf16 patterns, v2");
+      round_trip(all, 65536, EPM_CODEC_DTYPE_FP16, &o, "all fp16 patterns, v2");
+    }
   }
 cleanup:
   free(all);
@@ -82,11 +95,31 @@ static void test_odd_lengths_and_ratio(void) {
   REQUIRE(v != NULL);
   weight_like(v, 1u << 20, 3);
   for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) round_trip(v, lens[i], EPM_CODEC_DTYPE_BF16, &o, "odd length");
-  /* Defaults on a 2 MiB weight-like tensor: encoded, about 0.70 x. */
+  /* Defaults on a 2 MiB weight-like tensor: encoded in format v2, below v1's size. */
   info.size = sizeof info;
   REQUIRE_OK(epm_codec_plan(v, (1u << 20) * 2, EPM_CODEC_DTYPE_BF16, NULL, &info));
-  CHECK(info.outcome == EPM_CODEC_CODED && info.ratio > 0.6 && info.ratio < 0.75);
-  printf("   2 MiB weight-like bf16: %.4f x raw, k=%u\n", info.ratio, info.k);
+  CHECK(info.outcome == EPM_CODEC_CODED && info.ratio > 0.6 && info.ratio < 0.75 && info.format_version == 2);
+  printf("   2 MiB weight-like bf16: %.4f x raw, v%u, k=%u, k2=%u\n", info.ratio, info.format_version, info.k, info.k2);
+  {
+    EpmCodecInfo v1;
+    EpmCodecOptions only_v1;
+    only_v1.size = sizeof only_v1;
+    REQUIRE_OK(epm_codec_options_default(&only_v1));
+    only_v1.format_version = 1;
+    v1.size = sizeof v1;
+    REQUIRE_OK(epm_codec_plan(v, (1u << 20) * 2, EPM_CODEC_DTYPE_BF16, &only_v1, &v1));
+    CHECK(v1.format_version == 1 && v1.k2 == 0 && v1.encoded_bytes > info.encoded_bytes);
+    /* Options out of range or in conflict are refused. */
+    only_v1.k2 = 3;
+    CHECK_STATUS(epm_codec_plan(v, 1u << 20, EPM_CODEC_DTYPE_BF16, &only_v1, &v1), EPM_STATUS_INVALID_ARGUMENT);
+    CHECK_MESSAGE_HAS("format v2");
+    only_v1.format_version = 3;
+    only_v1.k2 = 0;
+    CHECK_STATUS(epm_codec_plan(v, 1u << 20, EPM_CODEC_DTYPE_BF16, &only_v1, &v1), EPM_STATUS_INVALID_ARGUMENT);
+    only_v1.format_version = 0;
+    only_v1.k2 = 5;
+    CHECK_STATUS(epm_codec_plan(v, 1u << 20, EPM_CODEC_DTYPE_BF16, &only_v1, &v1), EPM_STATUS_INVALID_ARGUMENT);
+  }
 cleanup:
   free(v);
 }
@@ -111,6 +144,7 @@ static void test_raw_outcomes_say_why(void) {
   o.size = sizeof o;
   REQUIRE_OK(epm_codec_options_default(&o));
   CHECK(o.max_ratio == 0.9 && o.min_bytes == 1u << 20 && o.k == 0 && o.threads == 0);
+  CHECK(o.format_version == 0 && o.k2 == 0);
 cleanup:
   free(noise);
 }

@@ -270,7 +270,7 @@
 
 /**
  * `EpmCompressedWeight::dtype`: `data` is already a compressed buffer
- * (format v1, from `epm_codec_encode`).
+ * (format v1 or v2, from `epm_codec_encode`).
  */
 #define EPM_CODEC_DTYPE_ENCODED 0
 
@@ -1473,6 +1473,16 @@ typedef struct EpmCodecOptions {
    * Weights of fewer raw bytes stay raw (default 1 MiB).
    */
   uint64_t min_bytes;
+  /**
+   * Format version to write: 0 = the smaller of v1 and v2 (default), 1 =
+   * v1 only (for readers built before v2).
+   */
+  uint32_t format_version;
+  /**
+   * v2's escape code width in bits, 1–4 (writes v2); 0 = the width giving
+   * the smallest buffer, or v1 where that is smaller (default 0).
+   */
+  uint32_t k2;
 } EpmCodecOptions;
 
 /**
@@ -1522,6 +1532,18 @@ typedef struct EpmCodecInfo {
    * 1.0 otherwise when raw.
    */
   double ratio;
+  /**
+   * Format v2: exponents in neither table, stored as bytes (0 in v1).
+   */
+  uint64_t escapes3;
+  /**
+   * Format v2: escape code width in bits (0 in v1 and when raw).
+   */
+  uint32_t k2;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
 } EpmCodecInfo;
 
 /**
@@ -3119,7 +3141,7 @@ enum EpmStatus epm_codec_encode(const void *src,
  *
  * Ownership: `buf` is only read during the call. NULL: `buf` or `out` is
  * NULL_POINTER. Errors: INVALID_ARGUMENT for anything that is not an intact
- * format v1 buffer of exactly `len` bytes, with a message saying what
+ * format v1 or v2 buffer of exactly `len` bytes, with a message saying what
  * (truncated, checksum mismatch, unknown version, ...). `*out` is written
  * only on success. Threading: safe from any thread.
  */

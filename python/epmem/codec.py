@@ -1,8 +1,8 @@
-"""Lossless compression of bf16 and fp16 weights (epmem's codec, format v1).
+"""Lossless compression of bf16 and fp16 weights (epmem's codec, formats v1 and v2).
 
     import epmem.codec as codec
     buf, info = codec.encode(weight_bytes, "bf16")   # buf is None when kept raw
-    info.ratio, info.outcome                         # e.g. 0.70, "coded"
+    info.ratio, info.outcome                         # e.g. 0.68, "coded"
     codec.validate(buf).raw_bytes                    # checksum and layout checked
     assert codec.decode(buf) == weight_bytes         # bit-exact, on the CPU
 
@@ -38,12 +38,14 @@ class CodecInfo:
     outcome: str          # "coded" or a "raw_*" reason
     dtype: str            # "bf16", "fp16" or "other"
     k: int                # exponent code width in bits (0 when raw)
-    format_version: int   # 1 (0 when raw)
+    format_version: int   # 1 or 2 (0 when raw)
     values: int
     raw_bytes: int
     encoded_bytes: int    # 0 when raw
     escapes: int
     ratio: float          # encoded / raw; for raw_no_gain the best found; 1.0 otherwise when raw
+    k2: int = 0           # format v2: escape code width in bits (0 in v1 and when raw)
+    escapes3: int = 0     # format v2: exponents in neither table, stored as bytes
 
     @property
     def coded(self):
@@ -54,7 +56,8 @@ def _info(c):
     return CodecInfo(outcome=_OUTCOMES.get(c.outcome, f"unknown({c.outcome})"),
                      dtype=_DTYPE_NAMES.get(c.dtype, f"unknown({c.dtype})"), k=c.k,
                      format_version=c.format_version, values=c.values, raw_bytes=c.raw_bytes,
-                     encoded_bytes=c.encoded_bytes, escapes=c.escapes, ratio=c.ratio)
+                     encoded_bytes=c.encoded_bytes, escapes=c.escapes, ratio=c.ratio,
+                     k2=c.k2, escapes3=c.escapes3)
 
 
 def _dtype(dtype):
@@ -82,10 +85,10 @@ def _address(data):
     return ctypes.addressof(arr), len(mv), (arr, mv)
 
 
-def _options(threads, max_ratio, min_bytes, k):
+def _options(threads, max_ratio, min_bytes, k, format_version=0, k2=0):
     o = _lib.new(_lib.EpmCodecOptions)
     _lib.lib().epm_codec_options_default(ctypes.byref(o))
-    o.threads, o.k = threads, k
+    o.threads, o.k, o.format_version, o.k2 = threads, k, format_version, k2
     if max_ratio is not None:
         o.max_ratio = max_ratio
     if min_bytes is not None:
@@ -93,24 +96,26 @@ def _options(threads, max_ratio, min_bytes, k):
     return o
 
 
-def plan(data, dtype, *, threads=0, max_ratio=None, min_bytes=None, k=0):
+def plan(data, dtype, *, threads=0, max_ratio=None, min_bytes=None, k=0, format_version=0, k2=0):
     """What `encode` would do, without encoding: a CodecInfo (encoded_bytes is
     the size of the buffer it would return)."""
     addr, n, _keep = _address(data)
     info = _lib.new(_lib.EpmCodecInfo)
-    o = _options(threads, max_ratio, min_bytes, k)
+    o = _options(threads, max_ratio, min_bytes, k, format_version, k2)
     _lib.lib().epm_codec_plan(addr, n, _dtype(dtype), ctypes.byref(o), ctypes.byref(info))
     return _info(info)
 
 
-def encode(data, dtype, *, threads=0, max_ratio=None, min_bytes=None, k=0):
+def encode(data, dtype, *, threads=0, max_ratio=None, min_bytes=None, k=0, format_version=0, k2=0):
     """Encode a weight: `(bytes, CodecInfo)`, or `(None, CodecInfo)` when the
     codec keeps it raw (`info.outcome` says why). `max_ratio` (default 0.9)
     and `min_bytes` (default 1 MiB) are the thresholds below which a weight is
-    worth encoding; `k` forces the exponent code width (0 = the best)."""
+    worth encoding; `k` forces the exponent code width (0 = the best);
+    `format_version=1` writes format v1 only (for readers built before v2),
+    `k2` forces v2's escape code width (0 = the best, or v1 where smaller)."""
     addr, n, _keep = _address(data)
     lib = _lib.lib()
-    o = _options(threads, max_ratio, min_bytes, k)
+    o = _options(threads, max_ratio, min_bytes, k, format_version, k2)
     info = _lib.new(_lib.EpmCodecInfo)
     dt = _dtype(dtype)
     lib.epm_codec_plan(addr, n, dt, ctypes.byref(o), ctypes.byref(info))

@@ -35,7 +35,7 @@ pub fn decode_with(desc: &DecodeDesc, src: &[u8], out: &mut [u8], threads: usize
 pub fn decode_piece(piece: &DecodePiece, src: &[u8], out: &mut [u8], threads: usize) -> Result<()> {
     piece.check_lengths(src.len(), out.len())?;
     let desc = piece.desc();
-    let [o0, o1, o2, o3] = piece.staged_offsets();
+    let [o0, o1, o2, o3, o4, o5] = piece.staged_offsets();
     let (first, blocks, values) = (piece.first_block(), piece.blocks(), piece.values());
     let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
     // The codes and low bytes of these blocks, less the stream's padding.
@@ -44,21 +44,55 @@ pub fn decode_piece(piece: &DecodePiece, src: &[u8], out: &mut [u8], threads: us
     let codes = &src[o1..o1 + codes_len];
     let lows = &src[o2..o2 + values];
     let base = piece.escape_base();
-    let escapes = &src[o3..o3 + (piece.escape_end() - base)];
+    let k2 = desc.k2 as usize;
+    // v1: a byte per escape; v2: k2 bits per escape, from byte `base` of the stream.
+    let esc_bytes = if k2 > 0 { (piece.escape_end() * k2).div_ceil(8) } else { piece.escape_end() };
+    let escapes = &src[o3..o3 + (esc_bytes - base)];
+    let (offsets3, escapes3, base3) = if k2 > 0 {
+        (&src[o4..o4 + (blocks + 1) * 4], &src[o5..o5 + (piece.escape3_end() - piece.escape3_base())], {
+            piece.escape3_base()
+        })
+    } else {
+        (&src[o4..o4], &src[o5..o5], 0)
+    };
     let threads = threads.clamp(1, out.len() / MIN_BYTES_PER_THREAD + 1).min(blocks);
     let run = |first_local: usize, out: &mut [u8]| -> Result<()> {
+        let word = |s: &[u8], j: usize| u32::from_le_bytes([s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]]);
+        let mut local = [0u8; BLOCK_VALUES];
         for (i, o) in out.chunks_mut(BLOCK_VALUES * 2).enumerate() {
             let j = first_local + i;
-            let off = |j: usize| {
-                let o =
-                    u32::from_le_bytes([offsets[4 * j], offsets[4 * j + 1], offsets[4 * j + 2], offsets[4 * j + 3]]);
-                (o as usize).checked_sub(base)
-            };
-            let esc =
-                off(j).zip(off(j + 1)).and_then(|(a, b)| escapes.get(a..b)).ok_or_else(|| bad_index(first + j))?;
+            let bad = || bad_index(first + j);
             let c = &codes[j * block_code_bytes..((j + 1) * block_code_bytes).min(codes.len())];
             let w = &lows[j * BLOCK_VALUES..][..o.len() / 2];
-            decode_block(desc, c, w, esc, o).map_err(|()| bad_index(first + j))?;
+            if k2 == 0 {
+                let off = |j: usize| (word(offsets, j) as usize).checked_sub(base);
+                let esc = off(j).zip(off(j + 1)).and_then(|(a, b)| escapes.get(a..b)).ok_or_else(bad)?;
+                decode_block(desc, c, w, esc, o).map_err(|()| bad())?;
+            } else {
+                // v2: the block's escaped exponents from their codes (and
+                // level-3 bytes) first, then the v1 block decode over them.
+                let (a, b) = (word(offsets, j) as usize, word(offsets, j + 1) as usize);
+                let (s0, s1) = (word(offsets3, j) as usize, word(offsets3, j + 1) as usize);
+                let n = b.checked_sub(a).filter(|&n| n <= BLOCK_VALUES).ok_or_else(bad)?;
+                let mut level3 = s0
+                    .checked_sub(base3)
+                    .zip(s1.checked_sub(base3))
+                    .and_then(|(x, y)| escapes3.get(x..y))
+                    .ok_or_else(bad)?
+                    .iter();
+                let esc2 = (1u32 << k2) - 1;
+                for (r, slot) in (a..b).zip(local.iter_mut()) {
+                    let bit = (r * k2).checked_sub(base * 8).ok_or_else(bad)?;
+                    let lo = *escapes.get(bit / 8).ok_or_else(bad)? as u32;
+                    let hi = escapes.get(bit / 8 + 1).copied().unwrap_or(0) as u32;
+                    let code = ((lo | hi << 8) >> (bit % 8)) & esc2;
+                    *slot = if code == esc2 { *level3.next().ok_or_else(bad)? } else { desc.table2[code as usize] };
+                }
+                if level3.next().is_some() {
+                    return Err(bad());
+                }
+                decode_block(desc, c, w, &local[..n], o).map_err(|()| bad())?;
+            }
         }
         Ok(())
     };

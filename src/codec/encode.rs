@@ -19,6 +19,8 @@ struct Chunk {
     /// Escapes of the chunks before it: where its escapes start.
     escapes_before: usize,
     escapes: usize,
+    /// Level-3 escapes (format v2; 0 in v1).
+    escapes3: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -38,7 +40,7 @@ enum Decision {
 /// launch of 1024 thread blocks (a full wave on an H100 or H200).
 pub const FRAME_VALUES: usize = 1024 * BLOCK_VALUES;
 
-/// One frame of a weight stored in frames: a complete format-v1 buffer of
+/// One frame of a weight stored in frames: a complete buffer (the weight's format) of
 /// values `[raw_offset / 2, raw_offset / 2 + desc.values())` at byte `at` of
 /// the framed buffer (a multiple of 16), `desc.compressed_len()` bytes long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,7 +152,7 @@ impl Plan {
 
     /// The frames [`Plan::encode_frames_into`] writes: one per
     /// [`FRAME_VALUES`] values (the last may hold fewer), laid end to end,
-    /// each a complete format-v1 buffer with the weight's k and table and
+    /// each a complete buffer of the weight's format, k and tables, with
     /// its own escapes. Empty when the plan keeps the weight raw.
     pub fn frames(&self) -> Vec<Frame> {
         let Decision::Coded { desc, frames } = &self.decision else { return Vec::new() };
@@ -160,10 +162,13 @@ impl Plan {
             .map(|c| {
                 let first = c.blocks.start * BLOCK_VALUES;
                 let n = (c.blocks.end * BLOCK_VALUES).min(desc.n) - first;
-                let layout = Layout::new(desc.dtype, desc.k, n, c.escapes)
+                let layout = Layout::new(desc.dtype, desc.k, desc.k2, n, c.escapes, c.escapes3)
                     .expect("a frame's layout: k and n were validated for the whole weight");
-                let f =
-                    Frame { at, raw_offset: first * 2, desc: DecodeDesc { n, escapes: c.escapes, layout, ..*desc } };
+                let f = Frame {
+                    at,
+                    raw_offset: first * 2,
+                    desc: DecodeDesc { n, escapes: c.escapes, escapes3: c.escapes3, layout, ..*desc },
+                };
                 at += layout.total_len;
                 f
             })
@@ -201,7 +206,8 @@ impl Plan {
         }
         let results = par_map(frames.len(), self.threads, |i| {
             let (f, c) = (&frames[i], &chunks[i]);
-            let whole = Chunk { blocks: 0..c.blocks.len(), escapes_before: 0, escapes: c.escapes };
+            let whole =
+                Chunk { blocks: 0..c.blocks.len(), escapes_before: 0, escapes: c.escapes, escapes3: c.escapes3 };
             let src = &data[f.raw_offset..f.raw_offset + f.desc.raw_len()];
             let mut slot = slots[i].lock().unwrap_or_else(|p| p.into_inner());
             write_buffer(&f.desc, std::slice::from_ref(&whole), src, &mut slot, 1)
@@ -218,15 +224,23 @@ fn write_buffer(desc: &DecodeDesc, chunks: &[Chunk], data: &[u8], out: &mut [u8]
     let l = desc.layout;
     let (header, rest) = out.split_at_mut(HEADER_LEN);
     format::write_header(desc, header);
-    let (offsets, rest) = rest.split_at_mut(l.codes_off - l.offsets_off);
+    let (offsets, rest) = rest.split_at_mut(l.offsets3_off - l.offsets_off);
+    let (offsets3, rest) = rest.split_at_mut(l.codes_off - l.offsets3_off);
     let (codes, rest) = rest.split_at_mut(l.lows_off - l.codes_off);
-    let (lows, escapes) = rest.split_at_mut(l.escapes_off - l.lows_off);
+    let (lows, rest) = rest.split_at_mut(l.escapes_off - l.lows_off);
+    let (escapes_out, escapes3) = rest.split_at_mut(l.escapes3_off - l.escapes_off);
     // Padding is zero; every other byte is written below.
     offsets[(l.blocks + 1) * 4..].fill(0);
+    offsets3.fill(0);
     codes[l.codes_len..].fill(0);
     lows[desc.n..].fill(0);
-    escapes[desc.escapes..].fill(0);
+    escapes_out.fill(0);
+    escapes3.fill(0);
     offsets[l.blocks * 4..(l.blocks + 1) * 4].copy_from_slice(&(desc.escapes as u32).to_le_bytes());
+    // v1 writes the escaped exponents as the escape stream; v2 codes them
+    // again (`pack_escapes`) from this byte per escape.
+    let mut v2_bytes = if desc.k2 > 0 { vec![0u8; desc.escapes] } else { Vec::new() };
+    let escapes: &mut [u8] = if desc.k2 > 0 { &mut v2_bytes } else { escapes_out };
 
     let block_code_bytes = BLOCK_VALUES * desc.code_bits() as usize / 8;
     let lut = lookup(desc);
@@ -266,8 +280,68 @@ fn write_buffer(desc: &DecodeDesc, chunks: &[Chunk], data: &[u8], out: &mut [u8]
         });
         results.into_iter().collect::<Result<Vec<()>>>()?;
     }
+    if desc.k2 > 0 {
+        let (head, tail) = out.split_at_mut(l.escapes_off);
+        let (codes2, bytes3) = tail.split_at_mut(l.escapes3_off - l.escapes_off);
+        let (head, index3) = head.split_at_mut(l.offsets3_off);
+        let index = &head[l.offsets_off..l.offsets_off + (l.blocks + 1) * 4];
+        let index3 = &mut index3[..(l.blocks + 1) * 4];
+        let written = pack_escapes(desc, index, &v2_bytes, codes2, index3, bytes3);
+        crate::ensure!(
+            written == desc.escapes3,
+            InvalidArgument,
+            "encode: the weight changed between planning and encoding"
+        );
+    }
     format::store_checksum(out, threads);
     Ok(())
+}
+
+/// Format v2: code the escaped exponents `bytes` (one per escape, in value
+/// order) as k2-bit codes into `codes2`, the exponents outside the escape
+/// table as bytes into `bytes3`, and write the level-3 index (`index3`,
+/// per block of the escape `index`). Returns the level-3 escapes written
+/// (at most `bytes3.len()`; the caller checks it against the plan).
+fn pack_escapes(
+    desc: &DecodeDesc,
+    index: &[u8],
+    bytes: &[u8],
+    codes2: &mut [u8],
+    index3: &mut [u8],
+    bytes3: &mut [u8],
+) -> usize {
+    let k2 = desc.k2;
+    let esc2 = ((1u32 << k2) - 1) as u8;
+    let mut lut = [esc2; 256];
+    for (code, &e) in desc.table2[..esc2 as usize].iter().enumerate() {
+        lut[e as usize] = code as u8;
+    }
+    let at = |j: usize| u32::from_le_bytes([index[4 * j], index[4 * j + 1], index[4 * j + 2], index[4 * j + 3]]);
+    let (mut acc, mut nbits, mut pos, mut s) = (0u64, 0u32, 0usize, 0usize);
+    for j in 0..desc.layout.blocks {
+        index3[4 * j..4 * j + 4].copy_from_slice(&(s as u32).to_le_bytes());
+        let (a, b) = (at(j) as usize, at(j + 1) as usize);
+        for &e in &bytes[a.min(bytes.len())..b.min(bytes.len())] {
+            let c = lut[e as usize];
+            if c == esc2 {
+                if let Some(slot) = bytes3.get_mut(s) {
+                    *slot = e;
+                }
+                s += 1;
+            }
+            acc |= (c as u64) << nbits;
+            nbits += k2;
+            if nbits >= 32 {
+                codes2[pos..pos + 4].copy_from_slice(&(acc as u32).to_le_bytes());
+                (acc, nbits, pos) = (acc >> 32, nbits - 32, pos + 4);
+            }
+        }
+    }
+    let b = desc.layout.blocks;
+    index3[4 * b..4 * b + 4].copy_from_slice(&(s as u32).to_le_bytes());
+    let tail = nbits.div_ceil(8) as usize;
+    codes2[pos..pos + tail].copy_from_slice(&acc.to_le_bytes()[..tail]);
+    s
 }
 
 /// exponent → code; the escape code for exponents outside the table.
@@ -409,6 +483,13 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
     if let Some(k) = opts.k {
         crate::ensure!((1..=MAX_K).contains(&k), InvalidArgument, "encode: code width k={k} is not in 1..={MAX_K}");
     }
+    if let Some(k2) = opts.k2 {
+        crate::ensure!(
+            k2 <= MAX_K,
+            InvalidArgument,
+            "encode: escape code width k2={k2} is not in 0..={MAX_K} (0: format v1)"
+        );
+    }
     let threads = opts.thread_count();
     let raw = |r| Ok(Plan { decision: Decision::Raw(r), raw_len: data.len(), threads });
     if dtype == Dtype::Other {
@@ -428,7 +509,7 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
     crate::ensure!(
         n <= u32::MAX as usize,
         Unsupported,
-        "encode: {n} values is more than format v1's 2^32 - 1 per weight; split the weight"
+        "encode: {n} values is more than the format's 2^32 - 1 per weight; split the weight"
     );
     let blocks = n.div_ceil(BLOCK_VALUES);
     // One histogram per frame: the totals choose k and the table, and each
@@ -449,24 +530,38 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
     // Exponents by descending count (ties: the smaller exponent), for the table.
     let mut order: Vec<usize> = (0..256).filter(|&e| total[e] > 0).collect();
     order.sort_by_key(|&e| (std::cmp::Reverse(total[e]), e));
-    let mut best: Option<(Layout, u32, usize)> = None;
+    // (layout, k, k2, escapes, level-3 escapes) of the smallest buffer; v1
+    // (k2 = 0) wins ties.
+    let mut best: Option<(Layout, u32, u32, usize, usize)> = None;
     for k in opts.k.map_or(1..=MAX_K, |k| k..=k) {
         let used = ((1usize << k) - 1).min(order.len());
         let covered: u64 = order[..used].iter().map(|&e| total[e]).sum();
         let escapes = n - covered as usize;
-        let layout = Layout::new(dtype, k, n, escapes)?;
-        if best.is_none_or(|(b, _, _)| layout.total_len < b.total_len) {
-            best = Some((layout, k, escapes));
+        for k2 in opts.k2.map_or(0..=MAX_K, |k2| k2..=k2) {
+            let used2 = if k2 > 0 { ((1usize << k2) - 1).min(order.len() - used) } else { 0 };
+            let covered2: u64 = order[used..used + used2].iter().map(|&e| total[e]).sum();
+            let escapes3 = if k2 > 0 { escapes - covered2 as usize } else { 0 };
+            let layout = Layout::new(dtype, k, k2, n, escapes, escapes3)?;
+            if best.is_none_or(|(b, ..)| layout.total_len < b.total_len) {
+                best = Some((layout, k, k2, escapes, escapes3));
+            }
         }
     }
-    let Some((layout, k, escapes)) = best else { return Err(Error::internal("encode: no code width considered")) };
+    let Some((layout, k, k2, escapes, escapes3)) = best else {
+        return Err(Error::internal("encode: no code width considered"));
+    };
     let ratio = layout.total_len as f64 / data.len() as f64;
     if ratio >= opts.max_ratio {
         return raw(RawReason::NoGain { ratio, max_ratio: opts.max_ratio });
     }
     let used = ((1usize << k) - 1).min(order.len());
+    let used2 = if k2 > 0 { ((1usize << k2) - 1).min(order.len() - used) } else { 0 };
     let mut table = [0u8; TABLE_LEN];
     for (t, &e) in table.iter_mut().zip(&order[..used]) {
+        *t = e as u8;
+    }
+    let mut table2 = [0u8; TABLE_LEN];
+    for (t, &e) in table2.iter_mut().zip(&order[used..used + used2]) {
         *t = e as u8;
     }
     let mut before = 0;
@@ -476,12 +571,15 @@ pub fn plan(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Plan> {
         .map(|(blocks, h)| {
             let values: u64 = h.iter().sum();
             let covered: u64 = order[..used].iter().map(|&e| h[e]).sum();
-            let c = Chunk { blocks, escapes_before: before, escapes: (values - covered) as usize };
+            let covered2: u64 = order[used..used + used2].iter().map(|&e| h[e]).sum();
+            let escapes = (values - covered) as usize;
+            let escapes3 = if k2 > 0 { escapes - covered2 as usize } else { 0 };
+            let c = Chunk { blocks, escapes_before: before, escapes, escapes3 };
             before += c.escapes;
             c
         })
         .collect();
-    let desc = DecodeDesc { dtype, k, n, escapes, table, layout };
+    let desc = DecodeDesc { dtype, k, k2, n, escapes, escapes3, table, table2, layout };
     Ok(Plan { decision: Decision::Coded { desc, frames }, raw_len: data.len(), threads })
 }
 
@@ -497,6 +595,7 @@ fn group(frames: &[Chunk], n: usize) -> Vec<Chunk> {
                 blocks: first.blocks.start..last.blocks.end,
                 escapes_before: first.escapes_before,
                 escapes: part.iter().map(|c| c.escapes).sum(),
+                escapes3: part.iter().map(|c| c.escapes3).sum(),
             })
         })
         .collect()
@@ -542,7 +641,7 @@ pub fn encode(data: &[u8], dtype: Dtype, opts: &EncodeOptions) -> Result<Encoded
     }
 }
 
-/// The frames of a weight given as one validated format-v1 buffer (`buf`,
+/// The frames of a weight given as one validated buffer (`buf`,
 /// described by `desc` from [`super::parse`]): what [`reframe`] writes.
 /// Escape counts come from the buffer's escape index.
 pub fn frames_of(desc: &DecodeDesc, buf: &[u8]) -> Result<Vec<Frame>> {
@@ -561,19 +660,26 @@ pub fn frames_of(desc: &DecodeDesc, buf: &[u8]) -> Result<Vec<Frame>> {
             "reframe: the escape index of blocks {b0}..{b1} runs {e0}..{e1} (of {} escapes)",
             desc.escapes
         );
+        let (s0, s1) = (desc.escape3_offset(buf, b0), desc.escape3_offset(buf, b1));
+        crate::ensure!(
+            s0 <= s1 && s1 <= desc.escapes3,
+            InvalidArgument,
+            "reframe: the level-3 index of blocks {b0}..{b1} runs {s0}..{s1} (of {} level-3 escapes)",
+            desc.escapes3
+        );
         let n = (b1 * BLOCK_VALUES).min(desc.n) - b0 * BLOCK_VALUES;
-        let layout = Layout::new(desc.dtype, desc.k, n, e1 - e0)?;
+        let layout = Layout::new(desc.dtype, desc.k, desc.k2, n, e1 - e0, s1 - s0)?;
         frames.push(Frame {
             at,
             raw_offset: b0 * BLOCK_VALUES * 2,
-            desc: DecodeDesc { n, escapes: e1 - e0, layout, ..*desc },
+            desc: DecodeDesc { n, escapes: e1 - e0, escapes3: s1 - s0, layout, ..*desc },
         });
         at += layout.total_len;
     }
     Ok(frames)
 }
 
-/// Rewrite a validated format-v1 buffer as the `frames` [`frames_of`] gave
+/// Rewrite a validated buffer as the `frames` [`frames_of`] gave
 /// for it, end to end in `out` (their total length): each frame's streams
 /// are slices of the buffer's, its escape index rebased to start at 0, with
 /// its own header and checksum. Decoding the frames gives the buffer's values.
@@ -600,9 +706,44 @@ pub fn reframe(desc: &DecodeDesc, buf: &[u8], frames: &[Frame], out: &mut [u8]) 
         o[fl.codes_off..fl.codes_off + fl.codes_len]
             .copy_from_slice(&buf[l.codes_off + b0 * cb..l.codes_off + b0 * cb + fl.codes_len]);
         o[fl.lows_off..fl.lows_off + f.desc.n].copy_from_slice(&buf[l.lows_off + first..l.lows_off + first + f.desc.n]);
-        o[fl.escapes_off..fl.escapes_off + f.desc.escapes]
-            .copy_from_slice(&buf[l.escapes_off + e0..l.escapes_off + e0 + f.desc.escapes]);
+        if desc.k2 == 0 {
+            o[fl.escapes_off..fl.escapes_off + f.desc.escapes]
+                .copy_from_slice(&buf[l.escapes_off + e0..l.escapes_off + e0 + f.desc.escapes]);
+        } else {
+            let s0 = desc.escape3_offset(buf, b0);
+            for j in 0..=fl.blocks {
+                let v = desc
+                    .escape3_offset(buf, b0 + j)
+                    .checked_sub(s0)
+                    .ok_or_else(|| Error::invalid_argument("reframe: the level-3 index decreases"))?;
+                o[fl.offsets3_off + 4 * j..fl.offsets3_off + 4 * j + 4].copy_from_slice(&(v as u32).to_le_bytes());
+            }
+            // The frame's escape codes: bits [e0·k2, e1·k2) of the buffer's, from bit 0.
+            let k2 = desc.k2 as usize;
+            let src = &buf[l.escapes_off..l.escapes_off + l.escapes_len];
+            copy_bits(src, e0 * k2, f.desc.escapes * k2, &mut o[fl.escapes_off..fl.escapes_off + fl.escapes_len]);
+            o[fl.escapes3_off..fl.escapes3_off + f.desc.escapes3]
+                .copy_from_slice(&buf[l.escapes3_off + s0..l.escapes3_off + s0 + f.desc.escapes3]);
+        }
         format::store_checksum(o, 1);
     }
     Ok(())
+}
+
+/// Bits `[from, from + bits)` of the LSB-first bit string `src` into `out`
+/// from its bit 0 (`out` holds `bits.div_ceil(8)` bytes; the rest of its
+/// last byte is zero).
+fn copy_bits(src: &[u8], from: usize, bits: usize, out: &mut [u8]) {
+    let shift = from % 8;
+    let base = from / 8;
+    for (i, o) in out.iter_mut().enumerate().take(bits.div_ceil(8)) {
+        let lo = src.get(base + i).copied().unwrap_or(0) as u16;
+        let hi = src.get(base + i + 1).copied().unwrap_or(0) as u16;
+        let mut v = ((lo | hi << 8) >> shift) as u8;
+        let left = bits - 8 * i;
+        if left < 8 {
+            v &= (1u8 << left) - 1;
+        }
+        *o = v;
+    }
 }

@@ -2,22 +2,27 @@
 //! a weight whose compressed bytes exceed a device staging buffer is paged
 //! in, one piece at a time.
 //!
-//! A piece of blocks `[first, end)` is *staged* as the parts of the four
-//! streams those blocks read, each at a 16-byte-aligned offset of one buffer:
+//! A piece of blocks `[first, end)` is *staged* as the parts of the streams
+//! those blocks read, each at a 16-byte-aligned offset of one buffer:
 //!
 //! ```text
 //! staged offset  part
 //!             0  escape offsets first..=end (u32 each, absolute escape indexes), padded to 16
 //!            s1  codes of the blocks (the stream's padding after the weight's last block)
 //!            s2  low bytes of the blocks (likewise)
-//!            s3  escapes [E & !15, align16(E')), E = offset[first], E' = offset[end]
+//!            s3  escape bytes [B & !15, align16(B')): v1, B = E = offset[first],
+//!                B' = E' = offset[end]; v2, B = E·k2/8, B' = ceil(E'·k2/8)
+//!            s4  v2: level-3 offsets first..=end (absolute), padded to 16
+//!            s5  v2: level-3 bytes [T & !15, align16(T')), T, T' = level-3 offset[first], [end]
 //! ```
 //!
 //! Every part is one contiguous range of the compressed buffer, so a piece
-//! is staged by (at most) four copies. The escape offsets stay absolute: a
-//! decoder reads escape `i` at `escapes_part + i − (E & !15)`. The whole
-//! weight is also a piece ([`DecodeDesc::whole`]): the buffer as it is,
-//! header included, staged by one copy.
+//! is staged by (at most) six copies (four in v1, whose last two parts are
+//! empty). The offsets stay absolute: a decoder reads escape `i` at
+//! `escapes_part + i − (E & !15)` (v2: its code at bit `i·k2` of
+//! `escapes_part − (B & !15)`). The whole weight is also a piece
+//! ([`DecodeDesc::whole`]): the buffer as it is, header included, staged by
+//! one copy.
 
 use super::format::{ALIGN, BLOCK_VALUES, DecodeDesc, align};
 use crate::error::{Error, Result};
@@ -28,15 +33,20 @@ pub struct DecodePiece {
     desc: DecodeDesc,
     first: usize,
     end: usize,
-    /// The absolute escape index of the first staged escape byte (a
-    /// multiple of 16), and one past the piece's last escape.
+    /// The byte of the escape stream the staged escapes start at (a
+    /// multiple of 16; in v1 also the escape index of the first staged
+    /// escape), and one past the piece's last escape (an escape index).
     esc_base: usize,
     esc_end: usize,
-    /// (escape offsets, codes, low bytes, escapes): where each part lies in
-    /// the staged bytes, where it starts in the compressed buffer, its bytes.
-    staged: [usize; 4],
-    src: [usize; 4],
-    lens: [usize; 4],
+    /// Likewise for the level-3 bytes (v2; 0 and 0 in v1).
+    esc3_base: usize,
+    esc3_end: usize,
+    /// (escape offsets, codes, low bytes, escapes, level-3 offsets, level-3
+    /// bytes): where each part lies in the staged bytes, where it starts in
+    /// the compressed buffer, its bytes.
+    staged: [usize; 6],
+    src: [usize; 6],
+    lens: [usize; 6],
     staged_len: usize,
     whole: bool,
 }
@@ -46,14 +56,16 @@ impl DecodeDesc {
     pub fn whole(&self) -> DecodePiece {
         let l = &self.layout;
         let staged = self.stream_offsets();
-        let ends = [l.codes_off, l.lows_off, l.escapes_off, l.total_len];
-        let lens = [0, 1, 2, 3].map(|i| ends[i] - staged[i]);
+        let ends = [l.offsets3_off, l.lows_off, l.escapes_off, l.escapes3_off, l.codes_off, l.total_len];
+        let lens = [0, 1, 2, 3, 4, 5].map(|i| ends[i] - staged[i]);
         DecodePiece {
             desc: *self,
             first: 0,
             end: l.blocks,
             esc_base: 0,
             esc_end: self.escapes,
+            esc3_base: 0,
+            esc3_end: self.escapes3,
             staged,
             src: staged,
             lens,
@@ -80,20 +92,39 @@ impl DecodeDesc {
             "decode piece: the escape index of blocks {first}..{end} runs {e0}..{e1} (of {} escapes)",
             self.escapes
         );
+        let (s0, s1) = (self.escape3_offset(buf, first), self.escape3_offset(buf, end));
+        crate::ensure!(
+            s0 <= s1 && s1 <= self.escapes3,
+            InvalidArgument,
+            "decode piece: the level-3 index of blocks {first}..{end} runs {s0}..{s1} (of {} level-3 escapes)",
+            self.escapes3
+        );
         let cb = BLOCK_VALUES * self.code_bits() as usize / 8;
         let last = end == l.blocks;
-        let esc_base = e0 & !(ALIGN - 1);
-        let src = [l.offsets_off + 4 * first, l.codes_off + first * cb, l.lows_off + first * BLOCK_VALUES, {
-            l.escapes_off + esc_base
-        }];
+        // The escape stream's bytes: v1 a byte an escape, v2 k2 bits.
+        let k2 = self.k2 as usize;
+        let (b0, b1) = if k2 > 0 { (e0 * k2 / 8, (e1 * k2).div_ceil(8)) } else { (e0, e1) };
+        let esc_base = b0 & !(ALIGN - 1);
+        let esc3_base = s0 & !(ALIGN - 1);
+        let v2 = k2 > 0;
+        let src = [
+            l.offsets_off + 4 * first,
+            l.codes_off + first * cb,
+            l.lows_off + first * BLOCK_VALUES,
+            l.escapes_off + esc_base,
+            l.offsets3_off + if v2 { 4 * first } else { 0 },
+            l.escapes3_off + esc3_base,
+        ];
         let lens = [
             4 * (end - first + 1),
             if last { align(l.codes_len) - first * cb } else { (end - first) * cb },
             if last { align(self.n) - first * BLOCK_VALUES } else { (end - first) * BLOCK_VALUES },
-            align(e1) - esc_base,
+            align(b1) - esc_base,
+            if v2 { 4 * (end - first + 1) } else { 0 },
+            if v2 { align(s1) - esc3_base } else { 0 },
         ];
-        let mut staged = [0usize; 4];
-        for i in 1..4 {
+        let mut staged = [0usize; 6];
+        for i in 1..6 {
             staged[i] = staged[i - 1] + align(lens[i - 1]);
         }
         Ok(DecodePiece {
@@ -102,10 +133,12 @@ impl DecodeDesc {
             end,
             esc_base,
             esc_end: e1,
+            esc3_base,
+            esc3_end: s1,
             staged,
             src,
             lens,
-            staged_len: staged[3] + lens[3],
+            staged_len: staged[5] + lens[5],
             whole: false,
         })
     }
@@ -171,18 +204,28 @@ impl DecodePiece {
     pub fn staged_len(&self) -> usize {
         self.staged_len
     }
-    /// Offsets of the (escape offsets, codes, low bytes, escapes) parts in
-    /// the staged bytes, each a multiple of 16.
-    pub fn staged_offsets(&self) -> [usize; 4] {
+    /// Offsets of the (escape offsets, codes, low bytes, escapes, level-3
+    /// offsets, level-3 bytes) parts in the staged bytes, each a multiple
+    /// of 16 (the last two are empty in v1).
+    pub fn staged_offsets(&self) -> [usize; 6] {
         self.staged
     }
-    /// The absolute escape index of the first staged escape byte.
+    /// The byte of the escape stream its staged escapes start at (in v1
+    /// also the absolute escape index of the first staged escape).
     pub fn escape_base(&self) -> usize {
         self.esc_base
     }
     /// One past the absolute index of its last escape.
     pub fn escape_end(&self) -> usize {
         self.esc_end
+    }
+    /// The absolute level-3 index of its first staged level-3 byte (v2).
+    pub fn escape3_base(&self) -> usize {
+        self.esc3_base
+    }
+    /// One past the absolute index of its last level-3 escape (v2; 0 in v1).
+    pub fn escape3_end(&self) -> usize {
+        self.esc3_end
     }
     /// Whether it is the whole buffer, header included ([`DecodeDesc::whole`]).
     pub fn is_whole(&self) -> bool {
@@ -192,7 +235,7 @@ impl DecodePiece {
     /// the staged bytes, bytes), empty parts left out.
     pub fn copies(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
         let whole = self.whole.then_some((0, 0, self.staged_len));
-        let parts = (0..4).filter(move |_| !self.whole).map(|i| (self.src[i], self.staged[i], self.lens[i]));
+        let parts = (0..6).filter(move |_| !self.whole).map(|i| (self.src[i], self.staged[i], self.lens[i]));
         whole.into_iter().chain(parts).filter(|c| c.2 > 0)
     }
     /// Bytes its copies move.

@@ -284,7 +284,7 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// opened (or dropped). For tests that must order a check before queued
     /// work by an event, not by a wall-clock spin. See [`gate`].
     fn hold_async(&self, s: RawStream, gate: &Gate) -> Result<()>;
-    /// Decode the compressed weight at `[src, src+src_len)` (format v1 of
+    /// Decode the compressed weight at `[src, src+src_len)` (format v1 or v2 of
     /// [`crate::codec`], described by `desc`, which the host parsed from the
     /// same bytes, so nothing is read back) into `[dst, dst+dst_len)`, ordered
     /// on `s` like a copy: work queued on `s` before it (the H2D of the

@@ -1,5 +1,5 @@
 //! The weight codec's C API: encode a bf16/fp16 weight into a compressed
-//! buffer the caller keeps (format v1, docs/RESIDENCY.md "Compressed weights:
+//! buffer the caller keeps (format v1 or v2, docs/RESIDENCY.md "Compressed weights:
 //! the format"), validate such a buffer, and decode it on the CPU.
 //!
 //! Encoding is a size query ([`epm_codec_plan`]) then [`epm_codec_encode`]
@@ -44,6 +44,12 @@ pub struct EpmCodecOptions {
     pub max_ratio: f64,
     /// Weights of fewer raw bytes stay raw (default 1 MiB).
     pub min_bytes: u64,
+    /// Format version to write: 0 = the smaller of v1 and v2 (default), 1 =
+    /// v1 only (for readers built before v2).
+    pub format_version: u32,
+    /// v2's escape code width in bits, 1–4 (writes v2); 0 = the width giving
+    /// the smallest buffer, or v1 where that is smaller (default 0).
+    pub k2: u32,
 }
 
 /// What an encode did or would do, or what a compressed buffer holds.
@@ -73,6 +79,12 @@ pub struct EpmCodecInfo {
     /// encoded ÷ raw; for `EPM_CODEC_RAW_NO_GAIN` the best ratio found;
     /// 1.0 otherwise when raw.
     pub ratio: f64,
+    /// Format v2: exponents in neither table, stored as bytes (0 in v1).
+    pub escapes3: u64,
+    /// Format v2: escape code width in bits (0 in v1 and when raw).
+    pub k2: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
 }
 
 /// `sizeof(EpmCodecOptions)` in its first published version. Frozen.
@@ -90,6 +102,8 @@ fn default_options() -> EpmCodecOptions {
         k: 0,
         max_ratio: d.max_ratio,
         min_bytes: d.min_bytes as u64,
+        format_version: 0,
+        k2: 0,
     }
 }
 
@@ -100,11 +114,20 @@ fn options_of(options: *const EpmCodecOptions) -> Result<EncodeOptions> {
         read_versioned(options, default_options(), "EpmCodecOptions")?
     };
     ensure!(o.k <= 4, InvalidArgument, "EpmCodecOptions.k = {} is not 0 (choose) or 1–4", o.k);
+    ensure!(o.k2 <= 4, InvalidArgument, "EpmCodecOptions.k2 = {} is not 0 (choose) or 1–4", o.k2);
+    let k2 = match (o.format_version, o.k2) {
+        (0, 0) => None,
+        (1, 0) => Some(0),
+        (0, k2) => Some(k2),
+        (1, k2) => bail!(InvalidArgument, "EpmCodecOptions.k2 = {k2} needs format v2, but format_version is 1"),
+        (v, _) => bail!(InvalidArgument, "EpmCodecOptions.format_version = {v} is not 0 (the smaller) or 1 (v1 only)"),
+    };
     Ok(EncodeOptions {
         threads: o.threads as usize,
         max_ratio: if o.max_ratio == 0.0 { EncodeOptions::default().max_ratio } else { o.max_ratio },
         min_bytes: usize::try_from(o.min_bytes).unwrap_or(usize::MAX),
         k: (o.k != 0).then_some(o.k),
+        k2,
     })
 }
 
@@ -134,12 +157,15 @@ fn info_of_desc(d: &DecodeDesc) -> EpmCodecInfo {
         outcome: EPM_CODEC_CODED,
         dtype: dtype_code(d.dtype()),
         k: d.k(),
-        format_version: codec::VERSION as u32,
+        format_version: d.version() as u32,
         values: d.values() as u64,
         raw_bytes: d.raw_len() as u64,
         encoded_bytes: d.compressed_len() as u64,
         escapes: d.escapes() as u64,
         ratio: d.ratio(),
+        escapes3: d.escapes3() as u64,
+        k2: d.k2(),
+        reserved: 0,
     }
 }
 
@@ -279,7 +305,7 @@ pub extern "C" fn epm_codec_encode(
 ///
 /// Ownership: `buf` is only read during the call. NULL: `buf` or `out` is
 /// NULL_POINTER. Errors: INVALID_ARGUMENT for anything that is not an intact
-/// format v1 buffer of exactly `len` bytes, with a message saying what
+/// format v1 or v2 buffer of exactly `len` bytes, with a message saying what
 /// (truncated, checksum mismatch, unknown version, ...). `*out` is written
 /// only on success. Threading: safe from any thread.
 #[unsafe(no_mangle)]
@@ -321,7 +347,7 @@ pub extern "C" fn epm_codec_decode(
 }
 
 /// `EpmCompressedWeight::dtype`: `data` is already a compressed buffer
-/// (format v1, from `epm_codec_encode`).
+/// (format v1 or v2, from `epm_codec_encode`).
 pub const EPM_CODEC_DTYPE_ENCODED: u32 = 0;
 
 /// A weight for `epm_residency_register_compressed`. Set `size =

@@ -1,4 +1,4 @@
-//! Compressed weights (format v1 of [`crate::codec`]): registration, and
+//! Compressed weights (formats v1 and v2 of [`crate::codec`]): registration, and
 //! page-ins that copy the compressed bytes into device staging and decode
 //! them into the weight's memory, all ordered on the device.
 //!
@@ -142,7 +142,7 @@ impl ResidencyManager {
         st.ledger.budget()
     }
 
-    /// Register a weight already encoded (format v1, e.g. by
+    /// Register a weight already encoded (format v1 or v2, e.g. by
     /// [`codec::encode`] or `epm_codec_encode`). The bytes are validated
     /// (header, layout, escape index, CRC-32): a corrupt or truncated buffer
     /// is refused here with the codec's message, never decoded. They are
@@ -445,7 +445,7 @@ impl ResidencyManager {
     /// `order` (the stream that waits for `dst`'s readers) when given. Each
     /// staging buffer takes a run of whole frames (contiguous in the host
     /// copy: one copy, then a decode per frame), or, for a frame larger than
-    /// a buffer, a piece of it (whole blocks: up to four copies, one
+    /// a buffer, a piece of it (whole blocks: up to six copies, one
     /// decode); buffers alternate. The fence completes when the last decode has.
     pub(super) fn compressed_in(
         &self,

@@ -130,9 +130,9 @@ impl Loc {
 pub(crate) struct Coded {
     /// The frames end to end: each weight is stored in frames of
     /// [`crate::codec::FRAME_VALUES`] values (the last may hold fewer), each
-    /// a format-v1 buffer; a caller's buffer of one frame is kept as given.
+    /// a compressed buffer; a caller's buffer of one frame is kept as given.
     pub buf: crate::device::PinnedBuffer,
-    /// The weight as one format-v1 encoding (for a caller's buffer, the
+    /// The weight as one compressed encoding (for a caller's buffer, the
     /// buffer's own): values, k, table, escapes.
     pub desc: crate::codec::DecodeDesc,
     pub frames: Vec<crate::codec::Frame>,

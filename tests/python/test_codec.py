@@ -26,12 +26,16 @@ class CodecTest(unittest.TestCase):
     def test_every_bit_pattern_round_trips(self):
         for dtype in ("bf16", "fp16"):
             for k in (0, 1, 2, 3, 4):
-                buf, info = codec.encode(ALL, dtype, k=k, min_bytes=0, max_ratio=1e9)
-                self.assertTrue(info.coded, (dtype, k, info))
-                self.assertEqual(len(buf), info.encoded_bytes)
-                self.assertEqual(codec.decode(buf), ALL, (dtype, k))
-                v = codec.validate(buf)
-                self.assertEqual((v.dtype, v.values, v.raw_bytes, v.format_version), (dtype, 65536, 131072, 1))
+                for version, k2 in ((1, 0), (0, 1), (0, 3), (0, 4)):
+                    buf, info = codec.encode(ALL, dtype, k=k, min_bytes=0, max_ratio=1e9,
+                                             format_version=version, k2=k2)
+                    self.assertTrue(info.coded, (dtype, k, info))
+                    self.assertEqual(len(buf), info.encoded_bytes)
+                    self.assertEqual(codec.decode(buf), ALL, (dtype, k, k2))
+                    v = codec.validate(buf)
+                    self.assertEqual((v.dtype, v.values, v.raw_bytes), (dtype, 65536, 131072))
+                    # format_version=1 writes v1; a k2 writes v2 with that width.
+                    self.assertEqual((v.format_version, v.k2), (1, 0) if version == 1 else (2, k2))
 
     def test_odd_lengths_and_buffer_types(self):
         data = weight_like(3 * 4096 + 17, 1)
@@ -41,11 +45,16 @@ class CodecTest(unittest.TestCase):
                 buf, info = codec.encode(obj, "bfloat16", min_bytes=0, max_ratio=1e9, threads=2)
                 self.assertEqual(codec.decode(buf), raw, (n, type(obj)))
 
-    def test_a_weight_like_tensor_compresses_to_about_070(self):
+    def test_a_weight_like_tensor_compresses_below_070(self):
         raw = weight_like(1 << 20, 2)
         buf, info = codec.encode(raw, "bf16")
         self.assertTrue(info.coded)
         self.assertTrue(0.6 < info.ratio < 0.75, info)
+        # Two-level escapes (format v2) by default, smaller than v1.
+        self.assertEqual(info.format_version, 2, info)
+        _, v1 = codec.encode(raw, "bf16", format_version=1)
+        self.assertEqual(v1.format_version, 1)
+        self.assertLess(info.encoded_bytes, v1.encoded_bytes)
         self.assertEqual(codec.plan(raw, "bf16"), info)
         self.assertEqual(codec.decode(buf), raw)
 

@@ -1,10 +1,12 @@
 // Runs src/device/cuda/codec.cu's kernel on the CPU: every thread of a block
 // is a std::thread, __syncthreads a barrier, __shfl_up_sync a per-warp
-// exchange. It checks the kernel's logic (indexing, escapes, the block scan,
-// partial blocks) where there is no GPU; it says nothing about speed.
+// exchange (any number of scans, each call its own two barrier phases). It
+// checks the kernel's logic (indexing, escapes, the block scans, format v2's
+// two-level escape codes, partial blocks) where there is no GPU; it says
+// nothing about speed.
 //
 //   c++ -std=c++20 -O1 -pthread [-DEPM_SLICES=2] -o emulate tools/codec-emu/emulate.cpp
-//   ./emulate COMPRESSED RAW_OUT     (a format v1 buffer; writes the decoded bytes)
+//   ./emulate COMPRESSED RAW_OUT     (a format v1 or v2 buffer; writes the decoded bytes)
 //
 // Driven by tools/tests/codec_kernel_emulated.rs.
 #include <barrier>
@@ -20,6 +22,7 @@
 
 struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
+static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 // The integer intrinsics, as CUDA defines them (prmt's default mode; the
 // kernel never sets a selector nibble's bit 3).
@@ -32,6 +35,10 @@ static unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
 static unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int sh) {
   return (unsigned int)((((uint64_t)hi << 32) | lo) >> (sh & 31));
 }
+static unsigned int __funnelshift_rc(unsigned int lo, unsigned int hi, unsigned int sh) {
+  return (unsigned int)((((uint64_t)hi << 32) | lo) >> (sh < 32 ? sh : 32));
+}
+static int __popc(unsigned int x) { return __builtin_popcount(x); }
 static int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 static int __ffsll(long long x) { return __builtin_ffsll(x); }
 struct Dim { unsigned int x, y, z; };
@@ -59,6 +66,7 @@ static unsigned int __shfl_up_sync(unsigned int, unsigned int v, unsigned int d)
 static_assert(EPM_THREADS % 32 == 0 && EPM_THREADS <= EPM_WARPS * 32);
 
 static uint64_t u64_at(const unsigned char *b, size_t at) { uint64_t v; memcpy(&v, b + at, 8); return v; }
+static_assert(sizeof(EpmDecodeParams) == 136, "EpmDecodeParams is 136 bytes (v2spec.md)");
 
 int main(int argc, char **argv) {
   if (argc != 3) { fprintf(stderr, "usage: %s COMPRESSED RAW_OUT\n", argv[0]); return 2; }
@@ -87,6 +95,18 @@ int main(int argc, char **argv) {
   p.code_bits = buf[10];
   p.blocks = (unsigned int)((n + 4095) / 4096);
   memcpy(p.table, buf + 72, 16);
+  // Format v2: the escape stream is k2-bit codes, plus a level-3 index and byte stream.
+  const unsigned int version = (unsigned int)buf[4] | (unsigned int)buf[5] << 8;
+  if (version == 2) {
+    p.k2 = buf[11];
+    memcpy(p.table2, buf + 88, 16);
+    p.n_escapes3 = u64_at(buf, 104);
+    p.escapes3 = base + u64_at(buf, 112);
+    p.offsets3 = base + 128 + ((((uint64_t)p.blocks + 1) * 4 + 15) & ~(uint64_t)15);
+  } else if (version != 1) {
+    fprintf(stderr, "emulate: format version %u\n", version);
+    return 2;
+  }
   // 64 guard bytes past the output catch a store past the end.
   size_t out_len = n * 2;
   unsigned char *out = (unsigned char *)aligned_alloc(256, (out_len + 64 + 255) & ~size_t(255));

@@ -1,7 +1,8 @@
 //! The decode kernel (src/device/cuda/codec.cu) run on the CPU by
 //! tools/codec-emu/emulate.cpp (a thread per CUDA thread, barriers for
 //! __syncthreads and warp shuffles), bit-exact against the encoder's input:
-//! the kernel's indexing, escape scan and partial blocks are checked on every
+//! the kernel's indexing, escape scans and partial blocks, in format v1 and
+//! in format v2 (two-level escape codes, level-3 bytes), are checked on every
 //! `cargo test`, GPU or not, as shipped (one 16-value slice per thread) and as
 //! built with `-DEPM_SLICES=2` (two per thread, the variant
 //! `scripts/codec-gpu.sh --variants` times). Speed and real-hardware behaviour are the H200
@@ -73,19 +74,82 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
         .collect();
 
     let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
-    let mut cases: Vec<(String, Vec<u8>, Dtype, Option<u32>)> = Vec::new();
+    // (what, raw, dtype, k, k2): k2 Some(0) forces format v1, Some(1..=4)
+    // format v2 with that escape code width, None lets the encoder choose.
+    let mut cases: Vec<(String, Vec<u8>, Dtype, Option<u32>, Option<u32>)> = Vec::new();
     for dtype in [Dtype::Bf16, Dtype::Fp16] {
         for k in 1..=4 {
-            cases.push((format!("all {} patterns, k={k}", dtype.name()), all.clone(), dtype, Some(k)));
+            cases.push((format!("all {} patterns, v1 k={k}", dtype.name()), all.clone(), dtype, Some(k), Some(0)));
+        }
+        // Format v2: every (k, k2). With all bit patterns a small k2 leaves
+        // most escapes to level 3 (k2 = 1: every escape but one exponent's).
+        for k in 1..=4 {
+            for k2 in 1..=4 {
+                cases.push((
+                    format!("all {} patterns, v2 k={k} k2={k2}", dtype.name()),
+                    all.clone(),
+                    dtype,
+                    Some(k),
+                    Some(k2),
+                ));
+            }
+        }
+        // The same patterns shuffled: a thread's escapes then differ in
+        // exponent and level (all patterns in order give 16 equal exponents
+        // to each thread).
+        let mut order: Vec<u16> = (0..=u16::MAX).collect();
+        fastrand::Rng::with_seed(dtype as u64).shuffle(&mut order);
+        let shuffled: Vec<u8> = order.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for (k, k2) in [(2, 3), (3, 1), (4, 4)] {
+            cases.push((
+                format!("all {} patterns shuffled, v2 k={k} k2={k2}", dtype.name()),
+                shuffled.clone(),
+                dtype,
+                Some(k),
+                Some(k2),
+            ));
         }
         for n in [1, 7, 16, 17, 4095, 4096, 4097, 3 * 4096 + 17] {
-            cases.push((format!("{n} weight-like {}", dtype.name()), weight_like(n, n as u64, dtype), dtype, None));
+            let raw = weight_like(n, n as u64, dtype);
+            cases.push((format!("{n} weight-like {}", dtype.name()), raw.clone(), dtype, None, None));
+            for k2 in [1, 2, 4] {
+                cases.push((
+                    format!("{n} weight-like {}, v2 k2={k2}", dtype.name()),
+                    raw.clone(),
+                    dtype,
+                    None,
+                    Some(k2),
+                ));
+            }
+        }
+        // Several blocks, with level-3 escapes in some blocks and not others.
+        let raw = weight_like(16 * 4096 + 4001, 99, dtype);
+        cases.push((format!("16 blocks + 4001 weight-like {}", dtype.name()), raw.clone(), dtype, None, None));
+        for k2 in [1, 3] {
+            cases.push((
+                format!("16 blocks + 4001 weight-like {}, v2 k2={k2}", dtype.name()),
+                raw.clone(),
+                dtype,
+                None,
+                Some(k2),
+            ));
         }
     }
     let mut failures = Vec::new();
-    for (what, raw, dtype, k) in &cases {
-        let opts = EncodeOptions { threads: 2, max_ratio: 1e9, min_bytes: 0, k: *k };
+    let mut versions = [0usize; 3];
+    for (what, raw, dtype, k, k2) in &cases {
+        let opts = EncodeOptions { threads: 2, max_ratio: 1e9, min_bytes: 0, k: *k, k2: *k2 };
         let Encoded::Coded(buf) = codec::encode(raw, *dtype, &opts).unwrap() else { panic!("{what}: kept raw") };
+        // The format the case asked for (auto: either), so each case tests what it says.
+        let version = u16::from_le_bytes([buf[4], buf[5]]);
+        let want: &[u16] = match k2 {
+            Some(0) => &[1],
+            Some(_) => &[2],
+            None => &[1, 2],
+        };
+        assert!(want.contains(&version), "{what}: the encoder wrote format v{version}");
+        assert!(k2.is_none_or(|k2| k2 == 0 || buf[11] as u32 == k2), "{what}: k2 {} in the header", buf[11]);
+        versions[version as usize] += 1;
         let (src, dst) = (dir.join("in"), dir.join("out"));
         std::fs::write(&src, &buf).unwrap();
         for (kernel, exe) in &exes {
@@ -95,12 +159,13 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
             if got != *raw {
                 let first = got.chunks(2).zip(raw.chunks(2)).position(|(a, b)| a != b);
                 failures.push(format!(
-                    "{what} ({kernel}): {} first differing value {first:?}",
+                    "{what} (format v{version}, {kernel}): {} first differing value {first:?}",
                     String::from_utf8_lossy(&out.stderr).trim()
                 ));
             }
         }
     }
+    println!("{} cases: {} in format v1, {} in format v2", cases.len(), versions[1], versions[2]);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         failures.is_empty(),

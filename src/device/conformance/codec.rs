@@ -8,9 +8,13 @@ use crate::codec::{self, BLOCK_VALUES, Dtype, EncodeOptions, Encoded};
 use crate::device::{Device, DeviceBuffer, Stream};
 use crate::error::{EpmStatus, Result};
 
-/// Encode anything of at least one value, at code width `k` (None: the best).
+/// Encode anything of at least one value, at code width `k` and escape code
+/// width `k2` (None: the best; `k2` Some(0): format v1).
 fn encode(data: &[u8], dtype: Dtype, k: Option<u32>) -> Vec<u8> {
-    let opts = EncodeOptions { threads: 2, max_ratio: 1e9, min_bytes: 0, k };
+    encode2(data, dtype, k, None)
+}
+fn encode2(data: &[u8], dtype: Dtype, k: Option<u32>, k2: Option<u32>) -> Vec<u8> {
+    let opts = EncodeOptions { threads: 2, max_ratio: 1e9, min_bytes: 0, k, k2 };
     match codec::encode(data, dtype, &opts) {
         Ok(Encoded::Coded(b)) => b,
         other => panic!("encoding {} bytes of {dtype:?}: {other:?}", data.len()),
@@ -77,17 +81,26 @@ fn device_round_trip(dev: &Arc<dyn Device>, s: &Stream, data: &[u8], buf: &[u8],
     Ok(())
 }
 
-/// Every bf16 and fp16 bit pattern at every code width, and weight-like
-/// tensors of odd lengths (one value, a block ± 1, several blocks and a tail),
-/// decode bit-exactly on the device.
+/// Every bf16 and fp16 bit pattern at every code width, in format v1 and in
+/// v2 at every escape code width, and weight-like tensors of odd lengths (one
+/// value, a block ± 1, several blocks and a tail), decode bit-exactly on the
+/// device.
 pub fn decode_is_bit_exact(dev: &Arc<dyn Device>) -> Result<()> {
     no_leaks(dev, "decode_is_bit_exact", || {
         let s = Stream::new(dev)?;
         let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
+        // Shuffled, so a block mixes every exponent (many level-3 escapes a block).
+        let mut shuffled: Vec<u16> = (0..=u16::MAX).collect();
+        fastrand::Rng::with_seed(11).shuffle(&mut shuffled);
+        let shuffled: Vec<u8> = shuffled.iter().flat_map(|v| v.to_le_bytes()).collect();
         for dtype in [Dtype::Bf16, Dtype::Fp16] {
             for k in 1..=4 {
-                let what = format!("all 65536 {} bit patterns, k={k}", dtype.name());
-                device_round_trip(dev, &s, &all, &encode(&all, dtype, Some(k)), &what)?;
+                for k2 in 0..=4 {
+                    let what = format!("all 65536 {} bit patterns, k={k}, k2={k2}", dtype.name());
+                    device_round_trip(dev, &s, &all, &encode2(&all, dtype, Some(k), Some(k2)), &what)?;
+                }
+                let what = format!("all 65536 {} bit patterns shuffled, k={k}, k2=3", dtype.name());
+                device_round_trip(dev, &s, &shuffled, &encode2(&shuffled, dtype, Some(k), Some(3)), &what)?;
             }
             let b = BLOCK_VALUES;
             for (i, n) in [1, 7, 16, 17, b - 1, b, b + 1, 3 * b + 17, (1 << 20) + 5].into_iter().enumerate() {
@@ -148,14 +161,29 @@ pub fn decode_pieces_are_bit_exact(dev: &Arc<dyn Device>) -> Result<()> {
         let s = Stream::new(dev)?;
         let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
         let b = BLOCK_VALUES;
-        let cases: Vec<(String, Vec<u8>, Dtype, Option<u32>)> = vec![
-            ("all bf16 bit patterns, k=1".into(), all.clone(), Dtype::Bf16, Some(1)),
-            ("all fp16 bit patterns, k=3".into(), all, Dtype::Fp16, Some(3)),
-            ("weight-like bf16, 9 blocks + 77".into(), weight_like(Dtype::Bf16, 9 * b + 77, 5), Dtype::Bf16, None),
-            ("weight-like fp16, 6 blocks + 1".into(), weight_like(Dtype::Fp16, 6 * b + 1, 6), Dtype::Fp16, None),
+        let cases: Vec<(String, Vec<u8>, Dtype, Option<u32>, Option<u32>)> = vec![
+            ("all bf16 bit patterns, k=1, v1".into(), all.clone(), Dtype::Bf16, Some(1), Some(0)),
+            ("all bf16 bit patterns, k=1, k2=3".into(), all.clone(), Dtype::Bf16, Some(1), Some(3)),
+            ("all fp16 bit patterns, k=3, v1".into(), all.clone(), Dtype::Fp16, Some(3), Some(0)),
+            ("all fp16 bit patterns, k=2, k2=1".into(), all, Dtype::Fp16, Some(2), Some(1)),
+            (
+                "weight-like bf16, 9 blocks + 77".into(),
+                weight_like(Dtype::Bf16, 9 * b + 77, 5),
+                Dtype::Bf16,
+                None,
+                None,
+            ),
+            ("weight-like fp16, 6 blocks + 1".into(), weight_like(Dtype::Fp16, 6 * b + 1, 6), Dtype::Fp16, None, None),
+            (
+                "weight-like bf16 v2, 7 blocks + 5".into(),
+                weight_like(Dtype::Bf16, 7 * b + 5, 7),
+                Dtype::Bf16,
+                Some(2),
+                Some(3),
+            ),
         ];
-        for (name, data, dtype, k) in cases {
-            let buf = encode(&data, dtype, k);
+        for (name, data, dtype, k, k2) in cases {
+            let buf = encode2(&data, dtype, k, k2);
             let desc = codec::parse(&buf, 2)?;
             // The most any one block stages in (blocks differ by their escapes).
             let mut one = 0;

@@ -27,7 +27,7 @@ pub(super) struct CodecKernel {
     decode: Handle<sys::CUfunction>,
 }
 
-/// `EpmDecodeParams` of codec.cu, field for field (88 bytes, 8-aligned).
+/// `EpmDecodeParams` of codec.cu, field for field (136 bytes, 8-aligned).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DecodeParams {
@@ -43,6 +43,15 @@ pub(crate) struct DecodeParams {
     pub code_bits: u32,
     pub blocks: u32,
     pub table: [u8; 16],
+    /// Format v2 (0s in v1): the level-3 index, the level-3 bytes (moved
+    /// back like `escapes`), the bound on level-3 reads, the escape code
+    /// width (0 = v1: `escapes` is a byte stream) and the escape table.
+    pub offsets3: u64,
+    pub escapes3: u64,
+    pub n_escapes3: u64,
+    pub k2: u32,
+    pub reserved: u32,
+    pub table2: [u8; 16],
 }
 
 impl DecodeParams {
@@ -51,13 +60,15 @@ impl DecodeParams {
     /// piece of blocks `[a, b)` is the weight of those blocks alone: stream
     /// pointers at the staged parts, `b − a` blocks, its values; its escape
     /// offsets stay absolute, so the escape pointer is moved back by the
-    /// piece's first staged escape index (wrapping arithmetic: only
-    /// `escapes + index`, at or past the staged part, is ever read), and
-    /// `n_escapes`, which bounds every escape read, is the piece's last.
+    /// piece's first staged escape byte (wrapping arithmetic: only bytes at
+    /// or past the staged part are ever read; v1 reads escape `i` at
+    /// `escapes + i`, v2 its code at bit `i·k2`), and `n_escapes`, which
+    /// bounds every escape read, is the piece's last. Level-3 likewise.
     /// For [`crate::codec::DecodeDesc::whole`] these are the buffer's own streams.
     pub(crate) fn new(src: DevicePtr, dst: DevicePtr, piece: &DecodePiece) -> Self {
         let desc = piece.desc();
-        let [offsets, codes, lows, escapes] = piece.staged_offsets().map(|o| src + o as u64);
+        let [offsets, codes, lows, escapes, offsets3, escapes3] = piece.staged_offsets().map(|o| src + o as u64);
+        let v2 = desc.k2() > 0;
         Self {
             dst,
             offsets,
@@ -71,6 +82,12 @@ impl DecodeParams {
             code_bits: desc.code_bits(),
             blocks: piece.blocks() as u32,
             table: desc.table(),
+            offsets3: if v2 { offsets3 } else { 0 },
+            escapes3: if v2 { escapes3.wrapping_sub(piece.escape3_base() as u64) } else { 0 },
+            n_escapes3: piece.escape3_end() as u64,
+            k2: desc.k2(),
+            reserved: 0,
+            table2: desc.table2(),
         }
     }
 }
@@ -149,6 +166,10 @@ mod tests {
         assert_eq!(std::mem::align_of::<DecodeParams>(), 8);
         assert_eq!(std::mem::offset_of!(DecodeParams, dtype), 56);
         assert_eq!(std::mem::offset_of!(DecodeParams, table), 72);
+        assert_eq!(std::mem::offset_of!(DecodeParams, offsets3), 88);
+        assert_eq!(std::mem::offset_of!(DecodeParams, k2), 112);
+        assert_eq!(std::mem::offset_of!(DecodeParams, table2), 120);
+        assert_eq!(std::mem::size_of::<DecodeParams>(), 136);
         // One 16-value slice per thread covers exactly one codec block.
         assert_eq!(THREADS as usize * 16, BLOCK_VALUES);
     }

@@ -4,7 +4,7 @@
 // context is current) and reports a violation as an error, so the CUDA
 // tests fail. Device memory is host memory (so device pointers are host
 // pointers), VMM is memfd + mmap + mprotect, copies and the checksum kernel
-// run synchronously (the codec decode with a plain C decoder of format v1),
+// run synchronously (the codec decode with a plain C decoder of formats v1 and v2),
 // and the spin kernel advances a per-stream "busy until"
 // clock that events, queries and synchronizes honour. A stream memory wait
 // (cuStreamWaitValue32_v2, the gate of Device::hold_async) holds its stream:
@@ -163,28 +163,42 @@ CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
   return 0;
 }
 CUresult cuModuleUnload(CUmodule m) { NEED_CTX(); return m == &MOD || m == &CODEC_MOD ? 0 : 400; }
-// codec.cu's parameter block, and a plain C decoder of format v1: a second,
-// independent reading of the format that the CUDA path's tests decode with.
+// codec.cu's parameter block, and a plain C decoder of formats v1 and v2: a
+// second, independent reading of the format that the CUDA path's tests decode with.
 typedef struct {
   uint64_t dst, offsets, codes, lows, escapes, n_values, n_escapes;
   uint32_t dtype, k, code_bits, blocks;
   uint8_t table[16];
+  uint64_t offsets3, escapes3, n_escapes3;
+  uint32_t k2, reserved;
+  uint8_t table2[16];
 } DecodeParams;
 static CUresult fake_decode(unsigned grid, unsigned block, const DecodeParams *p) {
   if (block != 256 || p->blocks != grid || (uint64_t)grid * 4096 < p->n_values || (uint64_t)(grid - 1) * 4096 >= p->n_values) BAD("decode launch: grid %u block %u for %llu values", grid, block, (unsigned long long)p->n_values);
   if (p->k < 1 || p->k > 4 || p->code_bits != p->k + (p->dtype == 2 ? 3 : 0) || (p->dtype != 1 && p->dtype != 2)) BAD("decode params: dtype %u k %u W %u", p->dtype, p->k, p->code_bits);
   if ((p->dst | p->codes | p->lows) & 15) BAD("decode: unaligned stream or destination");
+  if (p->k2 > 4 || p->reserved) BAD("decode params: k2 %u", p->k2);
   const uint8_t *codes = (const uint8_t *)p->codes, *lows = (const uint8_t *)p->lows, *escs = (const uint8_t *)p->escapes;
   const uint32_t *offs = (const uint32_t *)p->offsets;
   uint16_t *dst = (uint16_t *)p->dst;
   const uint32_t w = p->code_bits, esc = (1u << p->k) - 1;
   for (uint64_t b = 0; b < grid; b++) {
-    uint64_t e = offs[b];
+    uint64_t e = offs[b], s3 = p->k2 ? ((const uint32_t *)p->offsets3)[b] : 0;
     for (uint64_t i = b * 4096; i < p->n_values && i < (b + 1) * 4096; i++) {
       uint64_t bit = i * w, c = 0;
       for (uint32_t j = 0; j < w; j++, bit++) c |= (uint64_t)((codes[bit / 8] >> (bit % 8)) & 1) << j;
       uint32_t code = c & esc, extra = (uint32_t)(c >> p->k), exp, low = lows[i];
-      if (code == esc) { exp = e < p->n_escapes ? escs[e] : 0; e++; } else exp = p->table[code];
+      if (code == esc && p->k2) {
+        /* v2: escape e's k2-bit code; the escape code's exponent is the next level-3 byte. */
+        uint32_t c2 = 0, esc2 = (1u << p->k2) - 1;
+        for (uint32_t j = 0; e < p->n_escapes && j < p->k2; j++) {
+          uint64_t at = e * p->k2 + j;
+          c2 |= (uint32_t)((escs[at / 8] >> (at % 8)) & 1) << j;
+        }
+        if (c2 == esc2) { exp = s3 < p->n_escapes3 ? ((const uint8_t *)p->escapes3)[s3] : 0; s3++; }
+        else exp = p->table2[c2];
+        e++;
+      } else if (code == esc) { exp = e < p->n_escapes ? escs[e] : 0; e++; } else exp = p->table[code];
       dst[i] = p->dtype == 2 ? (uint16_t)(((extra & 4) << 13) | ((exp & 0x1F) << 10) | ((extra & 3) << 8) | low)
                              : (uint16_t)(((low & 0x80) << 8) | ((exp & 0xFF) << 7) | (low & 0x7F));
     }
