@@ -20,7 +20,7 @@ fn quick_bench_runs_checks_and_reports_every_tensor() {
         .expect("run bench_codec");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("bit patterns, k=1..4: bit-exact"), "{stdout}");
+    assert!(stdout.contains("bit patterns, k=1..4, format v1 and v2 with k2=1..4: bit-exact"), "{stdout}");
     assert!(stdout.contains("(a partial last block): bit-exact"), "{stdout}");
     for row in [
         "| normal | bf16 |",
@@ -39,10 +39,19 @@ fn quick_bench_runs_checks_and_reports_every_tensor() {
     // --dump: every case, in run order, an encoded buffer that decodes to its raw file.
     let list = std::fs::read_to_string(dir.join("cases.txt")).expect("cases.txt written");
     let names: Vec<&str> = list.lines().collect();
-    assert_eq!(names.len(), 8 + 2 + 6, "{list}");
+    // All bit patterns: 2 dtypes × k 1..=4 × (v1, v2 with k2 1..=4); then the odd lengths and tensors.
+    assert_eq!(names.len(), 40 + 2 + 6, "{list}");
     assert_eq!(
-        (names[0], names[7], names[8], names[9], names[10], names[15]),
-        ("all-bf16-k1", "all-fp16-k4", "odd-normal-bf16", "odd-normal-fp16", "normal-bf16", "student_t3-fp16")
+        (names[0], names[1], names[39], names[40], names[41], names[42], names[47]),
+        (
+            "all-bf16-k1",
+            "all-bf16-k1-v2k1",
+            "all-fp16-k4-v2k4",
+            "odd-normal-bf16",
+            "odd-normal-fp16",
+            "normal-bf16",
+            "student_t3-fp16"
+        )
     );
     for name in names {
         let buf = std::fs::read(dir.join(format!("{name}.epmz"))).unwrap();

@@ -219,20 +219,30 @@ fn main() {
     let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
     for dtype in [Dtype::Bf16, Dtype::Fp16] {
         for k in 1..=4 {
-            let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: Some(k) };
-            let Ok(Encoded::Coded(buf)) = codec::encode(&all, dtype, &opts) else {
-                fail(format!("encoding all {} patterns", dtype.name()))
-            };
-            device_decode(&dev, &s, &all, &buf, 1, &format!("all {} patterns, k={k}", dtype.name()));
-            dump(args.dump.as_deref(), &format!("all-{}-k{k}", dtype.name()), &all, &buf);
+            // k2 = 0: format v1; 1..=4: format v2 with that escape code width.
+            for k2 in 0..=4 {
+                let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: Some(k), k2: Some(k2) };
+                let Ok(Encoded::Coded(buf)) = codec::encode(&all, dtype, &opts) else {
+                    fail(format!("encoding all {} patterns", dtype.name()))
+                };
+                device_decode(&dev, &s, &all, &buf, 1, &format!("all {} patterns, k={k}, k2={k2}", dtype.name()));
+                let name = if k2 == 0 {
+                    format!("all-{}-k{k}", dtype.name())
+                } else {
+                    format!("all-{}-k{k}-v2k{k2}", dtype.name())
+                };
+                dump(args.dump.as_deref(), &name, &all, &buf);
+            }
         }
     }
-    println!("all 65536 bf16 and fp16 bit patterns, k=1..4: bit-exact through decode_async");
+    println!(
+        "all 65536 bf16 and fp16 bit patterns, k=1..4, format v1 and v2 with k2=1..4: bit-exact through decode_async"
+    );
     // A length that ends in a partial block and a partial 16-value slice.
     const ODD: usize = 1_000_003;
     for dtype in [Dtype::Bf16, Dtype::Fp16] {
         let raw = tensor("normal", dtype, 2 * ODD, 5);
-        let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: None };
+        let opts = EncodeOptions { threads, max_ratio: 1e9, min_bytes: 0, k: None, k2: None };
         let Ok(Encoded::Coded(buf)) = codec::encode(&raw, dtype, &opts) else {
             fail(format!("encoding {ODD} {} values", dtype.name()))
         };
@@ -243,9 +253,9 @@ fn main() {
 
     println!();
     println!(
-        "| tensor | dtype | ratio | k | escapes | encode GB/s (per CPU-second) | CPU decode GB/s (per CPU-second) | device decode GB/s | device D2D GB/s |"
+        "| tensor | dtype | ratio | v | k | k2 | escapes | encode GB/s (per CPU-second) | CPU decode GB/s (per CPU-second) | device decode GB/s | device D2D GB/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let bytes = args.mib * MIB;
     let mut rows = Vec::new();
     for (i, dist) in ["normal", "kaiming", "student_t3"].into_iter().enumerate() {
@@ -270,16 +280,19 @@ fn main() {
             let enc_gbps = raw.len() as f64 / enc_s / 1e9;
             rows.push(serde_json::json!({
                 "tensor": dist, "dtype": dtype.name(), "raw_bytes": raw.len(), "compressed_bytes": buf.len(),
-                "ratio": desc.ratio(), "k": desc.k(), "escapes": desc.escapes(),
+                "ratio": desc.ratio(), "format_version": desc.version(), "k": desc.k(), "k2": desc.k2(),
+                "escapes": desc.escapes(), "escapes3": desc.escapes3(),
                 "encode_gbps": enc_gbps, "encode_threads": threads, "encode_gbps_per_cpu_second": raw.len() as f64 / enc_cpu / 1e9,
                 "cpu_decode_gbps": raw.len() as f64 / dec_s / 1e9, "cpu_decode_gbps_per_cpu_second": raw.len() as f64 / dec_cpu / 1e9,
                 "device_decode_gbps": gpu, "device_d2d_gbps": d2d, "bit_exact": true,
             }));
             println!(
-                "| {dist} | {} | {:.4} | {} | {:.2}% | {:.2} ({:.2}) | {:.2} ({:.2}) | {:.1} | {:.1} |",
+                "| {dist} | {} | {:.4} | {} | {} | {} | {:.2}% | {:.2} ({:.2}) | {:.2} ({:.2}) | {:.1} | {:.1} |",
                 dtype.name(),
                 desc.ratio(),
+                desc.version(),
                 desc.k(),
+                desc.k2(),
                 100.0 * desc.escapes() as f64 / desc.values() as f64,
                 enc_gbps,
                 raw.len() as f64 / enc_cpu / 1e9,
