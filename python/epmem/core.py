@@ -630,7 +630,7 @@ class Residency(Handle):
 
     def register_compressed(self, data: HostBuffer, dtype: Any = "encoded", nbytes: Optional[int] = None, *,
                             threads: int = 0, max_ratio: Optional[float] = None, min_bytes: Optional[int] = None,
-                            k: int = 0) -> Tuple[int, Any]:
+                            k: int = 0, format_version: int = 0, k2: int = 0) -> Tuple[int, Any]:
         """Register a weight whose host copy is compressed; page-ins copy the
         compressed bytes and decode them on the device (docs/RESIDENCY.md,
         "Streaming compressed weights"). Returns (weight id, epmem.codec.CodecInfo).
@@ -639,7 +639,7 @@ class Residency(Handle):
         (`epmem.codec.encode`), validated and copied; a corrupt or truncated one
         raises InvalidArgument. "bf16"/"fp16"/"other" (or a torch dtype): `data`
         holds raw values the manager encodes into its own page-locked copy
-        (threads, max_ratio, min_bytes, k as `epmem.codec.encode`). A weight the
+        (threads, max_ratio, min_bytes, k, format_version, k2 as `epmem.codec.encode`). A weight the
         codec keeps raw (info.outcome "raw_*", e.g. smaller than min_bytes) is
         registered over `data`, which is then kept as `register_weight` keeps it."""
         from . import codec
@@ -650,7 +650,7 @@ class Residency(Handle):
             opts = None
         else:
             w.dtype = codec._dtype(dtype)
-            opts = codec._options(threads, max_ratio, min_bytes, k)
+            opts = codec._options(threads, max_ratio, min_bytes, k, format_version, k2)
             w.options = ctypes.pointer(opts)
         out = c_uint32()
         info = L.new(L.EpmCodecInfo)

@@ -284,7 +284,7 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         most 64 MiB) comes out of the budget. stats(): compressed_weights, host_weight_bytes (host RAM of the
         offloaded weights), compressed_htod_bytes, decodes, decode_ms.
     compress_options: dict of epmem.codec options (threads, max_ratio,
-        min_bytes, k) for the encoder.
+        min_bytes, k, format_version, k2) for the encoder.
 
     Returns an Offload handle (stats(), remove()). Refuses (OffloadError, with
     the module left as it was): a module in training mode, a parameter shared
@@ -301,9 +301,10 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
     if not (compress is True or compress is False or compress == "auto"):
         raise ValueError(f"compress must be 'auto', True or False, not {compress!r}")
     compress_options = dict(compress_options or {})
-    unknown = set(compress_options) - {"threads", "max_ratio", "min_bytes", "k"}
+    known = ("threads", "max_ratio", "min_bytes", "k", "format_version", "k2")
+    unknown = set(compress_options) - set(known)
     if unknown:
-        raise ValueError(f"compress_options: unknown keys {sorted(unknown)} (threads, max_ratio, min_bytes, k)")
+        raise ValueError(f"compress_options: unknown keys {sorted(unknown)} ({', '.join(known)})")
     if getattr(module, "_epmem_offload", None) is not None:
         raise OffloadError(f"{type(module).__name__} is offloaded already: remove() the first offload first "
                            "(epmem.torch.offload_of(module) finds it)")

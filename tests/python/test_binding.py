@@ -447,6 +447,29 @@ class Objects(unittest.TestCase):
             with self.assertRaises(epmem.InvalidArgument):
                 r.acquire_host(12345)
 
+    def test_residency_register_compressed_writes_either_format_and_reads_back(self):
+        import random
+        import struct
+        from epmem import codec
+        rng = random.Random(3)
+        raw = b"".join(struct.pack("<f", rng.gauss(0, 0.02))[2:] for _ in range(MiB // 2))  # 1 MiB of bf16
+        with epmem.Residency(self.dev, 4 * MiB) as r:
+            got = {}
+            for opts in ({}, {"format_version": 1}, {"k2": 4}):
+                wid, info = r.register_compressed(raw, "bf16", min_bytes=0, **opts)
+                self.assertTrue(info.coded, info)
+                got[tuple(opts.items())] = (info.format_version, info.k2, info.encoded_bytes)
+                p = r.acquire_host(wid)
+                out = bytearray(len(raw))
+                self.dev.memcpy_dtoh(out, p)
+                self.assertEqual(bytes(out), raw, opts)
+                r.release_host(wid)
+            v2, v1, k24 = got[()], got[(("format_version", 1),)], got[(("k2", 4),)]
+            self.assertEqual((v2[0], v1[0], v1[1], k24[:2]), (2, 1, 0, (2, 4)), got)
+            self.assertLess(v2[2], v1[2], got)  # the default (v2) is the smaller buffer
+            with self.assertRaises(epmem.InvalidArgument):
+                r.register_compressed(raw, "bf16", min_bytes=0, format_version=1, k2=3)
+
     def test_residency_host_range_and_prefetch(self):
         buf = mmap.mmap(-1, 4 * MiB)
         buf[:] = b"\x05" * (4 * MiB)
