@@ -66,7 +66,7 @@ static unsigned int __shfl_up_sync(unsigned int, unsigned int v, unsigned int d)
 static_assert(EPM_THREADS % 32 == 0 && EPM_THREADS <= EPM_WARPS * 32);
 
 static uint64_t u64_at(const unsigned char *b, size_t at) { uint64_t v; memcpy(&v, b + at, 8); return v; }
-static_assert(sizeof(EpmDecodeParams) == 136, "EpmDecodeParams is 136 bytes (v2spec.md)");
+static_assert(sizeof(EpmDecodeParams) == 136, "EpmDecodeParams is 136 bytes (src/device/cuda/codec.rs DecodeParams)");
 
 int main(int argc, char **argv) {
   if (argc != 3) { fprintf(stderr, "usage: %s COMPRESSED RAW_OUT\n", argv[0]); return 2; }
