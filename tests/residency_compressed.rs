@@ -172,6 +172,7 @@ fn an_encoded_buffer_registers_and_a_corrupt_or_truncated_one_is_refused() {
     let e = m.register_compressed(&data).unwrap_err();
     assert!(e.to_string().contains("magic") || e.to_string().contains("truncated"), "{e}");
     assert_eq!(m.stats().registered_weights, 0, "a refused buffer was registered");
+    assert_eq!(codec::parse(&buf, 1).unwrap().version(), 2, "the encoder's choice for a normal bf16 weight");
     let id = m.register_compressed(&buf).unwrap();
     drop(buf); // the manager keeps its own copy
     let s = Stream::new(&d).unwrap();
@@ -180,6 +181,17 @@ fn an_encoded_buffer_registers_and_a_corrupt_or_truncated_one_is_refused() {
     m.release(id, s.raw()).unwrap();
     m.unregister(id).unwrap();
     assert_eq!(m.stats().compressed_weights, 0);
+    // A format-v1 buffer (what an older library wrote) registers and decodes the same.
+    let Encoded::Coded(v1) = codec::encode(&data, Dtype::Bf16, &EncodeOptions { k2: Some(0), ..opts() }).unwrap()
+    else {
+        panic!("a normal bf16 weight stayed raw")
+    };
+    assert_eq!(codec::parse(&v1, 1).unwrap().version(), 1);
+    let id = m.register_compressed(&v1).unwrap();
+    let p = m.acquire(id, s.raw()).unwrap();
+    assert!(read_back(&d, p, data.len(), &s) == data, "a v1 buffer read back differently");
+    m.release(id, s.raw()).unwrap();
+    m.unregister(id).unwrap();
 }
 
 #[test]
