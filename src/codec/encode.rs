@@ -285,63 +285,105 @@ fn write_buffer(desc: &DecodeDesc, chunks: &[Chunk], data: &[u8], out: &mut [u8]
         let (codes2, bytes3) = tail.split_at_mut(l.escapes3_off - l.escapes_off);
         let (head, index3) = head.split_at_mut(l.offsets3_off);
         let index = &head[l.offsets_off..l.offsets_off + (l.blocks + 1) * 4];
-        let index3 = &mut index3[..(l.blocks + 1) * 4];
-        let written = pack_escapes(desc, index, &v2_bytes, codes2, index3, bytes3);
-        crate::ensure!(
-            written == desc.escapes3,
-            InvalidArgument,
-            "encode: the weight changed between planning and encoding"
-        );
+        pack_escapes(desc, chunks, index, &v2_bytes, codes2, &mut index3[..(l.blocks + 1) * 4], bytes3)?;
     }
     format::store_checksum(out, threads);
     Ok(())
 }
 
 /// Format v2: code the escaped exponents `bytes` (one per escape, in value
-/// order) as k2-bit codes into `codes2`, the exponents outside the escape
-/// table as bytes into `bytes3`, and write the level-3 index (`index3`,
-/// per block of the escape `index`). Returns the level-3 escapes written
-/// (at most `bytes3.len()`; the caller checks it against the plan).
+/// order, as the chunks wrote them) as k2-bit codes into `codes2`, the
+/// exponents outside the escape table as bytes into `bytes3`, and write the
+/// level-3 index (`index3`, per block of the escape `index`). One thread
+/// per chunk, each into its own bit string, level-3 bytes and index
+/// entries (a chunk's level-3 count is the plan's); the bit strings are then
+/// laid end to end (a chunk's codes start at bit `escapes_before · k2`, not
+/// a byte boundary in general), a copy of a few bits per escape.
 fn pack_escapes(
     desc: &DecodeDesc,
+    chunks: &[Chunk],
     index: &[u8],
     bytes: &[u8],
     codes2: &mut [u8],
     index3: &mut [u8],
     bytes3: &mut [u8],
-) -> usize {
+) -> Result<()> {
+    let changed = || Error::invalid_argument("encode: the weight changed between planning and encoding");
     let k2 = desc.k2;
     let esc2 = ((1u32 << k2) - 1) as u8;
     let mut lut = [esc2; 256];
     for (code, &e) in desc.table2[..esc2 as usize].iter().enumerate() {
         lut[e as usize] = code as u8;
     }
-    let at = |j: usize| u32::from_le_bytes([index[4 * j], index[4 * j + 1], index[4 * j + 2], index[4 * j + 3]]);
-    let (mut acc, mut nbits, mut pos, mut s) = (0u64, 0u32, 0usize, 0usize);
-    for j in 0..desc.layout.blocks {
-        index3[4 * j..4 * j + 4].copy_from_slice(&(s as u32).to_le_bytes());
-        let (a, b) = (at(j) as usize, at(j + 1) as usize);
-        for &e in &bytes[a.min(bytes.len())..b.min(bytes.len())] {
-            let c = lut[e as usize];
-            if c == esc2 {
-                if let Some(slot) = bytes3.get_mut(s) {
-                    *slot = e;
+    let at =
+        |j: usize| u32::from_le_bytes([index[4 * j], index[4 * j + 1], index[4 * j + 2], index[4 * j + 3]]) as usize;
+    // Each chunk's disjoint share of the level-3 index and bytes.
+    let (mut idx3, mut b3) = (&mut index3[..desc.layout.blocks * 4], &mut bytes3[..desc.escapes3]);
+    let (mut s3_before, mut jobs) = (0usize, Vec::with_capacity(chunks.len()));
+    for c in chunks {
+        let (i, ri) = std::mem::take(&mut idx3).split_at_mut(c.blocks.len() * 4);
+        let all = std::mem::take(&mut b3);
+        let (b, rb) = all.split_at_mut(c.escapes3.min(all.len()));
+        (idx3, b3) = (ri, rb);
+        jobs.push((c, i, b, s3_before));
+        s3_before += c.escapes3;
+    }
+    let pack = |(c, idx3, b3, s3_before): (&Chunk, &mut [u8], &mut [u8], usize)| -> Result<Vec<u8>> {
+        let mut bits = vec![0u8; (c.escapes * k2 as usize).div_ceil(8) + 4];
+        let (mut acc, mut nbits, mut pos, mut s) = (0u64, 0u32, 0usize, 0usize);
+        for (n, j) in c.blocks.clone().enumerate() {
+            idx3[4 * n..4 * n + 4].copy_from_slice(&((s3_before + s) as u32).to_le_bytes());
+            let (a, b) = (at(j), at(j + 1));
+            let mine = a.checked_sub(c.escapes_before).zip(b.checked_sub(c.escapes_before));
+            let ours = mine.and_then(|(x, y)| bytes.get(c.escapes_before..)?.get(x..y)).ok_or_else(changed)?;
+            for &e in ours {
+                let code = lut[e as usize];
+                if code == esc2 {
+                    *b3.get_mut(s).ok_or_else(changed)? = e;
+                    s += 1;
                 }
-                s += 1;
-            }
-            acc |= (c as u64) << nbits;
-            nbits += k2;
-            if nbits >= 32 {
-                codes2[pos..pos + 4].copy_from_slice(&(acc as u32).to_le_bytes());
-                (acc, nbits, pos) = (acc >> 32, nbits - 32, pos + 4);
+                acc |= (code as u64) << nbits;
+                nbits += k2;
+                if nbits >= 32 {
+                    bits.get_mut(pos..pos + 4).ok_or_else(changed)?.copy_from_slice(&(acc as u32).to_le_bytes());
+                    (acc, nbits, pos) = (acc >> 32, nbits - 32, pos + 4);
+                }
             }
         }
-    }
+        crate::ensure!(s == c.escapes3, InvalidArgument, "encode: the weight changed between planning and encoding");
+        let tail = nbits.div_ceil(8) as usize;
+        bits[pos..pos + tail].copy_from_slice(&acc.to_le_bytes()[..tail]);
+        Ok(bits)
+    };
+    let parts: Vec<Result<Vec<u8>>> = if jobs.len() == 1 {
+        jobs.into_iter().map(pack).collect()
+    } else {
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = jobs.into_iter().map(|j| sc.spawn(|| pack(j))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        })
+    };
     let b = desc.layout.blocks;
-    index3[4 * b..4 * b + 4].copy_from_slice(&(s as u32).to_le_bytes());
-    let tail = nbits.div_ceil(8) as usize;
-    codes2[pos..pos + tail].copy_from_slice(&acc.to_le_bytes()[..tail]);
-    s
+    index3[4 * b..4 * b + 4].copy_from_slice(&(desc.escapes3 as u32).to_le_bytes());
+    for (c, part) in chunks.iter().zip(parts) {
+        or_bits(&part?, c.escapes * k2 as usize, c.escapes_before * k2 as usize, codes2);
+    }
+    Ok(())
+}
+
+/// OR the first `bits` bits of the LSB-first bit string `src` into `out`
+/// from bit `at` (the bits of `out` there are zero).
+fn or_bits(src: &[u8], bits: usize, at: usize, out: &mut [u8]) {
+    let (base, shift) = (at / 8, (at % 8) as u32);
+    let whole = bits.div_ceil(8);
+    for (i, &v) in src[..whole].iter().enumerate() {
+        let keep = if 8 * (i + 1) > bits { v & ((1u16 << (bits - 8 * i)) - 1) as u8 } else { v };
+        let w = (keep as u16) << shift;
+        out[base + i] |= w as u8;
+        if shift > 0 && w >> 8 != 0 {
+            out[base + i + 1] |= (w >> 8) as u8;
+        }
+    }
 }
 
 /// exponent → code; the escape code for exponents outside the table.
