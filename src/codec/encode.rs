@@ -366,22 +366,30 @@ fn pack_escapes(
     let b = desc.layout.blocks;
     index3[4 * b..4 * b + 4].copy_from_slice(&(desc.escapes3 as u32).to_le_bytes());
     for (c, part) in chunks.iter().zip(parts) {
-        or_bits(&part?, c.escapes * k2 as usize, c.escapes_before * k2 as usize, codes2);
+        or_bits(&part?, 0, c.escapes * k2 as usize, codes2, c.escapes_before * k2 as usize);
     }
     Ok(())
 }
 
-/// OR the first `bits` bits of the LSB-first bit string `src` into `out`
-/// from bit `at` (the bits of `out` there are zero).
-fn or_bits(src: &[u8], bits: usize, at: usize, out: &mut [u8]) {
-    let (base, shift) = (at / 8, (at % 8) as u32);
-    let whole = bits.div_ceil(8);
-    for (i, &v) in src[..whole].iter().enumerate() {
-        let keep = if 8 * (i + 1) > bits { v & ((1u16 << (bits - 8 * i)) - 1) as u8 } else { v };
-        let w = (keep as u16) << shift;
-        out[base + i] |= w as u8;
-        if shift > 0 && w >> 8 != 0 {
-            out[base + i + 1] |= (w >> 8) as u8;
+/// OR bits `[from, from + bits)` of the LSB-first bit string `src` into
+/// `out` from its bit `at` (those bits of `out` are zero): v2's escape codes
+/// are laid end to end at bit offsets that are not byte boundaries, both
+/// when chunks are stitched and when a buffer is cut into frames.
+fn or_bits(src: &[u8], from: usize, bits: usize, out: &mut [u8], at: usize) {
+    let (sb, ss) = (from / 8, from % 8);
+    let (db, ds) = (at / 8, (at % 8) as u32);
+    for i in 0..bits.div_ceil(8) {
+        let lo = src.get(sb + i).copied().unwrap_or(0) as u16;
+        let hi = src.get(sb + i + 1).copied().unwrap_or(0) as u16;
+        let mut v = ((lo | hi << 8) >> ss) as u8;
+        let left = bits - 8 * i;
+        if left < 8 {
+            v &= (1u8 << left) - 1;
+        }
+        let w = (v as u16) << ds;
+        out[db + i] |= w as u8;
+        if w >> 8 != 0 {
+            out[db + i + 1] |= (w >> 8) as u8;
         }
     }
 }
@@ -763,29 +771,11 @@ pub fn reframe(desc: &DecodeDesc, buf: &[u8], frames: &[Frame], out: &mut [u8]) 
             // The frame's escape codes: bits [e0·k2, e1·k2) of the buffer's, from bit 0.
             let k2 = desc.k2 as usize;
             let src = &buf[l.escapes_off..l.escapes_off + l.escapes_len];
-            copy_bits(src, e0 * k2, f.desc.escapes * k2, &mut o[fl.escapes_off..fl.escapes_off + fl.escapes_len]);
+            or_bits(src, e0 * k2, f.desc.escapes * k2, &mut o[fl.escapes_off..fl.escapes_off + fl.escapes_len], 0);
             o[fl.escapes3_off..fl.escapes3_off + f.desc.escapes3]
                 .copy_from_slice(&buf[l.escapes3_off + s0..l.escapes3_off + s0 + f.desc.escapes3]);
         }
         format::store_checksum(o, 1);
     }
     Ok(())
-}
-
-/// Bits `[from, from + bits)` of the LSB-first bit string `src` into `out`
-/// from its bit 0 (`out` holds `bits.div_ceil(8)` bytes; the rest of its
-/// last byte is zero).
-fn copy_bits(src: &[u8], from: usize, bits: usize, out: &mut [u8]) {
-    let shift = from % 8;
-    let base = from / 8;
-    for (i, o) in out.iter_mut().enumerate().take(bits.div_ceil(8)) {
-        let lo = src.get(base + i).copied().unwrap_or(0) as u16;
-        let hi = src.get(base + i + 1).copied().unwrap_or(0) as u16;
-        let mut v = ((lo | hi << 8) >> shift) as u8;
-        let left = bits - 8 * i;
-        if left < 8 {
-            v &= (1u8 << left) - 1;
-        }
-        *o = v;
-    }
 }

@@ -201,16 +201,14 @@ impl DecodeDesc {
     /// Entry `j` (0..=blocks) of the escape index of `buf`, a buffer
     /// [`Self::check_buffer`] accepted: the escapes before block `j`.
     pub(super) fn escape_offset(&self, buf: &[u8], j: usize) -> usize {
-        let at = self.layout.offsets_off + 4 * j;
-        u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize
+        u32_at(buf, self.layout.offsets_off + 4 * j) as usize
     }
     /// Entry `j` of the level-3 index (v2; 0 in v1): level-3 escapes before block `j`.
     pub(super) fn escape3_offset(&self, buf: &[u8], j: usize) -> usize {
         if self.k2 == 0 {
             return 0;
         }
-        let at = self.layout.offsets3_off + 4 * j;
-        u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize
+        u32_at(buf, self.layout.offsets3_off + 4 * j) as usize
     }
     /// compressed ÷ raw.
     pub fn ratio(&self) -> f64 {
