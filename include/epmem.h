@@ -275,10 +275,10 @@
 #define EPM_CODEC_DTYPE_ENCODED 0
 
 /**
- * Device staging buffers a residency manager keeps for compressed page-ins
- * (each the size of the largest compressed weight the plan streams, or with
+ * A residency manager's device staging for compressed page-ins is this many
+ * times its run size (the largest compressed weight the plan streams, or with
  * no plan the largest registered, at most 64 MiB; larger weights page in a
- * buffer at a time; docs/RESIDENCY.md).
+ * run at a time), filled as a circle; docs/RESIDENCY.md.
  */
 #define EPM_DECODE_STAGING_BUFFERS 2
 
@@ -1176,9 +1176,9 @@ typedef struct EpmResidencyStats {
   uint64_t compressed_raw_bytes;
   /**
    * Device staging for compressed bytes, reserved out of `budget_bytes`:
-   * `EPM_DECODE_STAGING_BUFFERS` buffers, each the largest compressed
-   * weight the plan streams (at most 64 MiB; larger weights page in
-   * a buffer at a time), docs/RESIDENCY.md "Streaming compressed weights".
+   * `EPM_DECODE_STAGING_BUFFERS` × the largest compressed weight the plan
+   * streams (at most 64 MiB; larger weights page in a run at a time),
+   * docs/RESIDENCY.md "Streaming compressed weights".
    */
   uint64_t decode_staging_bytes;
   /**

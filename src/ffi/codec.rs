@@ -371,10 +371,10 @@ pub struct EpmCompressedWeight {
     pub options: *const EpmCodecOptions,
 }
 
-/// Device staging buffers a residency manager keeps for compressed page-ins
-/// (each the size of the largest compressed weight the plan streams, or with
+/// A residency manager's device staging for compressed page-ins is this many
+/// times its run size (the largest compressed weight the plan streams, or with
 /// no plan the largest registered, at most 64 MiB; larger weights page in a
-/// buffer at a time; docs/RESIDENCY.md).
+/// run at a time), filled as a circle; docs/RESIDENCY.md.
 pub const EPM_DECODE_STAGING_BUFFERS: u32 = 2;
 const _: () = assert!(EPM_DECODE_STAGING_BUFFERS as usize == crate::residency::DECODE_STAGING_BUFFERS);
 

@@ -6,42 +6,50 @@
 //! owned by the manager, so every page-in is a direct DMA of the compressed
 //! bytes. The weight's share of the budget is its decoded length.
 //!
-//! The staging: [`DECODE_STAGING_BUFFERS`] device buffers, reserved out of
-//! the budget (`budget − staging` is what weights, ring included, may
-//! occupy). Each holds the largest compressed weight the plan streams (at
-//! least [`DECODE_STAGING_MIN_BYTES`] or the largest compressed weight, if
+//! The staging: [`DECODE_STAGING_BUFFERS`] × `cap` bytes of device memory,
+//! reserved out of the budget (`budget − staging` is what weights, ring
+//! included, may occupy). `cap`, the most one run of copies stages, is the
+//! largest compressed weight the plan streams (at least
+//! [`DECODE_STAGING_MIN_BYTES`] or the largest compressed weight, if
 //! smaller), or with no plan the largest compressed weight registered, and
 //! at most [`DECODE_STAGING_MAX_BYTES`]. Plan and staging are chosen together
-//! when a plan is installed (`plan_with_staging`); a
-//! registration grows the staging when the rule wants more.
+//! when a plan is installed (`plan_with_staging`); a registration grows the
+//! staging when the rule wants more.
 //!
 //! The host copy is the weight's frames ([`crate::codec::Frame`]), end to
-//! end. A page-in fills a buffer at a time: as many whole frames as fit, in
-//! one copy, each decoded by one launch; a frame larger than a buffer goes
-//! in pieces ([`crate::codec::DecodePiece`]: ranges of whole blocks, each
-//! staged by the copies of its parts of the four streams). Buffers
-//! alternate, each ordered exactly like a whole page-in below; the page-in
-//! fence follows the last decode.
+//! end. A page-in stages them a run at a time: as many whole frames as fit
+//! the free bytes (at most `cap`; runs are given back until at least half of
+//! `cap`, or the rest of the weight, is free), in one copy, each decoded by
+//! one launch;
+//! a frame larger than `cap` goes in pieces ([`crate::codec::DecodePiece`]:
+//! ranges of whole blocks, each staged by the copies of its parts of the
+//! streams). Runs fill the staging as a circle, each where the last ended
+//! (or at 0 when the rest of the lap is too short); the page-in fence
+//! follows the last decode.
 //!
-//! Ordering, per page-in into buffer `i`:
-//! 1. the manager's gate stream waits for the last decode that read buffer
-//!    `i` (its *free* event);
+//! Ordering, per run:
+//! 1. bytes a decode may still read are reused only after the manager's gate
+//!    stream has waited for that decode's event (the oldest runs are given
+//!    back first, until the run fits);
 //! 2. the copy engine copies the compressed bytes (or a piece's parts) into
-//!    buffer `i` after the gate stream (copies stay in issue order on the
-//!    engine's stream, so the decode waits for the last);
+//!    the run's bytes, after the gate stream when it waited for a decode
+//!    (copies stay in issue order on the engine's stream, so the decode
+//!    waits for the last);
 //! 3. the decode stream waits for the copy and, for a page-in into memory
 //!    whose readers may still run, for the order stream that waits for them;
-//!    it decodes into the weight's memory and records the page-in's fence
-//!    and buffer `i`'s free event.
+//!    it decodes into the weight's memory and records the run's event.
 //!
 //! So an H2D never overwrites staging a decode still reads, the decode of
-//! weight k runs while the copy of weight k+1 fills the other buffer, and
-//! the copy of weight k+1 does not wait for the kernels still reading its
+//! weight k runs while the copy of weight k+1 fills other bytes, and the
+//! copy of weight k+1 does not wait for the kernels still reading its
 //! destination (only its decode does: with a ring that reuses the memory of
 //! the weight just read, waiting there would idle the copy engine for that
-//! weight's last decode and kernel on every page-in). The acquiring stream
-//! waits for the decode through the page-in fence, as it waits for a raw
-//! copy: no host wait per page-in.
+//! weight's last decode and kernel on every page-in). While a decode waits
+//! for its destination's readers, the copies behind it fill whatever the
+//! staging has free: a compressed weight larger than half the staging no
+//! longer leaves half of it idle. The acquiring stream waits for the decode
+//! through the page-in fence, as it waits for a raw copy: no host wait per
+//! page-in.
 
 use std::sync::Arc;
 
@@ -57,16 +65,17 @@ use crate::error::{EpmStatus, Error, Result};
 use crate::residency::ResidencyManager;
 use crate::staging::Fence;
 
-/// Device staging buffers for compressed bytes: two, so the copy of the next
-/// weight lands in one while the decode of the last reads the other.
+/// The staging for compressed bytes holds this many runs of the largest size
+/// (`cap` bytes each): at least two, so the copy of the next weight lands
+/// while the decode of the last reads its bytes.
 pub const DECODE_STAGING_BUFFERS: usize = 2;
 
-/// The most bytes a staging buffer holds: a weight larger than this pages in
-/// a buffer at a time whatever the plan (64 MiB is ~1.2 ms of PCIe at
+/// The most bytes one run stages (`cap`): a weight larger than this pages in
+/// a run at a time whatever the plan (64 MiB is ~1.2 ms of PCIe at
 /// 55 GB/s; its copy and a launch per frame cost microseconds).
 pub const DECODE_STAGING_MAX_BYTES: usize = 64 << 20;
 
-/// Under a plan, a buffer holds at least this much (or the largest
+/// Under a plan, `cap` is at least this much (or the largest
 /// compressed weight, if smaller) even when no compressed weight streams:
 /// planned-resident weights page in through it at first fill and after an
 /// eviction, and pieces much smaller than this cost launches.
@@ -90,26 +99,40 @@ pub struct Registered {
     pub desc: Option<crate::codec::DecodeDesc>,
 }
 
-/// One staging buffer and the event recorded after the last decode reading it.
+/// A run of staged compressed bytes, from byte `start` of the staging up to
+/// the next run's start, and the event recorded after the decodes that read it.
 #[derive(Debug)]
-struct StagingBuf {
-    block: DeviceBlock,
-    free: Event,
-    /// `free` has been recorded (a decode read the buffer).
-    used: bool,
+struct Staged {
+    start: usize,
+    read: Event,
 }
 
 /// The device staging of compressed page-ins, and the streams ordering them.
+///
+/// One block of [`DECODE_STAGING_BUFFERS`] × `cap` bytes, filled as a
+/// circle: each run of copies (at most `cap` bytes) starts where the last
+/// ended, or at 0 when the rest of the lap is too short; bytes a decode may
+/// still read are reused only after the gate stream has waited for that
+/// decode. So while one decode waits for its destination's readers, the
+/// copy engine fills whatever the staging has left, not only the other half.
 #[derive(Debug)]
 pub(crate) struct DecodeStaging {
-    bufs: Vec<StagingBuf>,
-    /// Bytes of each buffer.
+    block: DeviceBlock,
+    /// The most bytes one run stages (the sizing rule's per-buffer bytes).
     cap: usize,
-    next: usize,
+    /// Where the next run starts (or the circle wraps to 0).
+    head: usize,
+    /// Runs a decode may still read, oldest first (in staging order).
+    staged: std::collections::VecDeque<Staged>,
+    /// Events of runs the gate stream has waited for, for reuse.
+    spare: Vec<Event>,
+    /// The gate stream has waited for a run since the last copy was issued:
+    /// the next copy must wait for the gate.
+    gated: bool,
     /// Decodes run here, in page-in order.
     stream: Stream,
-    /// Copies into staging are issued after this stream, which waits for the
-    /// buffer's last decode.
+    /// Copies into bytes a decode read are issued after this stream, which
+    /// waits for those decodes.
     gate: Stream,
     /// Records the caller's order stream for the decode stream to wait on.
     after: Event,
@@ -117,22 +140,55 @@ pub(crate) struct DecodeStaging {
 
 impl DecodeStaging {
     fn new(dev: &Arc<dyn Device>, arena: &Arc<DeviceArena>, cap: usize) -> Result<Self> {
-        let mut bufs = Vec::with_capacity(DECODE_STAGING_BUFFERS);
-        for _ in 0..DECODE_STAGING_BUFFERS {
-            bufs.push(StagingBuf {
-                block: DeviceBlock::alloc(arena, cap)?,
-                free: Event::new(dev, false)?,
-                used: false,
-            });
-        }
         Ok(Self {
-            bufs,
+            block: DeviceBlock::alloc(arena, DECODE_STAGING_BUFFERS * cap)?,
             cap,
-            next: 0,
+            head: 0,
+            staged: std::collections::VecDeque::new(),
+            spare: Vec::new(),
+            gated: false,
             stream: Stream::new(dev)?,
             gate: Stream::new(dev)?,
             after: Event::new(dev, false)?,
         })
+    }
+
+    /// Free bytes from `head` on, in one range.
+    fn room(&self) -> usize {
+        match self.staged.front() {
+            None => self.block.len() - self.head,
+            // The oldest run lies ahead: free up to it (0 when full).
+            Some(f) if f.start >= self.head => f.start - self.head,
+            // The oldest run lies behind: free to the end of the lap.
+            Some(_) => self.block.len() - self.head,
+        }
+    }
+
+    /// At least `min` (≤ `cap`) free bytes from `head` on: the rest of the
+    /// lap is skipped when too short, and the oldest runs are given back
+    /// (the gate stream waits for their decodes) until there is room. The
+    /// free bytes, at most `cap`.
+    fn make_room(&mut self, min: usize) -> Result<usize> {
+        debug_assert!(min <= self.cap && 2 * self.cap <= self.block.len());
+        loop {
+            let room = self.room();
+            if room >= min {
+                return Ok(room.min(self.cap));
+            }
+            match self.staged.front() {
+                None => self.head = 0,
+                Some(f) if f.start < self.head => self.head = 0,
+                Some(_) => {
+                    let Some(old) = self.staged.pop_front() else { unreachable!("a front run") };
+                    self.gate.wait_event(&old.read)?;
+                    self.spare.push(old.read);
+                    self.gated = true;
+                    if self.staged.is_empty() {
+                        self.head = 0;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -208,7 +264,7 @@ impl ResidencyManager {
         Ok(Registered { id, raw: None, host_bytes: len, desc: Some(desc) })
     }
 
-    /// Bytes per staging buffer the sizing rule (module docs) gives under
+    /// The staging's `cap` (bytes per run) the sizing rule (module docs) gives under
     /// `plan` (`None`: no plan) with the compressed weights registered, and
     /// one more of `extra` compressed bytes (0: none).
     pub(super) fn staging_cap_for(st: &State, plan: Option<&Plan>, extra: usize) -> usize {
@@ -234,12 +290,12 @@ impl ResidencyManager {
         cap.min(DECODE_STAGING_MAX_BYTES).next_multiple_of(ALIGN)
     }
 
-    /// The plan the declared cycle wants and the staging per buffer beside
+    /// The plan the declared cycle wants and the staging's `cap` beside
     /// it, chosen together: the plan is made for `budget − staging`, and the
     /// staging follows from what the plan streams. Starting from the staging
     /// of no plan (the largest), re-plan with the staging the last plan needs
     /// until it needs no less, at most [`STAGING_ROUNDS`] plans; of the plans
-    /// whose streamed weights each fit one buffer (each decodes whole), keep
+    /// whose streamed weights each fit one run (each decodes whole), keep
     /// the one that streams the fewest bytes (on a tie, the smaller staging).
     pub(super) fn plan_with_staging(&self, st: &State) -> Result<(Option<Plan>, usize)> {
         let top = Self::staging_cap_for(st, None, 0);
@@ -374,7 +430,7 @@ impl ResidencyManager {
         Ok(id)
     }
 
-    /// Make the staging `cap` bytes per buffer: reserve it out of the budget
+    /// Make the staging's `cap` this many bytes: reserve it out of the budget
     /// (evicting until the resident weights fit what is left) and allocate
     /// it. Not in steady state: at a registration that needs more, and when
     /// a plan is installed (with nothing resident). The caller re-plans.
@@ -440,13 +496,13 @@ impl ResidencyManager {
 
     /// Issue compressed unit `w`'s page-in into `dst` (its decoded bytes'
     /// start), of its frames from the one starting at byte `from` (0: all;
-    /// a split unit's tail): copy their compressed
-    /// bytes into the next staging buffer, then decode them into `dst`, after
-    /// `order` (the stream that waits for `dst`'s readers) when given. Each
-    /// staging buffer takes a run of whole frames (contiguous in the host
-    /// copy: one copy, then a decode per frame), or, for a frame larger than
-    /// a buffer, a piece of it (whole blocks: up to six copies, one
-    /// decode); buffers alternate. The fence completes when the last decode has.
+    /// a split unit's tail): copy their compressed bytes into the staging,
+    /// then decode them into `dst`, after `order` (the stream that waits for
+    /// `dst`'s readers) when given. Each run takes whole frames (contiguous
+    /// in the host copy: one copy, then a decode per frame) as many as fit
+    /// the staging's free bytes, or, for a frame larger than `cap`, a piece
+    /// of it (whole blocks: up to six copies, one decode); see the module
+    /// docs. The fence completes when the last decode has.
     pub(super) fn compressed_in(
         &self,
         st: &mut State,
@@ -472,7 +528,7 @@ impl ResidencyManager {
             let frames = &k.frames;
             let (mut f, mut at) = (f0, 0);
             while f < frames.len() {
-                // What this buffer takes: (copies: from, to, len) and
+                // What this run takes: (copies: from, to, len) and
                 // (decodes: staged offset, offset in the weight, piece).
                 let mut copies: Vec<(usize, usize, usize)> = Vec::new();
                 let mut pieces: Vec<(usize, usize, codec::DecodePiece)> = Vec::new();
@@ -480,6 +536,7 @@ impl ResidencyManager {
                 if fr.len() > dec.cap {
                     let bytes = &k.buf[fr.at..fr.at + fr.len()];
                     let piece = fr.desc.piece_within(bytes, at, dec.cap)?;
+                    dec.make_room(piece.staged_len())?;
                     copies.extend(piece.copies().map(|(from, to, len)| (fr.at + from, to, len)));
                     pieces.push((0, fr.raw_offset + piece.raw_offset(), piece));
                     at = piece.end_block();
@@ -487,9 +544,15 @@ impl ResidencyManager {
                         (f, at) = (f + 1, 0);
                     }
                 } else {
+                    // A run takes at least half of `cap` (or what is left
+                    // of the weight, if less): giving back runs for room
+                    // costs nothing the copy engine waits on until the
+                    // staging is full, and a run is a copy.
+                    let rest = frames[frames.len() - 1].at + frames[frames.len() - 1].len() - fr.at;
+                    let room = dec.make_room(fr.len().max(rest.min(dec.cap / 2)))?;
                     let start = fr.at;
                     let mut g = f;
-                    while g < frames.len() && frames[g].at + frames[g].len() - start <= dec.cap {
+                    while g < frames.len() && frames[g].at + frames[g].len() - start <= room {
                         pieces.push((frames[g].at - start, frames[g].raw_offset, frames[g].desc.whole()));
                         g += 1;
                     }
@@ -497,20 +560,17 @@ impl ResidencyManager {
                     copies.push((start, 0, end - start));
                     f = g;
                 }
-                let i = dec.next;
-                dec.next = (i + 1) % dec.bufs.len();
-                let b = &mut dec.bufs[i];
-                if b.used {
-                    dec.gate.wait_event(&b.free)?;
-                }
-                // The first copy waits for the gate stream; the rest follow
-                // it in issue order on the copy engine's stream, so the
-                // decode waits for the last.
-                let mut last = None;
+                let base = dec.block.addr() + dec.head as u64;
+                // The first copy waits for the gate stream when it waited for
+                // a decode (its bytes may be reused); the rest follow it in
+                // issue order on the copy engine's stream, so the decode
+                // waits for the last.
+                let (mut last, mut staged_len) = (None, 0);
                 for (from, to, len) in copies {
-                    let gate = last.is_none().then(|| dec.gate.raw());
-                    last = Some(self.engine.htod(b.block.addr() + to as u64, src.slice(from, len)?, gate)?);
+                    let gate = std::mem::take(&mut dec.gated).then(|| dec.gate.raw());
+                    last = Some(self.engine.htod(base + to as u64, src.slice(from, len)?, gate)?);
                     copied += len;
+                    staged_len = staged_len.max(to + len);
                 }
                 let copy = last.ok_or_else(|| Error::internal("a decode staging with nothing to copy"))?;
                 copy.make_wait(dec.stream.raw())?;
@@ -524,14 +584,18 @@ impl ResidencyManager {
                 first = false;
                 let s = dec.stream.raw();
                 decoding = true;
-                let base = b.block.addr();
                 decode_timer.around(&self.dev, s, || {
                     pieces.iter().try_for_each(|(off, out, p)| {
                         self.dev.decode_piece_async(base + *off as u64, dst + *out as u64, p, s)
                     })
                 })?;
-                b.free.record(&dec.stream)?;
-                b.used = true;
+                let read = match dec.spare.pop() {
+                    Some(e) => e,
+                    None => Event::new(&self.dev, false)?,
+                };
+                read.record(&dec.stream)?;
+                dec.staged.push_back(Staged { start: dec.head, read });
+                dec.head = (dec.head + staged_len).next_multiple_of(ALIGN);
             }
             let done = Event::new(&self.dev, false)?;
             done.record(&dec.stream)?;
@@ -556,5 +620,69 @@ impl ResidencyManager {
         c.decoded_bytes += dlen as u64;
         c.decodes += 1;
         Ok(Fence::recorded(&self.dev, done, dlen))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::{ArenaConfig, DeviceArena};
+    use crate::device::{self, DeviceSelect};
+
+    /// Runs of random sizes through the staging circle: every run lands in
+    /// bytes no staged run holds (given back runs excepted), inside the
+    /// block, 16-aligned; room is given back oldest first and only when
+    /// needed; the copy after a give-back waits for the gate, no other.
+    #[test]
+    fn staging_runs_never_overlap_runs_a_decode_may_still_read() {
+        let d = device::open(DeviceSelect::Host, 0).unwrap();
+        let arena = Arc::new(DeviceArena::new(&d, ArenaConfig::with_capacity(64 << 20)).unwrap());
+        let cap = 4096;
+        let mut dec = DecodeStaging::new(&d, &arena, cap).unwrap();
+        let len = dec.block.len();
+        assert_eq!(len, DECODE_STAGING_BUFFERS * cap);
+        // (start, end) of the runs still staged, oldest first: the model.
+        let mut live: std::collections::VecDeque<(usize, usize)> = Default::default();
+        let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut rand = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let (mut gave_back, mut wrapped) = (0, 0);
+        for i in 0..5000 {
+            let min = 16 + rand(cap - 16);
+            let before = dec.staged.len();
+            let (head, free) = (dec.head, dec.room());
+            let room = dec.make_room(min).unwrap();
+            assert!(room >= min && room <= cap, "run {i}: room {room} for {min}");
+            let popped = before - dec.staged.len();
+            for _ in 0..popped {
+                live.pop_front();
+            }
+            gave_back += popped;
+            if free >= min {
+                assert!(popped == 0 && dec.head == head, "run {i}: gave back or wrapped with {free} free for {min}");
+            }
+            assert_eq!(dec.gated, popped > 0, "run {i}: the next copy waits for the gate iff a run was given back");
+            if dec.head < head {
+                wrapped += 1;
+            }
+            let take = (min + rand(room - min + 1)).next_multiple_of(16).min(room);
+            let (start, end) = (dec.head, dec.head + take);
+            assert!(end <= len && start % 16 == 0, "run {i}: [{start}, {end}) of {len}");
+            for &(a, b) in &live {
+                assert!(end <= a || start >= b, "run {i}: [{start}, {end}) overlaps a staged run [{a}, {b})");
+            }
+            let read = dec.spare.pop().map_or_else(|| Event::new(&d, false), Ok).unwrap();
+            dec.gated = false; // the run's first copy took the gate
+            dec.staged.push_back(Staged { start, read });
+            dec.head = end.next_multiple_of(ALIGN);
+            live.push_back((start, end));
+        }
+        assert!(gave_back > 1000 && wrapped > 100, "{gave_back} given back, {wrapped} wraps: not the cases meant");
+        // Events are reused (5000 runs): at most one per run the circle holds at once.
+        assert!(dec.spare.len() + dec.staged.len() <= len / 16);
     }
 }

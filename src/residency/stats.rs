@@ -120,9 +120,9 @@ crate::stats::declare_stats! {
         counter compressed_host_bytes: u64,
         counter compressed_raw_bytes: u64,
         /// Device staging for compressed bytes, reserved out of `budget_bytes`:
-        /// `EPM_DECODE_STAGING_BUFFERS` buffers, each the largest compressed
-        /// weight the plan streams (at most 64 MiB; larger weights page in
-        /// a buffer at a time), docs/RESIDENCY.md "Streaming compressed weights".
+        /// `EPM_DECODE_STAGING_BUFFERS` × the largest compressed weight the plan
+        /// streams (at most 64 MiB; larger weights page in a run at a time),
+        /// docs/RESIDENCY.md "Streaming compressed weights".
         field decode_staging_bytes: u64,
         /// Compressed bytes copied to the device (also counted in
         /// `htod_bytes`), the bytes their decodes wrote, the decodes, and
