@@ -790,6 +790,13 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
     assert!(b.split_weights > 0 && b.split_head_bytes > 0, "the plan splits no weight: {b:?}");
     // Heads end on frames.
     assert_eq!(b.split_head_bytes as usize % (2 * fv), 0, "{b:?}");
+    // Compressed tails are copied into the decode staging: the ring holds
+    // one tail, not the two a raw split plan needs.
+    let tail = sizes[0] - (b.split_head_bytes / b.split_weights) as usize;
+    assert!(
+        b.ring_bytes as usize >= tail && (b.ring_bytes as usize) < 2 * tail,
+        "ring of more than one tail ({tail}): {b:?}"
+    );
     let decoded = (b.decoded_bytes - a.decoded_bytes) as usize / 2;
     let room = budget - b.decode_staging_bytes as usize;
     let floor = whole_weight_floor(&sizes, room);

@@ -941,7 +941,7 @@ fn split_weights_stream_tails_below_the_whole_weight_floor() {
     let mut table = String::from("| budget % | bytes/step ÷ (total − budget) | split plan | whole-weight floor |\n");
     for pct in [70, 80] {
         let budget = total * pct / 100;
-        let planned = placement::split_plan(&sizes, &vec![g; sizes.len()], g, budget).expect("a split plan");
+        let planned = placement::split_plan(&sizes, &vec![g; sizes.len()], g, budget, 2).expect("a split plan");
         let wwf = whole_weight_floor(&sizes, budget);
         assert!(
             planned.streamed_bytes < wwf,

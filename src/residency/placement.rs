@@ -392,20 +392,25 @@ pub fn farthest_next_use_bytes(sizes: &[usize], budget: usize) -> usize {
 /// behind one address range) and streams the rest. A whole-weight plan's
 /// ring must hold the largest weight it streams (448 MiB for an 8192 × 28672
 /// bf16 matrix: 12% over `total − budget` at 75% of the benchmark's large
-/// shape); here it holds two tails, one being read and one being copied, and
-/// tails are small. Tails are proportional to their weights (capped at a
-/// slot), so each copy takes as long relative to its weight's compute as
-/// every other: a prefill, compute-heavy, overlaps them all alike.
+/// shape); here it holds `slots` tails, and tails are small. Two: one being
+/// read and one being copied (raw tails: the copy lands in the ring). One:
+/// every tail at the same bytes, each page-in ordered behind the read of the
+/// tail before it on the device (compressed tails: the copy lands in the
+/// decode staging, and only the decode, microseconds, waits for that read),
+/// one tail of ring fewer, so one tail more of heads resident. Tails are
+/// proportional to their weights (capped at a slot), so each copy takes as
+/// long relative to its weight's compute as every other: a prefill,
+/// compute-heavy, overlaps them all alike.
 ///
 /// Searched over the slot size `r` (granules): for each, the smallest
-/// fraction whose tails leave heads that fit `budget − 2r` (bisection: more
-/// fraction, longer tails, shorter heads); the plan streaming the fewest
-/// bytes wins. `None` when everything fits or no split does.
-pub fn split_plan(sizes: &[usize], aligns: &[usize], granule: usize, budget: usize) -> Option<Plan> {
+/// fraction whose tails leave heads that fit `budget − slots·r` (bisection:
+/// more fraction, longer tails, shorter heads); the plan streaming the
+/// fewest bytes wins. `None` when everything fits or no split does.
+pub fn split_plan(sizes: &[usize], aligns: &[usize], granule: usize, budget: usize, slots: usize) -> Option<Plan> {
     const ONE: u64 = 1 << 20;
     let n = sizes.len();
     let total: usize = sizes.iter().sum();
-    if n < 2 || total <= budget || granule == 0 || aligns.len() != n {
+    if n < 2 || total <= budget || granule == 0 || aligns.len() != n || !(1..=2).contains(&slots) {
         return None;
     }
     let gup = |x: usize| x.next_multiple_of(granule);
@@ -432,8 +437,8 @@ pub fn split_plan(sizes: &[usize], aligns: &[usize], granule: usize, budget: usi
     let step = granule * (largest / granule).div_ceil(512).max(1);
     let mut best: Option<(usize, usize, u64)> = None; // (streamed, r, f)
     let mut r = step;
-    while r <= largest && 2 * r < budget {
-        let fits = |f: u64| (0..n).map(|i| held(i, tail(i, f, r))).sum::<usize>() + 2 * r <= budget;
+    while r <= largest && slots * r < budget {
+        let fits = |f: u64| (0..n).map(|i| held(i, tail(i, f, r))).sum::<usize>() + slots * r <= budget;
         if fits(ONE) {
             let (mut lo, mut hi) = (0u64, ONE);
             while hi - lo > 1 {
@@ -451,10 +456,11 @@ pub fn split_plan(sizes: &[usize], aligns: &[usize], granule: usize, budget: usi
     let tails: Vec<usize> = (0..n).map(|i| tail(i, f, r)).collect();
     let streamed: Vec<bool> = tails.iter().map(|&t| t > 0).collect();
     // Slots: each tail at a granule-aligned offset (its size rounded to the
-    // granule), neighbours in the cycle apart where two slots allow.
+    // granule), neighbours in the cycle apart where two slots allow (with
+    // one, no tail is live while another is placed: no prefetch window).
     let slot_sizes: Vec<usize> = tails.iter().map(|&t| gup(t)).collect();
-    let live = live_sets(&streamed, &Hold::ONE, 1, false);
-    let ring = 2 * r;
+    let live = live_sets(&streamed, &Hold::ONE, slots - 1, false);
+    let ring = slots * r;
     let (offsets, need) = assign_within(&slot_sizes, &live, Some(ring));
     if need > ring {
         return None;
@@ -717,7 +723,7 @@ mod tests {
             for pct in [25, 50, 75] {
                 for al in [2 * mib, 8 * mib] {
                     let budget = total * pct / 100;
-                    let p = split_plan(&sizes, &vec![al; sizes.len()], 2 * mib, budget).expect("a split plan");
+                    let p = split_plan(&sizes, &vec![al; sizes.len()], 2 * mib, budget, 2).expect("a split plan");
                     assert!(
                         p.resident_bytes + p.ring_bytes <= budget,
                         "{pct}%: {} + {}",
@@ -754,5 +760,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// One slot (compressed tails): the ring is one slot (smaller tails sit
+    /// apart from their neighbours where it has room), every tail inside it; the plan
+    /// streams less than the two-slot plan on the 8192-wide shapes (where the
+    /// freed slot's bytes become heads: 64–384 MiB a step), no more on the
+    /// 4096-wide one (its 8 MiB head alignment leaves 25 and 50% equal).
+    #[test]
+    fn one_slot_split_plans_share_the_slot_and_stream_less() {
+        let mib = 1usize << 20;
+        for (d, kv, blocks) in [(8192, 8192, 8), (8192, 1024, 6), (4096, 4096, 16)] {
+            let ffn = if d == 4096 { 11008 } else { 28672 };
+            let sizes = llama(d, ffn, kv, blocks);
+            let total: usize = sizes.iter().sum();
+            for pct in [25, 50, 75] {
+                let budget = total * pct / 100;
+                let two = split_plan(&sizes, &vec![8 * mib; sizes.len()], 2 * mib, budget, 2).expect("two slots");
+                let one = split_plan(&sizes, &vec![8 * mib; sizes.len()], 2 * mib, budget, 1).expect("one slot");
+                assert!(one.resident_bytes + one.ring_bytes <= budget, "{d}/{kv} {pct}%: over the budget");
+                let slot = (0..sizes.len())
+                    .filter(|&i| !one.resident[i])
+                    .map(|i| (sizes[i] - one.heads[i]).next_multiple_of(2 * mib))
+                    .max()
+                    .unwrap();
+                assert!(
+                    one.ring_bytes >= slot && one.ring_bytes < 2 * slot,
+                    "{d}/{kv} {pct}%: ring {} for slot {slot}",
+                    one.ring_bytes
+                );
+                assert!(
+                    (0..sizes.len()).all(|i| one.resident[i]
+                        || one.offsets[i] + (sizes[i] - one.heads[i]).next_multiple_of(2 * mib) <= one.ring_bytes),
+                    "{d}/{kv} {pct}%: a tail overruns the ring"
+                );
+                assert!(
+                    one.streamed_bytes < two.streamed_bytes || (d == 4096 && one.streamed_bytes == two.streamed_bytes),
+                    "{d}/{kv} {pct}%: one slot streams {} ≥ two slots' {}",
+                    one.streamed_bytes,
+                    two.streamed_bytes
+                );
+            }
+        }
+        assert_eq!(split_plan(&[4, 4], &[1, 1], 1, 4, 3), None, "slots other than 1 or 2 are refused");
     }
 }

@@ -39,8 +39,8 @@ impl ResidencyManager {
         if hold.width > 1 || !self.cfg.split_weights || !st.plan.single_holds_seen() {
             return Ok(whole);
         }
-        // Per weight: streaming part of each weight needs a ring of two
-        // tails instead of the largest weight streamed. Take it when it
+        // Per weight: streaming part of each weight needs a ring of one or
+        // two tails instead of the largest weight streamed. Take it when it
         // streams fewer bytes than the whole-weight plan, or than
         // farthest-next-use alone (which streams about (total − budget) plus
         // one weight, for weights of about one size).
@@ -60,7 +60,13 @@ impl ResidencyManager {
                 })
             })
             .collect::<Result<_>>()?;
-        let Some(split) = placement::split_plan(&sizes, &aligns, granule, budget) else {
+        // Compressed tails copy into the decode staging, not the ring: one
+        // slot serves (each decode waits on the device for the read of the
+        // tail before it), and its bytes go to heads. A raw tail's copy lands
+        // in the ring itself: two slots, so it runs during the read before.
+        let coded = cycle.iter().all(|&u| st.reg.get(u).is_ok_and(|e| e.coded.is_some()));
+        let slots = if coded { 1 } else { 2 };
+        let Some(split) = placement::split_plan(&sizes, &aligns, granule, budget, slots) else {
             return Ok(whole);
         };
         let other = whole.as_ref().map_or(placement::farthest_next_use_bytes(&sizes, budget), |p| p.streamed_bytes);
