@@ -24,8 +24,8 @@
 # (d) scripts/codec-kernel-bench.cu, built here with nvcc, loads the PTX of
 #     each variant (v1: scripts/codec-kernel-v1.cu, the baseline; new: the
 #     codec.ptx just built; new-min8 and new-min4: codec.cu with
-#     __launch_bounds__ minimum blocks per SM; new-x2: codec.cu with two
-#     16-value slices per thread, 128-thread blocks), checks each bit-exact on
+#     __launch_bounds__ minimum blocks per SM; new-x1: codec.cu with one
+#     16-value slice per thread, 256-thread blocks), checks each bit-exact on
 #     every dumped case (all bit patterns, the distributions) and prints its
 #     GB/s.
 # Exit status: the number of failed steps.
@@ -70,10 +70,10 @@ if [ $variants = 1 ]; then
   step ptx "$BUILD/v1.ptx" scripts/codec-kernel-v1.cu
   step ptx "$BUILD/new-min8.ptx" -DEPM_MIN_BLOCKS=8 src/device/cuda/codec.cu
   step ptx "$BUILD/new-min4.ptx" -DEPM_MIN_BLOCKS=4 src/device/cuda/codec.cu
-  step ptx "$BUILD/new-x2.ptx" -DEPM_SLICES=2 src/device/cuda/codec.cu
+  step ptx "$BUILD/new-x1.ptx" -DEPM_SLICES=1 src/device/cuda/codec.cu
   step "$NVCC" -O2 -std=c++17 -o "$BUILD/codec-kernel-bench" scripts/codec-kernel-bench.cu -L"$stubs" -lcuda
-  step "$BUILD/codec-kernel-bench" "$DUMP" 9 v1="$BUILD/v1.ptx" new=src/device/cuda/codec.ptx \
-    new-min8="$BUILD/new-min8.ptx" new-min4="$BUILD/new-min4.ptx" new-x2="$BUILD/new-x2.ptx@128"
+  step "$BUILD/codec-kernel-bench" "$DUMP" 9 v1="$BUILD/v1.ptx" new=src/device/cuda/codec.ptx@128 \
+    new-min8="$BUILD/new-min8.ptx" new-min4="$BUILD/new-min4.ptx" new-x1="$BUILD/new-x1.ptx@256"
   rm -rf "$DUMP" "$BUILD"
 else
   step .carry/bin/bench_codec --json "$OUT/bench_codec.json" "$@"

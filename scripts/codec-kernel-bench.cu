@@ -1,7 +1,7 @@
 // Times decode-kernel variants (PTX files with the epm_codec_decode entry,
 // each JIT-loaded by the driver as epmem loads codec.ptx, launched with
-// epmem's grid, one block per 4096 values, of 256 threads or the variant's
-// own count) on the cases
+// epmem's grid, one block per 4096 values, of 256 threads or the count after
+// the variant's @; epmem's own codec.ptx takes 128) on the cases
 // `bench_codec --dump DIR` wrote, and checks every decode bit-exact against
 // the case's raw input, with guard bytes behind the output.
 //

@@ -46,7 +46,7 @@ pub const MAGIC: [u8; 4] = *b"EPMZ";
 pub const VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 128;
 /// Values per block. A block is the unit a GPU thread block decodes alone
-/// (256 threads × 16 values) and the unit of the escape index.
+/// (128 threads × 32 values) and the unit of the escape index.
 pub const BLOCK_VALUES: usize = 4096;
 /// Stream alignment in bytes: the kernel's loads and stores are 16 bytes wide.
 pub const ALIGN: usize = 16;

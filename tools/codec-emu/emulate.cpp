@@ -5,7 +5,7 @@
 // two-level escape codes, partial blocks) where there is no GPU; it says
 // nothing about speed.
 //
-//   c++ -std=c++20 -O1 -pthread [-DEPM_SLICES=2] -o emulate tools/codec-emu/emulate.cpp
+//   c++ -std=c++20 -O1 -pthread [-DEPM_SLICES=1] -o emulate tools/codec-emu/emulate.cpp
 //   ./emulate COMPRESSED RAW_OUT     (a format v1 or v2 buffer; writes the decoded bytes)
 //
 // Driven by tools/tests/codec_kernel_emulated.rs.

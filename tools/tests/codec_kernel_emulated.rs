@@ -3,10 +3,10 @@
 //! __syncthreads and warp shuffles), bit-exact against the encoder's input:
 //! the kernel's indexing, escape scans and partial blocks, in format v1 and
 //! in format v2 (two-level escape codes, level-3 bytes), are checked on every
-//! `cargo test`, GPU or not, as shipped (one 16-value slice per thread) and as
-//! built with `-DEPM_SLICES=2` (two per thread, the variant
-//! `scripts/codec-gpu.sh --variants` times). Speed and real-hardware behaviour are the H200
-//! run's (scripts/codec-gpu.sh).
+//! `cargo test`, GPU or not, as shipped (two 16-value slices per thread) and
+//! as built with `-DEPM_SLICES=1` (one per thread, the variant
+//! `scripts/codec-gpu.sh --variants` times beside it). Speed and
+//! real-hardware behaviour are the GPU run's (scripts/codec-gpu.sh).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -48,30 +48,31 @@ fn the_decode_kernel_emulated_on_the_cpu_is_bit_exact() {
     let dir = std::env::temp_dir().join(format!("epmem-codec-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let exes: Vec<(&str, PathBuf)> = [("shipped", "-DEPM_SLICES=1"), ("2 slices a thread", "-DEPM_SLICES=2")]
-        .into_iter()
-        .map(|(name, define)| {
-            let exe = dir.join(format!("emulate{}", &define[define.len() - 1..]));
-            let built = Command::new(&cxx)
-                .args([
-                    "-std=c++20",
-                    "-O1",
-                    "-pthread",
-                    "-Wall",
-                    "-Wextra",
-                    "-Wno-unknown-pragmas",
-                    "-Werror",
-                    define,
-                    "-o",
-                ])
-                .arg(&exe)
-                .arg(root.join("tools/codec-emu/emulate.cpp"))
-                .status()
-                .unwrap_or_else(|e| panic!("this test needs a C++20 compiler ({cxx}): {e}"));
-            assert!(built.success(), "{cxx} {define} failed on tools/codec-emu/emulate.cpp");
-            (name, exe)
-        })
-        .collect();
+    let exes: Vec<(&str, PathBuf)> =
+        [("shipped (2 slices a thread)", "-DEPM_SLICES=2"), ("1 slice a thread", "-DEPM_SLICES=1")]
+            .into_iter()
+            .map(|(name, define)| {
+                let exe = dir.join(format!("emulate{}", &define[define.len() - 1..]));
+                let built = Command::new(&cxx)
+                    .args([
+                        "-std=c++20",
+                        "-O1",
+                        "-pthread",
+                        "-Wall",
+                        "-Wextra",
+                        "-Wno-unknown-pragmas",
+                        "-Werror",
+                        define,
+                        "-o",
+                    ])
+                    .arg(&exe)
+                    .arg(root.join("tools/codec-emu/emulate.cpp"))
+                    .status()
+                    .unwrap_or_else(|e| panic!("this test needs a C++20 compiler ({cxx}): {e}"));
+                assert!(built.success(), "{cxx} {define} failed on tools/codec-emu/emulate.cpp");
+                (name, exe)
+            })
+            .collect();
 
     let all: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
     // (what, raw, dtype, k, k2): k2 Some(0) forces format v1, Some(1..=4)

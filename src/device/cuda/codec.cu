@@ -6,7 +6,8 @@
 // block must match `DecodeParams` in codec.rs, field for field (its 16-byte
 // tables are read here as four little-endian words each).
 //
-// One thread block per 4096-value codec block, 256 threads, 16 values each.
+// One thread block per 4096-value codec block, 128 threads, two 16-value
+// slices each (EPM_SLICES).
 // The kernel is specialised at compile time for each (dtype, k), so every
 // shift and mask is a constant, and it works on whole registers:
 // - thread t's 16 codes are the 2W bytes at byte 2Wt of the block: one to
@@ -45,17 +46,15 @@
 
 #define EPM_BLOCK_VALUES 4096
 #define EPM_PER_THREAD 16
-// 16-value slices per thread. The launcher's block is EPM_THREADS threads,
-// its grid one block per 4096 values; scripts/codec-gpu.sh --variants times
-// a build with 2 (128 threads, 32 values each).
+// 16-value slices per thread. The launcher's block is EPM_THREADS threads
+// (codec.rs THREADS), its grid one block per 4096 values. Two slices in
+// 128-thread blocks decoded 7-14% faster than one in 256 on the H100 (v2
+// data) and the H200 (v1); scripts/codec-gpu.sh --variants times a build
+// with one (x1) beside it.
 #ifndef EPM_SLICES
-#define EPM_SLICES 1
+#define EPM_SLICES 2
 #endif
-#if EPM_SLICES == 1
-#define EPM_THREADS 256
-#else
 #define EPM_THREADS (256 / EPM_SLICES)
-#endif
 // A block's escapes as 16-byte words: at most 4096 bytes, starting anywhere
 // within the first word and ending anywhere within the last.
 #define EPM_ESC_WORDS (EPM_BLOCK_VALUES / 16 + 2)

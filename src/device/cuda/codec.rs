@@ -18,8 +18,12 @@ use crate::error::Result;
 /// NUL-terminated: cuModuleLoadData reads PTX as a C string.
 pub(super) const PTX: &str = concat!(include_str!("codec.ptx"), "\0");
 const DECODE: &CStr = c"epm_codec_decode";
-/// Threads per block: codec.cu's EPM_THREADS (16 values each, one 4096-value block).
-const THREADS: u32 = 256;
+/// Threads per block: codec.cu's EPM_THREADS (two 16-value slices each, one
+/// 4096-value block).
+const THREADS: u32 = 128;
+/// 16-value slices per thread: codec.cu's EPM_SLICES.
+#[cfg(test)]
+const SLICES: usize = 2;
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CodecKernel {
@@ -170,8 +174,8 @@ mod tests {
         assert_eq!(std::mem::offset_of!(DecodeParams, k2), 112);
         assert_eq!(std::mem::offset_of!(DecodeParams, table2), 120);
         assert_eq!(std::mem::size_of::<DecodeParams>(), 136);
-        // One 16-value slice per thread covers exactly one codec block.
-        assert_eq!(THREADS as usize * 16, BLOCK_VALUES);
+        // The threads' slices cover exactly one codec block.
+        assert_eq!(THREADS as usize * SLICES * 16, BLOCK_VALUES);
     }
 
     #[test]
@@ -179,7 +183,9 @@ mod tests {
         // The .cu and the PTX name the same constants; a .cu edited without
         // rebuilding the PTX is caught on the GPU by scripts/build-ptx.sh --check.
         let cu = include_str!("codec.cu");
-        assert!(cu.contains("#define EPM_BLOCK_VALUES 4096") && cu.contains("#define EPM_THREADS 256"));
-        assert!(PTX.contains(".maxntid 256, 1, 1"));
+        assert!(cu.contains("#define EPM_BLOCK_VALUES 4096"));
+        assert!(cu.contains(&format!("#define EPM_SLICES {SLICES}\n")));
+        assert!(cu.contains("#define EPM_THREADS (256 / EPM_SLICES)"));
+        assert!(PTX.contains(&format!(".maxntid {THREADS}, 1, 1")));
     }
 }

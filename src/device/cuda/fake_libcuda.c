@@ -174,7 +174,7 @@ typedef struct {
   uint8_t table2[16];
 } DecodeParams;
 static CUresult fake_decode(unsigned grid, unsigned block, const DecodeParams *p) {
-  if (block != 256 || p->blocks != grid || (uint64_t)grid * 4096 < p->n_values || (uint64_t)(grid - 1) * 4096 >= p->n_values) BAD("decode launch: grid %u block %u for %llu values", grid, block, (unsigned long long)p->n_values);
+  if (block != 128 || p->blocks != grid || (uint64_t)grid * 4096 < p->n_values || (uint64_t)(grid - 1) * 4096 >= p->n_values) BAD("decode launch: grid %u block %u for %llu values", grid, block, (unsigned long long)p->n_values);
   if (p->k < 1 || p->k > 4 || p->code_bits != p->k + (p->dtype == 2 ? 3 : 0) || (p->dtype != 1 && p->dtype != 2)) BAD("decode params: dtype %u k %u W %u", p->dtype, p->k, p->code_bits);
   if ((p->dst | p->codes | p->lows) & 15) BAD("decode: unaligned stream or destination");
   if (p->k2 > 4 || p->reserved) BAD("decode params: k2 %u", p->k2);
