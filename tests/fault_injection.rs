@@ -1,6 +1,6 @@
 //! Injected device faults at every call site: for each operation (pool
 //! acquire, engine create/htod/register, arena create/alloc, residency
-//! create/acquire/prefetch, KV pool create, sequence create, append, pin,
+//! create/acquire/prefetch, compressed page-ins, KV pool create, sequence create, append, pin,
 //! commit_shared_prefix, copy-on-write) and each fault kind, fail the 1st,
 //! 2nd, ... call of that kind until the operation runs without reaching an
 //! Nth call. After every failure: the operation returned the injected status,
@@ -403,6 +403,85 @@ fn residency_acquire_and_prefetch() {
     }
     m.require("residency create", &[FaultKind::Reserve, FaultKind::Stream, FaultKind::Event]);
     m.require("residency acquire", &[FaultKind::Copy, FaultKind::Event, FaultKind::VmmCreate, FaultKind::Map]);
+    m.report();
+    assert_no_leaks(&fd);
+}
+
+/// Compressed weights (bf16, a streaming plan, a staging smaller than two
+/// of them): every fault in an acquire's page-in — a copy into the staging
+/// circle, a decode launch, an event — fails that acquire with the injected
+/// status and leaves nothing acquired; the next acquire of every weight
+/// still reads it bit-exact, and the ledger stays within the budget. (On the
+/// host device decodes finish fast enough that a copy ordered wrongly behind
+/// a decode would still read right: the staging circle's bookkeeping is
+/// checked by `decode::tests`.)
+#[test]
+fn residency_compressed_page_ins() {
+    let (fd, d) = faulty();
+    let mut m = Matrix::default();
+    {
+        let s = Stream::new(&d).unwrap();
+        // bf16 values of about ±0.02: their exponents compress to ~0.7.
+        let bf16 = |seed: u64, n: usize| -> Vec<u8> {
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            (0..n / 2)
+                .flat_map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let v = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04;
+                    ((v.to_bits() >> 16) as u16).to_le_bytes()
+                })
+                .collect()
+        };
+        let sizes = [MIB + 4096, 2 * MIB, 3 * MIB / 2, MIB];
+        let srcs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| bf16(30 + i as u64, n)).collect();
+        for kind in FaultKind::ALL {
+            let res = ResidencyManager::new(&d, ResidencyConfig::with_budget(6 * MIB)).unwrap();
+            let ids: Vec<WeightId> = srcs
+                .iter()
+                .map(|v| {
+                    let r = HostRange::from_static(Box::leak(v.clone().into_boxed_slice()));
+                    let reg = res.register_encoded(r, epmem::codec::Dtype::Bf16, &Default::default()).unwrap();
+                    assert_eq!(reg.raw, None, "weight stored raw: {reg:?}");
+                    reg.id
+                })
+                .collect();
+            res.declare_cycle(&ids).unwrap();
+            for round in 0..3 {
+                for (i, &w) in ids.iter().enumerate() {
+                    let p = drive(
+                        &fd,
+                        &mut m,
+                        "residency compressed acquire",
+                        kind,
+                        &mut (),
+                        |_| res.acquire(w, s.raw()),
+                        |_, _| {
+                            assert_eq!(
+                                res.release(w, s.raw()).unwrap_err().status(),
+                                EpmStatus::InvalidState,
+                                "a failed acquire left {w:?} acquired"
+                            )
+                        },
+                        |_, _| res.release(w, s.raw()).unwrap(),
+                    );
+                    assert!(
+                        read(&fd, &s, p, sizes[i]) == srcs[i],
+                        "compressed weight {i} round {round} after {} faults",
+                        kind.name()
+                    );
+                    res.release(w, s.raw()).unwrap();
+                }
+            }
+            let st = res.stats();
+            assert!(st.compressed_weights == 4 && st.decodes > 0, "{st:?}");
+            assert!(st.peak_resident_bytes + st.decode_staging_bytes <= st.budget_bytes, "ledger over budget: {st:?}");
+            res.synchronize().unwrap();
+            drop(res);
+        }
+    }
+    m.require("residency compressed acquire", &[FaultKind::Copy, FaultKind::Event]);
     m.report();
     assert_no_leaks(&fd);
 }

@@ -567,8 +567,11 @@ impl ResidencyManager {
                 // waits for the last.
                 let (mut last, mut staged_len) = (None, 0);
                 for (from, to, len) in copies {
-                    let gate = std::mem::take(&mut dec.gated).then(|| dec.gate.raw());
+                    let gate = dec.gated.then(|| dec.gate.raw());
                     last = Some(self.engine.htod(base + to as u64, src.slice(from, len)?, gate)?);
+                    // Only once a copy is ordered after the gate: a failed
+                    // one leaves the next copy to wait for it instead.
+                    dec.gated = false;
                     copied += len;
                     staged_len = staged_len.max(to + len);
                 }
