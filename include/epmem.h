@@ -2864,8 +2864,11 @@ enum EpmStatus epm_stream_create(struct EpmDevice *dev, struct EpmStream **out);
  * so epmem can order its work against the host's kernels.
  *
  * Ownership: the host keeps owning `native` and must keep it alive until
- * `epm_stream_destroy` of `*out`, which only forgets it. NULL: `native` is
- * NULL_POINTER (the CUDA legacy default stream is not adoptable). Errors:
+ * `epm_stream_destroy` of `*out`, which only forgets it. The legacy default
+ * stream (what a NULL `CUstream` means to the driver) is adopted by its
+ * explicit name `CU_STREAM_LEGACY` (`(void*)0x1`), the per-thread default
+ * stream by `CU_STREAM_PER_THREAD` (`(void*)0x2`). NULL: `native` is
+ * NULL_POINTER (NULL reads as a missing argument, not as a stream). Errors:
  * UNSUPPORTED on the host device (it has no native streams). Threading:
  * safe from any thread.
  */

@@ -360,7 +360,7 @@ def run_epmem(model, work, budget, **kw):
              "budget_held": s1["peak_resident_bytes"] + s1["decode_staging_bytes"] <= budget,
              "bypassed_page_ins": s1["bypassed_page_ins"] - s0["bypassed_page_ins"],
              "staged_page_ins": s1["staged_page_ins"] - s0["staged_page_ins"],
-             "hook_calls": s1["hook_calls"], "bridged_calls": s1["bridged_calls"]}
+             "hook_calls": s1["hook_calls"], "legacy_stream_calls": s1["legacy_stream_calls"]}
     return res, extra
 
 

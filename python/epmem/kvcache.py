@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import _lib as L
 from . import core, errors
-from .torch import as_tensor
+from .torch import adopt_stream, as_tensor, current_native_stream
 
 
 class KvCacheError(RuntimeError):
@@ -89,38 +89,28 @@ def seq_tensor(seq, dtype, device, tokens=None):
 class _Streams:
     """Runs an epmem call that orders device work on a stream, on torch's current stream.
 
-    CUDA: a non-default torch stream is adopted (epm_stream_wrap_native, cached per
-    stream); torch's legacy default stream (handle 0) cannot be, so the call runs on a
-    private epmem stream that first waits for torch's stream and that torch's stream
-    then waits for (the COW copy is ordered before the next kernel, the fence covers
-    the kernels queued before). Host device: CPU kernels run synchronously, so the host
-    waits for the call's copies."""
+    CUDA: torch's current stream is adopted (epm_stream_wrap_native, cached per
+    stream; the legacy default stream, handle 0, by the driver's name for it,
+    CU_STREAM_LEGACY), so the COW copy is ordered before the next kernel and the
+    fence covers the kernels queued before. Host device: CPU kernels run
+    synchronously, so the host waits for the call's copies."""
 
     def __init__(self, dev):
         self.dev = dev
         self.private = dev.stream()
         self.wrapped = {}
-        self.bridged_calls = 0
         if dev.is_cuda:
             self.tdev = torch.device("cuda", dev.ordinal)
-            self.private_torch = torch.cuda.ExternalStream(self.private.native(), device=self.tdev)
 
     def run(self, fn):
         if not self.dev.is_cuda:
             r = fn(self.private)
             self.private.synchronize()
             return r
-        cur = torch.cuda.current_stream(self.tdev)
-        native = cur.cuda_stream
-        if native == 0:
-            self.bridged_calls += 1
-            self.private_torch.wait_stream(cur)
-            r = fn(self.private)
-            cur.wait_stream(self.private_torch)
-            return r
+        native = current_native_stream(self.tdev)
         s = self.wrapped.get(native)
         if s is None:
-            s = core.Stream.wrap_native(self.dev, native, owner=cur)
+            s = adopt_stream(self.dev, self.tdev, native)
             self.wrapped[native] = s
         return fn(s)
 

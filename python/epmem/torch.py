@@ -16,10 +16,8 @@ waits on the device for a page-in and the host never waits; the parameter then
 points at the device copy (a tensor over epmem's memory, no copy). After it,
 the parameter points back at the host copy and the weight is released on the
 same stream: epmem evicts a weight only after the work queued so far on that
-stream has completed. torch's legacy
-default stream (handle 0) cannot be adopted, so on it epmem acquires on a
-private stream that the default stream then waits for (two event
-record/waits per block). On the host device (EPM_DEVICE=host, CPU tensors)
+stream has completed. torch's legacy default stream (handle 0) is adopted by
+the driver's name for it, CU_STREAM_LEGACY. On the host device (EPM_DEVICE=host, CPU tensors)
 the host waits for the page-ins (acquire_host), since CPU kernels run
 synchronously.
 See docs/PYTHON.md.
@@ -54,6 +52,32 @@ def _itemsize(dtype):
 
 def _round_up(x, a):
     return (x + a - 1) // a * a
+
+
+# ---- torch's streams as epmem streams ----------------------------------------------
+
+# The driver's name for the legacy default stream (cuda.h's CU_STREAM_LEGACY):
+# torch's default stream is handle 0, which epm_stream_wrap_native refuses
+# (NULL), so it is adopted by this name. Work ordered on either is the same.
+CU_STREAM_LEGACY = 0x1
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_native_stream(tdev):
+    """torch's current stream on `tdev` as a CUstream int (0 for the legacy
+    default stream); the private accessor skips making a Stream object per call."""
+    if _raw_stream is not None:
+        return _raw_stream(tdev.index)
+    return torch.cuda.current_stream(tdev).cuda_stream
+
+
+def adopt_stream(dev, tdev, native):
+    """An epmem Stream over torch's stream `native` (0: the legacy default stream)."""
+    if native == 0:
+        return core.Stream.wrap_native(dev, CU_STREAM_LEGACY)
+    # The torch Stream object is kept as the owner: the native stream outlives the adoption.
+    return core.Stream.wrap_native(dev, native, owner=torch.cuda.current_stream(tdev))
 
 
 # ---- epmem memory as torch tensors -------------------------------------------------
@@ -204,14 +228,13 @@ class _Weight:
 class _Unit:
     """What one pair of hooks acquires: a block's weights, or one module's."""
 
-    __slots__ = ("module", "weights", "index", "acquired", "stream", "bridged", "name", "skip_post")
+    __slots__ = ("module", "weights", "index", "acquired", "stream", "name", "skip_post")
 
     def __init__(self, module, name, index):
         self.module, self.name, self.index = module, name, index
         self.weights = []
         self.acquired = []
         self.stream = None
-        self.bridged = False
         self.skip_post = 0  # pre-hooks that raised: their always_call post-hook must not release
 
 
@@ -450,12 +473,12 @@ class _State:
         self.hooks = []
         self.cache = {}
         self.wrapped = {}
-        self.counters = {"hook_calls": 0, "bridged_calls": 0, "wrapped_streams": 0}
+        self.counters = {"hook_calls": 0, "legacy_stream_calls": 0, "wrapped_streams": 0}
         self.host_range = None
         self.host_range_error = None
         self.pinned_arena = self.pinned_block = None
         self.host_mmap = None
-        self.res = self.private = self.private_torch = None
+        self.res = self.private = None
         originals = [(w.param, w.param.data) for w in weights]
         try:
             self._setup(rcfg)
@@ -506,10 +529,7 @@ class _State:
             if w.id is None:
                 w.id = self.res.register_weight(self.host_ptr + w.offset, w.reg_bytes)
         self.res.declare_cycle([w.id for u in self.units for w in u.weights])
-        if dev.is_cuda:
-            self.private = core.Stream(dev)
-            self.private_torch = torch.cuda.ExternalStream(self.private.native(), device=self.tdev)
-        else:
+        if not dev.is_cuda:
             self.private = core.Stream(dev)
         # Point the parameters at the host copy; the device copies go.
         for w in self.weights:
@@ -569,14 +589,16 @@ class _State:
             self.cache[key] = t
         return t
 
-    def _stream(self, unit):
-        """The epmem stream to acquire on, and whether the default-stream bridge is used."""
+    def _stream(self):
+        """The epmem stream to acquire on: torch's current stream, adopted once."""
         if not self.dev.is_cuda:
-            return self.private, False
-        cur = torch.cuda.current_stream(self.tdev)
-        native = cur.cuda_stream
+            return self.private
+        native = current_native_stream(self.tdev)
         if native == 0:
-            return self.private, True
+            self.counters["legacy_stream_calls"] += 1
+        return self.wrapped_stream(native)
+
+    def wrapped_stream(self, native):
         s = self.wrapped.get(native)
         if s is None:
             if len(self.wrapped) > 64 and not any(u.acquired for u in self.units):
@@ -584,10 +606,10 @@ class _State:
                 for old in self.wrapped.values():
                     old.close()
                 self.wrapped.clear()
-            s = core.Stream.wrap_native(self.dev, native, owner=cur)
+            s = adopt_stream(self.dev, self.tdev, native)
             self.wrapped[native] = s
             self.counters["wrapped_streams"] += 1
-        return s, False
+        return s
 
     def _pre_hook(self, unit):
         def hook(mod, args):
@@ -610,7 +632,7 @@ class _State:
                 raise OffloadError(f"{unit.name}: grad is enabled and its offloaded weights require grad; "
                                    "offloaded weights are for inference: run under torch.no_grad() or "
                                    "torch.inference_mode(), or call requires_grad_(False)")
-            stream, bridged = self._stream(unit)
+            stream = self._stream()
             self.counters["hook_calls"] += 1
             # On the host device the block's CPU kernels run now, on this
             # thread: the host must wait for each page-in (acquire_host),
@@ -633,10 +655,7 @@ class _State:
                     raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
                                        f"in use ({e.message}); raise the budget or use granularity='linear'") from e
                 raise
-            unit.stream, unit.bridged = stream, bridged
-            if bridged:
-                self.counters["bridged_calls"] += 1
-                torch.cuda.current_stream(self.tdev).wait_stream(self.private_torch)
+            unit.stream = stream
         return hook
 
     def _post_hook(self, unit):
@@ -647,8 +666,6 @@ class _State:
             if not unit.acquired:
                 return None
             stream = unit.stream
-            if unit.bridged:
-                self.private_torch.wait_stream(torch.cuda.current_stream(self.tdev))
             err = None
             for w in unit.acquired:
                 w.param.data = w.host
@@ -685,7 +702,6 @@ class _State:
         self.wrapped.clear()
         if self.private is not None:
             self.private.close()
-        self.private_torch = None
         if self.own_device:
             self.dev.close()
 

@@ -315,7 +315,7 @@ class KvCacheLlama(unittest.TestCase):
 
     @unittest.skipIf(os.environ.get("EPM_DEVICE") != "cuda", "a torch CUDA stream: CUDA only")
     def test_on_a_non_default_torch_stream(self):
-        """prepare_append on an adopted torch stream (the default stream is bridged)."""
+        """prepare_append on an adopted torch stream (a non-default one; the default one is adopted as CU_STREAM_LEGACY)."""
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
             pre = self.store.prefill_shared(self.model, self.sys)

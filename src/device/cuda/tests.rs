@@ -422,6 +422,19 @@ fn gpu_adopted_native_streams_are_forgotten_not_destroyed() {
     let legacy = d.stream_wrap_native(0).expect("the legacy default stream can be adopted");
     d.stream_synchronize(legacy).unwrap();
     d.stream_destroy(legacy).unwrap();
+    // By the driver's names (what epm_stream_wrap_native takes, NULL being refused there):
+    // CU_STREAM_LEGACY and CU_STREAM_PER_THREAD order work like any stream.
+    for (name, native) in [("CU_STREAM_LEGACY", 1u64), ("CU_STREAM_PER_THREAD", 2)] {
+        let s = d.stream_wrap_native(native).unwrap_or_else(|e| panic!("{name} can be adopted: {e}"));
+        d.memset_d8_async(buf.ptr(), native as u8 + 10, 64, s).unwrap();
+        let ev = d.event_create(false).unwrap();
+        d.event_record(ev, s).unwrap();
+        d.stream_wait_event(s, ev).unwrap();
+        d.stream_synchronize(s).unwrap();
+        assert_eq!(read_back(&d, buf.ptr(), 64, &Stream::new(&d).unwrap()), [native as u8 + 10; 64], "{name}");
+        d.event_destroy(ev).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 #[test]
