@@ -95,12 +95,23 @@ class _Streams:
     fence covers the kernels queued before. Host device: CPU kernels run
     synchronously, so the host waits for the call's copies."""
 
+    # Adopted streams kept at most; past it the cache starts over (each call's
+    # use of its stream ends with the call).
+    MAX_WRAPPED = 64
+
     def __init__(self, dev):
         self.dev = dev
-        self.private = dev.stream()
+        self._private = None
         self.wrapped = {}
         if dev.is_cuda:
             self.tdev = torch.device("cuda", dev.ordinal)
+
+    @property
+    def private(self):
+        """An epmem stream of the store's own: the host device's, made on first use."""
+        if self._private is None:
+            self._private = self.dev.stream()
+        return self._private
 
     def run(self, fn):
         if not self.dev.is_cuda:
@@ -110,6 +121,10 @@ class _Streams:
         native = current_native_stream(self.tdev)
         s = self.wrapped.get(native)
         if s is None:
+            if len(self.wrapped) >= self.MAX_WRAPPED:
+                for old in self.wrapped.values():
+                    old.close()
+                self.wrapped.clear()
             s = adopt_stream(self.dev, self.tdev, native)
             self.wrapped[native] = s
         return fn(s)
