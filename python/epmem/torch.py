@@ -9,25 +9,22 @@ manager, and hand epmem memory to torch as tensors without copies.
     print(h.stats()["htod_bytes"])
     h.remove()                                     # weights back on the GPU, hooks gone
 
-What the wrapped forwards and hooks do: each offloaded nn.Linear
-(granularity="linear", the default) gets a forward of its own that acquires its
-weight on torch's *current* stream (wrapped with epm_stream_wrap_native), runs
-F.linear on the device copy (a tensor over epmem's memory, no copy) and
-releases it on the same stream, so the kernel waits on the device for a
-page-in and the host never waits, and epmem evicts a weight only after the
-work queued so far on that stream has completed. Other included modules, and
-granularity="block" (whole blocks), get a pre-hook that acquires and points
-the parameters at the device copies and a post-hook that points them back and
-releases. torch's legacy default stream (handle 0) is adopted by the driver's
-name for it, CU_STREAM_LEGACY. On the host device (EPM_DEVICE=host, CPU
-tensors) the host waits for the page-ins (acquire_host), since CPU kernels run
+What the hooks do: before each offloaded linear runs (granularity="linear",
+the default; "block" hooks whole blocks instead), its weight is acquired on
+torch's *current* stream (wrapped with epm_stream_wrap_native), so the kernel
+waits on the device for a page-in and the host never waits; the parameter then
+points at the device copy (a tensor over epmem's memory, no copy). After it,
+the parameter points back at the host copy and the weight is released on the
+same stream: epmem evicts a weight only after the work queued so far on that
+stream has completed. torch's legacy default stream (handle 0) is adopted by
+the driver's name for it, CU_STREAM_LEGACY. On the host device (EPM_DEVICE=host, CPU tensors)
+the host waits for the page-ins (acquire_host), since CPU kernels run
 synchronously.
 See docs/PYTHON.md.
 """
 
 import ctypes
 import mmap
-import sys
 import warnings
 
 import torch
@@ -276,9 +273,8 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         device once, so page-ins copy directly), "staged" (pageable, every
         page-in staged through pinned buffers), or "pinned" (host memory from an
         epmem pinned arena).
-    granularity: "linear" (default: each included submodule acquired around its
-        own forward, a plain nn.Linear by a forward of its own, others by a
-        pair of hooks, so each weight is acquired just before the kernel that reads it and
+    granularity: "linear" (default: one pair of hooks per included submodule,
+        so each weight is acquired just before the kernel that reads it and
         released just after; the budget need only hold the largest weight, and
         the residency plan streams at most the whole-weight floor,
         docs/RESIDENCY.md) or "block" (a block's weights are acquired together:
@@ -475,7 +471,6 @@ class _State:
         self.sources, self.granularity, self.total = sources, granularity, total
         self.removed = False
         self.hooks = []
-        self.linear_forwards = []
         self.cache = {}
         self.wrapped = {}
         self.counters = {"hook_calls": 0, "legacy_stream_calls": 0, "wrapped_streams": 0}
@@ -542,8 +537,6 @@ class _State:
             w.param._epmem_offloaded = True
         self.always_call = True
         for u in self.units:
-            if self._install_linear_forward(u):
-                continue
             self.hooks.append(u.module.register_forward_pre_hook(self._pre_hook(u)))
             try:
                 self.hooks.append(u.module.register_forward_hook(self._post_hook(u), always_call=True))
@@ -618,73 +611,6 @@ class _State:
             self.counters["wrapped_streams"] += 1
         return s
 
-    def _check_enter(self, unit):
-        """What entering `unit` refuses (the hooks' and the linear forward's checks)."""
-        if self.removed:
-            raise OffloadError("this offload was removed")
-        if unit.acquired:
-            raise OffloadError(f"{unit.name} entered again before its forward finished (re-entrant call)")
-        if unit.module.training:
-            raise OffloadError(f"{unit.name} is in training mode: offloaded weights are for inference "
-                               "(call model.eval())")
-        if torch.is_grad_enabled() and any(w.param.requires_grad for w in unit.weights):
-            raise OffloadError(f"{unit.name}: grad is enabled and its offloaded weights require grad; "
-                               "offloaded weights are for inference: run under torch.no_grad() or "
-                               "torch.inference_mode(), or call requires_grad_(False)")
-
-    def _install_linear_forward(self, unit):
-        """With granularity="linear", a plain nn.Linear gets a forward of its own
-        instead of a pair of hooks: it acquires the weight (and bias), runs
-        F.linear on the device tensors and releases them, with no hook dispatch
-        and no swap of `param.data` (between and during forwards the parameter
-        is the host copy). Whether it was installed."""
-        mod = unit.module
-        if self.granularity != "linear" or type(mod) is not nn.Linear or "forward" in mod.__dict__:
-            return False
-        params = [p for p in (mod.weight, mod.bias) if p is not None]
-        weights = tuple(unit.weights)
-        if len(params) != len(weights) or {id(p) for p in params} != {id(w.param) for w in weights}:
-            return False
-        wi = next(i for i, w in enumerate(weights) if w.param is mod.weight)
-        bi = next((i for i, w in enumerate(weights) if w.param is mod.bias), None)
-        linear = torch.nn.functional.linear
-        cuda = self.dev.is_cuda
-
-        def forward(input):
-            self._check_enter(unit)
-            stream = self._stream()
-            self.counters["hook_calls"] += 1
-            res = self.res
-            unit.acquired = acquired = []
-            try:
-                tensors = []
-                try:
-                    for w in weights:
-                        ptr = res.acquire(w.id, stream) if cuda else res.acquire_host(w.id)
-                        acquired.append(w)
-                        tensors.append(self._device_tensor(ptr, w))
-                except errors.AllInUse as e:
-                    raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
-                                       f"in use ({e.message})") from e
-                return linear(input, tensors[wi], None if bi is None else tensors[bi])
-            finally:
-                unit.acquired = []
-                err = None
-                for w in acquired:
-                    try:
-                        if cuda:
-                            res.release(w.id, stream)  # after the kernel just queued on `stream`
-                        else:
-                            res.release_host(w.id)  # the CPU kernel has returned
-                    except errors.EpmError as e:
-                        err = err or e
-                if err is not None and sys.exc_info()[0] is None:
-                    raise err
-
-        mod.forward = forward
-        self.linear_forwards.append((mod, forward))
-        return True
-
     def _pre_hook(self, unit):
         def hook(mod, args):
             try:
@@ -695,7 +621,17 @@ class _State:
                 raise
 
         def pre(_mod, _args):
-            self._check_enter(unit)
+            if self.removed:
+                raise OffloadError("this offload was removed")
+            if unit.acquired:
+                raise OffloadError(f"{unit.name} entered again before its forward finished (re-entrant call)")
+            if unit.module.training:
+                raise OffloadError(f"{unit.name} is in training mode: offloaded weights are for inference "
+                                   "(call model.eval())")
+            if torch.is_grad_enabled() and any(w.param.requires_grad for w in unit.weights):
+                raise OffloadError(f"{unit.name}: grad is enabled and its offloaded weights require grad; "
+                                   "offloaded weights are for inference: run under torch.no_grad() or "
+                                   "torch.inference_mode(), or call requires_grad_(False)")
             stream = self._stream()
             self.counters["hook_calls"] += 1
             # On the host device the block's CPU kernels run now, on this
@@ -750,10 +686,6 @@ class _State:
         for h in self.hooks:
             h.remove()
         self.hooks = []
-        for mod, fwd in self.linear_forwards:
-            if mod.__dict__.get("forward") is fwd:  # (not if the user replaced it since)
-                del mod.forward
-        self.linear_forwards = []
         if getattr(self.module, "_epmem_offload", None) is self:
             del self.module._epmem_offload
         self.cache.clear()
