@@ -565,27 +565,18 @@ impl ResidencyManager {
                 // a decode (its bytes may be reused); the rest follow it in
                 // issue order on the copy engine's stream, so the decode
                 // waits for the last.
-                let mut staged_len = 0;
-                let n = copies.len();
-                if n == 0 {
-                    return Err(Error::internal("a decode staging with nothing to copy"));
-                }
-                for (i, (from, to, len)) in copies.into_iter().enumerate() {
+                let (mut last, mut staged_len) = (None, 0);
+                for (from, to, len) in copies {
                     let gate = dec.gated.then(|| dec.gate.raw());
-                    let bytes = src.slice(from, len)?;
-                    if i + 1 == n {
-                        // The decode stream waits for the last copy (the
-                        // copies run in issue order on the engine's stream).
-                        self.engine.htod_then(base + to as u64, bytes, gate, dec.stream.raw())?;
-                    } else {
-                        self.engine.htod(base + to as u64, bytes, gate)?;
-                    }
+                    last = Some(self.engine.htod(base + to as u64, src.slice(from, len)?, gate)?);
                     // Only once a copy is ordered after the gate: a failed
                     // one leaves the next copy to wait for it instead.
                     dec.gated = false;
                     copied += len;
                     staged_len = staged_len.max(to + len);
                 }
+                let copy = last.ok_or_else(|| Error::internal("a decode staging with nothing to copy"))?;
+                copy.make_wait(dec.stream.raw())?;
                 // Only the decode writes `dst`: it, not the copy into
                 // staging, waits for `dst`'s readers, so the copy engine
                 // fills staging while the last kernel on `dst` still runs.

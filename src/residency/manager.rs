@@ -19,10 +19,6 @@ use crate::staging::background::Hint;
 use crate::staging::{BackgroundFill, Copier, CopyEngine, Fence, PinnedStagingPool};
 use crate::transfer::pinning::SharedHostRegistration;
 
-/// `acquire` reads the stall and decode timings once either has this many
-/// measurements waiting.
-const HARVEST_BATCH: usize = 32;
-
 /// Why a unit is paged in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Need {
@@ -431,12 +427,7 @@ impl ResidencyManager {
     pub fn acquire(&self, w: WeightId, stream: RawStream) -> Result<u64> {
         let mut st = self.lock();
         let st = &mut *st;
-        // Timings are read in batches (each read is an event query): a
-        // driver call per acquire costs the host more than the counters'
-        // freshness is worth; `stats` and `synchronize` read them all.
-        if st.stalls.pending().max(st.decode_timer.pending()) >= HARVEST_BATCH {
-            self.harvest(st)?;
-        }
+        self.harvest(st)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
         self.replan_if_idle(st, w)?;

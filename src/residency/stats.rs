@@ -198,10 +198,6 @@ impl StallTimer {
         self.pending.push_back((a, b));
         Ok(())
     }
-    /// Measurements recorded and not yet read.
-    pub fn pending(&self) -> usize {
-        self.pending.len()
-    }
     /// Milliseconds of the waits that have completed since the last call.
     pub fn harvest(&mut self) -> Result<f64> {
         let mut ms = 0.0;

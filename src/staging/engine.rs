@@ -258,8 +258,6 @@ struct State {
     ring: VecDeque<InFlight<PooledStaging>>,
     /// Records the caller's stream so the copy stream can wait on it.
     order: Event,
-    /// Recorded after a copy of `htod_then`, for its streams to wait on.
-    then: Event,
     /// Timing pairs of copies not yet read, oldest first.
     timings: VecDeque<CopyTiming>,
     /// Read pairs, reused so timing costs no event creation in steady state.
@@ -346,7 +344,6 @@ impl CopyEngine {
             stream: Stream::new(&dev)?,
             ring: VecDeque::with_capacity(cfg.slots),
             order: Event::new(&dev, false)?,
-            then: Event::new(&dev, false)?,
             timings: VecDeque::new(),
             spare_timings: Vec::new(),
             reserved: false,
@@ -416,78 +413,43 @@ impl CopyEngine {
     /// the copy but through the fence).
     pub(super) fn htod_ordered(&self, dst: DevicePtr, src: HostRange, order: Order<'_>) -> Result<Fence> {
         let mut st = self.lock();
-        let direct = self.issue(&mut st, dst, src, &order)?;
-        let event = Event::new(&self.dev, false)?;
-        event.record(&st.stream)?;
-        if let Order::Stream(s) = order {
-            self.dev.stream_wait_event(s, event.raw())?;
-        }
-        self.count(src, direct);
-        Ok(Fence { dev: self.dev.clone(), event: FenceEvent::Recorded(event), bytes: src.len(), direct })
-    }
-
-    /// `htod` whose only consumer is a stream: the copy is ordered after the
-    /// work queued on `before` (and `before`'s later work after the copy, as
-    /// `htod` with a stream), and `then` waits for the copy, on the device.
-    /// No fence: the caller's own fence, recorded on `then` after the work
-    /// that reads the copy, covers it. (One reusable event instead of one
-    /// created and destroyed per copy: two driver calls fewer.)
-    pub(crate) fn htod_then(
-        &self,
-        dst: DevicePtr,
-        src: HostRange,
-        before: Option<RawStream>,
-        then: RawStream,
-    ) -> Result<()> {
-        let mut st = self.lock();
-        let order = before.map_or(Order::None, Order::Stream);
-        let direct = self.issue(&mut st, dst, src, &order)?;
-        st.then.record(&st.stream)?;
-        self.dev.stream_wait_event(then, st.then.raw())?;
-        if let Some(s) = before {
-            self.dev.stream_wait_event(s, st.then.raw())?;
-        }
-        self.count(src, direct);
-        Ok(())
-    }
-
-    /// Queue the copy on the engine's stream after `order`; whether it went direct.
-    fn issue(&self, st: &mut State, dst: DevicePtr, src: HostRange, order: &Order<'_>) -> Result<bool> {
         if let Some(e) = st.failed.take() {
             return Err(e);
         }
-        self.reap(st, false)?;
+        self.reap(&mut st, false)?;
         match order {
             Order::None => {}
             Order::Stream(s) => {
-                st.order.record_raw(*s)?;
+                st.order.record_raw(s)?;
                 self.dev.stream_wait_event(st.stream.raw(), st.order.raw())?;
             }
             Order::After(e) => self.dev.stream_wait_event(st.stream.raw(), e.raw())?,
         }
         let direct = !self.stages(src) && !src.is_empty();
-        let timing = if self.cfg.timing && !src.is_empty() { self.take_timing(st)? } else { None };
+        let timing = if self.cfg.timing && !src.is_empty() { self.take_timing(&mut st)? } else { None };
         if direct {
             if let Some(t) = &timing {
                 t.record_start(&st.stream)?;
             }
             witness::enqueue_htod_from_range(&st.stream, dst, src, None)?;
         } else {
-            self.stage(st, dst, src, timing.as_ref())?;
+            self.stage(&mut st, dst, src, timing.as_ref())?;
         }
         if let Some(t) = timing {
             t.record_end(&st.stream)?;
             st.timings.push_back(t);
         }
-        Ok(direct)
-    }
-
-    fn count(&self, src: HostRange, direct: bool) {
+        let event = Event::new(&self.dev, false)?;
+        event.record(&st.stream)?;
+        if let Order::Stream(s) = order {
+            self.dev.stream_wait_event(s, event.raw())?;
+        }
         if !src.is_empty() {
             stats::add(&self.counters.copies, 1);
             stats::add(&self.counters.htod_bytes, src.len() as u64);
             stats::add(&self.counters.bypassed, direct as u64);
         }
+        Ok(Fence { dev: self.dev.clone(), event: FenceEvent::Recorded(event), bytes: src.len(), direct })
     }
 
     /// The chunk length for a copy of `len` bytes (see the module docs).
