@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import _lib as L
 from . import core, errors
-from .torch import adopt_stream, as_tensor, current_native_stream
+from .torch import AdoptedStreams, as_tensor, current_native_stream
 
 
 class KvCacheError(RuntimeError):
@@ -95,16 +95,14 @@ class _Streams:
     fence covers the kernels queued before. Host device: CPU kernels run
     synchronously, so the host waits for the call's copies."""
 
-    # Adopted streams kept at most; past it the cache starts over (each call's
-    # use of its stream ends with the call).
-    MAX_WRAPPED = 64
-
     def __init__(self, dev):
         self.dev = dev
         self._private = None
-        self.wrapped = {}
+        self.wrapped = None
         if dev.is_cuda:
             self.tdev = torch.device("cuda", dev.ordinal)
+            # Each call's use of its stream ends with the call: clearing is always safe.
+            self.wrapped = AdoptedStreams(dev, self.tdev)
 
     @property
     def private(self):
@@ -118,16 +116,7 @@ class _Streams:
             r = fn(self.private)
             self.private.synchronize()
             return r
-        native = current_native_stream(self.tdev)
-        s = self.wrapped.get(native)
-        if s is None:
-            if len(self.wrapped) >= self.MAX_WRAPPED:
-                for old in self.wrapped.values():
-                    old.close()
-                self.wrapped.clear()
-            s = adopt_stream(self.dev, self.tdev, native)
-            self.wrapped[native] = s
-        return fn(s)
+        return fn(self.wrapped.get(current_native_stream(self.tdev))[0])
 
     def quiesce(self):
         """Before a sequence is destroyed: no queued kernel may still read or write it."""

@@ -80,6 +80,37 @@ def adopt_stream(dev, tdev, native):
     return core.Stream.wrap_native(dev, native, owner=torch.cuda.current_stream(tdev))
 
 
+class AdoptedStreams:
+    """torch's streams adopted as epmem streams, once each, by native handle.
+
+    Past `limit` adoptions the cache starts over, closing what it drops (the
+    native streams are torch's; only the adoptions go), when `may_clear()`
+    says nothing still uses them; until then it grows."""
+
+    def __init__(self, dev, tdev, limit=64, may_clear=lambda: True):
+        self.dev, self.tdev, self.limit, self.may_clear = dev, tdev, limit, may_clear
+        self._cache = {}
+
+    def __len__(self):
+        return len(self._cache)
+
+    def get(self, native):
+        """The adoption of torch's stream `native`, and whether it was made by this call."""
+        s = self._cache.get(native)
+        if s is not None:
+            return s, False
+        if len(self._cache) >= self.limit and self.may_clear():
+            self.close()
+        s = adopt_stream(self.dev, self.tdev, native)
+        self._cache[native] = s
+        return s, True
+
+    def close(self):
+        for s in self._cache.values():
+            s.close()
+        self._cache.clear()
+
+
 # ---- epmem memory as torch tensors -------------------------------------------------
 
 _INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
@@ -472,7 +503,8 @@ class _State:
         self.removed = False
         self.hooks = []
         self.cache = {}
-        self.wrapped = {}
+        # (Never cleared while a unit holds weights: its release needs its stream.)
+        self.wrapped = AdoptedStreams(dev, tdev, may_clear=lambda: not any(u.acquired for u in self.units))
         self.counters = {"hook_calls": 0, "legacy_stream_calls": 0, "wrapped_streams": 0}
         self.host_range = None
         self.host_range_error = None
@@ -599,15 +631,8 @@ class _State:
         return self.wrapped_stream(native)
 
     def wrapped_stream(self, native):
-        s = self.wrapped.get(native)
-        if s is None:
-            if len(self.wrapped) > 64 and not any(u.acquired for u in self.units):
-                # (Never while a unit holds weights: its release needs its stream.)
-                for old in self.wrapped.values():
-                    old.close()
-                self.wrapped.clear()
-            s = adopt_stream(self.dev, self.tdev, native)
-            self.wrapped[native] = s
+        s, new = self.wrapped.get(native)
+        if new:
             self.counters["wrapped_streams"] += 1
         return s
 
@@ -697,9 +722,7 @@ class _State:
                     self.res.unregister_host_range(self.host_range)
                     self.host_range = None
                 self.res.close()
-        for s in self.wrapped.values():
-            s.close()
-        self.wrapped.clear()
+        self.wrapped.close()
         if self.private is not None:
             self.private.close()
         if self.own_device:

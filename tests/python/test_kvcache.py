@@ -346,7 +346,7 @@ class KvCacheLlama(unittest.TestCase):
 class Streams(unittest.TestCase):
     def test_adopted_streams_are_bounded_and_no_private_stream_on_cuda(self):
         """_Streams on a CUDA device (stand-ins for the device and the adoption): one
-        adoption per torch stream, the cache starts over past MAX_WRAPPED (closing what
+        adoption per torch stream, the cache starts over past its limit (closing what
         it drops), and no stream of its own is made."""
         closed = []
 
@@ -360,21 +360,23 @@ class Streams(unittest.TestCase):
         class CudaDev:
             is_cuda, ordinal = True, 0
 
-        orig = ek.current_native_stream, ek.adopt_stream
+        import epmem.torch as et
+        orig = ek.current_native_stream, et.adopt_stream
         current = [0]
         ek.current_native_stream = lambda tdev: current[0]
-        ek.adopt_stream = lambda dev, tdev, native: Adopted(native)
+        et.adopt_stream = lambda dev, tdev, native: Adopted(native)
         try:
             st = ek._Streams(CudaDev())
-            for i in range(3 * ek._Streams.MAX_WRAPPED):
-                current[0] = i % (2 * ek._Streams.MAX_WRAPPED)
+            limit = st.wrapped.limit
+            for i in range(3 * limit):
+                current[0] = i % (2 * limit)
                 self.assertEqual(st.run(lambda s: s.native), current[0])
                 self.assertEqual(st.run(lambda s: s.native), current[0])  # the cached adoption
-                self.assertLessEqual(len(st.wrapped), ek._Streams.MAX_WRAPPED)
-            self.assertEqual(len(closed) + len(st.wrapped), 3 * ek._Streams.MAX_WRAPPED)
+                self.assertLessEqual(len(st.wrapped), limit)
+            self.assertEqual(len(closed) + len(st.wrapped), 3 * limit)
             self.assertIsNone(st._private)
         finally:
-            ek.current_native_stream, ek.adopt_stream = orig
+            ek.current_native_stream, et.adopt_stream = orig
 
 
 @unittest.skipIf(torch is None, "transformers (or torch) is not installed")

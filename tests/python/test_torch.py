@@ -77,6 +77,38 @@ def block_linear_bytes(model):
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
+class AdoptedStreams(unittest.TestCase):
+    def test_the_cache_starts_over_past_its_limit_only_when_may_clear_allows(self):
+        made, closed = [], []
+
+        class Adopted:
+            def __init__(self, native):
+                self.native = native
+                made.append(native)
+
+            def close(self):
+                closed.append(self.native)
+
+        orig = et.adopt_stream
+        et.adopt_stream = lambda dev, tdev, native: Adopted(native)
+        busy = [True]
+        try:
+            a = et.AdoptedStreams(None, None, limit=4, may_clear=lambda: not busy[0])
+            for n in range(6):  # held: it grows past the limit
+                s, new = a.get(n)
+                self.assertEqual((s.native, new), (n, True))
+            self.assertEqual(a.get(3)[1], False)
+            self.assertEqual((len(a), closed), (6, []))
+            busy[0] = False
+            a.get(6)  # now it starts over
+            self.assertEqual((len(a), sorted(closed)), (1, list(range(6))))
+            a.close()
+            self.assertEqual((len(a), len(closed)), (0, 7))
+        finally:
+            et.adopt_stream = orig
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
 class Offload(unittest.TestCase):
     def setUp(self):
         self.dev = torch_device()
