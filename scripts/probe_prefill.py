@@ -85,6 +85,30 @@ def analyse(trace_path):
         g = b["ts"] - (a["ts"] + a["dur"])
         if g > 0:
             gaps.append((g, a["name"][:60], b["name"][:60], a["ts"] + a["dur"] - t0))
+    # Why the compute stream idled before each kernel: the host had not
+    # launched it yet (its launch call ended after the gap began), or it waited
+    # on the device for a copy or a decode that ended inside the gap, or neither.
+    launch_end = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in e.get("name", ""):
+            c = e.get("args", {}).get("correlation")
+            if c is not None:
+                launch_end[c] = e["ts"] + e["dur"]
+    dev_ends = sorted([e["ts"] + e["dur"] for e in h2d] + [e["ts"] + e["dur"] for e in others])
+    import bisect
+    g_host = g_dev = g_other = 0.0
+    for a, b in zip(comp, comp[1:]):
+        start, end = a["ts"] + a["dur"], b["ts"]
+        if end - start <= 20:
+            continue
+        le = launch_end.get(b.get("args", {}).get("correlation"))
+        i = bisect.bisect_left(dev_ends, start)
+        if le is not None and le > start + 5:
+            g_host += end - start
+        elif i < len(dev_ends) and dev_ends[i] <= end:
+            g_dev += end - start
+        else:
+            g_other += end - start
     gaps.sort(reverse=True)
     hs = sorted(h2d, key=lambda e: e["ts"])
     hgaps = []
@@ -102,6 +126,10 @@ def analyse(trace_path):
         "compute_idle_ms": (t1 - t0 - length(cu)) / 1e3,
         "other_stream_kernel_ms": sum(e["dur"] for e in others) / 1e3,
         "other_stream_kernels": len(others),
+        "decode_overlap_compute_ms": overlap(cu, union(intervals(others))) / 1e3,
+        "gap_host_ms": round(g_host / 1e3, 3),
+        "gap_device_ms": round(g_dev / 1e3, 3),
+        "gap_other_ms": round(g_other / 1e3, 3),
         "h2d_busy_ms": length(hu) / 1e3,
         "h2d_copies": len(h2d),
         "h2d_bytes": sum(e.get("args", {}).get("bytes", 0) for e in h2d),
@@ -129,7 +157,9 @@ def main():
     ap.add_argument("--shape", default="big", choices=[s for s in bt.SHAPES if s != "quick"])
     ap.add_argument("--pct", default="75")
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--compress", default="auto,off")
+    ap.add_argument("--compress", default="auto,off",
+                    help="configurations, comma-separated: auto or off, each optionally followed by "
+                         ":key=value offload() keywords, e.g. auto:prefetch_depth=4")
     ap.add_argument("--out", required=True)
     ap.add_argument("--trace", action="store_true", help="keep the Chrome traces (gzip) in --out")
     a = ap.parse_args()
@@ -151,11 +181,24 @@ def main():
         budget = off * pct // 100
         floor = (off - budget) / peak
         for comp in a.compress.split(","):
-            kw = {} if comp == "auto" else {"compress": False}
+            base, *extra = comp.split(":")
+            kw = {} if base == "auto" else {"compress": False}
+            for item in extra:
+                k, v = item.split("=", 1)
+                kw[k] = int(v) if v.lstrip("-").isdigit() else v
             h = et.offload(model, budget, **kw)
             try:
                 bt.decode(model, short, 4, dev)  # the cycle, the plan, the first page-ins
                 tok, secs = bt.prefill(model, prompt, dev)
+                # The host's share: when the forward returns (everything enqueued)
+                # against when the device is done, untraced.
+                with torch.no_grad():
+                    torch.cuda.synchronize(dev)
+                    t = time.perf_counter()
+                    model(prompt, use_cache=True)
+                    host_s = time.perf_counter() - t
+                    torch.cuda.synchronize(dev)
+                    host_total_s = time.perf_counter() - t
                 s0 = h.stats()
                 trace = os.path.join(a.out, f"trace_{a.shape}_{pct}_{comp}.json")
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -193,6 +236,7 @@ def main():
             os.remove(dtrace)
             r = {"pct": pct, "compress": comp, "ttft_s": secs, "floor_s": floor,
                  "x_max_floor_resident": secs / max(floor, resident_s), "traced_s": traced_s,
+                 "host_enqueue_s": host_s, "host_pass_s": host_total_s,
                  "token_ok": tok == ref_tok,
                  "pass_htod_bytes": s1["htod_bytes"] - s0["htod_bytes"],
                  "pass_host_stall_ms": s1["host_stall_ms"] - s0["host_stall_ms"],
@@ -205,7 +249,11 @@ def main():
                   f"h2d busy {an.get('h2d_busy_ms', 0):.1f} ({an.get('h2d_copies')} copies, "
                   f"{an.get('h2d_bytes', 0) / 1e9:.2f} GB), overlap {an.get('overlap_ms', 0):.1f}, "
                   f"h2d {an.get('h2d_first_start_ms')}..{an.get('h2d_last_end_ms')} ms; "
-                  f"largest gaps {[g['us'] for g in an.get('largest_gaps', [])[:5]]}", flush=True)
+                  f"largest gaps {[g['us'] for g in an.get('largest_gaps', [])[:5]]}; host enqueue "
+                  f"{host_s * 1e3:.1f} of {host_total_s * 1e3:.1f} ms; compute gaps waiting on the host "
+                  f"{an.get('gap_host_ms')} ms, on copies/decodes {an.get('gap_device_ms')} ms, other "
+                  f"{an.get('gap_other_ms')} ms; decode kernels {an.get('other_stream_kernel_ms')} ms, "
+                  f"{an.get('decode_overlap_compute_ms')} of it beside compute", flush=True)
             print(f"    decode b1: {decode_s * 1e3:.1f} ms/token, floor {floor * 1e3:.1f}: h2d busy "
                   f"{dan.get('h2d_busy_ms', 0) / 3:.1f} ms/token, {dan.get('h2d_busy_of_span')} of the copies' span, "
                   f"gaps {dan.get('h2d_gap_ms', 0) / 3:.2f} ms/token ({dan.get('h2d_gaps_over_20us')} over 20 us), "
