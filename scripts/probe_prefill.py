@@ -6,7 +6,8 @@ process's CUDA activity), beside the all-resident prefill and the PCIe floor.
 
     EPM_DEVICE=cuda python3 scripts/probe_prefill.py --shape big --pct 75 --out DIR
 
-Per configuration (compress auto and off) it reports the time to the first
+Per configuration (compress auto and off, each optionally with offload() keywords:
+--compress auto,auto:prefetch_depth=4,off) it reports the time to the first
 token (best of 2), the floor, the resident time, and from the trace of a third
 pass: the busy time of the compute stream(s) and of the copy stream(s), their
 overlap, the compute stream's idle gaps (sum, largest, and the 12 largest with
@@ -16,6 +17,7 @@ A probe, not a benchmark of record: docs/BENCHMARKS.md's figures come from
 scripts/bench_torch.py.
 """
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -80,35 +82,33 @@ def analyse(trace_path):
     if not comp:
         return {"error": "no kernels in the trace"}
     t0, t1 = comp[0]["ts"], comp[-1]["ts"] + comp[-1]["dur"]
-    gaps = []
-    for a, b in zip(comp, comp[1:]):
-        g = b["ts"] - (a["ts"] + a["dur"])
-        if g > 0:
-            gaps.append((g, a["name"][:60], b["name"][:60], a["ts"] + a["dur"] - t0))
-    # Why the compute stream idled before each kernel: the host had not
-    # launched it yet (its launch call ended after the gap began), or it waited
-    # on the device for a copy or a decode that ended inside the gap, or neither.
+    # Why the compute stream idled before a kernel (gaps over 20 us): the host
+    # had not launched it yet (its launch call ended after the gap began), or it
+    # waited on the device for a copy or a decode that ended inside the gap, or neither.
     launch_end = {}
     for e in ev:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in e.get("name", ""):
             c = e.get("args", {}).get("correlation")
             if c is not None:
                 launch_end[c] = e["ts"] + e["dur"]
-    dev_ends = sorted([e["ts"] + e["dur"] for e in h2d] + [e["ts"] + e["dur"] for e in others])
-    import bisect
+    dev_ends = sorted(e["ts"] + e["dur"] for e in h2d + others)
+    gaps = []
     g_host = g_dev = g_other = 0.0
     for a, b in zip(comp, comp[1:]):
         start, end = a["ts"] + a["dur"], b["ts"]
-        if end - start <= 20:
+        g = end - start
+        if g > 0:
+            gaps.append((g, a["name"][:60], b["name"][:60], start - t0))
+        if g <= 20:
             continue
         le = launch_end.get(b.get("args", {}).get("correlation"))
         i = bisect.bisect_left(dev_ends, start)
         if le is not None and le > start + 5:
-            g_host += end - start
+            g_host += g
         elif i < len(dev_ends) and dev_ends[i] <= end:
-            g_dev += end - start
+            g_dev += g
         else:
-            g_other += end - start
+            g_other += g
     gaps.sort(reverse=True)
     hs = sorted(h2d, key=lambda e: e["ts"])
     hgaps = []
