@@ -806,4 +806,10 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
     assert!(page_ins > 0 && decoded < page_ins * sizes[0], "{page_ins} page-ins decoded {decoded} bytes: {b:?}");
     assert!(b.peak_resident_bytes + b.decode_staging_bytes <= b.budget_bytes, "ledger over budget: {b:?}");
     assert_eq!(b.eviction_waits - a.eviction_waits, 0, "{b:?}");
+    // Every tail shares the one slot, so each page-in overwrites the tail
+    // just released. Its copy goes into the staging, not the slot: the
+    // release's prefetch issues it (only the decode waits for the read on
+    // the device), never the next acquire.
+    assert_eq!(b.prefetch_page_ins - a.prefetch_page_ins, b.page_ins - a.page_ins, "demand page-ins: {b:?}");
+    assert_eq!(b.wasted_prefetches, a.wasted_prefetches, "{b:?}");
 }

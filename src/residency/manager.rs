@@ -617,19 +617,28 @@ impl ResidencyManager {
     }
 
     /// Whether a prefetch of `target` must leave `v` alone because it is the
-    /// unit just released (see `release`). A copy ordered on the device waits
-    /// for that read anyway, so the next acquire's demand page-in loses
-    /// nothing by waiting too — unless the copy must be filled first: a
-    /// staged page-in issued now is filled by the background thread while the
-    /// read runs, issued on demand it is filled by the caller, in series with
-    /// everything else. So a background prefetch may overwrite the unit just
-    /// released, except a coalesced unit (its next member is acquired next).
+    /// unit just released (see `release`). A raw copy ordered on the device
+    /// waits for that read anyway, so the next acquire's demand page-in loses
+    /// nothing by waiting too — unless part of the page-in can run before the
+    /// read ends:
+    /// - a staged page-in issued now is filled by the background thread while
+    ///   the read runs; issued on demand it is filled by the caller, in series
+    ///   with everything else;
+    /// - a compressed page-in's copy goes into the decode staging, not into
+    ///   `v`'s bytes: only its decode waits for the read (`compressed_in`),
+    ///   so issued now its copy overlaps the read, and on demand it would
+    ///   start only when the host reaches the next acquire (a one-slot ring of
+    ///   compressed tails pages every tail in that way).
+    ///
+    /// So such a prefetch may overwrite the unit just released, except a
+    /// coalesced unit (its next member is acquired next).
     pub(super) fn shielded(&self, st: &State, v: WeightId, target: WeightId) -> bool {
         if Some(v) != st.shield {
             return false;
         }
         let coalesced = st.reg.get(v).map_or(true, |e| !e.members.is_empty());
-        coalesced || !self.fills_in_background(st, target)
+        let early = self.fills_in_background(st, target) || st.reg.get(target).is_ok_and(|e| e.coded.is_some());
+        coalesced || !early
     }
 
     /// Issue the page-in copy of unit `w`, whose device bytes start at

@@ -184,11 +184,12 @@ impl ResidencyManager {
         };
         for &v in &victims {
             let e = st.reg.get(v)?;
-            // A prefetch overwrites the unit just released only when the
-            // background thread fills it (`shielded`): a coalesced unit is
-            // acquired once per member in a row, and otherwise the demand
-            // page-in of the next unit orders the same copy behind the same
-            // read anyway.
+            // A prefetch overwrites the unit just released only when its
+            // copy can run before that read ends (`shielded`: a background
+            // fill, or a compressed copy into the decode staging): a
+            // coalesced unit is acquired once per member in a row, and
+            // otherwise the demand page-in of the next unit orders the same
+            // copy behind the same read anyway.
             if e.users > 0 || (!demand && (e.prefetched || self.shielded(st, v, w))) {
                 return Ok(if demand { RingPageIn::Blocked } else { RingPageIn::GaveUp });
             }

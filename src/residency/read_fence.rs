@@ -363,7 +363,8 @@ impl Reused {
     /// `issue`, which gets the block's address and must queue its writes
     /// after the stream [`Fenced::reuse_after`] made wait for the block's
     /// readers, returning their fence (a compressed page-in: a copy into
-    /// staging, then a decode into the block, both after that stream).
+    /// staging, which need not wait, then a decode into the block after
+    /// that stream).
     pub fn fill_with(mut self, len: usize, issue: impl FnOnce(u64) -> Result<Fence>) -> Result<Fenced> {
         crate::ensure!(
             len <= self.len(),
