@@ -325,6 +325,24 @@ class Offload(unittest.TestCase):
         with et.offload(self.model, self.offloaded // 2):
             self.assertEqual(greedy(self.model), self.ref)
 
+    def test_torch_cache_is_emptied_only_when_the_budget_needs_its_memory(self):
+        budget = self.offloaded // 2
+        h = et.offload(self.model, budget)
+        st = h._state()
+        calls = []
+        real = torch.cuda.empty_cache
+        torch.cuda.empty_cache = lambda: calls.append(1)
+        try:
+            self.assertFalse(st._return_cached(budget + et.CACHE_HEADROOM))
+            self.assertEqual(calls, [], "the budget fits beside torch's cache: it is left alone")
+            self.assertTrue(st._return_cached(budget + et.CACHE_HEADROOM - 1))
+            self.assertEqual(calls, [1], "the budget needs the cached memory: it is given back")
+        finally:
+            torch.cuda.empty_cache = real
+        self.assertEqual(greedy(self.model), self.ref)
+        h.remove()
+        self.assert_usable()
+
     def test_refuses_training_mode(self):
         self.model.train()
         with self.assertRaisesRegex(et.OffloadError, "training mode"):
