@@ -40,6 +40,9 @@ PAGE = 4096
 SMALL_ALIGN = 256
 SOURCES = ("registered", "staged", "pinned")
 GRANULARITIES = ("block", "linear")
+# Bytes beyond the budget that must be free on the device for offload() to
+# leave torch's cache as it is (arena chunks round up; kernels' scratch).
+CACHE_HEADROOM = 256 << 20
 
 
 class OffloadError(RuntimeError):
@@ -112,10 +115,6 @@ class AdoptedStreams:
 
 
 # ---- epmem memory as torch tensors -------------------------------------------------
-
-# Bytes beyond the budget that must be free on the device for offload() to
-# leave torch's cache as it is (arena chunks round up; kernels' scratch).
-CACHE_HEADROOM = 256 << 20
 
 _INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
