@@ -35,6 +35,11 @@ import epmem  # noqa: E402
 import epmem.torch as et  # noqa: E402
 
 
+def gbs(nbytes, ms):
+    """Bytes over milliseconds, in GB/s."""
+    return nbytes / max(ms, 1e-9) / 1e6
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="small", choices=list(bt.SHAPES))
@@ -88,12 +93,13 @@ def main():
              "pass_htod_ms": (s1["htod_ms"] - s0["htod_ms"]) / 3,
              "pass_decode_ms": (s1["decode_ms"] - s0["decode_ms"]) / 3,
              "b1_step_s": dsec / 16,
-             "b1_htod_gbs": (s2["htod_bytes"] - s1["htod_bytes"]) / max(s2["htod_ms"] - s1["htod_ms"], 1e-9) / 1e6}
+             "b1_htod_gbs": gbs(s2["htod_bytes"] - s1["htod_bytes"], s2["htod_ms"] - s1["htod_ms"])}
+        r["pass_htod_gbs"] = gbs(r["pass_htod_bytes"], r["pass_htod_ms"])
         out["rounds"].append(r)
         print(f"offload {i} at {pct}%: prefill {ttft * 1e3:.1f} ms ({r['x_resident']:.3f} x resident, token "
               f"{'ok' if r['token_ok'] else 'DIFFERS'}); per prefill pass: copies "
               f"{r['pass_htod_bytes'] / 1e6:.0f} MB in {r['pass_htod_ms']:.2f} ms "
-              f"({r['pass_htod_bytes'] / max(r['pass_htod_ms'], 1e-9) / 1e6:.1f} GB/s), decode "
+              f"({r['pass_htod_gbs']:.1f} GB/s), decode "
               f"{r['pass_decode_ms']:.2f} ms; b1 {dsec / 16 * 1e3:.1f} ms/step, copies {r['b1_htod_gbs']:.1f} GB/s",
               flush=True)
         if not r["token_ok"]:
