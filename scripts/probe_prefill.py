@@ -64,6 +64,12 @@ def overlap(u, v):
     return tot
 
 
+def rates_of(copies):
+    r = sorted(e["args"]["bytes"] / e["dur"] / 1e3 for e in copies
+               if e.get("args", {}).get("bytes", 0) >= 4 << 20 and e["dur"] > 0)
+    return [round(r[int(q * (len(r) - 1))], 2) for q in (0.1, 0.5, 0.9)] if r else None
+
+
 def analyse(trace_path):
     with open(trace_path) as f:
         tr = json.load(f)
@@ -147,6 +153,10 @@ def analyse(trace_path):
         "h2d_largest_gaps": [{"us": round(g[0], 1), "after_bytes": g[1], "before_bytes": g[2],
                               "at_ms": round(g[3] / 1e3, 3)} for g in hgaps[:16]],
         "h2d_copy_sizes": sorted({e.get("args", {}).get("bytes", 0) for e in hs})[-8:],
+        # Each copy's own rate (bytes over its duration), copies of 4 MiB or more:
+        # 10th, 50th and 90th percentile, GB/s; and how many copies were smaller.
+        "h2d_copy_gbs_p10_p50_p90": rates_of(hs),
+        "h2d_copies_under_4mib": sum(1 for e in hs if e.get("args", {}).get("bytes", 0) < 4 << 20),
         "h2d_timeline_ms": [[round((a - t0) / 1e3, 3), round((b - t0) / 1e3, 3)] for a, b in hu[:200]],
         "other_stream_kernel_names": sorted({e["name"][:60] for e in others})[:10],
     }
@@ -257,6 +267,8 @@ def main():
             print(f"    decode b1: {decode_s * 1e3:.1f} ms/token, floor {floor * 1e3:.1f}: h2d busy "
                   f"{dan.get('h2d_busy_ms', 0) / 3:.1f} ms/token, {dan.get('h2d_busy_of_span')} of the copies' span, "
                   f"gaps {dan.get('h2d_gap_ms', 0) / 3:.2f} ms/token ({dan.get('h2d_gaps_over_20us')} over 20 us), "
+                  f"copy GB/s p10/50/90 {dan.get('h2d_copy_gbs_p10_p50_p90')} (prefill "
+                  f"{an.get('h2d_copy_gbs_p10_p50_p90')}; {an.get('h2d_copies_under_4mib')} under 4 MiB), "
                   f"copy sizes {dan.get('h2d_copy_sizes')}", flush=True)
             with open(os.path.join(a.out, "probe_prefill.json"), "w") as f:
                 json.dump(out, f, indent=1)
