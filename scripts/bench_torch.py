@@ -38,7 +38,14 @@ also report the compressed bytes streamed per pass, their ratio to the raw
 the offloaded weights ÷ raw.
 
     python3 scripts/bench_torch.py --json PATH [--shapes big,gqa,small] [--budgets 25,50,75]
+    python3 scripts/bench_torch.py --cells --json PATH    # one process per shape and budget, merged
     python3 scripts/bench_torch.py --quick     # seconds, CPU + host device, tiny model (CI smoke)
+
+--cells runs each (shape, budget) in a process of its own (diffusers, which has
+no budget, in each shape's first) and merges them (bench_torch_merge.py): every
+epmem cell is then the first offload of its process, as a user's single
+offload() is. A process's later offloads copy 2-6% slower on an H100
+(docs/BENCHMARKS.md, "Offloading again in one process").
 
 Needs torch (CUDA build for the real run) and transformers; accelerate and
 diffusers for their rows (skipped with a note when missing, or when --no-X);
@@ -382,7 +389,10 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--methods", default=",".join(METHODS), help="rows to run (resident always runs)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
+    ap.add_argument("--cells", action="store_true", help="one process per shape and budget, merged into --json")
     a = ap.parse_args()
+    if a.cells:
+        return run_cells(a)
     budgets = [int(b) for b in a.budgets.split(",") if b]
     shapes = a.shapes.split(",")
     batches = [int(b) for b in a.batches.split(",") if b]
@@ -527,6 +537,67 @@ def main():
         return 1
     print("tokens identical in every row")
     return 0
+
+
+def run_cells(a):
+    """--cells: this script once per (shape, budget), each cell's JSON beside
+    --json, then one merged JSON, table and plot. Exit 1 if a cell failed or
+    any row's tokens differ."""
+    import subprocess
+    from bench_torch_merge import merge
+    if not a.json:
+        sys.exit("bench_torch: --cells needs --json (the cells' results are written beside it)")
+    shapes = ["quick"] if a.quick else [s for s in a.shapes.split(",") if s]
+    budgets = [b for b in a.budgets.split(",") if b]
+    methods = [m for m in a.methods.split(",") if m]
+    if not shapes or not budgets:
+        sys.exit("bench_torch: --cells needs at least one shape and one budget")
+    common = ["--tokens", str(a.tokens), "--batches", a.batches, "--batch-tokens", str(a.batch_tokens),
+              "--prefill-tokens", str(a.prefill_tokens), "--peer-tokens", str(a.peer_tokens),
+              "--accelerate-budgets", a.accelerate_budgets, "--vocab", str(a.vocab), "--seed", str(a.seed)]
+    if a.quick:
+        common.append("--quick")
+    stem = os.path.splitext(a.json)[0]
+    parts, failed = [], []
+    for shape in shapes:
+        for i, pct in enumerate(budgets):
+            ms = [m for m in methods if m != "diffusers" or i == 0]
+            part = f"{stem}-{shape}-{pct}.json"
+            cmd = [sys.executable, os.path.abspath(__file__), "--shapes", shape, "--budgets", pct,
+                   "--methods", ",".join(ms), "--json", part, *common]
+            log(f"== cell {shape} {pct}%: {' '.join(cmd[1:])}")
+            rc = subprocess.run(cmd).returncode
+            if rc != 0 or not os.path.exists(part):
+                failed.append(f"{shape} {pct}% (exit {rc})")
+            if os.path.exists(part):
+                parts.append(part)
+    with_results, done = [], []
+    for p in parts:
+        with open(p) as f:
+            r = json.load(f)
+        if r.get("partial"):  # a cell cut short: its rows are not all there
+            failed.append(f"{os.path.basename(p)} (partial)")
+        else:
+            with_results.append(r)
+            done.append(os.path.basename(p))
+    if not with_results:
+        sys.exit(f"bench_torch: no cell completed ({', '.join(failed)})")
+    res = merge(with_results)
+    res["cells"] = done
+    table = table_md(res)
+    print(table)
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    write_plot(res, a.plot or stem + ".png")
+    if failed:
+        print(f"cells that failed: {', '.join(failed)}")
+    if not res["tokens_identical"]:
+        print("TOKENS DIFFER in some cell")
+        return 1
+    print("tokens identical in every row")
+    return 1 if failed else 0
 
 
 # ---- report -----------------------------------------------------------------------------

@@ -575,6 +575,36 @@ class BenchSmoke(unittest.TestCase):
         self.assertIn("| b1 | 50% | epmem |", p.stdout)
         self.assertIn("target quick 50% decode", p.stdout)
 
+    def test_bench_torch_cells(self):
+        """scripts/bench_torch.py --cells: one process per budget, each cell's
+        JSON holding its budget's rows only, merged into one result with every
+        budget's rows; --cells without --json is refused."""
+        script = os.path.join(ROOT, "scripts", "bench_torch.py")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "cells.json")
+            p = subprocess.run([sys.executable, script, "--quick", "--cells", "--budgets", "25,75", "--methods",
+                                "epmem,uva", "--json", out], capture_output=True, text=True, env=env, timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn("tokens identical in every row", p.stdout)
+            with open(out) as f:
+                res = json.load(f)
+            self.assertEqual(res["cells"], ["cells-quick-25.json", "cells-quick-75.json"])
+            self.assertEqual(len(res["runs"]), 2)
+            self.assertEqual([r["budgets"] for r in res["runs"]], [[25], [75]])
+            rows = res["shapes"][0]["rows"]
+            self.assertEqual({(r["method"], r["budget_pct"]) for r in rows},
+                             {(m, b) for m in ("epmem", "uva") for b in (25, 75)})
+            self.assertTrue(all(r["tokens_identical"] for r in rows))
+            for pct in (25, 75):
+                with open(os.path.join(d, f"cells-quick-{pct}.json")) as f:
+                    cell = json.load(f)
+                self.assertEqual({r["budget_pct"] for r in cell["shapes"][0]["rows"]}, {pct})
+        p = subprocess.run([sys.executable, script, "--quick", "--cells"], capture_output=True, text=True,
+                           env=env, timeout=300)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--cells needs --json", p.stderr)
+
     def check_merge(self, d, res, env):
         """scripts/bench_torch_merge.py: runs split by budget merge back into the same
         rows, and runs whose all-resident tokens differ are refused."""
