@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Do host->device copies slow down after a process has offloaded and removed
+a model, and does it depend on the stream that copies? A diagnostic for
+docs/BENCHMARKS.md's "Offloading again in one process" (a process's later
+offloads copy 2-6% slower than its first, beside compute more than alone).
+
+In one process: 20 pinned buffers of 61 MiB (about a compressed small-shape
+weight) copied to the device with torch, each copy timed with CUDA events,
+alone and beside bf16 GEMMs running on another stream (the prefill's load);
+on streams made before anything else, and on new streams made at each
+measurement. Measured once before any offload, then after each round of
+epmem.torch.offload(model, 75%) -> decode -> prefill -> remove(). If torch's
+own copies slow down after the rounds, the cause is in the process (driver,
+device memory), not in epmem's streams or buffers; if only new streams are
+slow, it is which copy engine a stream is given.
+
+    EPM_DEVICE=cuda python3 scripts/probe_copy_streams.py --json copy_streams.json
+
+A probe, not a benchmark of record.
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_torch as bt  # noqa: E402
+import torch  # noqa: E402
+
+import epmem.torch as et  # noqa: E402
+
+MiB = 1 << 20
+
+
+def pct(v, q):
+    v = sorted(v)
+    return v[int(q * (len(v) - 1))]
+
+
+def copy_rates(srcs, dst, stream, load=None):
+    """GB/s of each copy of `srcs` into `dst` on `stream` (CUDA events around
+    each), with `load()` enqueued first on its own stream when given."""
+    torch.cuda.synchronize()
+    if load is not None:
+        load()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(srcs) + 1)]
+    with torch.cuda.stream(stream):
+        ev[0].record(stream)
+        for i, s in enumerate(srcs):
+            dst.copy_(s, non_blocking=True)
+            ev[i + 1].record(stream)
+    torch.cuda.synchronize()
+    return [s.numel() / (ev[i].elapsed_time(ev[i + 1]) / 1e3) / 1e9 for i, s in enumerate(srcs)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="small", choices=[s for s in bt.SHAPES if s != "quick"])
+    ap.add_argument("--pct", type=int, default=75)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--buffers", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    early = [torch.cuda.Stream(dev) for _ in range(2)]  # made before anything else
+    size = 61 * MiB + 3 * 4096
+    srcs = [torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(i) for i in range(a.buffers)]
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    load_stream = torch.cuda.Stream(dev)
+    x = torch.randn(2048, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 11008, device=dev, dtype=torch.bfloat16)
+
+    def gemms():
+        with torch.cuda.stream(load_stream):
+            for _ in range(200):  # ~0.3 ms each on an H100: longer than the copies
+                x @ w
+
+    model = bt.make_model(a.shape, dev, torch.bfloat16, 32000, 1234, 2048 + 64)
+    lin = bt.offloaded_linears(model)
+    off = sum(p.numel() * p.element_size() for _, m in lin for p in m.parameters(recurse=False))
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(1, 32000, (1, 2048), generator=g).to(dev)
+    short = torch.randint(1, 32000, (1, 8), generator=g).to(dev)
+    out = {"gpu": torch.cuda.get_device_name(dev), "shape": a.shape, "pct": a.pct, "measurements": []}
+
+    def measure(label):
+        m = {"after": label}
+        for name, st in (("early", early[0]), ("new", torch.cuda.Stream(dev))):
+            copy_rates(srcs[:2], dst, st)  # warm
+            alone = copy_rates(srcs, dst, st)
+            beside = copy_rates(srcs, dst, st, gemms)
+            m[name] = {"alone_p50": pct(alone, 0.5), "beside_p10": pct(beside, 0.1),
+                       "beside_p50": pct(beside, 0.5), "beside_p90": pct(beside, 0.9)}
+        out["measurements"].append(m)
+        print(f"{label:>10}: " + "; ".join(
+            f"{k} stream alone {v['alone_p50']:.2f}, beside GEMMs {v['beside_p10']:.2f}/{v['beside_p50']:.2f}/"
+            f"{v['beside_p90']:.2f} GB/s" for k, v in m.items() if k != "after"), flush=True)
+
+    measure("start")
+    for r in range(a.rounds):
+        h = et.offload(model, off * a.pct // 100)
+        try:
+            bt.decode(model, short, 4, dev)
+            bt.prefill(model, prompt, dev, repeats=2)
+            s = h.stats()
+            bt.prefill(model, prompt, dev, repeats=1)
+            s2 = h.stats()
+            gbs = (s2["htod_bytes"] - s["htod_bytes"]) / max(s2["htod_ms"] - s["htod_ms"], 1e-9) / 1e6
+            print(f"   round {r + 1}: offload at {a.pct}%, one prefill's page-in copies {gbs:.2f} GB/s", flush=True)
+            out["measurements"].append({"round": r + 1, "prefill_htod_gbs": gbs})
+        finally:
+            h.remove()
+        measure(f"round {r + 1}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
