@@ -45,7 +45,7 @@ the offloaded weights ÷ raw.
 no budget, in each shape's first) and merges them (bench_torch_merge.py): every
 epmem cell is then the first offload of its process, as a user's single
 offload() is. A process's later offloads copy 2-6% slower on an H100
-(docs/BENCHMARKS.md, "Offloading again in one process").
+(docs/BENCHMARKS.md, "What else the runs of 2026-12-07 showed").
 
 Needs torch (CUDA build for the real run) and transformers; accelerate and
 diffusers for their rows (skipped with a note when missing, or when --no-X);

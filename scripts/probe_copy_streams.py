@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Do host->device copies slow down after a process has offloaded and removed
 a model, and does it depend on the stream that copies? A diagnostic for
-docs/BENCHMARKS.md's "Offloading again in one process" (a process's later
+docs/BENCHMARKS.md's "What else the runs of 2026-12-07 showed" (a process's later
 offloads copy 2-6% slower than its first, beside compute more than alone).
 
 In one process: 20 pinned buffers of 61 MiB (about a compressed small-shape

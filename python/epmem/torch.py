@@ -588,7 +588,7 @@ class _State:
         the driver has free (`free` bytes): emptying the cache otherwise buys
         nothing, and after two offload/remove cycles that emptied it, a third
         offload's page-in copies ran 5% slower on an H100 (docs/BENCHMARKS.md,
-        "Offloading again in one process"). Returns whether it emptied."""
+        "What else the runs of 2026-12-07 showed"). Returns whether it emptied."""
         if free < self.budget + CACHE_HEADROOM:
             torch.cuda.empty_cache()
             return True
