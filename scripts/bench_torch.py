@@ -563,6 +563,8 @@ def run_cells(a):
         for i, pct in enumerate(budgets):
             ms = [m for m in methods if m != "diffusers" or i == 0]
             part = f"{stem}-{shape}-{pct}.json"
+            if os.path.exists(part):  # an earlier run's cell must not pass for this one's
+                os.remove(part)
             cmd = [sys.executable, os.path.abspath(__file__), "--shapes", shape, "--budgets", pct,
                    "--methods", ",".join(ms), "--json", part, *common]
             log(f"== cell {shape} {pct}%: {' '.join(cmd[1:])}")

@@ -583,6 +583,8 @@ class BenchSmoke(unittest.TestCase):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "cells.json")
+            with open(os.path.join(d, "cells-quick-75.json"), "w") as f:
+                json.dump({"partial": True}, f)  # an earlier run's cell, replaced by this run's
             p = subprocess.run([sys.executable, script, "--quick", "--cells", "--budgets", "25,75", "--methods",
                                 "epmem,uva", "--json", out], capture_output=True, text=True, env=env, timeout=600)
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
@@ -600,6 +602,13 @@ class BenchSmoke(unittest.TestCase):
                 with open(os.path.join(d, f"cells-quick-{pct}.json")) as f:
                     cell = json.load(f)
                 self.assertEqual({r["budget_pct"] for r in cell["shapes"][0]["rows"]}, {pct})
+            # A run whose cells all fail does not merge the last run's cells.
+            p = subprocess.run([sys.executable, script, "--quick", "--cells", "--budgets", "25,75", "--methods",
+                                "no-such-method", "--json", out], capture_output=True, text=True, env=env,
+                               timeout=300)
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn("no cell completed", p.stderr)
+            self.assertFalse(os.path.exists(os.path.join(d, "cells-quick-25.json")))
         p = subprocess.run([sys.executable, script, "--quick", "--cells"], capture_output=True, text=True,
                            env=env, timeout=300)
         self.assertNotEqual(p.returncode, 0)
