@@ -8,11 +8,14 @@ In one process: 20 pinned buffers of 61 MiB (about a compressed small-shape
 weight) copied to the device with torch, each copy timed with CUDA events,
 alone and beside bf16 GEMMs running on another stream (the prefill's load);
 on streams made before anything else, and on new streams made at each
-measurement. Measured once before any offload, then after each round of
+measurement; from the buffers pinned at the start, and from buffers pinned
+anew at each measurement (freed after it). Measured once before any offload,
+then after each round of
 epmem.torch.offload(model, 75%) -> decode -> prefill -> remove(). If torch's
 own copies slow down after the rounds, the cause is in the process (driver,
 device memory), not in epmem's streams or buffers; if only new streams are
-slow, it is which copy engine a stream is given.
+slow, it is which copy engine a stream is given; if only the buffers pinned
+anew are slow, it is where the driver's page-locked memory now comes from.
 
     EPM_DEVICE=cuda python3 scripts/probe_copy_streams.py --json copy_streams.json
 
@@ -84,17 +87,30 @@ def main():
     short = torch.randint(1, 32000, (1, 8), generator=g).to(dev)
     out = {"gpu": torch.cuda.get_device_name(dev), "shape": a.shape, "pct": a.pct, "measurements": []}
 
+    empty_host = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is None:
+        print("this torch has no torch._C._host_emptyCache: no 'fresh' buffers (they would be reused)")
+
     def measure(label):
         m = {"after": label}
-        for name, st in (("early", early[0]), ("new", torch.cuda.Stream(dev))):
-            copy_rates(srcs[:2], dst, st)  # warm
-            alone = copy_rates(srcs, dst, st)
-            beside = copy_rates(srcs, dst, st, gemms)
+        fresh = [torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(i) for i in range(a.buffers)] \
+            if empty_host else []
+        kinds = [("early", early[0], srcs), ("new", torch.cuda.Stream(dev), srcs)]
+        for name, st, bufs in kinds + ([("fresh", early[1], fresh)] if fresh else []):
+            copy_rates(bufs[:2], dst, st)  # warm
+            alone = copy_rates(bufs, dst, st)
+            beside = copy_rates(bufs, dst, st, gemms)
             m[name] = {"alone_p50": pct(alone, 0.5), "beside_p10": pct(beside, 0.1),
                        "beside_p50": pct(beside, 0.5), "beside_p90": pct(beside, 0.9)}
+        del fresh
+        torch.cuda.synchronize()
+        if empty_host:
+            # The fresh buffers go back to the driver, not to torch's host cache
+            # (where the next measurement's would find them).
+            empty_host()
         out["measurements"].append(m)
         print(f"{label:>10}: " + "; ".join(
-            f"{k} stream alone {v['alone_p50']:.2f}, beside GEMMs {v['beside_p10']:.2f}/{v['beside_p50']:.2f}/"
+            f"{k}: alone {v['alone_p50']:.2f}, beside GEMMs {v['beside_p10']:.2f}/{v['beside_p50']:.2f}/"
             f"{v['beside_p90']:.2f} GB/s" for k, v in m.items() if k != "after"), flush=True)
 
     measure("start")
