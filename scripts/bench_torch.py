@@ -522,16 +522,7 @@ def main():
     result["wall_s"] = time.perf_counter() - t_start
     result["tokens_identical"] = not mismatches
     result["mismatches"] = mismatches
-    table = table_md(result)
-    print(table)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
-            f.write(table)
-    plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else None)
-    if plot:
-        write_plot(result, plot)
+    write_results(result, a.json, a.plot)
     if mismatches:
         print(f"TOKENS DIFFER: {', '.join(mismatches)}")
         return 1
@@ -586,13 +577,7 @@ def run_cells(a):
         sys.exit(f"bench_torch: no cell completed ({', '.join(failed)})")
     res = merge(with_results)
     res["cells"] = done
-    table = table_md(res)
-    print(table)
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(table)
-    write_plot(res, a.plot or stem + ".png")
+    write_results(res, a.json, a.plot)
     if failed:
         print(f"cells that failed: {', '.join(failed)}")
     if not res["tokens_identical"]:
@@ -603,6 +588,21 @@ def run_cells(a):
 
 
 # ---- report -----------------------------------------------------------------------------
+
+def write_results(res, json_path, plot=None):
+    """The table on stdout; with `json_path`, the JSON there and the table
+    beside it (.md); the plot at `plot`, or beside the JSON (.png)."""
+    table = table_md(res)
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
+            f.write(table)
+    plot = plot or (os.path.splitext(json_path)[0] + ".png" if json_path else None)
+    if plot:
+        write_plot(res, plot)
+
 
 def fmt(x, spec):
     return "—" if x is None else format(x, spec)

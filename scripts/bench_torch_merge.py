@@ -54,13 +54,7 @@ def main():
     ap.add_argument("--plot")
     a = ap.parse_args()
     res = merge([json.load(open(p)) for p in a.inputs])
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
-    table = bench_torch.table_md(res)
-    with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
-        f.write(table)
-    print(table)
-    bench_torch.write_plot(res, a.plot or os.path.splitext(a.json)[0] + ".png")
+    bench_torch.write_results(res, a.json, a.plot)
     print("tokens identical in every row" if res["tokens_identical"] else "TOKENS DIFFER in some run")
     return 0 if res["tokens_identical"] else 1
 

@@ -32,13 +32,10 @@ import bench_torch as bt  # noqa: E402
 import torch  # noqa: E402
 
 import epmem.torch as et  # noqa: E402
+from probe_prefill import percentile as pct  # noqa: E402
+from probe_reoffload import gbs  # noqa: E402
 
 MiB = 1 << 20
-
-
-def pct(v, q):
-    v = sorted(v)
-    return v[int(q * (len(v) - 1))]
 
 
 def copy_rates(srcs, dst, stream, load=None):
@@ -122,9 +119,9 @@ def main():
             s = h.stats()
             bt.prefill(model, prompt, dev, repeats=1)
             s2 = h.stats()
-            gbs = (s2["htod_bytes"] - s["htod_bytes"]) / max(s2["htod_ms"] - s["htod_ms"], 1e-9) / 1e6
-            print(f"   round {r + 1}: offload at {a.pct}%, one prefill's page-in copies {gbs:.2f} GB/s", flush=True)
-            out["measurements"].append({"round": r + 1, "prefill_htod_gbs": gbs})
+            rate = gbs(s2["htod_bytes"] - s["htod_bytes"], s2["htod_ms"] - s["htod_ms"])
+            print(f"   round {r + 1}: offload at {a.pct}%, one prefill's page-in copies {rate:.2f} GB/s", flush=True)
+            out["measurements"].append({"round": r + 1, "prefill_htod_gbs": rate})
         finally:
             h.remove()
         measure(f"round {r + 1}")

@@ -64,10 +64,16 @@ def overlap(u, v):
     return tot
 
 
+def percentile(values, q):
+    """The q-quantile of `values` (nearest rank below)."""
+    v = sorted(values)
+    return v[int(q * (len(v) - 1))]
+
+
 def rates_of(copies):
-    r = sorted(e["args"]["bytes"] / e["dur"] / 1e3 for e in copies
-               if e.get("args", {}).get("bytes", 0) >= 4 << 20 and e["dur"] > 0)
-    return [round(r[int(q * (len(r) - 1))], 2) for q in (0.1, 0.5, 0.9)] if r else None
+    r = [e["args"]["bytes"] / e["dur"] / 1e3 for e in copies
+         if e.get("args", {}).get("bytes", 0) >= 4 << 20 and e["dur"] > 0]
+    return [round(percentile(r, q), 2) for q in (0.1, 0.5, 0.9)] if r else None
 
 
 def analyse(trace_path):
