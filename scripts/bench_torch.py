@@ -373,7 +373,7 @@ def run_epmem(model, work, budget, **kw):
 
 # ---- the run ----------------------------------------------------------------------------
 
-def main():
+def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here (and .md, .png beside it)")
     ap.add_argument("--plot", help="PNG of tok/s vs budget (default: next to --json)")
@@ -390,9 +390,14 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS), help="rows to run (resident always runs)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run (CPU/host device ok)")
     ap.add_argument("--cells", action="store_true", help="one process per shape and budget, merged into --json")
+    return ap
+
+
+def main():
+    ap = parser()
     a = ap.parse_args()
     if a.cells:
-        return run_cells(a)
+        return run_cells(a, ap)
     budgets = [int(b) for b in a.budgets.split(",") if b]
     shapes = a.shapes.split(",")
     batches = [int(b) for b in a.batches.split(",") if b]
@@ -530,7 +535,28 @@ def main():
     return 0
 
 
-def run_cells(a):
+# the options run_cells sets per cell (or that mean nothing inside one); every other
+# option of the parser is forwarded to each cell as given
+CELL_OWN = {"--json", "--plot", "--shapes", "--budgets", "--methods", "--cells", "--help"}
+
+
+def forwarded(a, ap):
+    """Every option of `ap` but CELL_OWN, as command-line words with `a`'s values."""
+    words = []
+    for act in ap._actions:
+        flag = next((o for o in act.option_strings if o.startswith("--")), None)
+        if flag is None or flag in CELL_OWN:
+            continue
+        v = getattr(a, act.dest)
+        if act.nargs == 0:  # store_true / store_false
+            if v != act.default:
+                words.append(flag)
+        else:
+            words += [flag, str(v)]
+    return words
+
+
+def run_cells(a, ap):
     """--cells: this script once per (shape, budget), each cell's JSON beside
     --json, then one merged JSON, table and plot. Exit 1 if a cell failed or
     any row's tokens differ."""
@@ -543,11 +569,7 @@ def run_cells(a):
     methods = [m for m in a.methods.split(",") if m]
     if not shapes or not budgets:
         sys.exit("bench_torch: --cells needs at least one shape and one budget")
-    common = ["--tokens", str(a.tokens), "--batches", a.batches, "--batch-tokens", str(a.batch_tokens),
-              "--prefill-tokens", str(a.prefill_tokens), "--peer-tokens", str(a.peer_tokens),
-              "--accelerate-budgets", a.accelerate_budgets, "--vocab", str(a.vocab), "--seed", str(a.seed)]
-    if a.quick:
-        common.append("--quick")
+    common = forwarded(a, ap)
     stem = os.path.splitext(a.json)[0]
     parts, failed = [], []
     for shape in shapes:

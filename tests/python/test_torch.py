@@ -614,6 +614,33 @@ class BenchSmoke(unittest.TestCase):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("--cells needs --json", p.stderr)
 
+    def test_bench_torch_cells_forward_every_option(self):
+        """--cells hands each cell every option it was given but the ones it sets
+        per cell, so a flag added to bench_torch later reaches the cells too."""
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        try:
+            import bench_torch as bt
+        finally:
+            sys.path.pop(0)
+        ap = bt.parser()
+        argv, given = ["--cells", "--json", "x.json"], {}
+        for act in ap._actions:
+            flag = next((o for o in act.option_strings if o.startswith("--")), None)
+            if flag is None or flag in bt.CELL_OWN:
+                continue
+            if act.nargs == 0:
+                argv.append(flag)
+                given[act.dest] = not act.default
+            else:
+                v = "7" if act.type is int else "a,b"
+                argv += [flag, v]
+                given[act.dest] = int(v) if act.type is int else v
+        self.assertGreaterEqual(len(given), 9)  # the bench's own options, not an empty loop
+        words = bt.forwarded(ap.parse_args(argv), ap)
+        self.assertFalse(set(words) & bt.CELL_OWN)
+        cell = ap.parse_args(words)
+        self.assertEqual({k: getattr(cell, k) for k in given}, given)
+
     def check_merge(self, d, res, env):
         """scripts/bench_torch_merge.py: runs split by budget merge back into the same
         rows, and runs whose all-resident tokens differ are refused."""
