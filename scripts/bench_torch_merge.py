@@ -25,11 +25,12 @@ def _tokens(sh):
 
 def merge(results):
     out = {k: v for k, v in results[0].items() if k not in ("shapes", "wall_s", "notes", "mismatches")}
-    out["runs"] = [{"h2d_peak_bytes_per_s": r["h2d_peak_bytes_per_s"], "wall_s": r.get("wall_s"),
-                    "shapes": [s["name"] for s in r["shapes"]],
-                    "budgets": sorted({row["budget_pct"] for s in r["shapes"] for row in s["rows"]
-                                       if row["budget_pct"] is not None})}
-                   for r in results]
+    # an input that is itself a merge keeps its runs (and its rows their own peaks)
+    out["runs"] = [run for r in results for run in r.get("runs") or
+                   [{"h2d_peak_bytes_per_s": r["h2d_peak_bytes_per_s"], "wall_s": r.get("wall_s"),
+                     "shapes": [s["name"] for s in r["shapes"]],
+                     "budgets": sorted({row["budget_pct"] for s in r["shapes"] for row in s["rows"]
+                                        if row["budget_pct"] is not None})}]]
     shapes = {}
     for r in results:
         for s in r["shapes"]:
@@ -38,7 +39,8 @@ def merge(results):
             elif _tokens(shapes[s["name"]]) != _tokens(s):
                 raise SystemExit(f"bench_torch_merge: {s['name']}: the all-resident tokens differ between runs")
             for row in s["rows"]:
-                shapes[s["name"]]["rows"].append(dict(row, h2d_peak_bytes_per_s=r["h2d_peak_bytes_per_s"]))
+                peak = row.get("h2d_peak_bytes_per_s", r["h2d_peak_bytes_per_s"])
+                shapes[s["name"]]["rows"].append(dict(row, h2d_peak_bytes_per_s=peak))
     out["shapes"] = list(shapes.values())
     out["notes"] = sorted({n for r in results for n in r.get("notes", [])})
     out["mismatches"] = [m for r in results for m in r.get("mismatches", [])]

@@ -664,6 +664,16 @@ class BenchSmoke(unittest.TestCase):
         self.assertEqual(strip(m["shapes"][0]["rows"]), res["shapes"][0]["rows"])
         self.assertEqual([r["h2d_peak_bytes_per_s"] for r in m["runs"]],
                          [res["h2d_peak_bytes_per_s"] * (1 + i) for i in range(len(parts))])
+        # A merge merged again keeps its runs, and its rows keep their own runs' peaks.
+        again = os.path.join(d, "again.json")
+        p = subprocess.run([sys.executable, merge, merged, parts[0], "--json", again], capture_output=True,
+                           text=True, env=env, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(again) as f:
+            a2 = json.load(f)
+        self.assertEqual(a2["runs"], m["runs"] + m["runs"][:1])
+        n = len(m["shapes"][0]["rows"])
+        self.assertEqual(a2["shapes"][0]["rows"][:n], m["shapes"][0]["rows"])
         with open(parts[1]) as f:
             bad = json.load(f)
         bad["shapes"][0]["resident"]["b1"]["tokens"][0][0] += 1
