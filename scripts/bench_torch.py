@@ -742,7 +742,10 @@ def write_plot(res, path):
         if dif:
             ax.axhline(dif["tok_s"], linestyle="-.", color="tab:purple", label="diffusers (no budget)")
         if pcts:
-            ax.plot(pcts, [res["h2d_peak_bytes_per_s"] / (sh["offloaded_bytes"] * (100 - p) / 100) for p in pcts],
+            def peak(p):  # a merged result's rows keep their own run's peak
+                return next((r["h2d_peak_bytes_per_s"] for r in rows
+                             if r["budget_pct"] == p and "h2d_peak_bytes_per_s" in r), res["h2d_peak_bytes_per_s"])
+            ax.plot(pcts, [peak(p) / (sh["offloaded_bytes"] * (100 - p) / 100) for p in pcts],
                     linestyle="--", color="gray", label="PCIe floor")
         ax.axhline(sh["resident"]["b1"]["tok_s"], linestyle=":", color="black", label="all resident")
         ax.set_yscale("log")
