@@ -16,6 +16,11 @@ own copies slow down after the rounds, the cause is in the process (driver,
 device memory), not in epmem's streams or buffers; if only new streams are
 slow, it is which copy engine a stream is given; if only the buffers pinned
 anew are slow, it is where the driver's page-locked memory now comes from.
+Two more variants copy as epmem's page-ins do: "registered" from pageable
+buffers registered anew with cudaHostRegister(PORTABLE | READ_ONLY) (how
+epmem page-locks registered sources), and "arena" into a block of an epmem
+device arena made anew (VMM memory, where epmem's slots and decode staging
+live). If only those slow down, the cause is that memory.
 
     EPM_DEVICE=cuda python3 scripts/probe_copy_streams.py --json copy_streams.json
 
@@ -31,11 +36,27 @@ sys.path.insert(0, HERE)
 import bench_torch as bt  # noqa: E402
 import torch  # noqa: E402
 
+import epmem  # noqa: E402
 import epmem.torch as et  # noqa: E402
 from probe_prefill import percentile as pct  # noqa: E402
 from probe_reoffload import gbs  # noqa: E402
 
 MiB = 1 << 20
+REGISTER_FLAGS = 0x1 | 0x8  # cudaHostRegisterPortable | cudaHostRegisterReadOnly, as epmem registers sources
+
+
+def check(err, what):
+    code = getattr(err, "value", err)
+    if code != 0:
+        raise SystemExit(f"{what} failed: cudaError {code}")
+
+
+class _DeviceBytes:
+    """A __cuda_array_interface__ over `n` bytes of device memory at `ptr`."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
 
 
 def copy_rates(srcs, dst, stream, load=None):
@@ -88,18 +109,37 @@ def main():
     if empty_host is None:
         print("this torch has no torch._C._host_emptyCache: no 'fresh' buffers (they would be reused)")
 
+    cudart = torch.cuda.cudart()
+    edev = epmem.Device("cuda")
+
     def measure(label):
         m = {"after": label}
         fresh = [torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(i) for i in range(a.buffers)] \
             if empty_host else []
-        kinds = [("early", early[0], srcs), ("new", torch.cuda.Stream(dev), srcs)]
-        for name, st, bufs in kinds + ([("fresh", early[1], fresh)] if fresh else []):
-            copy_rates(bufs[:2], dst, st)  # warm
-            alone = copy_rates(bufs, dst, st)
-            beside = copy_rates(bufs, dst, st, gemms)
+        reg = [torch.full((size,), i, dtype=torch.uint8) for i in range(a.buffers)]
+        for t in reg:
+            check(cudart.cudaHostRegister(t.data_ptr(), size, REGISTER_FLAGS), "cudaHostRegister")
+        if not all(t.is_pinned() for t in reg):
+            raise SystemExit("torch does not see cudaHostRegister'd memory as pinned: its copies would be staged")
+        arena = epmem.Arena.create_device(edev, 2 * size)
+        block = arena.block(size)
+        adst = torch.as_tensor(_DeviceBytes(block.ptr, size), device=dev)
+        kinds = [("early", early[0], srcs, dst), ("new", torch.cuda.Stream(dev), srcs, dst)]
+        kinds += [("fresh", early[1], fresh, dst)] if fresh else []
+        kinds += [("registered", early[1], reg, dst), ("arena", early[1], srcs, adst)]
+        for name, st, bufs, d in kinds:
+            copy_rates(bufs[:2], d, st)  # warm
+            alone = copy_rates(bufs, d, st)
+            beside = copy_rates(bufs, d, st, gemms)
             m[name] = {"alone_p50": pct(alone, 0.5), "beside_p10": pct(beside, 0.1),
                        "beside_p50": pct(beside, 0.5), "beside_p90": pct(beside, 0.9)}
-        del fresh
+        del fresh, adst
+        torch.cuda.synchronize()
+        block.close()
+        arena.close()
+        for t in reg:
+            check(cudart.cudaHostUnregister(t.data_ptr()), "cudaHostUnregister")
+        del reg
         torch.cuda.synchronize()
         if empty_host:
             # The fresh buffers go back to the driver, not to torch's host cache
