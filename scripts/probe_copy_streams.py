@@ -16,11 +16,13 @@ own copies slow down after the rounds, the cause is in the process (driver,
 device memory), not in epmem's streams or buffers; if only new streams are
 slow, it is which copy engine a stream is given; if only the buffers pinned
 anew are slow, it is where the driver's page-locked memory now comes from.
-Two more variants copy as epmem's page-ins do: "registered" from pageable
-buffers registered anew with cudaHostRegister(PORTABLE | READ_ONLY) (how
-epmem page-locks registered sources), and "arena" into a block of an epmem
-device arena made anew (VMM memory, where epmem's slots and decode staging
-live). If only those slow down, the cause is that memory.
+("fresh" is memory of the kind epmem's compressed host copies are:
+cuMemHostAlloc'ed anew.) Two more variants copy as epmem's page-ins do:
+"registered" from pageable buffers registered anew with
+cudaHostRegister(PORTABLE | READ_ONLY) (how epmem page-locks raw registered
+sources), and "arena" into a block of an epmem device arena made anew (VMM
+memory, where epmem's slots and decode staging live). If only those slow
+down, the cause is that memory.
 
     EPM_DEVICE=cuda python3 scripts/probe_copy_streams.py --json copy_streams.json
 
