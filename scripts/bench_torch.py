@@ -551,7 +551,7 @@ def forwarded(a, ap):
         if act.nargs == 0:  # store_true / store_false
             if v != act.default:
                 words.append(flag)
-        else:
+        elif v is not None:  # an option left unset stays unset in the cells
             words += [flag, str(v)]
     return words
 
