@@ -21,8 +21,10 @@ cuMemHostAlloc'ed anew.) Two more variants copy as epmem's page-ins do:
 "registered" from pageable buffers registered anew with
 cudaHostRegister(PORTABLE | READ_ONLY) (how epmem page-locks raw registered
 sources), and "arena" into a block of an epmem device arena made anew (VMM
-memory, where epmem's slots and decode staging live). If only those slow
-down, the cause is that memory.
+memory, where epmem's slots and decode staging live); "cu_stream" on a
+stream made anew with cuStreamCreate, as each epmem manager makes its copy
+streams (torch.cuda.Stream() hands out streams of a pool made once). If only
+one of those slows down, the cause is there.
 
     EPM_DEVICE=cuda python3 scripts/probe_copy_streams.py --json copy_streams.json
 
@@ -123,12 +125,17 @@ def main():
             check(cudart.cudaHostRegister(t.data_ptr(), size, REGISTER_FLAGS), "cudaHostRegister")
         if not all(t.is_pinned() for t in reg):
             raise SystemExit("torch does not see cudaHostRegister'd memory as pinned: its copies would be staged")
+        # torch.cuda.Stream() hands out streams of a fixed pool; epmem's managers
+        # create theirs (cuStreamCreate, non-blocking), which may land elsewhere
+        cu_new = epmem.Stream(edev)
+        cu_st = torch.cuda.ExternalStream(cu_new.native(), device=dev)
         arena = epmem.Arena.create_device(edev, 2 * size)
         block = arena.block(size)
         adst = torch.as_tensor(_DeviceBytes(block.ptr, size), device=dev)
         kinds = [("early", early[0], srcs, dst), ("new", torch.cuda.Stream(dev), srcs, dst)]
         kinds += [("fresh", early[1], fresh, dst)] if fresh else []
-        kinds += [("registered", early[1], reg, dst), ("arena", early[1], srcs, adst)]
+        kinds += [("registered", early[1], reg, dst), ("arena", early[1], srcs, adst),
+                  ("cu_stream", cu_st, srcs, dst)]
         for name, st, bufs, d in kinds:
             copy_rates(bufs[:2], d, st)  # warm
             alone = copy_rates(bufs, d, st)
@@ -139,6 +146,8 @@ def main():
         torch.cuda.synchronize()
         block.close()
         arena.close()
+        del cu_st
+        cu_new.close()
         for t in reg:
             check(cudart.cudaHostUnregister(t.data_ptr()), "cudaHostUnregister")
         del reg
