@@ -227,18 +227,19 @@ class Workload:
 _INT = {1: "|u1", 2: "<i2", 4: "<i4"}
 
 
-class _HostArray:
-    """A __cuda_array_interface__ over page-locked host memory: with unified
-    addressing a pinned host pointer is a valid device pointer (UVA)."""
+class CudaArray:
+    """A __cuda_array_interface__ over memory torch did not allocate: `ptr`
+    (a device pointer, or with unified addressing a page-locked host pointer,
+    which is UVA) read as `shape` items of `typestr`; `owner` is kept alive."""
 
-    def __init__(self, t):
-        self.t = t
-        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": _INT[t.element_size()],
-                                         "data": (t.data_ptr(), False), "strides": None, "version": 3}
+    def __init__(self, ptr, shape, typestr, owner=None):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
+                                         "data": (ptr, False), "strides": None, "version": 3}
 
 
 def uva_alias(host, dev):
-    t = torch.as_tensor(_HostArray(host), device=dev)
+    t = torch.as_tensor(CudaArray(host.data_ptr(), host.shape, _INT[host.element_size()], host), device=dev)
     if t.data_ptr() != host.data_ptr():
         raise RuntimeError("torch copied the pinned host array instead of aliasing it")
     return t.view(host.dtype)

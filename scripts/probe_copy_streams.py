@@ -55,14 +55,6 @@ def check(err, what):
         raise SystemExit(f"{what} failed: cudaError {code}")
 
 
-class _DeviceBytes:
-    """A __cuda_array_interface__ over `n` bytes of device memory at `ptr`."""
-
-    def __init__(self, ptr, n):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 3}
-
-
 def copy_rates(srcs, dst, stream, load=None):
     """GB/s of each copy of `srcs` into `dst` on `stream` (CUDA events around
     each), with `load()` enqueued first on its own stream when given."""
@@ -131,7 +123,7 @@ def main():
         cu_st = torch.cuda.ExternalStream(cu_new.native(), device=dev)
         arena = epmem.Arena.create_device(edev, 2 * size)
         block = arena.block(size)
-        adst = torch.as_tensor(_DeviceBytes(block.ptr, size), device=dev)
+        adst = torch.as_tensor(bt.CudaArray(block.ptr, (size,), "|u1"), device=dev)
         kinds = [("early", early[0], srcs, dst), ("new", torch.cuda.Stream(dev), srcs, dst)]
         kinds += [("fresh", early[1], fresh, dst)] if fresh else []
         kinds += [("registered", early[1], reg, dst), ("arena", early[1], srcs, adst),
