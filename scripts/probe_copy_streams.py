@@ -126,15 +126,20 @@ def main():
         adst = torch.as_tensor(bt.CudaArray(block.ptr, (size,), "|u1"), device=dev)
         kinds = [("early", early[0], srcs, dst), ("new", torch.cuda.Stream(dev), srcs, dst)]
         kinds += [("fresh", early[1], fresh, dst)] if fresh else []
+        # torch's host allocator records an event on each stream a pinned buffer
+        # was copied on when the buffer is freed: the stream must outlive them,
+        # so cu_stream copies from buffers of its own, freed before it closes
+        cu_srcs = [torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(i) for i in range(a.buffers)]
         kinds += [("registered", early[1], reg, dst), ("arena", early[1], srcs, adst),
-                  ("cu_stream", cu_st, srcs, dst)]
+                  ("cu_stream", cu_st, cu_srcs, dst)]
         for name, st, bufs, d in kinds:
             copy_rates(bufs[:2], d, st)  # warm
             alone = copy_rates(bufs, d, st)
             beside = copy_rates(bufs, d, st, gemms)
             m[name] = {"alone_p50": pct(alone, 0.5), "beside_p10": pct(beside, 0.1),
                        "beside_p50": pct(beside, 0.5), "beside_p90": pct(beside, 0.9)}
-        del fresh, adst  # copy_rates synchronized: nothing reads them any more
+        del fresh, adst, cu_srcs, kinds  # copy_rates synchronized: nothing reads them any more
+        torch.cuda.synchronize()  # the host allocator's events on cu_st are recorded: it may close
         block.close()
         arena.close()
         del cu_st
