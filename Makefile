@@ -43,6 +43,10 @@ TEST_BINS := $(patsubst ffi-tests/%.c,$(TEST_DIR)/%,$(TEST_SRCS))
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
 SAN_BINS  := $(patsubst ffi-tests/%.c,$(TEST_DIR)/san/%,$(TEST_SRCS))
 EXAMPLES  := $(wildcard examples-c/*.c)
+# scripts/gpu-check.sh compiles the C tests and examples with -O2 -Werror on the
+# GPU machine; some warnings (-Warray-bounds) need the optimizer, so the same
+# compile runs here (objects only) and a warning fails `make test-c` first.
+O2_OBJS   := $(patsubst %.c,$(TEST_DIR)/o2/%.o,$(TEST_SRCS) $(EXAMPLES))
 # What an example may use besides epmem: threads and libm.
 EX_LIBS   := -pthread -lm
 # The demo is examples-c/offload_decode.c once it exists; until then the
@@ -120,6 +124,10 @@ $(TEST_DIR)/san/%: ffi-tests/%.c $(TEST_DEPS)
 	@mkdir -p $(TEST_DIR)/san
 	$(CC) $(TEST_CFLAGS) $(SAN_FLAGS) -Iinclude -o $@ $< -L$(TESTING_LIB_DIR) -lepmem_testing -Wl,-rpath,'$$ORIGIN/../../testing/release'
 
+$(TEST_DIR)/o2/%.o: %.c $(TEST_DEPS)
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 $(WARN) -O2 -g -Iinclude -c -o $@ $<
+
 $(LIB_DIR)/libepmem.so: build
 $(TESTING_LIB): build-testing
 
@@ -154,7 +162,7 @@ $(FAKE_CUDA_DIR)/libcuda.so: $(FAKE_CUDA_SRC)
 	@mkdir -p $(FAKE_CUDA_DIR)
 	$(CC) -shared -fPIC -O1 -o $@ $<
 
-test-c: ffi-tests $(SAN_BINS) $(if $(FAKE_CUDA_SRC),$(FAKE_CUDA_DIR)/libcuda.so)
+test-c: $(O2_OBJS) ffi-tests $(SAN_BINS) $(if $(FAKE_CUDA_SRC),$(FAKE_CUDA_DIR)/libcuda.so)
 	@fail=0; for t in $(TEST_BINS) $(SAN_BINS); do \
 	  echo "== $$t"; $$t || { echo "FAILED: $$t (exit $$?)"; fail=1; }; \
 	done; \

@@ -493,12 +493,17 @@ static void test_compressed_weights_read_back_bit_exact(void) {
   CHECK(st.evictions > 0 && st.resident_bytes + st.decode_staging_bytes <= st.budget_bytes);
   /* A v1 stats struct gets the v1 fields only. */
   {
+    /* The buffer is smaller than today's struct: only the library writes
+       through it as one; the test reads and writes `size` bytewise (a
+       compiler's bounds check rightly refuses a member access through a
+       pointer to a struct larger than the object). */
     unsigned char v1[EPM_RESIDENCY_STATS_SIZE_V1 + 8];
-    EpmResidencyStats *p = (EpmResidencyStats *)(void *)v1;
+    size_t sz = EPM_RESIDENCY_STATS_SIZE_V1;
     memset(v1, 0xAB, sizeof v1);
-    p->size = EPM_RESIDENCY_STATS_SIZE_V1;
-    REQUIRE_OK(epm_residency_get_stats(res, p));
-    CHECK(p->size == EPM_RESIDENCY_STATS_SIZE_V1 && v1[EPM_RESIDENCY_STATS_SIZE_V1] == 0xAB);
+    memcpy(v1 + offsetof(EpmResidencyStats, size), &sz, sizeof sz);
+    REQUIRE_OK(epm_residency_get_stats(res, (EpmResidencyStats *)(void *)v1));
+    memcpy(&sz, v1 + offsetof(EpmResidencyStats, size), sizeof sz);
+    CHECK(sz == EPM_RESIDENCY_STATS_SIZE_V1 && v1[EPM_RESIDENCY_STATS_SIZE_V1] == 0xAB);
   }
   /* Corrupt and truncated buffers are refused with a message. */
   REQUIRE_OK(epm_codec_encode(v[0], 2 * n, EPM_CODEC_DTYPE_BF16, &o, enc, info.encoded_bytes + 1000000, &info));
