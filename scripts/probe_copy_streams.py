@@ -138,7 +138,9 @@ def main():
             beside = copy_rates(bufs, d, st, gemms)
             m[name] = {"alone_p50": pct(alone, 0.5), "beside_p10": pct(beside, 0.1),
                        "beside_p50": pct(beside, 0.5), "beside_p90": pct(beside, 0.9)}
-        del fresh, adst, cu_srcs, kinds  # copy_rates synchronized: nothing reads them any more
+        # copy_rates synchronized: nothing reads them any more (the loop's
+        # names too: `bufs` would keep cu_srcs alive past the stream's close)
+        del fresh, adst, cu_srcs, kinds, name, st, bufs, d
         torch.cuda.synchronize()  # the host allocator's events on cu_st are recorded: it may close
         block.close()
         arena.close()
