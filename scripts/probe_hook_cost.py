@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""What an offloaded linear costs the host per forward, and where it goes. A diagnostic
+for docs/BENCHMARKS.md's "Small at 75% is bound by the host".
+
+A batch-1 decode step of a transformers Llama (random bf16 weights) is timed
+all-resident, then through epmem.torch.offload with a budget that holds every
+weight (after the first step each acquire is a hit: no copy, no decode), so
+the difference per offloaded linear is the hooks' host time. Where the device
+is faster than the host (the small shape on an H100) a step's wall time is the
+host's. The parts are then timed alone, per call, in loops:
+
+  dispatch   torch's module call with a no-op pre- and post-hook (always_call)
+             minus the same call with none, on a tiny nn.Linear
+  library    one acquire + release of a resident weight through epmem.core
+             (ctypes, the library, on CUDA the driver calls of a hit)
+  swap       the two `param.data = ...` assignments a linear's hooks make
+  stream     reading torch's current stream as the pre-hook does
+
+    EPM_DEVICE=cuda python3 scripts/probe_hook_cost.py --json hook_cost.json
+    EPM_DEVICE=host python3 scripts/probe_hook_cost.py --shape quick
+
+A probe, not a benchmark of record.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_torch as bt  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import epmem.torch as et  # noqa: E402
+
+
+def per_call(fn, n):
+    """Best of 3 runs of `n` calls of fn(), in microseconds per call."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
+def step_us(model, dev, steps):
+    """Microseconds per batch-1 decode step (best of 3 runs of `steps`)."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, 1000, (1, 8), generator=g).to(dev)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(3):
+            out = model(prompt, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            bt.sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            bt.sync(dev)
+            best = min(best, (time.perf_counter() - t0) / steps)
+    return best * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="small", choices=list(bt.SHAPES))
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    cuda = os.environ.get("EPM_DEVICE", "cuda") == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model = bt.make_model(a.shape, dev, torch.bfloat16, 32000 if cuda else 1000, 1234, 256)
+    lin = bt.offloaded_linears(model)
+    off = sum(p.numel() * p.element_size() for _, m in lin for p in m.parameters(recurse=False))
+    out = {"device": torch.cuda.get_device_name(dev) if cuda else "host", "shape": a.shape, "linears": len(lin)}
+
+    out["resident_step_us"] = step_us(model, dev, a.steps)
+    h = et.offload(model, off * 2)
+    try:
+        out["offloaded_step_us"] = step_us(model, dev, a.steps)
+        st = h._st
+        w = st.weights[0]
+        stream = st._stream()
+        res = st.res
+        if cuda:
+            def lib():
+                res.release(w.id, stream) if res.acquire(w.id, stream) else None
+        else:
+            def lib():
+                res.release_host(w.id) if res.acquire_host(w.id) else None
+        out["library_us"] = per_call(lib, a.calls)
+        ptr = res.acquire(w.id, stream) if cuda else res.acquire_host(w.id)
+        t = st._device_tensor(ptr, w)
+
+        def swap():
+            w.param.data = t
+            w.param.data = w.host
+        out["swap_us"] = per_call(swap, a.calls)
+        if cuda:
+            res.release(w.id, stream)
+        else:
+            res.release_host(w.id)
+        out["stream_us"] = per_call(st._stream, a.calls)
+    finally:
+        h.remove()
+
+    bare_mod = nn.Linear(8, 8, device=dev, dtype=torch.bfloat16)
+    hooked_mod = nn.Linear(8, 8, device=dev, dtype=torch.bfloat16)
+    hooked_mod.register_forward_pre_hook(lambda m, args: None)
+    hooked_mod.register_forward_hook(lambda m, args, o: None, always_call=True)
+    x = torch.zeros(1, 8, device=dev, dtype=torch.bfloat16)
+    bare = hooked = float("inf")
+    with torch.no_grad():
+        for _ in range(3):  # interleaved: a burst of load elsewhere hits both
+            bare = min(bare, per_call(lambda: bare_mod(x), a.calls))
+            hooked = min(hooked, per_call(lambda: hooked_mod(x), a.calls))
+    out["dispatch_us"] = hooked - bare
+    out["hooks_per_linear_us"] = (out["offloaded_step_us"] - out["resident_step_us"]) / len(lin)
+    known = out["dispatch_us"] + out["library_us"] + out["swap_us"] + out["stream_us"]
+    out["python_rest_us"] = out["hooks_per_linear_us"] - known
+    print(f"{out['device']}, {a.shape}: step {out['resident_step_us']:.0f} us resident, "
+          f"{out['offloaded_step_us']:.0f} us offloaded (all hits), {len(lin)} linears: "
+          f"{out['hooks_per_linear_us']:.1f} us per linear = dispatch {out['dispatch_us']:.1f} + library "
+          f"{out['library_us']:.1f} + swap {out['swap_us']:.1f} + stream {out['stream_us']:.1f} + the rest "
+          f"{out['python_rest_us']:.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
