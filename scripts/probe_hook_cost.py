@@ -15,6 +15,19 @@ host's. The parts are then timed alone, per call, in loops:
              (ctypes, the library, on CUDA the driver calls of a hit)
   swap       the two `param.data = ...` assignments a linear's hooks make
   stream     reading torch's current stream as the pre-hook does
+  hooks      every unit's pre- and post-hook called directly, in forward
+             order, with no torch module call and no kernel between them
+  cycle      acquire + release of every weight in forward order (the
+             declared cycle), through epmem.core alone
+
+Last, the step with every weight acquired once and left in place, hooks
+removed: the model reading epmem's memory with no hook at all.
+
+The residency counters over the timed offloaded steps (acquires, hits,
+page-ins, bytes copied, decodes) say whether they were hits only. If `hooks`
+is far above dispatch + library + swap + stream, the time is in the hooks'
+Python; if the offloaded step exceeds the resident one by more than `hooks`
+(x units), by the device or by what the hooks make torch do.
 
     EPM_DEVICE=cuda python3 scripts/probe_hook_cost.py --json hook_cost.json
     EPM_DEVICE=host python3 scripts/probe_hook_cost.py --shape quick
@@ -83,7 +96,12 @@ def main():
     out["resident_step_us"] = step_us(model, dev, a.steps)
     h = et.offload(model, off * 2)
     try:
+        step_us(model, dev, 2)  # the first page-ins, outside the counted steps
+        before = h.stats()
         out["offloaded_step_us"] = step_us(model, dev, a.steps)
+        after = h.stats()
+        out["counters_over_timed_steps"] = {k: after[k] - before[k] for k in (
+            "acquires", "hits", "page_ins", "htod_bytes", "decodes", "evictions", "hook_calls")}
         st = h._st
         w = st.weights[0]
         stream = st._stream()
@@ -107,6 +125,42 @@ def main():
         else:
             res.release_host(w.id)
         out["stream_us"] = per_call(st._stream, a.calls)
+        hooks = [(u.module, st._pre_hook(u), st._post_hook(u)) for u in st.units]
+
+        def all_hooks():
+            for mod, pre, post in hooks:
+                pre(mod, ())
+                post(mod, (), None)
+        out["hooks_direct_us_per_unit"] = per_call(all_hooks, max(a.calls // len(hooks), 5)) / len(hooks)
+        seq = [w.id for u in st.units for w in u.weights]
+        if cuda:
+            def cycle():
+                for wid in seq:
+                    res.acquire(wid, stream)
+                    res.release(wid, stream)
+        else:
+            def cycle():
+                for wid in seq:
+                    res.acquire_host(wid)
+                    res.release_host(wid)
+        out["cycle_us_per_weight"] = per_call(cycle, max(a.calls // len(seq), 5)) / len(seq)
+        out["units"] = len(st.units)
+        # The step with the weights in epmem's memory and no hooks.
+        for hd in st.hooks:
+            hd.remove()
+        held = []
+        try:
+            for x in st.weights:
+                held.append(x)
+                x.param.data = st._device_tensor(res.acquire(x.id, stream) if cuda else res.acquire_host(x.id), x)
+            out["epmem_memory_no_hooks_step_us"] = step_us(model, dev, a.steps)
+        finally:
+            for x in held:
+                x.param.data = x.host
+                if cuda:
+                    res.release(x.id, stream)
+                else:
+                    res.release_host(x.id)
     finally:
         h.remove()
 
@@ -128,7 +182,10 @@ def main():
           f"{out['offloaded_step_us']:.0f} us offloaded (all hits), {len(lin)} linears: "
           f"{out['hooks_per_linear_us']:.1f} us per linear = dispatch {out['dispatch_us']:.1f} + library "
           f"{out['library_us']:.1f} + swap {out['swap_us']:.1f} + stream {out['stream_us']:.1f} + the rest "
-          f"{out['python_rest_us']:.1f}")
+          f"{out['python_rest_us']:.1f}; the hooks called directly {out['hooks_direct_us_per_unit']:.1f} us per "
+          f"unit ({out['units']} units), acquire+release in cycle order {out['cycle_us_per_weight']:.1f} us per "
+          f"weight; the step on epmem's memory with no hooks {out['epmem_memory_no_hooks_step_us']:.0f} us; "
+          f"over the timed steps {out['counters_over_timed_steps']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
