@@ -179,7 +179,7 @@ def main():
     known = out["dispatch_us"] + out["library_us"] + out["swap_us"] + out["stream_us"]
     out["python_rest_us"] = out["hooks_per_linear_us"] - known
     print(f"{out['device']}, {a.shape}: step {out['resident_step_us']:.0f} us resident, "
-          f"{out['offloaded_step_us']:.0f} us offloaded (all hits), {len(lin)} linears: "
+          f"{out['offloaded_step_us']:.0f} us offloaded (a budget that holds every weight), {len(lin)} linears: "
           f"{out['hooks_per_linear_us']:.1f} us per linear = dispatch {out['dispatch_us']:.1f} + library "
           f"{out['library_us']:.1f} + swap {out['swap_us']:.1f} + stream {out['stream_us']:.1f} + the rest "
           f"{out['python_rest_us']:.1f}; the hooks called directly {out['hooks_direct_us_per_unit']:.1f} us per "
