@@ -21,7 +21,11 @@ host's. The parts are then timed alone, per call, in loops:
              declared cycle), through epmem.core alone
 
 Last, the step with every weight acquired once and left in place, hooks
-removed: the model reading epmem's memory with no hook at all.
+removed: the model reading epmem's memory with no hook at all; and, after
+remove(), with torch-only hooks on the same linears: no-ops, then hooks that
+only swap each weight in and out as epmem's do (`param.data` between the
+weight and a CPU placeholder of its shape), which is what the hooks cost
+inside a forward without epmem.
 
 The residency counters over the timed offloaded steps (acquires, hits,
 page-ins, bytes copied, decodes) say whether they were hits only. If `hooks`
@@ -164,6 +168,27 @@ def main():
     finally:
         h.remove()
 
+    mods = [m for _, m in lin]
+    noop = [h for m in mods for h in (m.register_forward_pre_hook(lambda mod, args: None),
+                                      m.register_forward_hook(lambda mod, args, o: None, always_call=True))]
+    out["noop_hooks_step_us"] = step_us(model, dev, a.steps)
+    for h_ in noop:
+        h_.remove()
+    swaps = []
+    for m in mods:
+        wt = m.weight.data
+        ph = torch.zeros((), dtype=wt.dtype).expand(wt.shape)
+        m.weight.data = ph
+        swaps.append((m, wt))
+        noop.append(m.register_forward_pre_hook(lambda mod, args, wt=wt: setattr(mod.weight, "data", wt)))
+        noop.append(m.register_forward_hook(lambda mod, args, o, ph=ph: setattr(mod.weight, "data", ph),
+                                            always_call=True))
+    out["swap_hooks_step_us"] = step_us(model, dev, a.steps)
+    for h_ in noop:
+        h_.remove()
+    for m, wt in swaps:
+        m.weight.data = wt
+
     bare_mod = nn.Linear(8, 8, device=dev, dtype=torch.bfloat16)
     hooked_mod = nn.Linear(8, 8, device=dev, dtype=torch.bfloat16)
     hooked_mod.register_forward_pre_hook(lambda m, args: None)
@@ -184,7 +209,9 @@ def main():
           f"{out['library_us']:.1f} + swap {out['swap_us']:.1f} + stream {out['stream_us']:.1f} + the rest "
           f"{out['python_rest_us']:.1f}; the hooks called directly {out['hooks_direct_us_per_unit']:.1f} us per "
           f"unit ({out['units']} units), acquire+release in cycle order {out['cycle_us_per_weight']:.1f} us per "
-          f"weight; the step on epmem's memory with no hooks {out['epmem_memory_no_hooks_step_us']:.0f} us; "
+          f"weight; the step on epmem's memory with no hooks {out['epmem_memory_no_hooks_step_us']:.0f} us, with "
+          f"torch-only no-op hooks {out['noop_hooks_step_us']:.0f} us, with swap-only hooks "
+          f"{out['swap_hooks_step_us']:.0f} us; "
           f"over the timed steps {out['counters_over_timed_steps']}")
     if a.json:
         with open(a.json, "w") as f:
