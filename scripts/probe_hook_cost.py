@@ -112,10 +112,12 @@ def main():
         res = st.res
         if cuda:
             def lib():
-                res.release(w.id, stream) if res.acquire(w.id, stream) else None
+                res.acquire(w.id, stream)
+                res.release(w.id, stream)
         else:
             def lib():
-                res.release_host(w.id) if res.acquire_host(w.id) else None
+                res.acquire_host(w.id)
+                res.release_host(w.id)
         out["library_us"] = per_call(lib, a.calls)
         ptr = res.acquire(w.id, stream) if cuda else res.acquire_host(w.id)
         t = st._device_tensor(ptr, w)
