@@ -23,7 +23,8 @@ cudaHostRegister(PORTABLE | READ_ONLY) (how epmem page-locks raw registered
 sources), and "arena" into a block of an epmem device arena made anew (VMM
 memory, where epmem's slots and decode staging live); "cu_stream" on a
 stream made anew with cuStreamCreate, as each epmem manager makes its copy
-streams (torch.cuda.Stream() hands out streams of a pool made once). If only
+streams (torch.cuda.Stream() hands out streams of a pool made once), from
+pinned buffers of its own (freed before the stream closes). If only
 one of those slows down, the cause is there.
 
     EPM_DEVICE=cuda python3 scripts/probe_copy_streams.py --json copy_streams.json

@@ -65,22 +65,10 @@ def per_call(fn, n):
 
 
 def step_us(model, dev, steps):
-    """Microseconds per batch-1 decode step (best of 3 runs of `steps`)."""
+    """Microseconds per batch-1 decode step: bench_torch's decode, best of 3."""
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(1, 1000, (1, 8), generator=g).to(dev)
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(3):
-            out = model(prompt, use_cache=True)
-            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            bt.sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            bt.sync(dev)
-            best = min(best, (time.perf_counter() - t0) / steps)
-    return best * 1e6
+    return min(bt.decode(model, prompt, steps, dev)[1] for _ in range(3)) / steps * 1e6
 
 
 def main():
