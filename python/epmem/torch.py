@@ -9,16 +9,18 @@ manager, and hand epmem memory to torch as tensors without copies.
     print(h.stats()["htod_bytes"])
     h.remove()                                     # weights back on the GPU, hooks gone
 
-What the hooks do: before each offloaded linear runs (granularity="linear",
-the default; "block" hooks whole blocks instead), its weight is acquired on
+What offload does per linear (granularity="linear", the default; "block"
+hooks whole blocks instead): just before its kernel, the weight is acquired on
 torch's *current* stream (wrapped with epm_stream_wrap_native), so the kernel
-waits on the device for a page-in and the host never waits; the parameter then
-points at the device copy (a tensor over epmem's memory, no copy). After it,
-the parameter points back at the host copy and the weight is released on the
-same stream: epmem evicts a weight only after the work queued so far on that
-stream has completed. torch's legacy default stream (handle 0) is adopted by
-the driver's name for it, CU_STREAM_LEGACY. On the host device (EPM_DEVICE=host, CPU tensors)
-the host waits for the page-ins (acquire_host), since CPU kernels run
+waits on the device for a page-in and the host never waits; just after, it is
+released on the same stream: epmem evicts a weight only after the work queued
+so far on that stream has completed. A plain nn.Linear gets a forward of
+offload's own (acquire, F.linear on a tensor over epmem's memory, release; its
+parameters stay on the host copy); other modules get a pre-hook that points
+their parameters at the device copies and a post-hook that points them back.
+torch's legacy default stream (handle 0) is adopted by the driver's name for
+it, CU_STREAM_LEGACY. On the host device (EPM_DEVICE=host, CPU tensors) the
+host waits for the page-ins (acquire_host), since CPU kernels run
 synchronously.
 See docs/PYTHON.md.
 """
@@ -262,7 +264,7 @@ class _Weight:
 class _Unit:
     """What one pair of hooks acquires: a block's weights, or one module's."""
 
-    __slots__ = ("module", "weights", "index", "acquired", "stream", "name", "skip_post")
+    __slots__ = ("module", "weights", "index", "acquired", "stream", "name", "skip_post", "forward")
 
     def __init__(self, module, name, index):
         self.module, self.name, self.index = module, name, index
@@ -270,6 +272,7 @@ class _Unit:
         self.acquired = []
         self.stream = None
         self.skip_post = 0  # pre-hooks that raised: their always_call post-hook must not release
+        self.forward = None  # the forward set on a plain nn.Linear instead of hooks (_linear_slots)
 
 
 def _find_blocks(module):
@@ -291,6 +294,29 @@ def _find_blocks(module):
 
 def _is_default_include(_name, sub):
     return isinstance(sub, nn.Linear)
+
+
+def _linear_slots(unit):
+    """Where a unit's weights go in F.linear (weight index, bias index or None)
+    when its module is a plain nn.Linear that offload() can run directly: its
+    class keeps nn.Linear's forward, it is not parametrized, nothing replaced
+    its forward already (accelerate's hooks do), and the unit's parameters are
+    its weight and, if any, its bias. Else None: the unit gets hooks."""
+    m = unit.module
+    if type(m).forward is not nn.Linear.forward or "forward" in m.__dict__ or \
+            getattr(m, "parametrizations", None) is not None:
+        return None
+    names = {}
+    for i, w in enumerate(unit.weights):
+        if w.param is m.__dict__.get("_parameters", {}).get("weight"):
+            names["weight"] = i
+        elif w.param is m.__dict__.get("_parameters", {}).get("bias"):
+            names["bias"] = i
+        else:
+            return None
+    if "weight" not in names or len(names) != len(unit.weights):
+        return None
+    return names["weight"], names.get("bias")
 
 
 def offload(module, budget_bytes, *, blocks=None, include=None, sources="registered", granularity="linear",
@@ -500,6 +526,7 @@ class _State:
     def __init__(self, module, dev, own_device, tdev, weights, units, budget, sources, granularity, total, rcfg,
                  compress=None):
         self.module, self.dev, self.own_device, self.tdev = module, dev, own_device, tdev
+        self.host_device = not dev.is_cuda
         self.compress = compress  # codec options when compressing, else None
         self.weights, self.units, self.budget = weights, units, budget
         self.sources, self.granularity, self.total = sources, granularity, total
@@ -547,6 +574,10 @@ class _State:
         rcfg["register_sources"] = L.EPM_REGISTER_WITHIN_MEMLOCK if self.sources == "registered" \
             else L.EPM_REGISTER_NEVER
         self.res = core.Residency(dev, self.budget, **rcfg)
+        # The per-linear calls go straight to the library (the arguments are
+        # checked here once: weight ids are the manager's, streams adopted).
+        lib = L.lib()
+        self._acq, self._rel, self._res_h = lib.epm_residency_acquire, lib.epm_residency_release, self.res.handle
         coded = self._register_compressed() if self.compress is not None else False
         # With weights compressed, the raw host copy is not page-locked as one
         # range (their pages went back to the OS); raw weights are registered
@@ -572,6 +603,10 @@ class _State:
             w.param._epmem_offloaded = True
         self.always_call = True
         for u in self.units:
+            slots = _linear_slots(u)
+            if slots is not None:
+                u.module.forward = u.forward = self._linear_forward(u, *slots)
+                continue
             self.hooks.append(u.module.register_forward_pre_hook(self._pre_hook(u)))
             try:
                 self.hooks.append(u.module.register_forward_hook(self._post_hook(u), always_call=True))
@@ -638,7 +673,7 @@ class _State:
 
     def _stream(self):
         """The epmem stream to acquire on: torch's current stream, adopted once."""
-        if not self.dev.is_cuda:
+        if self.host_device:
             return self.private
         native = current_native_stream(self.tdev)
         if native == 0:
@@ -651,51 +686,87 @@ class _State:
             self.counters["wrapped_streams"] += 1
         return s
 
+    def _enter(self, unit):
+        """The checks before a unit's weights are acquired; its stream."""
+        if self.removed:
+            raise OffloadError("this offload was removed")
+        if unit.acquired:
+            raise OffloadError(f"{unit.name} entered again before its forward finished (re-entrant call)")
+        if unit.module.training:
+            raise OffloadError(f"{unit.name} is in training mode: offloaded weights are for inference "
+                               "(call model.eval())")
+        if torch.is_grad_enabled() and any(w.param.requires_grad for w in unit.weights):
+            raise OffloadError(f"{unit.name}: grad is enabled and its offloaded weights require grad; "
+                               "offloaded weights are for inference: run under torch.no_grad() or "
+                               "torch.inference_mode(), or call requires_grad_(False)")
+        stream = self._stream()
+        self.counters["hook_calls"] += 1
+        return stream
+
+    def _acquire(self, unit, stream, swap):
+        """Acquire every weight of `unit` on `stream`; their device tensors. With
+        `swap` each parameter points at its device tensor until `_release`."""
+        # On the host device the block's CPU kernels run now, on this
+        # thread: the host must wait for each page-in (acquire_host),
+        # where on CUDA only the stream waits, on the device.
+        host = self.host_device
+        tensors = []
+        try:
+            for w in unit.weights:
+                if host:
+                    ptr = self.res.acquire_host(w.id)
+                else:
+                    out = ctypes.c_uint64()
+                    self._acq(self._res_h, w.id, stream.handle, ctypes.byref(out))
+                    ptr = out.value
+                unit.acquired.append(w)
+                t = self._device_tensor(ptr, w)
+                if swap:
+                    w.param.data = t
+                tensors.append(t)
+        except BaseException as e:
+            for w in unit.acquired:
+                if swap:
+                    w.param.data = w.host
+                if host:
+                    self.res.release_host(w.id)
+                else:
+                    self.res.release(w.id, stream)
+            unit.acquired = []
+            if isinstance(e, errors.AllInUse):
+                raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
+                                   f"in use ({e.message}); raise the budget or use granularity='linear'") from e
+            raise
+        unit.stream = stream
+        return tensors
+
+    def _release(self, unit, swap):
+        """Release what `_acquire` acquired, on its stream (every weight, even
+        when one release fails: the first error is raised after)."""
+        stream = unit.stream
+        err = None
+        for w in unit.acquired:
+            if swap:
+                w.param.data = w.host
+            try:
+                if not self.host_device:
+                    self._rel(self._res_h, w.id, stream.handle)
+                else:
+                    self.res.release_host(w.id)  # the CPU kernels have returned
+            except errors.EpmError as e:
+                err = err or e
+        unit.acquired = []
+        if err is not None:
+            raise err
+
     def _pre_hook(self, unit):
         def hook(mod, args):
             try:
-                return pre(mod, args)
+                self._acquire(unit, self._enter(unit), swap=True)
             except BaseException:
                 if self.always_call:
                     unit.skip_post += 1
                 raise
-
-        def pre(_mod, _args):
-            if self.removed:
-                raise OffloadError("this offload was removed")
-            if unit.acquired:
-                raise OffloadError(f"{unit.name} entered again before its forward finished (re-entrant call)")
-            if unit.module.training:
-                raise OffloadError(f"{unit.name} is in training mode: offloaded weights are for inference "
-                                   "(call model.eval())")
-            if torch.is_grad_enabled() and any(w.param.requires_grad for w in unit.weights):
-                raise OffloadError(f"{unit.name}: grad is enabled and its offloaded weights require grad; "
-                                   "offloaded weights are for inference: run under torch.no_grad() or "
-                                   "torch.inference_mode(), or call requires_grad_(False)")
-            stream = self._stream()
-            self.counters["hook_calls"] += 1
-            # On the host device the block's CPU kernels run now, on this
-            # thread: the host must wait for each page-in (acquire_host),
-            # where on CUDA only the stream waits, on the device.
-            host = not self.dev.is_cuda
-            try:
-                for w in unit.weights:
-                    ptr = self.res.acquire_host(w.id) if host else self.res.acquire(w.id, stream)
-                    unit.acquired.append(w)
-                    w.param.data = self._device_tensor(ptr, w)
-            except BaseException as e:
-                for w in unit.acquired:
-                    w.param.data = w.host
-                    if host:
-                        self.res.release_host(w.id)
-                    else:
-                        self.res.release(w.id, stream)
-                unit.acquired = []
-                if isinstance(e, errors.AllInUse):
-                    raise OffloadError(f"{unit.name}: the budget cannot hold its weights at once with the ones "
-                                       f"in use ({e.message}); raise the budget or use granularity='linear'") from e
-                raise
-            unit.stream = stream
         return hook
 
     def _post_hook(self, unit):
@@ -703,29 +774,37 @@ class _State:
             if unit.skip_post:
                 unit.skip_post -= 1
                 return None
-            if not unit.acquired:
-                return None
-            stream = unit.stream
-            err = None
-            for w in unit.acquired:
-                w.param.data = w.host
-                try:
-                    if self.dev.is_cuda:
-                        self.res.release(w.id, stream)
-                    else:
-                        self.res.release_host(w.id)  # the CPU kernels have returned
-                except errors.EpmError as e:
-                    err = err or e
-            unit.acquired = []
-            if err is not None:
-                raise err
+            if unit.acquired:
+                self._release(unit, swap=True)
             return None
         return hook
+
+    def _linear_forward(self, unit, wi, bi):
+        """A plain nn.Linear's forward for `unit`: acquire, F.linear on the
+        device tensors, release. Its parameters keep pointing at the host
+        copies, and the module has no hooks, so torch calls it directly: about
+        half the host time per linear of a hook pair that swaps
+        `param.data` (docs/BENCHMARKS.md, "Where an offloaded linear's host
+        time goes")."""
+        linear = nn.functional.linear
+        mod = unit.module
+
+        def forward(input):
+            ts = self._acquire(unit, self._enter(unit), swap=False)
+            try:
+                return linear(input, ts[wi], mod.bias if bi is None else ts[bi])
+            finally:
+                self._release(unit, swap=False)
+        return forward
 
     def _teardown(self):
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        for u in self.units:
+            if u.forward is not None and u.module.__dict__.get("forward") is u.forward:
+                del u.module.forward
+            u.forward = None
         if getattr(self.module, "_epmem_offload", None) is self:
             del self.module._epmem_offload
         self.cache.clear()

@@ -516,6 +516,72 @@ class Offload(unittest.TestCase):
         finally:
             h.remove()
 
+    def test_plain_linears_run_through_a_forward_of_their_own_and_others_get_hooks(self):
+        """A plain nn.Linear gets offload's forward (no hooks, its parameters
+        stay on the host copy); a Linear subclass with its own forward, and a
+        Linear whose forward someone replaced already, get the hook pair.
+        Tokens are the reference's either way; remove() takes both away."""
+
+        class Scaled(nn.Linear):
+            def forward(self, x):
+                return super().forward(x) * 1.0
+
+        blk0, blk1 = self.model.model.layers[0], self.model.model.layers[1]
+        blk0.up.__class__ = Scaled
+        theirs = blk1.down.forward
+        blk1.down.forward = lambda x: theirs(x)  # what accelerate's hooks do
+        h = et.offload(self.model, self.offloaded // 2)
+        try:
+            for i, blk in enumerate(self.model.model.layers):
+                for name in ("up", "down"):
+                    m = getattr(blk, name)
+                    hooked = (i, name) in ((0, "up"), (1, "down"))
+                    with self.subTest(block=i, linear=name):
+                        self.assertEqual("forward" in m.__dict__ and m.forward.__qualname__.startswith("_State"),
+                                         not hooked)
+                        self.assertEqual((len(m._forward_pre_hooks), len(m._forward_hooks)),
+                                         (1, 1) if hooked else (0, 0))
+            self.assertEqual(greedy(self.model), self.ref)
+            st = h.stats()
+            # one call per linear and forward: the acquires less the biases' (6 blocks, 8 forwards)
+            self.assertEqual(st["hook_calls"], st["acquires"] - 6 * 8)
+            self.assertEqual(blk1.up.weight.device.type, "cpu")  # between forwards: the host copy
+        finally:
+            h.remove()
+        for blk in self.model.model.layers:
+            for m in (blk.up, blk.down):
+                self.assertEqual((len(m._forward_pre_hooks), len(m._forward_hooks)), (0, 0))
+        self.assertNotIn("forward", blk0.up.__dict__)
+        self.assertIn("forward", blk1.down.__dict__)  # theirs stays
+        self.assertEqual(greedy(self.model), self.ref)
+
+    def test_an_error_inside_a_linear_releases_its_weights(self):
+        """F.linear raising while its weight is acquired (a wrong input width):
+        the weight is released, the module decodes exactly afterwards and can
+        be removed (nothing stays acquired)."""
+        h = et.offload(self.model, self.offloaded // 3)
+        try:
+            up = self.model.model.layers[3].up
+            x = torch.zeros(1, 5, device=self.dev)
+            before = h.stats()
+            with torch.no_grad(), self.assertRaises(RuntimeError):
+                up(x)
+            st = h.stats()
+            self.assertEqual(st["acquires"] - before["acquires"], 2)  # weight and bias, acquired
+            # ... and released: one more release is refused by the manager
+            res = h._st.res
+            for p in (up.weight, up.bias):
+                wid = next(w.id for w in h._st.weights if w.param is p)
+                with self.assertRaisesRegex(epmem.EpmError, "released more often than acquired"):
+                    if self.dev.type == "cuda":
+                        res.release(wid, h._st._stream())
+                    else:
+                        res.release_host(wid)
+            self.assertEqual(greedy(self.model), self.ref)
+        finally:
+            h.remove()
+        self.assert_usable()
+
     def test_reentrant_block_call_is_refused_and_releases_cleanly(self):
         h = et.offload(self.model, self.offloaded, granularity="block")
         blk = self.model.model.layers[1]
