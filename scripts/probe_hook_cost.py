@@ -5,7 +5,9 @@ for docs/BENCHMARKS.md's "Small at 75% is bound by the host".
 A batch-1 decode step of a transformers Llama (random bf16 weights) is timed
 all-resident, then through epmem.torch.offload with a budget that holds every
 weight (after the first step each acquire is a hit: no copy, no decode), so
-the difference per offloaded linear is the hooks' host time. Where the device
+the difference per offloaded linear is what offload() costs the host per
+linear (a plain nn.Linear runs through offload's own forward: acquire,
+F.linear on the device tensor, release; other units through hooks). Where the device
 is faster than the host (the small shape on an H100) a step's wall time is the
 host's. The parts are then timed alone, per call, in loops:
 
@@ -20,8 +22,10 @@ host's. The parts are then timed alone, per call, in loops:
   cycle      acquire + release of every weight in forward order (the
              declared cycle), through epmem.core alone
 
-Last, the step with every weight acquired once and left in place, hooks
-removed: the model reading epmem's memory with no hook at all; and, after
+Then the same units through a pair of hooks that swap `param.data` (what a
+plain nn.Linear got before it had a forward of its own). Last, the step with
+every weight acquired once and left in place, no hook and no offload forward:
+the model reading epmem's memory with no hook at all; and, after
 remove(), with torch-only hooks on the same linears: no-ops, then hooks that
 only swap each weight in and out as epmem's do (`param.data` between the
 weight and a CPU placeholder of its shape), which is what the hooks cost
@@ -139,6 +143,19 @@ def main():
                     res.release_host(wid)
         out["cycle_us_per_weight"] = per_call(cycle, max(a.calls // len(seq), 5)) / len(seq)
         out["units"] = len(st.units)
+        # The same units through a pair of hooks that swap `param.data` (what
+        # every unit got before plain linears got their own forward).
+        direct = [u for u in st.units if u.forward is not None]
+        pairs = []
+        for u in direct:
+            del u.module.forward
+            pairs.append(u.module.register_forward_pre_hook(st._pre_hook(u)))
+            pairs.append(u.module.register_forward_hook(st._post_hook(u), always_call=True))
+        try:
+            out["hook_pair_step_us"] = step_us(model, dev, a.steps)
+        finally:
+            for hd in pairs:
+                hd.remove()
         # The step with the weights in epmem's memory and no hooks.
         for hd in st.hooks:
             hd.remove()
@@ -155,6 +172,8 @@ def main():
                     res.release(x.id, stream)
                 else:
                     res.release_host(x.id)
+            for u in direct:
+                u.module.forward = u.forward
     finally:
         h.remove()
 
@@ -201,7 +220,8 @@ def main():
           f"unit ({out['units']} units), acquire+release in cycle order {out['cycle_us_per_weight']:.1f} us per "
           f"weight; the step on epmem's memory with no hooks {out['epmem_memory_no_hooks_step_us']:.0f} us, with "
           f"torch-only no-op hooks {out['noop_hooks_step_us']:.0f} us, with swap-only hooks "
-          f"{out['swap_hooks_step_us']:.0f} us; "
+          f"{out['swap_hooks_step_us']:.0f} us; the units through hook pairs that swap param.data "
+          f"{out['hook_pair_step_us']:.0f} us; "
           f"over the timed steps {out['counters_over_timed_steps']}")
     if a.json:
         with open(a.json, "w") as f:
