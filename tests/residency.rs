@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use epmem::EpmStatus;
+use epmem::device::fault::{FaultKind, FaultyDevice};
 use epmem::device::{self, Device, DeviceBuffer, Gate, HostRange, Stream, checksum_host};
 use epmem::residency::sim::{belady, simulate};
 use epmem::residency::{
@@ -194,6 +195,95 @@ fn eviction_waits_for_the_read_fence() {
     // Same size: A's block goes straight to B's page-in, ordered on the
     // device behind A's reader; the host never waited.
     assert_eq!((s.evictions, s.ordered_reuses, s.eviction_waits), (1, 1, 0), "{s:?}");
+}
+
+/// The bytes at device address `p`, `n` long, read synchronously on `s`.
+fn read_back(d: &Arc<dyn Device>, p: u64, n: usize, s: &Stream) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    // SAFETY: `out` is an exclusively owned buffer of n bytes, read only after
+    // the stream synchronizes.
+    unsafe { d.memcpy_dtoh_async(out.as_mut_ptr().cast(), p, n, s.raw()).unwrap() };
+    s.synchronize().unwrap();
+    out
+}
+
+/// Host uses (`acquire_host` / `release_host`) return only once the page-in
+/// has landed, and run on the manager's own idle streams, kept between uses:
+/// two weights that evict each other, used from the host 80 times, make one
+/// stream (a stream per call cost a thread spawn and join on the host device,
+/// ~130 µs a weight, and a cuStreamCreate/Destroy pair on CUDA). A failed
+/// page-in leaves the weight not acquired, and the next host use works.
+#[test]
+fn host_uses_wait_for_their_page_ins_on_one_kept_stream() {
+    let fd = Arc::new(FaultyDevice::new(dev()));
+    let d: Arc<dyn Device> = fd.clone();
+    let n = 256 << 10;
+    let w = Weights::new(&[n, n], 31);
+    let mut c = small_cfg(n);
+    c.prefetch_depth = 0;
+    let m = ResidencyManager::new(&d, c).unwrap();
+    let ids = w.register_all(&m);
+    let rd = Stream::new(&d).unwrap();
+    let made = fd.calls(FaultKind::Stream);
+    for _ in 0..40 {
+        for (i, &id) in ids.iter().enumerate() {
+            let p = m.acquire_host(id).unwrap();
+            // A synchronous read on another stream, ordered after nothing:
+            // it sees the weight only if acquire_host waited for its page-in.
+            assert_eq!(checksum_host(&read_back(&d, p, n, &rd)), w.checksum(i), "weight {i} read before it landed");
+            m.release_host(id).unwrap();
+        }
+    }
+    let s = m.stats();
+    assert_eq!((s.acquires, s.page_ins), (80, 80), "every host use paged in: {s:?}");
+    assert_eq!(fd.calls(FaultKind::Stream) - made, 1, "host uses made a stream each instead of keeping one");
+
+    // ids[1] was used last: ids[0] pages in on its next use. Fail that copy.
+    fd.fail_nth(FaultKind::Copy, 1);
+    let e = m.acquire_host(ids[0]).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::CudaError, "{e}");
+    let e = m.release_host(ids[0]).unwrap_err();
+    assert_eq!(e.status(), EpmStatus::InvalidState, "a failed acquire_host left the weight acquired: {e}");
+    let p = m.acquire_host(ids[0]).unwrap();
+    assert_eq!(checksum_host(&read_back(&d, p, n, &rd)), w.checksum(0));
+    m.release_host(ids[0]).unwrap();
+    drop(m);
+    drop(rd);
+    assert_eq!(d.live_counts().streams, 0, "a kept stream outlived its manager");
+}
+
+/// Host uses from several threads at once each get an idle stream of their
+/// own (never one another's work to wait for), and the manager keeps no more
+/// than were in use at once.
+#[test]
+fn concurrent_host_uses_keep_at_most_one_stream_per_thread() {
+    let fd = Arc::new(FaultyDevice::new(dev()));
+    let d: Arc<dyn Device> = fd.clone();
+    let n = 64 << 10;
+    let threads = 4;
+    let w = Weights::new(&vec![n; threads], 32);
+    let m = ResidencyManager::new(&d, small_cfg(threads * n)).unwrap();
+    let ids = w.register_all(&m);
+    let made = fd.calls(FaultKind::Stream);
+    std::thread::scope(|sc| {
+        for (i, &id) in ids.iter().enumerate() {
+            let (m, w, d) = (&m, &w, &d);
+            sc.spawn(move || {
+                let rd = Stream::new(d).unwrap();
+                for _ in 0..50 {
+                    let p = m.acquire_host(id).unwrap();
+                    assert_eq!(checksum_host(&read_back(d, p, n, &rd)), w.checksum(i));
+                    m.release_host(id).unwrap();
+                }
+            });
+        }
+    });
+    let host_streams = fd.calls(FaultKind::Stream) - made - threads as u64;
+    assert!(
+        (1..=threads as u64).contains(&host_streams),
+        "{host_streams} streams made for {threads} threads' 200 host uses"
+    );
+    assert_eq!(m.stats().acquires, 200);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 //! epm_residency_release(res, w, stream);          // records the read fence
 //! ```
 
-use crate::device::{HostRange, Stream};
+use crate::device::HostRange;
 use crate::ffi::device::EpmDevice;
 use crate::ffi::memory::EpmDevicePtr;
 use crate::ffi::mirror::config_in;
@@ -425,16 +425,7 @@ pub extern "C" fn epm_residency_acquire_host(
     ffi_boundary! {
         let res = try_handle!(res);
         let out = try_out!(out_ptr);
-        // A stream of our own makes the page-in's wait a host wait: the
-        // manager queues the wait on it, and synchronizing it returns once
-        // the page-in has landed (and nothing else: it holds no other work).
-        let s = Stream::new(res.device())?;
-        let addr = res.acquire(WeightId(weight), s.raw())?;
-        if let Err(e) = s.synchronize() {
-            // Not acquired after all: the caller will not release it.
-            let _ = res.release(WeightId(weight), s.raw());
-            return Err(e);
-        }
+        let addr = res.acquire_host(WeightId(weight))?;
         out.set(addr);
         Ok(())
     }
@@ -453,10 +444,7 @@ pub extern "C" fn epm_residency_acquire_host(
 pub extern "C" fn epm_residency_release_host(res: *mut EpmResidency, weight: EpmWeightId) -> EpmStatus {
     ffi_boundary! {
         let res = try_handle!(res);
-        // The read fence is recorded on an idle stream of our own: it is
-        // complete at once, as the host's use is.
-        let s = Stream::new(res.device())?;
-        res.release(WeightId(weight), s.raw())
+        res.release_host(WeightId(weight))
     }
 }
 

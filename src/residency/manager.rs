@@ -148,7 +148,16 @@ pub struct ResidencyManager {
     pub(super) arena: Arc<DeviceArena>,
     pub(super) engine: Arc<CopyEngine>,
     pub(super) state: Mutex<State>,
+    /// Idle streams of [`Self::acquire_host`] and [`Self::release_host`],
+    /// kept for the next host use: making one per call cost a thread spawn
+    /// and join on the host device (~130 µs a weight) and a
+    /// `cuStreamCreate`/`cuStreamDestroy` pair on CUDA.
+    host_streams: Mutex<Vec<Stream>>,
 }
+
+/// Idle host-use streams kept at most; more concurrent host uses make and
+/// drop their own.
+const HOST_STREAMS_KEPT: usize = 8;
 
 impl ResidencyManager {
     pub fn new(dev: &Arc<dyn Device>, mut cfg: ResidencyConfig) -> Result<Self> {
@@ -210,6 +219,7 @@ impl ResidencyManager {
                 dec: None,
                 decode_timer: StallTimer::default(),
             }),
+            host_streams: Mutex::new(Vec::new()),
         })
     }
 
@@ -489,6 +499,59 @@ impl ResidencyManager {
             }
         }
         r
+    }
+
+    /// Acquire `w` for a use from the host (synchronous calls, CPU kernels on
+    /// the host device): as [`Self::acquire`], but the calling thread waits
+    /// until the page-in (if any) has landed, so everything issued after this
+    /// returns, on any stream or synchronously, sees the weight's bytes. End
+    /// the use with [`Self::release_host`].
+    ///
+    /// The wait is queued on an idle stream of the manager's own and that
+    /// stream synchronized, so the host waits for the page-in and nothing
+    /// else; the stream is kept for the next host use.
+    pub fn acquire_host(&self, w: WeightId) -> Result<u64> {
+        let s = self.host_stream()?;
+        let addr = match self.acquire(w, s.raw()) {
+            Ok(a) => a,
+            Err(e) => {
+                self.keep_host_stream(s);
+                return Err(e);
+            }
+        };
+        if let Err(e) = s.synchronize() {
+            // Not acquired after all: the caller will not release it. The
+            // stream is dropped, not kept: it may hold the failed work.
+            let _ = self.release(w, s.raw());
+            return Err(e);
+        }
+        self.keep_host_stream(s);
+        Ok(addr)
+    }
+
+    /// End a host use of `w` begun by [`Self::acquire_host`]: the caller's
+    /// host-side reads have returned, so the read fence is recorded on an idle
+    /// stream of the manager's own, complete at once.
+    pub fn release_host(&self, w: WeightId) -> Result<()> {
+        let s = self.host_stream()?;
+        let r = self.release(w, s.raw());
+        self.keep_host_stream(s);
+        r
+    }
+
+    fn host_stream(&self) -> Result<Stream> {
+        let kept = self.host_streams.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match kept {
+            Some(s) => Ok(s),
+            None => Stream::new(&self.dev),
+        }
+    }
+
+    fn keep_host_stream(&self, s: Stream) {
+        let mut kept = self.host_streams.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < HOST_STREAMS_KEPT {
+            kept.push(s);
+        }
     }
 
     /// End a use of `w` on `stream`: records the read fence. The weight stays
