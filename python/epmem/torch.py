@@ -306,11 +306,12 @@ def _linear_slots(unit):
     if type(m).forward is not nn.Linear.forward or "forward" in m.__dict__ or \
             getattr(m, "parametrizations", None) is not None:
         return None
+    params = m.__dict__.get("_parameters", {})
     names = {}
     for i, w in enumerate(unit.weights):
-        if w.param is m.__dict__.get("_parameters", {}).get("weight"):
+        if w.param is params.get("weight"):
             names["weight"] = i
-        elif w.param is m.__dict__.get("_parameters", {}).get("bias"):
+        elif w.param is params.get("bias"):
             names["bias"] = i
         else:
             return None
