@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Decode speed of one shape against the offload's prefetch depth and sources. A diagnostic.
+
+Builds one shape of scripts/bench_torch.py on CUDA, times its resident batch-1
+decode, then for each budget, sources and prefetch depth offloads it with
+`epmem.torch.offload(model, budget, sources=..., prefetch_depth=...)` (the
+rest defaults), warms it, and times two 16-token decodes on torch's default
+stream. It also times, on the host, every acquire and release offload's
+forward makes during one more decode (the library's host cost per token, the
+rest being torch and Python), and keeps the residency stats of the run.
+
+    EPM_DEVICE=cuda python3 scripts/probe_prefetch_depth.py --shape small --pcts 75,25 \\
+        --depths 0,2,3,4,6 --sources registered,staged --json OUT.json
+
+Depth 0 means the default (None). A probe, not a benchmark: one JSON line per
+configuration on stdout, all of them in --json.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_torch as bt  # noqa: E402
+import torch  # noqa: E402
+import epmem.torch as et  # noqa: E402
+
+KEEP = ("page_ins", "prefetch_page_ins", "wasted_prefetches", "evictions", "eviction_waits", "htod_bytes",
+        "compressed_htod_bytes", "decodes", "decode_ms", "stall_ms", "device_stall_ms", "host_stall_ms",
+        "peak_resident_bytes", "decode_staging_bytes", "prefetch_depth", "sources", "granularity")
+
+
+def timed_decode(model, st, prompt, dev):
+    """One 16-token decode with offload's acquire/release timed on the host."""
+    acc = {"acquire_s": 0.0, "release_s": 0.0, "calls": 0}
+    acquire, release = st._acquire, st._release
+
+    def acq(*a, **k):
+        t = time.perf_counter()
+        try:
+            return acquire(*a, **k)
+        finally:
+            acc["acquire_s"] += time.perf_counter() - t
+            acc["calls"] += 1
+
+    def rel(*a, **k):
+        t = time.perf_counter()
+        try:
+            return release(*a, **k)
+        finally:
+            acc["release_s"] += time.perf_counter() - t
+
+    st._acquire, st._release = acq, rel
+    try:
+        _, secs = bt.decode(model, prompt, 16, dev)
+    finally:
+        del st._acquire, st._release
+    return acc, secs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="small", choices=sorted(bt.SHAPES))
+    ap.add_argument("--pcts", default="75")
+    ap.add_argument("--depths", default="0,2,3,4,6")
+    ap.add_argument("--sources", default="registered")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run (EPM_DEVICE=host)
+    model = bt.make_model(a.shape, dev, torch.bfloat16, 32000, 0, 256)
+    total = sum(m.weight.numel() * m.weight.element_size() for _, m in bt.offloaded_linears(model))
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 32000, (1, 8), generator=g).to(dev)
+    rows = []
+    with torch.no_grad():
+        bt.decode(model, prompt, 2, dev)
+        ref, _ = bt.decode(model, prompt, 16, dev)
+        resident = [bt.decode(model, prompt, 16, dev)[1] / 16 * 1e3 for _ in range(2)]
+        print(json.dumps({"shape": a.shape, "resident_ms": resident}), flush=True)
+        for pct in [int(p) for p in a.pcts.split(",") if p]:
+            for sources in a.sources.split(","):
+                for depth in [int(d) for d in a.depths.split(",") if d]:
+                    h = et.offload(model, total * pct // 100, sources=sources, prefetch_depth=depth or None)
+                    try:
+                        bt.decode(model, prompt, 2, dev)
+                        toks, _ = bt.decode(model, prompt, 16, dev)
+                        ms = [bt.decode(model, prompt, 16, dev)[1] / 16 * 1e3 for _ in range(2)]
+                        host, secs = timed_decode(model, model._epmem_offload, prompt, dev)
+                        s = h.stats()
+                    finally:
+                        h.remove()
+                    row = {"pct": pct, "sources": sources, "depth": depth or "default", "ms_per_tok": ms,
+                           "timed_ms_per_tok": secs / 16 * 1e3,
+                           "acquire_us_per_call": host["acquire_s"] / max(host["calls"], 1) * 1e6,
+                           "release_us_per_call": host["release_s"] / max(host["calls"], 1) * 1e6,
+                           "library_ms_per_tok": (host["acquire_s"] + host["release_s"]) / 16 * 1e3,
+                           "tokens_identical": toks == ref,
+                           "stats": {k: s.get(k) for k in KEEP}}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    peak = None
+    if dev.type == "cuda":  # the pinned H2D peak, for the floor
+        buf = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+        dst = torch.empty_like(buf, device=dev)
+        dst.copy_(buf, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(buf, non_blocking=True)
+        torch.cuda.synchronize()
+        peak = 4 * buf.numel() / (time.perf_counter() - t)
+    out = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "shape": a.shape, "total_bytes": total,
+           "resident_ms": resident, "h2d_peak_bytes_per_s": peak, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
