@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What an offloaded linear costs the host per forward, and where it goes. A diagnostic
-for docs/BENCHMARKS.md's "Small at 75% is bound by the host".
+for docs/BENCHMARKS.md's "Small at 75% decodes at one of two speeds".
 
 A batch-1 decode step of a transformers Llama (random bf16 weights) is timed
 all-resident, then through epmem.torch.offload with a budget that holds every

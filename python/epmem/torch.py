@@ -785,8 +785,8 @@ class _State:
         device tensors, release. Its parameters keep pointing at the host
         copies, and the module has no hooks, so torch calls it directly: about
         half the host time per linear of a hook pair that swaps
-        `param.data` (docs/BENCHMARKS.md, "Small at 75% is bound by the
-        host")."""
+        `param.data` (docs/BENCHMARKS.md, "Small at 75% decodes at one of
+        two speeds")."""
         linear = nn.functional.linear
         mod = unit.module
 
