@@ -12,6 +12,7 @@ the largest gaps by the ops around them.
     python3 scripts/trace_offload.py trace-small-75.json [...]
 """
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -45,19 +46,39 @@ def gpu_side(ev, tokens):
         sizes[round(e["args"].get("bytes", 0) / 2**20)].append(e["args"].get("bytes", 0) / max(e["dur"], 1) / 1e3)
     print("  H2D rate by size (MiB: n, median GB/s):",
           ", ".join(f"{k}: {len(v)}, {sorted(v)[len(v) // 2]:.1f}" for k, v in sorted(sizes.items())))
-    late = wait = 0.0
-    n_late = n_wait = 0
+    # Each gap between two H2D copies: issued late by the host (its API call
+    # ended after the first copy finished), waiting on the device, or unknown
+    # (the trace has no API call for the copy: CUPTI records epmem's
+    # driver-API copies only in some setups, and never with --cuda-only).
+    # Beside it, what ended last on another stream before the copy started
+    # (the GEMM, decode or other kernel it may have waited for).
+    gaps = {"late": [0.0, 0], "device": [0.0, 0], "unknown": [0.0, 0]}
+    before = collections.defaultdict(lambda: [0.0, 0])
+    others = sorted((e for e in gpu if e["cat"] == "kernel"), key=lambda e: e["ts"] + e["dur"])
+    ends = [e["ts"] + e["dur"] for e in others]
     for a, b in zip(h2d, h2d[1:]):
         gap = b["ts"] - (a["ts"] + a["dur"])
         if gap <= 3:
             continue
         c = api.get(b["args"].get("correlation"))
-        if c is not None and c["ts"] + c["dur"] > a["ts"] + a["dur"]:
-            late, n_late = late + gap, n_late + 1
+        k = "unknown" if c is None else "late" if c["ts"] + c["dur"] > a["ts"] + a["dur"] else "device"
+        gaps[k][0] += gap
+        gaps[k][1] += 1
+        i = bisect.bisect_right(ends, b["ts"]) - 1
+        if i >= 0 and b["ts"] - ends[i] <= 20:
+            name = others[i]["name"]
+            what = "decode" if "epm_codec" in name else "gemm" if any(
+                t in name.lower() for t in ("gemm", "gemv", "sm90", "cutlass")) else "other kernel"
         else:
-            wait, n_wait = wait + gap, n_wait + 1
-    print(f"  H2D idle between copies: issued late by the host {late / 1e3:.2f} ms ({n_late}), "
-          f"waiting on the device {wait / 1e3:.2f} ms ({n_wait}) of {win:.1f}")
+            what = "nothing within 20 us"
+        before[what][0] += gap
+        before[what][1] += 1
+    print("  H2D idle between copies: " + ", ".join(
+        f"{label} {gaps[k][0] / 1e3:.2f} ms ({gaps[k][1]})" for k, label in
+        (("late", "issued late by the host"), ("device", "waiting on the device"), ("unknown", "issue time unknown")))
+        + f" of {win:.1f}")
+    print("  a gap's copy started within 20 us of the end of: " + ", ".join(
+        f"{k} {v[0] / 1e3:.2f} ms ({v[1]})" for k, v in sorted(before.items(), key=lambda kv: -kv[1][0])))
 
 
 def host_side(ev, tokens):
