@@ -37,29 +37,24 @@ KEEP = ("page_ins", "prefetch_page_ins", "wasted_prefetches", "evictions", "evic
 
 def timed_decode(model, st, prompt, dev):
     """One 16-token decode with offload's acquire/release timed on the host."""
-    acc = {"acquire_s": 0.0, "release_s": 0.0, "calls": 0}
-    acquire, release = st._acquire, st._release
+    acc = {"acquire_s": 0.0, "release_s": 0.0, "acquire_calls": 0, "release_calls": 0}
 
-    def acq(*a, **k):
-        t = time.perf_counter()
-        try:
-            return acquire(*a, **k)
-        finally:
-            acc["acquire_s"] += time.perf_counter() - t
-            acc["calls"] += 1
+    def timing(fn, name):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name + "_s"] += time.perf_counter() - t
+                acc[name + "_calls"] += 1
+        return call
 
-    def rel(*a, **k):
-        t = time.perf_counter()
-        try:
-            return release(*a, **k)
-        finally:
-            acc["release_s"] += time.perf_counter() - t
-
-    st._acquire, st._release = acq, rel
+    st._acquire, st._release = timing(st._acquire, "acquire"), timing(st._release, "release")
     try:
         _, secs = bt.decode(model, prompt, 16, dev)
     finally:
         del st._acquire, st._release
+    acc["calls"] = acc["acquire_calls"]
     return acc, secs
 
 
