@@ -79,6 +79,35 @@ def gpu_side(ev, tokens):
         + f" of {win:.1f}")
     print("  a gap's copy started within 20 us of the end of: " + ", ".join(
         f"{k} {v[0] / 1e3:.2f} ms ({v[1]})" for k, v in sorted(before.items(), key=lambda kv: -kv[1][0])))
+    compute_side(gpu, tokens)
+
+
+def compute_side(gpu, tokens):
+    """The compute stream's (the stream with the most non-decode kernels)
+    idle gaps: a kernel that started within 20 us of a decode's end waited
+    for a page-in; one that did not waited for the host's launch (or for
+    something this trace does not show)."""
+    ks = [e for e in gpu if e["cat"] == "kernel" and "epm_codec" not in e["name"]]
+    if not ks:
+        return
+    main = collections.Counter(e["args"].get("stream") for e in ks).most_common(1)[0][0]
+    comp = sorted((e for e in ks if e["args"].get("stream") == main), key=lambda e: e["ts"])
+    dec_ends = sorted(e["ts"] + e["dur"] for e in gpu if e["cat"] == "kernel" and "epm_codec" in e["name"])
+    after_decode = other = 0.0
+    n_dec = n_other = 0
+    for a, b in zip(comp, comp[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap <= 3:
+            continue
+        i = bisect.bisect_right(dec_ends, b["ts"]) - 1
+        if i >= 0 and dec_ends[i] >= a["ts"] + a["dur"] and b["ts"] - dec_ends[i] <= 20:
+            after_decode, n_dec = after_decode + gap, n_dec + 1
+        else:
+            other, n_other = other + gap, n_other + 1
+    print(f"  compute stream {main} idle: {after_decode / tokens / 1e3:.2f} ms a token waiting for page-ins "
+          f"({n_dec // tokens} gaps a token, the next kernel within 20 us of a decode's end), "
+          f"{other / tokens / 1e3:.2f} ms otherwise ({n_other // tokens} gaps a token: the host's launches, "
+          "or waits this trace does not show)")
 
 
 def host_side(ev, tokens):
