@@ -353,6 +353,9 @@ def offload(module, budget_bytes, *, blocks=None, include=None, sources="registe
         the small shape at 75% took 41.1 ms/token at depth 1 and 27.8 at depth 2,
         and the other cells the same within 1%
         (docs/bench/h200-2026-12-02-bench_torch-compressed-gqa-small.json)).
+        Under a split plan of compressed weights (what most budgets get) the
+        ring holds one tail, so one page-in is ahead whatever the depth
+        (docs/RESIDENCY.md, "Mixed sizes").
     policy ("cyclic" or "lru"), **residency_config: EpmResidencyConfig fields
         (e.g. fill_ahead_chunks, staging_slots, caller_fills).
     compress: "auto" (default: on when epmem's device is CUDA, where a page-in
