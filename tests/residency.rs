@@ -164,15 +164,22 @@ fn lru_on_a_cycle_hits_nothing_and_cyclic_matches_the_simulator() {
     }
 }
 
+/// Two weights of `n` bytes under a budget of one, registered, prefetch off:
+/// each acquire of one evicts the other.
+fn two_that_evict_each_other(d: &Arc<dyn Device>, n: usize, seed: u64) -> (Weights, ResidencyManager, Vec<WeightId>) {
+    let w = Weights::new(&[n, n], seed);
+    let mut c = small_cfg(n);
+    c.prefetch_depth = 0;
+    let m = ResidencyManager::new(d, c).unwrap();
+    let ids = w.register_all(&m);
+    (w, m, ids)
+}
+
 #[test]
 fn eviction_waits_for_the_read_fence() {
     let d = dev();
     let n = 256 << 10;
-    let w = Weights::new(&[n, n], 99);
-    let mut c = small_cfg(n);
-    c.prefetch_depth = 0;
-    let m = ResidencyManager::new(&d, c).unwrap();
-    let ids = w.register_all(&m);
+    let (w, m, ids) = two_that_evict_each_other(&d, n, 99);
     let (s1, s2) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
     let slots = Slots::new(&d, 1);
     let a = m.acquire(ids[0], s1.raw()).unwrap();
@@ -218,11 +225,7 @@ fn host_uses_wait_for_their_page_ins_on_one_kept_stream() {
     let fd = Arc::new(FaultyDevice::new(dev()));
     let d: Arc<dyn Device> = fd.clone();
     let n = 256 << 10;
-    let w = Weights::new(&[n, n], 31);
-    let mut c = small_cfg(n);
-    c.prefetch_depth = 0;
-    let m = ResidencyManager::new(&d, c).unwrap();
-    let ids = w.register_all(&m);
+    let (w, m, ids) = two_that_evict_each_other(&d, n, 31);
     let rd = Stream::new(&d).unwrap();
     let made = fd.calls(FaultKind::Stream);
     for _ in 0..40 {
