@@ -813,3 +813,53 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
     assert_eq!(b.prefetch_page_ins - a.prefetch_page_ins, b.page_ins - a.page_ins, "demand page-ins: {b:?}");
     assert_eq!(b.wasted_prefetches, a.wasted_prefetches, "{b:?}");
 }
+
+/// A steady-state decode step creates no events: every page-in's fences
+/// (its copy's, its decode's) come from a pool that earlier page-ins gave
+/// back, so no cuEventCreate/cuEventDestroy runs on the caller's thread per
+/// streamed weight. Checked for a compressed split plan (every tail streamed
+/// through the decode staging) and for a mix of raw and compressed weights
+/// of uneven sizes (a ring plan, raw copies beside decodes); each step
+/// synchronizes, as a decode loop does at every token.
+#[test]
+fn steady_state_page_ins_create_no_events() {
+    use epmem::device::fault::FaultyDevice;
+    let fd = Arc::new(FaultyDevice::new(dev()));
+    let d: Arc<dyn Device> = fd.clone();
+    let fv = codec::FRAME_VALUES;
+    let split: Vec<Vec<u8>> = (0..8).map(|i| weight(Dtype::Bf16, 4 * fv, 60 + i)).collect();
+    let uneven: Vec<usize> = (0..10).map(|i| 30_000 + 17_000 * (i % 4) + 14 * i).collect();
+    for case in ["compressed split plan", "raw and compressed mix"] {
+        let (m, x) = if case == "compressed split plan" {
+            let total: usize = split.iter().map(Vec::len).sum();
+            let mut c = cfg(total * 7 / 8);
+            c.coalesce_below_bytes = 0;
+            let m = ResidencyManager::new(&d, c).unwrap();
+            let ids = register_coded(&m, &split);
+            (m, Mix { data: split.clone(), ids })
+        } else {
+            let total: usize = uneven.iter().map(|n| 2 * n).sum();
+            let mut c = cfg(total / 2 + 4 * uneven.iter().max().unwrap());
+            c.coalesce_below_bytes = 0;
+            let m = ResidencyManager::new(&d, c).unwrap();
+            let x = mix(&m, &uneven, 200);
+            (m, x)
+        };
+        m.declare_cycle(&x.ids).unwrap();
+        run(&d, &m, &x, 4, case);
+        let (calls, a) = (fd.ordering_calls(), m.stats());
+        run(&d, &m, &x, 4, case);
+        let (after, b) = (fd.ordering_calls(), m.stats());
+        let page_ins = b.page_ins - a.page_ins;
+        assert!(page_ins >= 4 && b.decodes > a.decodes, "{case}: nothing streamed in steady state: {b:?}");
+        assert_eq!(
+            after.event_create - calls.event_create,
+            0,
+            "{case}: {page_ins} page-ins created events ({calls:?} before, {after:?} after)"
+        );
+        assert!(
+            after.event_record > calls.event_record && after.stream_wait_event > calls.stream_wait_event,
+            "{case}: the counter saw no fences: {after:?}"
+        );
+    }
+}

@@ -97,11 +97,36 @@ pub struct FaultyDevice {
     /// (kind, the 1-based call number that fails)
     plan: Mutex<Vec<(FaultKind, u64)>>,
     injected: AtomicU64,
+    /// Stream-ordering calls by method: see [`FaultyDevice::ordering_calls`].
+    ordering: [AtomicU64; 5],
+}
+
+/// Calls of the stream-ordering methods (each a driver call on CUDA), as
+/// [`FaultyDevice::ordering_calls`] counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OrderingCalls {
+    pub event_create: u64,
+    pub event_record: u64,
+    pub stream_wait_event: u64,
+    pub event_query: u64,
+    pub event_elapsed: u64,
+}
+
+impl OrderingCalls {
+    pub fn total(&self) -> u64 {
+        self.event_create + self.event_record + self.stream_wait_event + self.event_query + self.event_elapsed
+    }
 }
 
 impl FaultyDevice {
     pub fn new(inner: Arc<dyn Device>) -> Self {
-        Self { inner, calls: Default::default(), plan: Mutex::new(Vec::new()), injected: AtomicU64::new(0) }
+        Self {
+            inner,
+            calls: Default::default(),
+            plan: Mutex::new(Vec::new()),
+            injected: AtomicU64::new(0),
+            ordering: Default::default(),
+        }
     }
 
     /// Parse `kind:n[,kind:n...]` (the `EPM_FAULT` syntax).
@@ -139,6 +164,24 @@ impl FaultyDevice {
     /// Faults injected so far.
     pub fn injected(&self) -> u64 {
         self.injected.load(Ordering::Relaxed)
+    }
+
+    /// Stream-ordering calls so far (events created, recorded, waited on by
+    /// a stream, queried, timed), for tests that bound the driver calls an
+    /// operation makes on the caller's thread.
+    pub fn ordering_calls(&self) -> OrderingCalls {
+        let n = |i: usize| self.ordering[i].load(Ordering::Relaxed);
+        OrderingCalls {
+            event_create: n(0),
+            event_record: n(1),
+            stream_wait_event: n(2),
+            event_query: n(3),
+            event_elapsed: n(4),
+        }
+    }
+
+    fn count(&self, i: usize) {
+        self.ordering[i].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn inner(&self) -> &Arc<dyn Device> {
@@ -190,10 +233,12 @@ impl Device for FaultyDevice {
         self.inner.stream_synchronize(s)
     }
     fn stream_wait_event(&self, s: RawStream, e: RawEvent) -> Result<()> {
+        self.count(2);
         self.hit(FaultKind::Event)?;
         self.inner.stream_wait_event(s, e)
     }
     fn event_create(&self, timing: bool) -> Result<RawEvent> {
+        self.count(0);
         self.hit(FaultKind::Event)?;
         self.inner.event_create(timing)
     }
@@ -201,16 +246,19 @@ impl Device for FaultyDevice {
         self.inner.event_destroy(e)
     }
     fn event_record(&self, e: RawEvent, s: RawStream) -> Result<()> {
+        self.count(1);
         self.hit(FaultKind::Event)?;
         self.inner.event_record(e, s)
     }
     fn event_query(&self, e: RawEvent) -> Result<bool> {
+        self.count(3);
         self.inner.event_query(e)
     }
     fn event_synchronize(&self, e: RawEvent) -> Result<()> {
         self.inner.event_synchronize(e)
     }
     fn event_elapsed_ms(&self, start: RawEvent, end: RawEvent) -> Result<f32> {
+        self.count(4);
         self.inner.event_elapsed_ms(start, end)
     }
     fn pinned_alloc(&self, bytes: usize) -> Result<*mut u8> {

@@ -4,7 +4,7 @@
 //! made from it, whatever order the host frees things in. `Drop` never
 //! panics: a failure while freeing is logged and otherwise ignored.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::{Access, Device, DevicePtr, RawEvent, RawPhys, RawStream};
 use crate::error::Result;
@@ -57,16 +57,18 @@ impl Drop for Stream {
     }
 }
 
-/// An owned event.
+/// An owned event. One taken from an [`EventPool`] goes back to it when
+/// dropped (while the pool has room) instead of being destroyed.
 #[derive(Debug)]
 pub struct Event {
     dev: Arc<dyn Device>,
     raw: RawEvent,
+    home: Option<Arc<EventPool>>,
 }
 
 impl Event {
     pub fn new(dev: &Arc<dyn Device>, timing: bool) -> Result<Self> {
-        Ok(Self { raw: dev.event_create(timing)?, dev: dev.clone() })
+        Ok(Self { raw: dev.event_create(timing)?, dev: dev.clone(), home: None })
     }
     pub fn raw(&self) -> RawEvent {
         self.raw
@@ -96,7 +98,66 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        if let Some(pool) = self.home.take()
+            && pool.keep(self.raw)
+        {
+            return;
+        }
         log_drop_error("event_destroy", self.dev.event_destroy(self.raw));
+    }
+}
+
+/// Events (without timing) kept for reuse, so that an operation that fences
+/// every call with a fresh event (a page-in's copy, its decode) creates and
+/// destroys none in steady state: each is a driver call on CUDA, on the
+/// thread that issues the work.
+///
+/// Reusing an event that may still be pending is sound: a stream that waits
+/// on an event waits for the record made before the wait was issued
+/// (`cuStreamWaitEvent`; the host device does the same), and whoever held
+/// the dropped [`Event`] can no longer record, query or wait on it.
+#[derive(Debug)]
+pub struct EventPool {
+    dev: Arc<dyn Device>,
+    kept: Mutex<Vec<RawEvent>>,
+    cap: usize,
+}
+
+impl EventPool {
+    /// A pool that keeps at most `cap` idle events.
+    pub fn new(dev: &Arc<dyn Device>, cap: usize) -> Arc<Self> {
+        Arc::new(Self { dev: dev.clone(), kept: Mutex::new(Vec::new()), cap })
+    }
+    /// An idle event of the pool, or a new one; it returns to the pool when dropped.
+    pub fn take(self: &Arc<Self>) -> Result<Event> {
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let raw = match kept {
+            Some(raw) => raw,
+            None => self.dev.event_create(false)?,
+        };
+        Ok(Event { dev: self.dev.clone(), raw, home: Some(self.clone()) })
+    }
+    /// Idle events kept now.
+    pub fn idle(&self) -> usize {
+        self.kept.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+    /// Keep `raw` if there is room (false: the caller destroys it).
+    fn keep(&self, raw: RawEvent) -> bool {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() >= self.cap {
+            return false;
+        }
+        kept.push(raw);
+        true
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let kept = std::mem::take(self.kept.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for raw in kept {
+            log_drop_error("event_destroy", self.dev.event_destroy(raw));
+        }
     }
 }
 
@@ -400,5 +461,40 @@ impl Drop for VaRange {
             log_drop_error("vmm_unmap", self.dev.vmm_unmap(self.base + o as u64, l));
         }
         log_drop_error("vmm_free_va", self.dev.vmm_free_va(self.base, self.len));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{self, DeviceSelect};
+
+    /// Taken events come back to the pool when dropped (up to its cap; the
+    /// rest are destroyed), are reused before any is created, and the pool
+    /// destroys what it keeps when it goes: nothing leaks.
+    #[test]
+    fn an_event_pool_reuses_up_to_its_cap_and_leaks_nothing() {
+        let d = device::open(DeviceSelect::Host, 0).unwrap();
+        let base = d.live_counts().events;
+        let pool = EventPool::new(&d, 2);
+        let s = Stream::new(&d).unwrap();
+        let taken: Vec<Event> = (0..3).map(|_| pool.take().unwrap()).collect();
+        for e in &taken {
+            e.record(&s).unwrap();
+        }
+        let raws: Vec<RawEvent> = taken.iter().map(Event::raw).collect();
+        assert_eq!(d.live_counts().events, base + 3);
+        drop(taken);
+        assert_eq!(pool.idle(), 2, "kept up to the cap");
+        assert_eq!(d.live_counts().events, base + 2, "the one over the cap is destroyed");
+        let again = (pool.take().unwrap(), pool.take().unwrap());
+        assert!(raws.contains(&again.0.raw()) && raws.contains(&again.1.raw()), "kept events are reused");
+        assert_eq!(d.live_counts().events, base + 2, "reuse creates nothing");
+        let third = pool.take().unwrap();
+        assert_eq!(d.live_counts().events, base + 3, "an empty pool creates");
+        s.synchronize().unwrap();
+        drop((again, third));
+        drop(pool);
+        assert_eq!(d.live_counts().events, base, "the pool destroys what it kept");
     }
 }

@@ -600,7 +600,7 @@ impl ResidencyManager {
                 dec.staged.push_back(Staged { start: dec.head, read });
                 dec.head = (dec.head + staged_len).next_multiple_of(ALIGN);
             }
-            let done = Event::new(&self.dev, false)?;
+            let done = self.engine.events().take()?;
             done.record(&dec.stream)?;
             // `order` is not made to wait for the decode: the next page-in
             // after it would then wait for this decode before its copy (the

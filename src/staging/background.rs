@@ -133,7 +133,7 @@ impl BackgroundFill {
         }
         let after = match order {
             Some(s) => {
-                let e = Event::new(self.engine.device(), false)?;
+                let e = self.engine.events().take()?;
                 e.record_raw(s)?;
                 Some(e)
             }

@@ -50,7 +50,7 @@ use std::time::Instant;
 
 use super::pool::{PinnedStagingPool, PooledStaging};
 use super::stats::{self, EngineCounters, StagingStats};
-use crate::device::{Device, DevicePtr, Event, HostRange, RawStream, Stream};
+use crate::device::{Device, DevicePtr, Event, EventPool, HostRange, RawStream, Stream};
 use crate::error::{Error, Result};
 use crate::transfer::fill::{self, FillThreads, MAX_FILL_THREADS};
 use crate::transfer::witness::{self, CopyTiming, InFlight, TryComplete};
@@ -68,6 +68,10 @@ const MAX_PENDING_TIMINGS: usize = 256;
 /// µs) once per batch instead of every time; `stats` and `synchronize` read
 /// them all.
 const TIMING_BATCH: usize = 32;
+
+/// Idle fence events the engine keeps for reuse: more than the copies a
+/// residency pipeline has in flight, so steady state creates none.
+const EVENTS_KEPT: usize = 64;
 
 /// Most fill threads by default (fewer on a machine with fewer CPUs).
 /// include/epmem.h states it; tests/header.rs checks that it does.
@@ -294,6 +298,8 @@ pub struct CopyEngine {
     fill: FillThreads,
     state: Mutex<State>,
     counters: EngineCounters,
+    /// The copies' fence events, reused (see [`EventPool`]).
+    events: Arc<EventPool>,
     /// Bumped by `forget_ahead`; a fill ahead runs only under the ticket it
     /// was given (read and compared under the state lock).
     ahead_gen: AtomicU64,
@@ -340,6 +346,7 @@ impl CopyEngine {
             pc.max_bytes
         );
         let dev = pool.device().clone();
+        let events = EventPool::new(&dev, EVENTS_KEPT);
         let state = State {
             stream: Stream::new(&dev)?,
             ring: VecDeque::with_capacity(cfg.slots),
@@ -359,6 +366,7 @@ impl CopyEngine {
             cfg,
             state: Mutex::new(state),
             counters: EngineCounters::default(),
+            events,
             ahead_gen: AtomicU64::new(0),
         })
     }
@@ -368,6 +376,12 @@ impl CopyEngine {
     }
     pub fn pool(&self) -> &PinnedStagingPool {
         &self.pool
+    }
+    /// The pool the engine's fence events come from; fences its callers
+    /// record for the same page-ins (a decode's, a background fill's order)
+    /// share it.
+    pub fn events(&self) -> &Arc<EventPool> {
+        &self.events
     }
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
@@ -439,7 +453,7 @@ impl CopyEngine {
             t.record_end(&st.stream)?;
             st.timings.push_back(t);
         }
-        let event = Event::new(&self.dev, false)?;
+        let event = self.events.take()?;
         event.record(&st.stream)?;
         if let Order::Stream(s) = order {
             self.dev.stream_wait_event(s, event.raw())?;
