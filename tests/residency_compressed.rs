@@ -820,7 +820,8 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
 /// streamed weight. Checked for a compressed split plan (every tail streamed
 /// through the decode staging) and for a mix of raw and compressed weights
 /// of uneven sizes (a ring plan, raw copies beside decodes); each step
-/// synchronizes, as a decode loop does at every token.
+/// synchronizes, as a decode loop does at every token. The split plan's
+/// page-ins also stay within six stream waits each.
 #[test]
 fn steady_state_page_ins_create_no_events() {
     use epmem::device::fault::FaultyDevice;
@@ -861,5 +862,13 @@ fn steady_state_page_ins_create_no_events() {
             after.event_record > calls.event_record && after.stream_wait_event > calls.stream_wait_event,
             "{case}: the counter saw no fences: {after:?}"
         );
+        // Each tail's page-in orders with at most six stream waits: the
+        // acquiring stream's on the page-in, the order stream's on the slot's
+        // last page-in and last read, the copy's on the staging bytes' last decode,
+        // the decode's on the copy and on the order stream.
+        if case == "compressed split plan" {
+            let waits = after.stream_wait_event - calls.stream_wait_event;
+            assert!(waits <= 6 * page_ins, "{case}: {waits} stream waits for {page_ins} page-ins");
+        }
     }
 }

@@ -28,13 +28,15 @@
 //! follows the last decode.
 //!
 //! Ordering, per run:
-//! 1. bytes a decode may still read are reused only after the manager's gate
-//!    stream has waited for that decode's event (the oldest runs are given
-//!    back first, until the run fits);
+//! 1. bytes a decode may still read are reused only after that decode: the
+//!    oldest runs are given back first, until the run fits, and the next
+//!    copy waits for the event of the newest run given back (one stream
+//!    wait: every decode runs on the decode stream in page-in order, so that
+//!    event follows the decodes of every run given back before it);
 //! 2. the copy engine copies the compressed bytes (or a piece's parts) into
-//!    the run's bytes, after the gate stream when it waited for a decode
-//!    (copies stay in issue order on the engine's stream, so the decode
-//!    waits for the last);
+//!    the run's bytes (copies stay in issue order on the engine's stream, so
+//!    the first waits for the given-back decode and the decode waits for the
+//!    last);
 //! 3. the decode stream waits for the copy and, for a page-in into memory
 //!    whose readers may still run, for the order stream that waits for them;
 //!    it decodes into the weight's memory and records the run's event.
@@ -112,8 +114,7 @@ struct Staged {
 /// One block of [`DECODE_STAGING_BUFFERS`] × `cap` bytes, filled as a
 /// circle: each run of copies (at most `cap` bytes) starts where the last
 /// ended, or at 0 when the rest of the lap is too short; bytes a decode may
-/// still read are reused only after the gate stream has waited for that
-/// decode. So while one decode waits for its destination's readers, the
+/// still read are reused only by a copy that waits for that decode. So while one decode waits for its destination's readers, the
 /// copy engine fills whatever the staging has left, not only the other half.
 #[derive(Debug)]
 pub(crate) struct DecodeStaging {
@@ -124,16 +125,14 @@ pub(crate) struct DecodeStaging {
     head: usize,
     /// Runs a decode may still read, oldest first (in staging order).
     staged: std::collections::VecDeque<Staged>,
-    /// Events of runs the gate stream has waited for, for reuse.
+    /// Events of runs given back and no longer needed, for reuse.
     spare: Vec<Event>,
-    /// The gate stream has waited for a run since the last copy was issued:
-    /// the next copy must wait for the gate.
-    gated: bool,
+    /// The event of the newest run given back since the last copy was
+    /// issued: the next copy waits for it (it follows the decodes of every
+    /// run given back before it, all on `stream`).
+    gate: Option<Event>,
     /// Decodes run here, in page-in order.
     stream: Stream,
-    /// Copies into bytes a decode read are issued after this stream, which
-    /// waits for those decodes.
-    gate: Stream,
     /// Records the caller's order stream for the decode stream to wait on.
     after: Event,
 }
@@ -146,9 +145,8 @@ impl DecodeStaging {
             head: 0,
             staged: std::collections::VecDeque::new(),
             spare: Vec::new(),
-            gated: false,
+            gate: None,
             stream: Stream::new(dev)?,
-            gate: Stream::new(dev)?,
             after: Event::new(dev, false)?,
         })
     }
@@ -166,7 +164,7 @@ impl DecodeStaging {
 
     /// At least `min` (≤ `cap`) free bytes from `head` on: the rest of the
     /// lap is skipped when too short, and the oldest runs are given back
-    /// (the gate stream waits for their decodes) until there is room. The
+    /// (the next copy waits for their decodes) until there is room. The
     /// free bytes, at most `cap`.
     fn make_room(&mut self, min: usize) -> Result<usize> {
         debug_assert!(min <= self.cap && 2 * self.cap <= self.block.len());
@@ -180,9 +178,9 @@ impl DecodeStaging {
                 Some(f) if f.start < self.head => self.head = 0,
                 Some(_) => {
                     let Some(old) = self.staged.pop_front() else { unreachable!("a front run") };
-                    self.gate.wait_event(&old.read)?;
-                    self.spare.push(old.read);
-                    self.gated = true;
+                    if let Some(older) = self.gate.replace(old.read) {
+                        self.spare.push(older);
+                    }
                     if self.staged.is_empty() {
                         self.head = 0;
                     }
@@ -561,17 +559,25 @@ impl ResidencyManager {
                     f = g;
                 }
                 let base = dec.block.addr() + dec.head as u64;
-                // The first copy waits for the gate stream when it waited for
-                // a decode (its bytes may be reused); the rest follow it in
-                // issue order on the copy engine's stream, so the decode
-                // waits for the last.
+                // The first copy waits for the newest decode given back (its
+                // bytes may be reused); the rest follow it in issue order on
+                // the copy engine's stream, so the decode waits for the last.
                 let (mut last, mut staged_len) = (None, 0);
                 for (from, to, len) in copies {
-                    let gate = dec.gated.then(|| dec.gate.raw());
-                    last = Some(self.engine.htod(base + to as u64, src.slice(from, len)?, gate)?);
-                    // Only once a copy is ordered after the gate: a failed
-                    // one leaves the next copy to wait for it instead.
-                    dec.gated = false;
+                    let part = src.slice(from, len)?;
+                    let gate = dec.gate.take();
+                    match self.engine.htod_after_event(base + to as u64, part, gate.as_ref()) {
+                        Ok(f) => {
+                            last = Some(f);
+                            // The wait is issued: the event may be recorded again.
+                            dec.spare.extend(gate);
+                        }
+                        Err(e) => {
+                            // Not ordered after the decode: the next copy waits instead.
+                            dec.gate = gate;
+                            return Err(e);
+                        }
+                    }
                     copied += len;
                     staged_len = staged_len.max(to + len);
                 }
@@ -635,7 +641,7 @@ mod tests {
     /// Runs of random sizes through the staging circle: every run lands in
     /// bytes no staged run holds (given back runs excepted), inside the
     /// block, 16-aligned; room is given back oldest first and only when
-    /// needed; the copy after a give-back waits for the gate, no other.
+    /// needed; the copy after a give-back waits for a decode, no other.
     #[test]
     fn staging_runs_never_overlap_runs_a_decode_may_still_read() {
         let d = device::open(DeviceSelect::Host, 0).unwrap();
@@ -668,7 +674,11 @@ mod tests {
             if free >= min {
                 assert!(popped == 0 && dec.head == head, "run {i}: gave back or wrapped with {free} free for {min}");
             }
-            assert_eq!(dec.gated, popped > 0, "run {i}: the next copy waits for the gate iff a run was given back");
+            assert_eq!(
+                dec.gate.is_some(),
+                popped > 0,
+                "run {i}: the next copy waits for a decode iff a run was given back"
+            );
             if dec.head < head {
                 wrapped += 1;
             }
@@ -679,7 +689,7 @@ mod tests {
                 assert!(end <= a || start >= b, "run {i}: [{start}, {end}) overlaps a staged run [{a}, {b})");
             }
             let read = dec.spare.pop().map_or_else(|| Event::new(&d, false), Ok).unwrap();
-            dec.gated = false; // the run's first copy took the gate
+            dec.spare.extend(dec.gate.take()); // the run's first copy waited for it
             dec.staged.push_back(Staged { start, read });
             dec.head = end.next_multiple_of(ALIGN);
             live.push_back((start, end));

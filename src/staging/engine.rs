@@ -417,6 +417,14 @@ impl CopyEngine {
         self.htod_ordered(dst, src, stream.map_or(Order::None, Order::Stream))
     }
 
+    /// As [`Self::htod`], but the copy waits only for `after` (when given)
+    /// and no stream is made to wait for the copy: one stream wait, for a
+    /// caller that orders on an event it holds (the decode staging's reuse
+    /// of bytes a decode read).
+    pub fn htod_after_event(&self, dst: DevicePtr, src: HostRange, after: Option<&Event>) -> Result<Fence> {
+        self.htod_ordered(dst, src, after.map_or(Order::None, Order::After))
+    }
+
     /// Whether a copy from `src` would be staged (not direct).
     pub fn stages(&self, src: HostRange) -> bool {
         !src.is_empty() && !(self.cfg.direct && self.dev.host_is_page_locked(src.ptr(), src.len()))
