@@ -11,7 +11,8 @@ use epmem::codec::{self, Dtype, EncodeOptions, Encoded, RawReason};
 use epmem::device::{self, Device, DeviceBuffer, Gate, HostRange, Stream, checksum_host};
 use epmem::residency::placement::whole_weight_floor;
 use epmem::residency::{
-    DECODE_STAGING_BUFFERS, DECODE_STAGING_MIN_BYTES, PolicyKind, ResidencyConfig, ResidencyManager, WeightId,
+    DECODE_STAGING_BUFFERS, DECODE_STAGING_MIN_BYTES, PolicyKind, RegisterSources, ResidencyConfig, ResidencyManager,
+    WeightId,
 };
 
 fn dev() -> Arc<dyn Device> {
@@ -819,7 +820,8 @@ fn compressed_weights_split_stream_their_tail_frames_bit_exact() {
 /// back, so no cuEventCreate/cuEventDestroy runs on the caller's thread per
 /// streamed weight. Checked for a compressed split plan (every tail streamed
 /// through the decode staging) and for a mix of raw and compressed weights
-/// of uneven sizes (a ring plan, raw copies beside decodes); each step
+/// of uneven sizes (a ring plan, raw copies beside decodes) and for raw
+/// weights from pageable sources (copies staged in chunks); each step
 /// synchronizes, as a decode loop does at every token. The split plan's
 /// page-ins also stay within six stream waits each.
 #[test]
@@ -830,8 +832,21 @@ fn steady_state_page_ins_create_no_events() {
     let fv = codec::FRAME_VALUES;
     let split: Vec<Vec<u8>> = (0..8).map(|i| weight(Dtype::Bf16, 4 * fv, 60 + i)).collect();
     let uneven: Vec<usize> = (0..10).map(|i| 30_000 + 17_000 * (i % 4) + 14 * i).collect();
-    for case in ["compressed split plan", "raw and compressed mix"] {
-        let (m, x) = if case == "compressed split plan" {
+    let staged: Vec<usize> = (0..8).map(|i| (1 << 20) + 333_000 * (i % 3)).collect();
+    for case in ["compressed split plan", "raw and compressed mix", "raw staged sources"] {
+        let (m, x) = if case == "raw staged sources" {
+            // Pageable sources never registered: each page-in is staged in
+            // chunks, each chunk's copy fenced by an event.
+            let total: usize = staged.iter().map(|n| 2 * n).sum();
+            let mut c = cfg(total * 3 / 4);
+            c.coalesce_below_bytes = 0;
+            c.register_sources = RegisterSources::Never;
+            let m = ResidencyManager::new(&d, c).unwrap();
+            let data: Vec<Vec<u8>> =
+                staged.iter().enumerate().map(|(i, &n)| weight(Dtype::Bf16, n, 80 + i as u64)).collect();
+            let ids = data.iter().map(|v| m.register(range(v)).unwrap()).collect();
+            (m, Mix { data, ids })
+        } else if case == "compressed split plan" {
             let total: usize = split.iter().map(Vec::len).sum();
             let mut c = cfg(total * 7 / 8);
             c.coalesce_below_bytes = 0;
@@ -847,12 +862,16 @@ fn steady_state_page_ins_create_no_events() {
             (m, x)
         };
         m.declare_cycle(&x.ids).unwrap();
-        run(&d, &m, &x, 4, case);
+        // Warm: the plan installed, and the pools as deep as the pipeline
+        // (copy timings are read back in batches of 32 copies).
+        run(&d, &m, &x, 16, case);
         let (calls, a) = (fd.ordering_calls(), m.stats());
         run(&d, &m, &x, 4, case);
         let (after, b) = (fd.ordering_calls(), m.stats());
         let page_ins = b.page_ins - a.page_ins;
-        assert!(page_ins >= 4 && b.decodes > a.decodes, "{case}: nothing streamed in steady state: {b:?}");
+        let decoded = b.decodes > a.decodes || case == "raw staged sources";
+        let staged_ok = b.staged_page_ins > a.staged_page_ins || case != "raw staged sources";
+        assert!(page_ins >= 4 && decoded && staged_ok, "{case}: not streamed as meant in steady state: {b:?}");
         assert_eq!(
             after.event_create - calls.event_create,
             0,

@@ -665,7 +665,9 @@ impl CopyEngine {
         if let (0, Some(t)) = (c.off, timing) {
             t.record_start(&st.stream)?;
         }
-        st.ring.push_back(witness::enqueue_htod(&st.stream, dst + c.off as u64, c.buf, c.len, None)?);
+        let copy =
+            witness::enqueue_htod_pooled(&st.stream, dst + c.off as u64, c.buf, c.len, None, Some(&self.events))?;
+        st.ring.push_back(copy);
         stats::add(&self.counters.chunks, 1);
         Ok(())
     }

@@ -52,8 +52,9 @@
 //! ```
 
 use std::fmt;
+use std::sync::Arc;
 
-use crate::device::{Device, DevicePtr, Event, HostRange, PinnedBuffer, Stream};
+use crate::device::{Device, DevicePtr, Event, EventPool, HostRange, PinnedBuffer, Stream};
 use crate::error::Result;
 
 /// A buffer together with the proof that the copy which last used it was
@@ -254,9 +255,23 @@ pub fn enqueue_htod<T: PinnedOwner>(
     len: usize,
     timing: Option<&CopyTiming>,
 ) -> Result<InFlight<T>> {
+    enqueue_htod_pooled(stream, dst, src, len, timing, None)
+}
+
+/// As [`enqueue_htod`], with the completion event taken from `events` (when
+/// given): a copy engine that enqueues a copy per staging chunk then creates
+/// no event per chunk in steady state.
+pub fn enqueue_htod_pooled<T: PinnedOwner>(
+    stream: &Stream,
+    dst: DevicePtr,
+    src: T,
+    len: usize,
+    timing: Option<&CopyTiming>,
+    events: Option<&Arc<EventPool>>,
+) -> Result<InFlight<T>> {
     let (ptr, cap) = (src.pinned().as_ptr(), src.pinned().len());
     crate::ensure!(len <= cap, InvalidArgument, "copy of {len} bytes from a pinned buffer of {cap} bytes");
-    enqueue(stream, src, len, timing, |dev| {
+    enqueue(stream, src, len, timing, events, |dev| {
         // SAFETY: `[ptr, ptr+len)` lies inside the pinned allocation `src`
         // owns. `src` moves into the returned InFlight (or, on a later error,
         // is dropped only after the stream synchronizes), and InFlight gives
@@ -278,7 +293,7 @@ pub fn enqueue_dtoh<T: PinnedOwner>(
 ) -> Result<InFlight<T>> {
     let (ptr, cap) = (dst.pinned_mut().as_mut_ptr(), dst.pinned().len());
     crate::ensure!(len <= cap, InvalidArgument, "copy of {len} bytes into a pinned buffer of {cap} bytes");
-    enqueue(stream, dst, len, timing, |dev| {
+    enqueue(stream, dst, len, timing, None, |dev| {
         // SAFETY: `[ptr, ptr+len)` lies inside the pinned allocation `dst`
         // owns exclusively (taken by value, `&mut` when the pointer was made),
         // and nothing can read or free it until the copy's event completes
@@ -294,9 +309,13 @@ fn enqueue<T: PinnedOwner>(
     buf: T,
     len: usize,
     timing: Option<&CopyTiming>,
+    events: Option<&Arc<EventPool>>,
     copy: impl FnOnce(&std::sync::Arc<dyn Device>) -> Result<()>,
 ) -> Result<InFlight<T>> {
-    let done = Event::new(stream.device(), false)?;
+    let done = match events {
+        Some(pool) => pool.take()?,
+        None => Event::new(stream.device(), false)?,
+    };
     if let Some(t) = timing {
         t.record_start(stream)?;
     }
