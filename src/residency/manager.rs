@@ -9,7 +9,7 @@ use super::ledger::Ledger;
 use super::plan_state::PlanState;
 use super::read_fence::Reused;
 use super::registry::{Entry, HostRangeId, Loc, RangeReg, RegState, RegisterSources, Registry};
-use super::stats::{Counters, ResidencyStats, StallTimer};
+use super::stats::{Counters, HARVEST_BATCH, ResidencyStats, StallTimer};
 use super::{Policy, WeightId, new_policy};
 use crate::arena::{Arena, ArenaConfig, DeviceArena};
 use crate::device::rlimit::memlock_limit;
@@ -437,7 +437,7 @@ impl ResidencyManager {
     pub fn acquire(&self, w: WeightId, stream: RawStream) -> Result<u64> {
         let mut st = self.lock();
         let st = &mut *st;
-        self.harvest(st)?;
+        self.harvest_batch(st)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
         self.replan_if_idle(st, w)?;
@@ -729,6 +729,15 @@ impl ResidencyManager {
     fn harvest(&self, st: &mut State) -> Result<()> {
         st.c.device_stall_ms += st.stalls.harvest()?;
         st.c.decode_ms += st.decode_timer.harvest()?;
+        Ok(())
+    }
+
+    /// [`Self::harvest`] for the hot path: each timer's measurements are
+    /// read once [`HARVEST_BATCH`] are pending (the stats lag until then, or
+    /// until `stats`/`synchronize` reads them all).
+    fn harvest_batch(&self, st: &mut State) -> Result<()> {
+        st.c.device_stall_ms += st.stalls.harvest_batch(HARVEST_BATCH)?;
+        st.c.decode_ms += st.decode_timer.harvest_batch(HARVEST_BATCH)?;
         Ok(())
     }
 

@@ -169,6 +169,11 @@ crate::stats::declare_stats! {
 /// rather than grow without bound.
 const MAX_PENDING: usize = 1024;
 
+/// `acquire` reads completed measurements only once this many are pending:
+/// one query per acquire otherwise, per timer, mostly of events not yet
+/// complete. (`stats` and `synchronize` read all.)
+pub(crate) const HARVEST_BATCH: usize = 32;
+
 /// Pairs of timing events around stream waits, read once complete (never
 /// blocking), and reused so timing costs no event creation in steady state.
 #[derive(Debug, Default)]
@@ -198,6 +203,15 @@ impl StallTimer {
         self.pending.push_back((a, b));
         Ok(())
     }
+    /// As [`Self::harvest`] once at least `batch` measurements are pending
+    /// (else 0, and no driver call): a caller on a hot path reads them in
+    /// batches.
+    pub fn harvest_batch(&mut self, batch: usize) -> Result<f64> {
+        if self.pending.len() < batch {
+            return Ok(0.0);
+        }
+        self.harvest()
+    }
     /// Milliseconds of the waits that have completed since the last call.
     pub fn harvest(&mut self) -> Result<f64> {
         let mut ms = 0.0;
@@ -211,5 +225,40 @@ impl StallTimer {
             }
         }
         Ok(ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::fault::FaultyDevice;
+    use crate::device::{self, Device, DeviceSelect, Stream};
+    use std::sync::Arc;
+
+    /// Below the batch, `harvest_batch` reads nothing and makes no driver
+    /// call; at the batch it reads every completed measurement, as
+    /// `harvest` does, and their pairs are reused by the next waits.
+    #[test]
+    fn harvest_batch_queries_nothing_below_the_batch() {
+        let fd = Arc::new(FaultyDevice::new(device::open(DeviceSelect::Host, 0).unwrap()));
+        let d: Arc<dyn Device> = fd.clone();
+        let s = Stream::new(&d).unwrap();
+        let mut t = StallTimer::default();
+        for _ in 0..3 {
+            t.around(&d, s.raw(), || Ok(())).unwrap();
+        }
+        s.synchronize().unwrap();
+        let before = fd.ordering_calls();
+        assert_eq!(t.harvest_batch(4).unwrap(), 0.0);
+        assert_eq!(fd.ordering_calls(), before, "a harvest below the batch made driver calls");
+        t.around(&d, s.raw(), || Ok(())).unwrap();
+        s.synchronize().unwrap();
+        let ms = t.harvest_batch(4).unwrap();
+        let after = fd.ordering_calls();
+        assert!(ms >= 0.0 && t.pending.is_empty() && t.spare.len() == 4, "not all read: {} pending", t.pending.len());
+        assert_eq!(after.event_elapsed - before.event_elapsed, 4, "{after:?}");
+        let created = after.event_create;
+        t.around(&d, s.raw(), || Ok(())).unwrap();
+        assert_eq!(fd.ordering_calls().event_create, created, "the read pairs are not reused");
     }
 }
