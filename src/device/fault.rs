@@ -112,12 +112,6 @@ pub struct OrderingCalls {
     pub event_elapsed: u64,
 }
 
-impl OrderingCalls {
-    pub fn total(&self) -> u64 {
-        self.event_create + self.event_record + self.stream_wait_event + self.event_query + self.event_elapsed
-    }
-}
-
 impl FaultyDevice {
     pub fn new(inner: Arc<dyn Device>) -> Self {
         Self {

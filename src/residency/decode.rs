@@ -114,8 +114,9 @@ struct Staged {
 /// One block of [`DECODE_STAGING_BUFFERS`] × `cap` bytes, filled as a
 /// circle: each run of copies (at most `cap` bytes) starts where the last
 /// ended, or at 0 when the rest of the lap is too short; bytes a decode may
-/// still read are reused only by a copy that waits for that decode. So while one decode waits for its destination's readers, the
-/// copy engine fills whatever the staging has left, not only the other half.
+/// still read are reused only by a copy that waits for that decode. So while
+/// one decode waits for its destination's readers, the copy engine fills
+/// whatever the staging has left, not only the other half.
 #[derive(Debug)]
 pub(crate) struct DecodeStaging {
     block: DeviceBlock,
