@@ -437,7 +437,7 @@ impl ResidencyManager {
     pub fn acquire(&self, w: WeightId, stream: RawStream) -> Result<u64> {
         let mut st = self.lock();
         let st = &mut *st;
-        self.harvest_batch(st)?;
+        self.harvest(st, HARVEST_BATCH)?;
         let offset = st.reg.get(w)?.offset as u64;
         let w = st.reg.leader(w)?;
         self.replan_if_idle(st, w)?;
@@ -726,18 +726,13 @@ impl ResidencyManager {
         self.copier(st, w, demand)?.htod_after(dst + from as u64, src, order)
     }
 
-    fn harvest(&self, st: &mut State) -> Result<()> {
-        st.c.device_stall_ms += st.stalls.harvest()?;
-        st.c.decode_ms += st.decode_timer.harvest()?;
-        Ok(())
-    }
-
-    /// [`Self::harvest`] for the hot path: each timer's measurements are
-    /// read once [`HARVEST_BATCH`] are pending (the stats lag until then, or
-    /// until `stats`/`synchronize` reads them all).
-    fn harvest_batch(&self, st: &mut State) -> Result<()> {
-        st.c.device_stall_ms += st.stalls.harvest_batch(HARVEST_BATCH)?;
-        st.c.decode_ms += st.decode_timer.harvest_batch(HARVEST_BATCH)?;
+    /// Read the timers' completed measurements into the counters, each
+    /// timer once `batch` are pending (0: whatever has completed). The hot
+    /// path passes [`HARVEST_BATCH`]: its stats lag until then, or until
+    /// `stats`/`synchronize` read them all.
+    fn harvest(&self, st: &mut State, batch: usize) -> Result<()> {
+        st.c.device_stall_ms += st.stalls.harvest_batch(batch)?;
+        st.c.decode_ms += st.decode_timer.harvest_batch(batch)?;
         Ok(())
     }
 
@@ -750,14 +745,14 @@ impl ResidencyManager {
         self.engine.synchronize()?;
         self.dev.synchronize()?;
         let mut st = self.lock();
-        self.harvest(&mut st)
+        self.harvest(&mut st, 0)
     }
 
     /// A snapshot of the counters (times lag until their events complete;
     /// call [`Self::synchronize`] first for final figures).
     pub fn stats(&self) -> ResidencyStats {
         let mut st = self.lock();
-        let _ = self.harvest(&mut st);
+        let _ = self.harvest(&mut st, 0);
         let s = self.engine.stats();
         let c = st.c;
         let host_stall_ms = c.host_stall_ns as f64 / 1e6;
